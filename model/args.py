@@ -1,0 +1,95 @@
+"""Qwen2.5 model arguments and presets.
+
+The presets carry the exact architecture values of the official Qwen2.5 *base* checkpoints'
+`config.json` files (hidden size, layers, heads, KV heads, intermediate size, vocabulary, RoPE base,
+RMSNorm epsilon, tied embeddings). Tiny presets serve tests and the CPU demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    num_layers: int = 24
+    num_heads: int = 14
+    num_kv_heads: int = 2
+    intermediate_size: int = 4864
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelArgs.{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def replace(self, **changes) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Exact parameter count of `model.qwen2.Qwen2` built from `args` (tied head counted once)."""
+    h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
+    attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (w+b), k and v (w+b), o (no bias)
+    mlp = 3 * h * args.intermediate_size
+    norms = 2 * h
+    per_layer = attention + mlp + norms
+    embedding = args.vocab_size * h
+    head = 0 if args.tie_word_embeddings else args.vocab_size * h
+    total = args.num_layers * per_layer + h + head  # + final norm
+    return total + embedding if include_embedding else total
+
+
+# Values of the official Qwen/Qwen2.5-*B (base) config.json files. 0.5B-3B tie the output head to the
+# embedding; 7B and larger have vocab 152064 and a separate head; 14B/32B/72B use rms_norm_eps 1e-5.
+PRESETS: dict[str, ModelArgs] = {
+    "qwen2.5-0.5b": ModelArgs(151936, 896, 24, 14, 2, 4864, 1e6, 1e-6, True, 32768),
+    "qwen2.5-1.5b": ModelArgs(151936, 1536, 28, 12, 2, 8960, 1e6, 1e-6, True, 131072),
+    "qwen2.5-3b": ModelArgs(151936, 2048, 36, 16, 2, 11008, 1e6, 1e-6, True, 32768),
+    "qwen2.5-7b": ModelArgs(152064, 3584, 28, 28, 4, 18944, 1e6, 1e-6, False, 131072),
+    "qwen2.5-14b": ModelArgs(152064, 5120, 48, 40, 8, 13824, 1e6, 1e-5, False, 131072),
+    "qwen2.5-32b": ModelArgs(152064, 5120, 64, 40, 8, 27648, 1e6, 1e-5, False, 131072),
+    "qwen2.5-72b": ModelArgs(152064, 8192, 80, 64, 8, 29568, 1e6, 1e-5, False, 131072),
+    # Tiny shapes with Qwen2.5's structure (GQA, qkv bias, SwiGLU) for tests and the CPU demo.
+    "tiny": ModelArgs(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128, tie_word_embeddings=False, max_position_embeddings=1024),
+    "tiny-tied": ModelArgs(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                           intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=1024),
+    "demo": ModelArgs(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                      intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+# Published total sizes (Qwen2.5 model cards), used to check the presets.
+PUBLISHED_SIZES = {
+    "qwen2.5-0.5b": 0.49e9,
+    "qwen2.5-1.5b": 1.54e9,
+    "qwen2.5-3b": 3.09e9,
+    "qwen2.5-7b": 7.62e9,
+    "qwen2.5-14b": 14.7e9,
+    "qwen2.5-32b": 32.5e9,
+    "qwen2.5-72b": 72.7e9,
+}
+
+
+def get_preset(name: str) -> ModelArgs:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None
