@@ -1,0 +1,253 @@
+"""Dynamic sampling (DAPO Eq. 11): train only on groups whose outcomes differ.
+
+Eq. 11 constrains the objective to prompts whose G responses are neither all correct nor all wrong:
+
+    0 < |{o_i : is_equivalent(a, o_i)}| < G
+
+A group with identical rewards has zero advantage for every response (Eq. 9), so it contributes no
+gradient and only dilutes the batch. Generalised to any per-sample metric v_1..v_G (accuracy by
+default, or the shaped reward including the overlong penalty):
+
+    keep  <=>  max(v) - min(v) > tol          (tol absorbs float noise for non-binary rewards)
+
+For 0/1 accuracies this is exactly 0 < #correct < G. A group of one response is always kept (its
+advantage is its reward, see rl/advantage.py), as verl does.
+
+`DynamicBatchBuilder` runs the over-sampling loop of the recipe: it collects kept groups from
+successive generation rounds until `train_batch_size` of them are available, hands out exactly that
+many, and carries the surplus over to later steps (first in, first out; groups older than
+`max_staleness` steps are dropped) instead of throwing it away:
+
+    builder.start_step(step)                      # carried-over groups come first
+    while not builder.full() and builder.rounds < max_rounds:
+        builder.add_round(generate_and_score())   # list of ScoredGroup
+    batch, diagnostics = builder.finish()
+
+Diagnostics describe the groups generated in this step before filtering (all-correct / all-wrong /
+mixed shares, mean pass rate), plus rounds used and samples generated per kept sample.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SHORTFALL_POLICIES = ("fill", "raise")
+FILTER_METRICS = ("acc", "score")
+
+
+def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
+    """Eq. 11 keep rule: the group's metric has spread, max - min > tol; a single sample is kept."""
+    if len(values) == 0:
+        raise ValueError("keep_group: empty group")
+    if not tol >= 0:
+        raise ValueError(f"keep_group: tol must be >= 0, got {tol}")
+    floats = [float(v) for v in values]
+    if not all(math.isfinite(v) for v in floats):
+        raise ValueError(f"keep_group: non-finite metric value in {floats!r:.80}")
+    return len(floats) == 1 or max(floats) - min(floats) > tol
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredGroup:
+    """The G scored responses to one prompt.
+
+    payload: whatever the training loop needs later (token ids, log-probs, ...); never inspected.
+    acc:     per-sample correctness (bool, or 0/1).
+    score:   per-sample shaped reward (correctness reward plus overlong penalty).
+    """
+
+    payload: Any
+    acc: tuple[bool, ...]
+    score: tuple[float, ...]
+
+    def __post_init__(self):
+        acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
+        if len(acc) == 0 or len(acc) != len(score):
+            raise ValueError(
+                f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}"
+            )
+        if any(a not in (0, 1) for a in acc):
+            raise ValueError(f"ScoredGroup: acc values must be bool or 0/1, got {acc!r:.80}")
+        if not all(math.isfinite(s) for s in score):
+            raise ValueError(f"ScoredGroup: non-finite score in {score!r:.80}")
+        object.__setattr__(self, "acc", tuple(bool(a) for a in acc))
+        object.__setattr__(self, "score", score)
+
+    @property
+    def size(self) -> int:
+        return len(self.acc)
+
+    @property
+    def pass_rate(self) -> float:
+        return sum(self.acc) / len(self.acc)
+
+
+class DynamicBatchBuilder:
+    """Collects kept groups over generation rounds into batches of exactly `train_batch_size` groups.
+
+    Args:
+        train_batch_size: groups (prompts) per training batch.
+        max_rounds: most generation rounds per step (the recipe's `max_num_gen_batches`).
+        on_shortfall: after the last round, with fewer than `train_batch_size` kept groups,
+            "fill" trains on what was kept (with a warning) and "raise" raises RuntimeError.
+        max_staleness: a surplus group generated at step s may be used up to step s + max_staleness;
+            0 disables the carry-over.
+        enabled: False turns dynamic sampling off: every group is kept and one round fills the batch.
+        metric: "acc" (default, filter before the overlong penalty) or "score" (shaped reward).
+        tol: spread tolerance of `keep_group`.
+    """
+
+    def __init__(
+        self,
+        train_batch_size: int,
+        max_rounds: int,
+        *,
+        on_shortfall: str = "fill",
+        max_staleness: int = 1,
+        enabled: bool = True,
+        metric: str = "acc",
+        tol: float = 1e-6,
+    ):
+        if train_batch_size <= 0:
+            raise ValueError(f"DynamicBatchBuilder: train_batch_size must be > 0, got {train_batch_size}")
+        if max_rounds <= 0:
+            raise ValueError(f"DynamicBatchBuilder: max_rounds must be > 0, got {max_rounds}")
+        if on_shortfall not in SHORTFALL_POLICIES:
+            raise ValueError(
+                f"DynamicBatchBuilder: on_shortfall must be one of {SHORTFALL_POLICIES}, got {on_shortfall!r}"
+            )
+        if max_staleness < 0:
+            raise ValueError(f"DynamicBatchBuilder: max_staleness must be >= 0, got {max_staleness}")
+        if metric not in FILTER_METRICS:
+            raise ValueError(f"DynamicBatchBuilder: metric must be one of {FILTER_METRICS}, got {metric!r}")
+        if not tol >= 0:
+            raise ValueError(f"DynamicBatchBuilder: tol must be >= 0, got {tol}")
+        self.train_batch_size = train_batch_size
+        self.max_rounds = max_rounds
+        self.on_shortfall = on_shortfall
+        self.max_staleness = max_staleness
+        self.enabled = enabled
+        self.metric = metric
+        self.tol = tol
+        self._carry: list[tuple[int, ScoredGroup]] = []  # (step generated, group), oldest first
+        self._step: int | None = None
+        self._last_step: int | None = None
+        self._reset_step_state()
+
+    # -- step lifecycle ---------------------------------------------------------------------------
+
+    def start_step(self, step: int) -> None:
+        """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
+        if self._step is not None:
+            raise RuntimeError(f"start_step({step}): step {self._step} was never finished")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"start_step({step}): steps must increase (last was {self._last_step})")
+        self._reset_step_state()
+        self._step = step
+        fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
+        self._dropped_stale = len(self._carry) - len(fresh)
+        self._carry.clear()
+        self._kept = fresh
+        self._from_carry = len(fresh)
+
+    def add_round(self, groups: Iterable[ScoredGroup]) -> None:
+        """Record one generation round: update the pre-filter statistics, keep groups with spread."""
+        self._require_step("add_round")
+        if self._rounds >= self.max_rounds:
+            raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
+        self._rounds += 1
+        for group in groups:
+            if not isinstance(group, ScoredGroup):
+                raise TypeError(f"add_round: expected ScoredGroup items, got {type(group).__name__}")
+            self._generated_groups += 1
+            self._generated_samples += group.size
+            self._pass_rate_sum += group.pass_rate
+            correct = sum(group.acc)
+            self._all_correct += correct == group.size
+            self._all_wrong += correct == 0
+            values = group.acc if self.metric == "acc" else group.score
+            if not self.enabled or keep_group(values, self.tol):
+                self._kept.append((self._step, group))
+                self._kept_samples += group.size
+
+    def full(self) -> bool:
+        """True once the batch can be handed out (with dynamic sampling off: after one round)."""
+        self._require_step("full")
+        return len(self._kept) >= self.train_batch_size or (not self.enabled and self._rounds >= 1)
+
+    @property
+    def rounds(self) -> int:
+        """Generation rounds added in the current step."""
+        return self._rounds
+
+    @property
+    def num_carried(self) -> int:
+        """Groups waiting in the carry-over queue (between steps)."""
+        return len(self._carry)
+
+    def finish(self) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """End the step: the batch (oldest groups first) and the step's diagnostics."""
+        self._require_step("finish")
+        batch = self._kept[: self.train_batch_size]
+        surplus = self._kept[self.train_batch_size :]
+        shortfall = self.train_batch_size - len(batch)
+        step, self._step, self._last_step = self._step, None, self._step
+        self._carry.extend(surplus)
+        if shortfall > 0:
+            message = (
+                f"dynamic sampling kept {len(batch)} of {self.train_batch_size} groups at step {step} "
+                f"after {self._rounds} of {self.max_rounds} generation rounds"
+            )
+            if self.on_shortfall == "raise":
+                raise RuntimeError(message)
+            warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
+        return [group for _, group in batch], self._diagnostics(batch, surplus, shortfall)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _reset_step_state(self) -> None:
+        self._kept: list[tuple[int, ScoredGroup]] = []
+        self._rounds = 0
+        self._from_carry = 0
+        self._dropped_stale = 0
+        self._generated_groups = 0
+        self._generated_samples = 0
+        self._kept_samples = 0
+        self._pass_rate_sum = 0.0
+        self._all_correct = 0
+        self._all_wrong = 0
+
+    def _require_step(self, caller: str) -> None:
+        if self._step is None:
+            raise RuntimeError(f"{caller}: call start_step(step) first")
+
+    def _diagnostics(self, batch, surplus, shortfall) -> dict[str, float]:
+        generated = self._generated_groups
+        kept_new = len(self._kept) - self._from_carry
+
+        def share(count: int) -> float:
+            return count / generated if generated else math.nan
+
+        return {
+            "rounds": self._rounds,
+            "groups_generated": generated,
+            "samples_generated": self._generated_samples,
+            "share_all_correct": share(self._all_correct),
+            "share_all_wrong": share(self._all_wrong),
+            "share_mixed": share(generated - self._all_correct - self._all_wrong),
+            "mean_pass_rate": self._pass_rate_sum / generated if generated else math.nan,
+            "groups_kept": kept_new,
+            "kept_share": share(kept_new),
+            "samples_per_kept_sample": (
+                self._generated_samples / self._kept_samples if self._kept_samples else math.nan
+            ),
+            "groups_in_batch": len(batch),
+            "groups_from_carry": min(self._from_carry, len(batch)),
+            "groups_carried_over": len(surplus),
+            "groups_dropped_stale": self._dropped_stale,
+            "shortfall": max(shortfall, 0),
+        }

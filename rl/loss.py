@@ -1,0 +1,209 @@
+"""DAPO policy loss: decoupled clip, dual clip and token-level aggregation (DAPO Eq. 8, 10).
+
+Per token, with r = exp(clamp(logp - old_logp, -20, 20)) and advantage A:
+
+    l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))          clip-higher: eps_high > eps_low
+    l = min(l, -A c)   when A < 0                                 dual clip, c > 1
+
+The clamp keeps exp() finite; the dual clip bounds the loss of a negative-advantage token whose
+ratio exploded. The per-token losses are then aggregated over the valid (mask = 1) tokens:
+
+    token-mean               sum_{i,t} l / N_tokens                    DAPO token-level loss (recipe)
+    seq-mean-token-mean      sum_i (sum_t l / |o_i|) / N_seqs           GRPO baseline
+    seq-mean-token-sum       sum_i (sum_t l) / N_seqs
+    seq-mean-token-sum-norm  sum_i (sum_t l / norm_len) / N_seqs        Dr. GRPO (norm_len: constant)
+    group-token-mean         sum_g (sum_{i in g, t} l / N_tokens(g)) / N_groups
+
+token-mean is how the DAPO recipe applies Eq. 8's 1 / sum_i |o_i|: one token mean over the whole
+mini-batch. group-token-mean reads Eq. 8 literally: the token mean is taken within each prompt's
+group, and the expectation over prompts becomes a mean over groups.
+
+N_seqs counts every row, fully masked ones included. With no global counts these equal verl's
+`agg_loss` with dp_size=1 (N_tokens, N_seqs, norm_len from this call's tensors; norm_len = T).
+
+Global normalisation - the contract with the caller. Pass the counts of the WHOLE mini-batch
+(all gradient-accumulation micro-batches on all data-parallel ranks): `global_num_tokens`,
+`global_num_seqs`, and for group-token-mean `group_num_tokens` / `global_num_groups`. Each call then
+returns its micro-batch's share of the mini-batch loss (its partial sum divided by the global count),
+so the mini-batch gradient is the SUM of the micro-batch gradients over micro-batches and over
+data-parallel ranks - not their mean. Accumulating `.backward()` over micro-batches sums already.
+Across ranks, all-reduce the gradients with SUM; a reduction that averages over the W ranks (the
+DDP / FSDP2 default) must be undone by multiplying the loss by W (or, in FSDP2, by setting the
+gradient divide factor to 1). For seq-mean-token-sum-norm, pass a constant `norm_len` (the maximum
+response length): the default, this call's T, changes with padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "group-token-mean",
+)
+LOG_RATIO_CLAMP = 20.0
+
+Count = int | float | torch.Tensor
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float | None = 10.0,
+    agg: str = "token-mean",
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    token_weights: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    group_num_tokens: torch.Tensor | None = None,
+    global_num_groups: Count | None = None,
+    norm_len: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss and its metrics; all per-token tensors are [B, T].
+
+    Args:
+        logp: log-probs of the sampled tokens under the policy being trained (carries the gradient).
+        old_logp: log-probs under the policy that generated the samples (treated as constant).
+        advantages: per-token advantages (constant), e.g. `rl.advantage.broadcast_to_tokens`.
+        mask: 1 (or True) for response tokens that take part in the loss.
+        clip_low, clip_high: eps_low and eps_high of the decoupled clip.
+        clip_c: dual-clip constant c > 1 for A < 0; None disables the dual clip.
+        agg: one of `AGG_MODES` (see the module docstring).
+        global_num_tokens: valid tokens in the whole mini-batch (token-mean); default: this call's.
+        global_num_seqs: rows in the whole mini-batch (seq-mean-*); default: this call's B.
+        token_weights: per-token factors on the loss, e.g. truncated importance-sampling weights
+            (`rl.correction.truncated_is_weights`); treated as constant.
+        group_ids: [B] integer group (prompt) id of each row, required by group-token-mean.
+        group_num_tokens: [B] valid tokens of each row's whole group across the mini-batch;
+            default: counted in this call.
+        global_num_groups: groups in the whole mini-batch; default: distinct ids in this call.
+        norm_len: the constant divisor of seq-mean-token-sum-norm; default: T.
+
+    Returns:
+        (loss, metrics). metrics holds detached scalars over this call's valid tokens:
+        pg_clipfrac (share of tokens where the clipped term is the larger one), pg_clipfrac_lower
+        (share of tokens where the dual clip binds, A < 0), ppo_kl (mean of old_logp - logp,
+        clamped like the ratio), ratio_max, num_tokens and num_nonempty_seqs (rows with a valid
+        token); weight them by num_tokens to combine micro-batches.
+    """
+    _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg)
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    valid = mask != 0
+    # Zero masked positions before exp(): padding may hold garbage (inf, NaN), and a NaN there would
+    # reach the gradient even though the position is masked out later.
+    logp = torch.where(valid, logp.to(dtype), 0.0)
+    old_logp = torch.where(valid, old_logp.detach().to(dtype), 0.0)
+    advantages = torch.where(valid, advantages.detach().to(dtype), 0.0)
+
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_binds = torch.zeros_like(valid)
+    if clip_c is not None:
+        dual_cap = -advantages * clip_c
+        dual_binds = (advantages < 0) & (per_token > dual_cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_cap), per_token)
+    if token_weights is not None:
+        per_token = per_token * torch.where(valid, token_weights.detach().to(dtype), 0.0)
+    per_token = torch.where(valid, per_token, 0.0)
+
+    loss = _aggregate(
+        per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens,
+        global_num_groups, norm_len,
+    )
+    with torch.no_grad():
+        num_tokens = valid.sum()
+        denom = num_tokens.clamp(min=1).to(dtype)
+        metrics = {
+            "pg_clipfrac": ((clipped > unclipped) & valid).sum().to(dtype) / denom,
+            "pg_clipfrac_lower": (dual_binds & valid).sum().to(dtype) / denom,
+            "ppo_kl": torch.where(valid, -log_ratio, 0.0).sum() / denom,
+            "ratio_max": torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
+            "num_tokens": num_tokens,
+            "num_nonempty_seqs": valid.any(dim=-1).sum(),
+        }
+    return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def _aggregate(per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens,
+               global_num_groups, norm_len) -> torch.Tensor:
+    """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring)."""
+    row_sum = per_token.sum(dim=-1)
+    row_tokens = valid.sum(dim=-1).to(per_token.dtype)
+    if agg == "token-mean":
+        return row_sum.sum() / _count(global_num_tokens, row_tokens.sum(), per_token, "global_num_tokens")
+    if agg == "group-token-mean":
+        return _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups)
+    if agg == "seq-mean-token-mean":
+        row_loss = row_sum / row_tokens.clamp(min=1)
+    elif agg == "seq-mean-token-sum":
+        row_loss = row_sum
+    else:  # seq-mean-token-sum-norm
+        if norm_len is not None and not norm_len > 0:
+            raise ValueError(f"policy_loss: norm_len must be > 0, got {norm_len}")
+        row_loss = row_sum / (per_token.shape[-1] if norm_len is None else norm_len)
+    num_rows = torch.tensor(per_token.shape[0], dtype=per_token.dtype, device=per_token.device)
+    return row_loss.sum() / _count(global_num_seqs, num_rows, per_token, "global_num_seqs")
+
+
+def _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups):
+    batch = per_token.shape[0]
+    if group_ids is None or group_ids.shape != (batch,) or group_ids.is_floating_point():
+        raise ValueError(
+            f"policy_loss: agg='group-token-mean' needs integer group_ids of shape [{batch}], "
+            f"got {None if group_ids is None else tuple(group_ids.shape)}"
+        )
+    distinct, index = torch.unique(group_ids.to(per_token.device), return_inverse=True)
+    if group_num_tokens is None:
+        group_tokens = torch.zeros(distinct.numel(), dtype=per_token.dtype, device=per_token.device)
+        group_num_tokens = group_tokens.index_add(0, index, row_tokens)[index]
+    elif group_num_tokens.shape != (batch,):
+        raise ValueError(
+            f"policy_loss: group_num_tokens must have shape [{batch}], got {tuple(group_num_tokens.shape)}"
+        )
+    group_num_tokens = group_num_tokens.to(per_token.device, per_token.dtype)
+    num_groups = torch.tensor(distinct.numel(), dtype=per_token.dtype, device=per_token.device)
+    # A row of a group without any valid token has row_sum 0; clamping keeps 0 / 0 out.
+    loss = (row_sum / group_num_tokens.clamp(min=1)).sum()
+    return loss / _count(global_num_groups, num_groups, per_token, "global_num_groups")
+
+
+def _count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """Denominator: the caller's global count or the local one; clamped to 1 so that an empty
+    batch (numerator 0) gives loss 0 instead of NaN."""
+    if given is None:
+        return local.clamp(min=1)
+    if isinstance(given, torch.Tensor):
+        if given.numel() != 1:
+            raise ValueError(f"policy_loss: {name} must be a scalar, got shape {tuple(given.shape)}")
+        return given.detach().reshape(()).to(like.device, like.dtype).clamp(min=1)
+    if isinstance(given, bool) or not given >= 0:
+        raise ValueError(f"policy_loss: {name} must be a count >= 0, got {given!r}")
+    return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
+
+
+def _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg):
+    if logp.dim() != 2:
+        raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
+    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != logp.shape:
+            raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"policy_loss: unknown agg {agg!r}; choose one of {AGG_MODES}")
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"policy_loss: clip_low must be in [0, 1), got {clip_low}")
+    if not clip_high >= 0:
+        raise ValueError(f"policy_loss: clip_high must be >= 0, got {clip_high}")
+    if clip_c is not None and not clip_c > 1:
+        raise ValueError(f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")

@@ -1,0 +1,115 @@
+"""Rule-based math reward, soft overlong punishment (Eq. 13) and overlong filtering.
+
+Reward (the DAPO recipe's `math_dapo` rule):
+
+    R(o, a) = +1 if the final answer of o equals a, else -1
+
+Only the last `SCORED_CHARS` = 300 characters of a response are read (the longest MATH-500 answer
+has 159 characters; reading more only costs time). The final answer is found as follows:
+
+  * default mode: the last match of the case-insensitive pattern `Answer\\s*:\\s*([^\\n]+)`; the
+    prediction and the ground truth both go through `normalize_final_answer` (Minerva rules,
+    rl/math_normalize.py) and must be equal as strings;
+  * no "Answer:" line: the last `\\boxed{...}` among the last `BOXED_CHARS` = 100 characters,
+    compared verbatim (no normalisation) with the ground truth;
+  * `strict_box=True`: only that boxed check.
+
+A response with no extractable answer scores -1 and reports `pred=None`. The scorer never raises
+on a string and runs in time linear in the (bounded) scored window plus the ground truth.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+
+import torch
+
+from rl.math_normalize import last_boxed_content, normalize_final_answer
+
+SCORED_CHARS = 300
+BOXED_CHARS = 100
+_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def compute_score(solution: str, ground_truth: str, strict_box: bool = False) -> dict:
+    """Score one response: `{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}`.
+
+    `pred` is the normalised "Answer:" text, or the verbatim boxed content in the boxed modes, or
+    None when nothing could be extracted.
+    """
+    if not isinstance(solution, str) or not isinstance(ground_truth, str):
+        raise TypeError(
+            f"compute_score expects str solution and ground_truth, got "
+            f"{type(solution).__name__} and {type(ground_truth).__name__}"
+        )
+    window = solution[-SCORED_CHARS:]
+    answers = [] if strict_box else _ANSWER_LINE.findall(window)
+    if answers:
+        pred = normalize_final_answer(answers[-1])
+        correct = pred == normalize_final_answer(ground_truth)
+    else:
+        pred = last_boxed_content(window[-BOXED_CHARS:])
+        correct = pred is not None and pred == ground_truth
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
+    """Soft overlong punishment (DAPO Eq. 13), lengths in tokens, L_max = max_len, L_cache = buffer_len:
+
+        R_length(y) = 0                                   if |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                    = -1                                  if |y| > L_max
+
+    scaled by `factor`; it is added to the correctness reward. The middle branch equals -1 at
+    |y| = L_max, so the penalty is continuous and never below -factor.
+    """
+    length = _token_count("length", length)
+    max_len = _token_count("max_len", max_len)
+    buffer_len = _token_count("buffer_len", buffer_len)
+    if length < 0:
+        raise ValueError(f"overlong_penalty: length must be >= 0, got {length}")
+    if buffer_len <= 0:
+        raise ValueError(f"overlong_penalty: buffer_len must be > 0, got {buffer_len}")
+    if buffer_len > max_len:
+        raise ValueError(f"overlong_penalty: buffer_len {buffer_len} exceeds max_len {max_len}")
+    if not factor >= 0:
+        raise ValueError(f"overlong_penalty: factor must be >= 0, got {factor}")
+    expected = max_len - buffer_len
+    if length <= expected:
+        return 0.0
+    if length >= max_len:
+        return -float(factor)
+    return (expected - length) / buffer_len * factor
+
+
+def _token_count(name: str, value) -> int:
+    # Accept any integer type (int, numpy and 0-d torch integers); refuse floats and bools.
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"overlong_penalty: {name} must be an int number of tokens, got {value!r}") from None
+
+
+def overlong_filter_mask(loss_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:
+    """Overlong filtering: a copy of `loss_mask` ([B, T]) with the rows of truncated samples zeroed.
+
+    A sample is truncated when its finish reason is "length" (it hit the generation limit). Its
+    tokens then take no part in the loss, so the policy is not punished for an unfinished answer.
+    """
+    if loss_mask.dim() != 2:
+        raise ValueError(f"overlong_filter_mask: loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
+    if isinstance(finish_reasons, str) or len(finish_reasons) != loss_mask.shape[0]:
+        raise ValueError(
+            f"overlong_filter_mask: need one finish reason per row ({loss_mask.shape[0]}), "
+            f"got {finish_reasons!r:.80}"
+        )
+    if not all(isinstance(reason, str) for reason in finish_reasons):
+        raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(finish_reasons)!r:.80}")
+    truncated = torch.tensor(
+        [reason == "length" for reason in finish_reasons], dtype=torch.bool, device=loss_mask.device
+    )
+    return torch.where(truncated[:, None], torch.zeros_like(loss_mask), loss_mask)
