@@ -1,0 +1,174 @@
+"""The shipped configs: they load and validate, hold the paper's recipe, the ablation rows switch exactly one
+DAPO technique each, the demo is runnable as is, and the memory-budget arithmetic in the recipes' comments
+is right for the presets' parameter counts."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli
+from model.args import PRESETS, num_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"),
+                                                                recursive=True))
+ABLATION = ["1_naive_grpo", "2_overlong_filtering", "3_clip_higher", "4_soft_overlong_punishment",
+            "5_token_level_loss", "6_dynamic_sampling_dapo"]
+SWITCHES = ("clip_high", "loss_agg", "overlong_filter", "overlong_penalty", "dynamic_sampling")
+GB = 1e9
+
+
+def load(name: str) -> Config:
+    return load_config(os.path.join(ROOT, "configs", name))
+
+
+def flat(cfg: Config) -> dict:
+    return {f"{s}.{k}": v for s, table in config_to_dict(cfg).items() for k, v in table.items()}
+
+
+def differences(a: Config, b: Config) -> set[str]:
+    fa, fb = flat(a), flat(b)
+    return {k for k in fa if fa[k] != fb[k]}
+
+
+def test_every_expected_config_is_shipped():
+    expected = {"configs/dapo_32b.toml", "configs/dapo_7b.toml", "configs/demo_cpu.toml"}
+    expected |= {f"configs/ablation/{name}.toml" for name in ABLATION}
+    assert expected <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_shipped_config_loads_validates_and_serialises(path):
+    cfg = load_config(os.path.join(ROOT, path))
+    data = config_to_dict(cfg)
+    assert json.loads(json.dumps(data)) == data
+    dry_cfg, args = parse_cli(["--config", os.path.join(ROOT, path), "--dry-run"])  # what `train.py --dry-run` parses
+    assert dry_cfg == cfg and args.dry_run
+
+
+def test_dapo_32b_holds_the_papers_recipe():
+    cfg = load("dapo_32b.toml")
+    expected = {
+        "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.28, "algorithm.clip_c": 10.0,
+        "algorithm.loss_agg": "token-mean", "algorithm.kl_coef": 0.0,
+        "algorithm.dynamic_sampling": True, "algorithm.filter_metric": "acc", "algorithm.max_num_gen_batches": 10,
+        "rollout.gen_batch_multiplier": 3,
+        "training.train_batch_size": 512, "rollout.n": 16, "training.mini_batch_size": 32,
+        "data.max_prompt_length": 2048, "rollout.max_response_length": 20480,
+        "algorithm.overlong_penalty": True, "algorithm.overlong_buffer": 4096, "algorithm.overlong_penalty_factor": 1.0,
+        "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+        "eval.temperature": 1.0, "eval.top_p": 0.7, "eval.k": 32,
+        "optimizer.lr": 1e-6, "optimizer.warmup_steps": 20, "optimizer.weight_decay": 0.1, "optimizer.grad_clip": 1.0,
+        "parallelism.param_dtype": "bfloat16", "parallelism.dp_shard": -1,
+        "rollout.engine": "sglang", "rollout.tp_size": 4, "rollout.dtype": "bfloat16",
+    }
+    assert {k: flat(cfg)[k] for k in expected} == expected
+    assert cfg.training.train_batch_size // cfg.training.mini_batch_size == 16  # 16 updates per step
+
+
+def test_recipe_placeholders_pass_dry_run_but_not_training(tmp_path):
+    cfg = load("dapo_32b.toml")  # loading is what --dry-run does: it must succeed
+    with pytest.raises(ConfigError, match=r"model\.hf_path is not set: set model\.hf_path"):
+        check_runnable(cfg)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    cfg.model.hf_path = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"data\.train_path is not set: set data\.train_path"):
+        check_runnable(cfg)
+    for name in ("train.parquet", "aime.parquet"):
+        (tmp_path / name).write_bytes(b"")
+    cfg.data.train_path, cfg.data.eval_path = str(tmp_path / "train.parquet"), str(tmp_path / "aime.parquet")
+    check_runnable(cfg)
+
+
+def test_dapo_7b_changes_only_model_size_dependent_settings():
+    base, cfg = load("dapo_32b.toml"), load("dapo_7b.toml")
+    assert differences(base, cfg) == {"job.name", "rollout.max_response_length", "rollout.tp_size",
+                                      "rollout.mem_fraction_static", "training.micro_batch_tokens",
+                                      "parallelism.cpu_offload", "eval.max_response_length"}
+    assert cfg.rollout.max_response_length == 8192 and cfg.algorithm.overlong_buffer == 4096
+
+
+def test_naive_grpo_row_turns_every_dapo_technique_off():
+    alg = load("ablation/1_naive_grpo.toml").algorithm
+    assert alg.clip_high == alg.clip_low == 0.2
+    assert alg.loss_agg == "seq-mean-token-mean"
+    assert not alg.overlong_filter and not alg.overlong_penalty and not alg.dynamic_sampling
+
+
+@pytest.mark.parametrize("row, switch, value", [
+    (1, "algorithm.overlong_filter", True),
+    (2, "algorithm.clip_high", 0.28),
+    (3, "algorithm.overlong_penalty", True),
+    (4, "algorithm.loss_agg", "token-mean"),
+    (5, "algorithm.dynamic_sampling", True),
+])
+def test_each_ablation_row_adds_exactly_its_technique(row, switch, value):
+    before, after = load(f"ablation/{ABLATION[row - 1]}.toml"), load(f"ablation/{ABLATION[row]}.toml")
+    assert differences(before, after) == {"job.name", switch}
+    assert flat(after)[switch] == value
+
+
+def test_ablation_rows_are_the_recipe_apart_from_the_table_1_switches():
+    recipe = load("dapo_32b.toml")
+    for name in ABLATION:
+        assert differences(recipe, load(f"ablation/{name}.toml")) <= {"job.name"} | {f"algorithm.{s}" for s in SWITCHES}
+    # The cumulative DAPO row keeps overlong filtering, which verl's released script (dapo_32b.toml) leaves off.
+    dapo_row = load("ablation/6_dynamic_sampling_dapo.toml")
+    assert differences(recipe, dapo_row) == {"job.name", "algorithm.overlong_filter"}
+    assert len({load(f"ablation/{name}.toml").job.name for name in ABLATION}) == len(ABLATION)  # separate run folders
+
+
+def test_demo_is_runnable_small_and_has_every_technique_on():
+    cfg = load("demo_cpu.toml")
+    check_runnable(cfg)  # no paths to fill in: preset model, synthetic data
+    assert cfg.model.preset == "demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
+    assert cfg.rollout.engine == "torch" and cfg.model.dtype == cfg.parallelism.param_dtype == "float32"
+    assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp) == (1, -1, 1)
+    assert cfg.training.sft_warmup_steps > 0
+    alg = cfg.algorithm
+    assert alg.clip_high > alg.clip_low and alg.loss_agg == "token-mean"
+    assert alg.overlong_filter and alg.overlong_penalty and alg.dynamic_sampling
+    assert cfg.training.train_batch_size * cfg.rollout.n <= 128 and cfg.rollout.max_response_length <= 48
+
+
+def test_dapo_32b_memory_budget_arithmetic():
+    """The numbers in dapo_32b.toml's budget comment, recomputed from the 32B preset."""
+    cfg, args = load("dapo_32b.toml"), PRESETS["qwen2.5-32b"]
+    p, ranks, hbm = num_params(args), 8, 80 * GB
+    assert round(p / GB, 2) == 32.76
+    state = 16 * p / ranks  # fp32 weights (4) + gradients (4) + two AdamW moments (8) bytes per parameter
+    engine = 2 * p / cfg.rollout.tp_size  # bf16 engine weights at TP 4
+    assert (round(state / GB, 1), round(engine / GB, 1)) == (65.5, 16.4)
+    assert state + engine > hbm and cfg.parallelism.cpu_offload  # hence CPU offload
+    assert round(16 * p / GB) == 524  # host memory per node for the offloaded state
+    assert round(16 * p / 128 / GB, 1) == 4.1  # the same state over the paper's 128 GPUs
+    tokens = cfg.training.micro_batch_tokens
+    assert tokens == 22528
+    assert round(tokens * args.hidden_size * 2 * args.num_layers / GB, 1) == 14.8  # checkpointed block inputs
+    assert round(tokens * args.intermediate_size * 2 / GB, 2) == 1.25  # one MLP activation
+    assert cfg.parallelism.activation_checkpoint == "full"
+    kv_per_token = 2 * args.num_layers * (args.num_kv_heads // cfg.rollout.tp_size) * args.head_dim * 2
+    assert kv_per_token == 64 * 1024
+    kv_bytes = cfg.rollout.mem_fraction_static * hbm - engine
+    assert round(kv_bytes / GB, 1) == 47.6 and round(kv_bytes / kv_per_token / 1e3) == 727
+    assert int(kv_bytes / kv_per_token / tokens) == 32  # whole samples
+
+
+def test_dapo_7b_memory_budget_arithmetic():
+    """The numbers in dapo_7b.toml's budget comment, recomputed from the 7B preset."""
+    cfg, args = load("dapo_7b.toml"), PRESETS["qwen2.5-7b"]
+    p, hbm = num_params(args), 80 * GB
+    state, engine = 16 * p / 8, 2 * p / cfg.rollout.tp_size
+    assert (round(state / GB, 1), round(engine / GB, 1)) == (15.2, 15.2)
+    assert not cfg.parallelism.cpu_offload
+    tokens = cfg.training.micro_batch_tokens
+    assert round(tokens * args.hidden_size * 2 * args.num_layers / GB, 1) == 4.1
+    assert round(4 * tokens * args.intermediate_size * 2 / GB, 1) == 3.1
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
+    kv_bytes = cfg.rollout.mem_fraction_static * hbm - engine
+    assert kv_per_token == 56 * 1024 and round(kv_bytes / GB, 1) == 36.8
+    assert round(kv_bytes / kv_per_token / 1e3) == 641
+    assert int(kv_bytes / kv_per_token / (cfg.data.max_prompt_length + cfg.rollout.max_response_length)) == 62
+    assert state + 5 * GB + cfg.rollout.mem_fraction_static * hbm < hbm  # rollout phase: ~72 GB of 80
