@@ -207,6 +207,20 @@ class DynamicBatchBuilder:
             warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
         return [group for _, group in batch], self._diagnostics(batch, surplus, shortfall)
 
+    # -- checkpointing ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The carry-over queue and the last finished step (between steps only)."""
+        if self._step is not None:
+            raise RuntimeError(f"state_dict: step {self._step} is in progress")
+        return {"carry": list(self._carry), "last_step": self._last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._step is not None:
+            raise RuntimeError(f"load_state_dict: step {self._step} is in progress")
+        self._carry = list(state["carry"])
+        self._last_step = state["last_step"]
+
     # -- internals --------------------------------------------------------------------------------
 
     def _reset_step_state(self) -> None:

@@ -273,3 +273,23 @@ def test_bad_builder_arguments_are_named(kwargs, message):
     args = {"train_batch_size": 2, "max_rounds": 2} | kwargs
     with pytest.raises(ValueError, match=message):
         DynamicBatchBuilder(**args)
+
+
+def test_builder_state_dict_round_trips_the_carry_over_queue():
+    import pickle
+
+    builder = DynamicBatchBuilder(train_batch_size=1, max_rounds=2, max_staleness=3)
+    builder.start_step(1)
+    builder.add_round([ScoredGroup(payload=f"g{i}", acc=(True, False), score=(1.0, -1.0)) for i in range(3)])
+    batch, _ = builder.finish()
+    assert [g.payload for g in batch] == ["g0"] and builder.num_carried == 2
+    restored = DynamicBatchBuilder(train_batch_size=1, max_rounds=2, max_staleness=3)
+    restored.load_state_dict(pickle.loads(pickle.dumps(builder.state_dict())))
+    restored.start_step(2)
+    assert restored.full()
+    assert [g.payload for g in restored.finish()[0]] == ["g1"]
+    with pytest.raises(ValueError, match="steps must increase"):
+        restored.start_step(2)
+    restored.start_step(3)
+    with pytest.raises(RuntimeError, match="in progress"):
+        restored.state_dict()

@@ -1,0 +1,273 @@
+"""Prompt sets in the DAPO-Math-17k schema, the built-in synthetic arithmetic task, and a resumable sampler.
+
+A row of the schema (one parquet row, or one dict here):
+    {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
+     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {...}}
+
+The synthetic task writes rows of exactly this schema, so the demo and the tests exercise the same
+reader as a real DAPO-Math-17k file. Its rows also carry a worked solution in
+`extra_info["solution"]`, used by the supervised warm-up that precedes DAPO in the CPU demo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+# The instruction DAPO-Math-17k wraps around every problem.
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+@dataclass
+class PromptExample:
+    """One usable prompt: its chat messages, token ids and the ground truth the scorer compares with."""
+
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str
+    messages: list[dict]
+    solution: str | None = None  # worked solution, when the data set has one (synthetic task)
+    index: int = 0  # position in the deduplicated set
+
+
+@dataclass
+class LoadStats:
+    rows: int = 0
+    duplicates: int = 0
+    missing_fields: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    first_problem: str | None = None
+
+    def summary(self, path: str, kept: int) -> str:
+        return (f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
+                f"{self.missing_fields} rows missing fields skipped, {self.truncated} left-truncated, "
+                f"{self.dropped_too_long} dropped as too long)")
+
+
+class DataError(ValueError):
+    """A data file that cannot be used, with the file and the first problem named."""
+
+
+def _row_problem(row: dict) -> str | None:
+    """Why a row is unusable (None if it is usable)."""
+    prompt = row.get("prompt")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return "field 'prompt' is missing or not a non-empty list of {role, content}"
+    for message in prompt:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
+            return "a 'prompt' message lacks 'role' or string 'content'"
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") in (None, ""):
+        return "field 'reward_model.ground_truth' is missing"
+    return None
+
+
+def rows_to_examples(rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left",
+                     source_name: str = "<rows>") -> tuple[list[PromptExample], LoadStats]:
+    """Deduplicate, validate, template and tokenise rows of the DAPO schema.
+
+    Duplicates are rows whose prompt messages are identical (the official DAPO-Math-17k file repeats each
+    prompt about 100 times). Prompts longer than `max_prompt_length` tokens are left-truncated (keeping
+    the end of the prompt, where the generation prompt is) or dropped, per `overflow`.
+    """
+    if overflow not in ("truncate_left", "drop"):
+        raise ValueError(f"prompt overflow policy must be 'truncate_left' or 'drop', got {overflow!r}")
+    if max_prompt_length <= 0:
+        raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+    stats = LoadStats()
+    seen: set[tuple] = set()
+    examples: list[PromptExample] = []
+    for row_number, row in enumerate(rows):
+        stats.rows += 1
+        problem = _row_problem(row)
+        if problem is not None:
+            stats.missing_fields += 1
+            if stats.first_problem is None:
+                stats.first_problem = f"row {row_number}: {problem}"
+            continue
+        messages = [{"role": str(m["role"]), "content": m["content"]} for m in row["prompt"]]
+        key = tuple((m["role"], m["content"]) for m in messages)
+        if key in seen:
+            stats.duplicates += 1
+            continue
+        seen.add(key)
+        ids = tokenizer.encode_chat(messages)
+        if len(ids) > max_prompt_length:
+            if overflow == "drop":
+                stats.dropped_too_long += 1
+                if stats.first_problem is None:
+                    stats.first_problem = f"row {row_number}: prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}"
+                continue
+            ids = ids[-max_prompt_length:]
+            stats.truncated += 1
+        extra = row.get("extra_info") or {}
+        examples.append(PromptExample(
+            prompt_ids=ids,
+            ground_truth=str(row["reward_model"]["ground_truth"]),
+            data_source=str(row.get("data_source") or "unknown"),
+            messages=messages,
+            solution=extra.get("solution") if isinstance(extra, dict) else None,
+            index=len(examples),
+        ))
+    if not examples:
+        raise DataError(f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
+                        f"{stats.first_problem or 'the file is empty'}")
+    log.info(stats.summary(source_name, len(examples)))
+    return examples, stats
+
+
+def read_parquet_rows(path: str) -> list[dict]:
+    """All rows of a parquet file as dicts, read with the `datasets` library."""
+    import os
+
+    import datasets
+
+    if not os.path.isfile(path):
+        raise DataError(f"data file not found: {path}")
+    try:
+        dataset = datasets.Dataset.from_parquet(path, keep_in_memory=True)
+    except Exception as exc:  # the library's errors do not name the file
+        raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from exc
+    return dataset.to_list()
+
+
+def load_prompts(path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left",
+                 repeat: int = 1) -> list[PromptExample]:
+    """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
+    examples, _ = rows_to_examples(read_parquet_rows(path), tokenizer, max_prompt_length=max_prompt_length,
+                                   overflow=overflow, source_name=path)
+    return [e for e in examples for _ in range(repeat)]
+
+
+def write_parquet_rows(rows: list[dict], path: str) -> None:
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The synthetic arithmetic task
+# ---------------------------------------------------------------------------------------------------
+
+# (operators, operand range) per difficulty level.
+SYNTHETIC_LEVELS = {
+    1: ("+", 10),
+    2: ("+", 100),
+    3: ("+-", 100),
+    4: ("+-*", 100),
+    5: ("+-*", 1000),
+}
+
+
+def _is_eval_problem(text: str, eval_share: float) -> bool:
+    """Split by a hash of the problem text: train and eval are disjoint by construction."""
+    digest = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+    return digest / 0xFFFFFFFF < eval_share
+
+
+def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "train", seed: int = 0,
+                              eval_share: float = 0.2) -> list[dict]:
+    """`num` distinct arithmetic problems of one split, as DAPO-schema rows with worked solutions.
+
+    The problem `a op b` with `a, b` drawn from [0, range) is asked inside DAPO's prompt template; the
+    solution is "a op b = c" followed by "Answer: c". Train and eval splits never share a problem.
+    """
+    if difficulty not in SYNTHETIC_LEVELS:
+        raise ValueError(f"synthetic difficulty must be one of {sorted(SYNTHETIC_LEVELS)}, got {difficulty}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    operators, limit = SYNTHETIC_LEVELS[difficulty]
+    capacity = len(operators) * limit * limit
+    expected = capacity * (eval_share if split == "eval" else 1 - eval_share)
+    if num > 0.9 * expected:
+        raise ValueError(f"difficulty {difficulty} has about {int(expected)} distinct {split} problems; "
+                         f"asked for {num}")
+    rng = random.Random(f"{seed}-{difficulty}")
+    rows, seen = [], set()
+    while len(rows) < num:
+        a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
+        text = f"{a} {op} {b}"
+        if text in seen or _is_eval_problem(text, eval_share) != (split == "eval"):
+            continue
+        seen.add(text)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        rows.append({
+            "data_source": f"synthetic_arithmetic_l{difficulty}",
+            "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule", "ground_truth": str(value)},
+            "extra_info": {"index": len(rows), "split": split, "solution": f"{text} = {value}\nAnswer: {value}"},
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling prompts for training: shuffled epochs, sharded across data-parallel ranks, resumable.
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptSampler:
+    """Yields batches of prompts, reshuffled each epoch with a seeded generator.
+
+    Every rank draws the same global order and takes its contiguous slice of each global batch, so the
+    position (`epoch`, `cursor`) is the whole state, identical on every rank, and resuming from a
+    checkpoint replays exactly the prompts an uninterrupted run would have seen.
+    """
+
+    examples: list[PromptExample]
+    seed: int = 0
+    shuffle: bool = True
+    dp_rank: int = 0
+    dp_size: int = 1
+    epoch: int = 0
+    cursor: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if not self.examples:
+            raise ValueError("PromptSampler needs at least one example")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size {self.dp_size}")
+        self._order = self._epoch_order(self.epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, global_batch_size: int) -> list[PromptExample]:
+        """This rank's share of the next `global_batch_size` prompts (wrapping into a new epoch)."""
+        if global_batch_size % self.dp_size:
+            raise ValueError(f"global batch of {global_batch_size} prompts does not divide over {self.dp_size} ranks")
+        picked = []
+        while len(picked) < global_batch_size:
+            if self.cursor == len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(global_batch_size - len(picked), len(self._order) - self.cursor)
+            picked.extend(self._order[self.cursor:self.cursor + take])
+            self.cursor += take
+        share = global_batch_size // self.dp_size
+        mine = picked[self.dp_rank * share:(self.dp_rank + 1) * share]
+        return [self.examples[i] for i in mine]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "num_examples": len(self.examples), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
+            raise ValueError(f"data position was saved for {state['num_examples']} prompts with seed {state['seed']}; "
+                             f"this run has {len(self.examples)} prompts with seed {self.seed}")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._epoch_order(self.epoch)

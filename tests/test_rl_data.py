@@ -1,0 +1,115 @@
+import pytest
+
+from rl.data import (
+    DAPO_PROMPT_TEMPLATE,
+    DataError,
+    PromptSampler,
+    load_prompts,
+    rows_to_examples,
+    synthetic_arithmetic_rows,
+    write_parquet_rows,
+)
+from rl.reward import compute_score
+
+
+class CharTokenizer:
+    """One token per character of the joined message contents: enough to test lengths and truncation."""
+
+    def encode_chat(self, messages):
+        return [ord(c) % 256 for m in messages for c in m["content"]]
+
+
+def _row(content, truth="1", source="src"):
+    return {"data_source": source, "prompt": [{"role": "user", "content": content}], "ability": "MATH",
+            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": 0}}
+
+
+def test_deduplicates_and_counts_skipped_rows():
+    rows = [_row("a"), _row("a"), _row("b"), {"prompt": [{"role": "user", "content": "c"}]}, _row("a")]
+    examples, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=10)
+    assert [e.messages[0]["content"] for e in examples] == ["a", "b"]
+    assert (stats.rows, stats.duplicates, stats.missing_fields) == (5, 2, 1)
+    assert "row 3" in stats.first_problem and "ground_truth" in stats.first_problem
+
+
+def test_long_prompts_are_left_truncated_or_dropped():
+    rows = [_row("0123456789"), _row("short")]
+    kept, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=6)
+    assert kept[0].prompt_ids == [ord(c) for c in "456789"] and stats.truncated == 1
+    kept, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=6, overflow="drop")
+    assert [e.messages[0]["content"] for e in kept] == ["short"] and stats.dropped_too_long == 1
+
+
+def test_file_without_usable_rows_names_file_and_first_problem(tmp_path):
+    path = str(tmp_path / "bad.parquet")
+    write_parquet_rows([{"prompt": [{"role": "user", "content": "x"}], "data_source": "s"}], path)
+    with pytest.raises(DataError, match=r"bad\.parquet: no usable row.*row 0.*ground_truth"):
+        load_prompts(path, CharTokenizer(), max_prompt_length=100)
+    with pytest.raises(DataError, match="not found"):
+        load_prompts(str(tmp_path / "missing.parquet"), CharTokenizer(), max_prompt_length=100)
+
+
+def test_parquet_round_trip_and_repeat_for_avg_at_k(tmp_path):
+    path = str(tmp_path / "train.parquet")
+    rows = synthetic_arithmetic_rows(20, difficulty=2, split="train", seed=3)
+    write_parquet_rows(rows + rows[:5], path)
+    examples = load_prompts(path, CharTokenizer(), max_prompt_length=4096)
+    assert len(examples) == 20
+    assert examples[0].ground_truth == rows[0]["reward_model"]["ground_truth"]
+    assert examples[0].solution == rows[0]["extra_info"]["solution"]
+    assert len(load_prompts(path, CharTokenizer(), max_prompt_length=4096, repeat=3)) == 60
+
+
+def test_synthetic_task_is_seeded_disjoint_and_self_consistent():
+    train = synthetic_arithmetic_rows(300, difficulty=3, split="train", seed=1)
+    evals = synthetic_arithmetic_rows(60, difficulty=3, split="eval", seed=1)
+    assert train == synthetic_arithmetic_rows(300, difficulty=3, split="train", seed=1)
+    problems = lambda rows: {r["prompt"][0]["content"] for r in rows}
+    assert not problems(train) & problems(evals)
+    assert len(problems(train)) == 300
+    for row in train[:50]:
+        content = row["prompt"][0]["content"]
+        assert content.startswith("Solve the following math problem step by step.")
+        assert content == DAPO_PROMPT_TEMPLATE.format(problem=content.split("\n\n")[1])
+        expression = content.split("\n\n")[1].removeprefix("What is ").removesuffix("?")
+        assert str(eval(expression)) == row["reward_model"]["ground_truth"]
+        assert compute_score(row["extra_info"]["solution"], row["reward_model"]["ground_truth"])["acc"]
+
+
+def test_synthetic_task_refuses_impossible_requests():
+    with pytest.raises(ValueError, match="difficulty"):
+        synthetic_arithmetic_rows(5, difficulty=9)
+    with pytest.raises(ValueError, match="distinct"):
+        synthetic_arithmetic_rows(100, difficulty=1)
+
+
+def _examples(n):
+    return rows_to_examples([_row(str(i)) for i in range(n)], CharTokenizer(), max_prompt_length=10)[0]
+
+
+def test_sampler_shards_cover_the_global_batch_and_resume_exactly():
+    examples = _examples(10)
+    ranks = [PromptSampler(examples, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
+    first = [[e.index for e in s.next_batch(4)] for s in ranks]
+    assert len(set(first[0]) | set(first[1])) == 4
+    reference = PromptSampler(examples, seed=5)
+    assert [e.index for e in reference.next_batch(4)] == first[0] + first[1]
+
+    sampler = PromptSampler(examples, seed=5)
+    for _ in range(3):
+        sampler.next_batch(4)  # crosses an epoch boundary (12 > 10)
+    saved = sampler.state_dict()
+    expected = [e.index for e in sampler.next_batch(4)]
+    resumed = PromptSampler(examples, seed=5)
+    resumed.load_state_dict(saved)
+    assert [e.index for e in resumed.next_batch(4)] == expected
+    assert saved["epoch"] == 1
+
+
+def test_sampler_refuses_mismatched_state_and_indivisible_batches():
+    sampler = PromptSampler(_examples(10), seed=5, dp_size=2)
+    with pytest.raises(ValueError, match="does not divide"):
+        sampler.next_batch(3)
+    other = PromptSampler(_examples(8), seed=5)
+    with pytest.raises(ValueError, match="saved for 10 prompts"):
+        other.load_state_dict(sampler.state_dict())
