@@ -1,0 +1,220 @@
+"""Per-token log-probabilities and entropy from final hidden states, chunked over tokens.
+
+For hidden states h_n, output head W [V, H], temperature T and target ids y_n:
+
+    z_n      = W h_n / T                                  (logits, upcast to fp32)
+    lse_n    = log sum_v exp(z_nv)
+    logp_n   = z_{n, y_n} - lse_n                         (log pi(y_n | context): the log-probs in Eq. 10's ratio r)
+    H_n      = lse_n - sum_v p_nv z_nv,  p_nv = exp(z_nv - lse_n)   (policy entropy, the quantity of the paper's Fig. 2b)
+
+The full [tokens, V] logits never exist: tokens are processed `chunk_size` at a time in forward, and
+backward recomputes each chunk's logits from (h, W), so the extra memory in both passes is O(chunk x V)
+plus O(tokens) saved statistics. Gradients with respect to the logits, per token:
+
+    d logp_n / d z_nv = 1[v = y_n] - p_nv
+    d H_n    / d z_nv = -p_nv (log p_nv + H_n)
+
+then dL/dh = (dL/dz / T) W and dL/dW = sum_n (dL/dz_n / T)^T h_n, accumulated chunk by chunk.
+
+The per-chunk math lives in `_chunk_stats` / `_finish_stats` / `_chunk_grad_logits`, written so a
+vocabulary-parallel head can reuse them: each rank computes `_chunk_stats` on its vocabulary slice with
+the all-reduced row max, all-reduces the three sums, and calls `_finish_stats`; in backward it passes
+the global lse and entropy to `_chunk_grad_logits` (targets outside the slice are given as -1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["token_logprobs", "naive_token_logprobs"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-chunk math (shared with the vocabulary-parallel version)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics are kept in fp32, or fp64 when the inputs already are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = h W^T / T in fp32 (fp64 for fp64 inputs), [C, V]. The matmul runs in the inputs' dtype;
+    the result is a fresh tensor, so the callers below may modify it in place."""
+    logits = F.linear(hidden, weight).to(_stats_dtype(hidden.dtype))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, row_max: torch.Tensor,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Sums over this chunk's (slice of the) vocabulary, shifted by `row_max` for stability.
+
+    logits [C, V'] fp32 (overwritten), targets [C] column index in this slice or -1 if not in it,
+    row_max [C] (the max over the *whole* vocabulary). Returns
+        sum_exp   = sum_v exp(z_v - m)                     [C]
+        sum_exp_z = sum_v exp(z_v - m) (z_v - m)           [C] (None without entropy)
+        target_z  = z_y - m, 0 where the target is not in this slice   [C]
+    """
+    logits.sub_(row_max.unsqueeze(-1))
+    in_slice = targets >= 0
+    target_z = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * in_slice
+    if not with_entropy:
+        return logits.exp_().sum(-1), None, target_z
+    exp = logits.exp()
+    sum_exp = exp.sum(-1)
+    sum_exp_z = exp.mul_(logits).sum(-1)
+    return sum_exp, sum_exp_z, target_z
+
+
+def _finish_stats(row_max: torch.Tensor, sum_exp: torch.Tensor, sum_exp_z: torch.Tensor | None,
+                  target_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(logp, entropy, lse) from whole-vocabulary sums: logp = (z_y - m) - log S,
+    H = log S - sum exp(z - m)(z - m) / S, lse = m + log S."""
+    log_sum = sum_exp.log()
+    entropy = None if sum_exp_z is None else log_sum - sum_exp_z / sum_exp
+    return target_z - log_sum, entropy, row_max + log_sum
+
+
+def _chunk_grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
+                       entropy: torch.Tensor | None = None, grad_entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """dL/dz for one chunk, computed in place in `logits` [C, V'] fp32 (z already divided by T).
+
+    dL/dz_v = g_lp (1[v = y] - p_v) - g_H p_v (log p_v + H) = g_lp 1[v = y] - p_v (g_lp + g_H (log p_v + H)).
+    targets [C] are column indices in this slice or -1; lse and entropy are whole-vocabulary values.
+    Without `grad_entropy` only one [C, V'] buffer is used.
+    """
+    logp = logits.sub_(lse.unsqueeze(-1))
+    if grad_entropy is None:
+        grad = logp.exp_().mul_(-grad_logp.unsqueeze(-1))
+    else:
+        p = logp.exp()
+        coeff = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(grad_logp.unsqueeze(-1))
+        grad = coeff.mul_(p).neg_()
+        del p
+    in_slice = targets >= 0
+    grad.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), (grad_logp * in_slice).unsqueeze(-1))
+    return grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd function
+# ---------------------------------------------------------------------------------------------------
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N]) -> (logp [N], entropy [N] or empty), recomputing
+    each chunk's logits in backward instead of saving them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            row_max = logits.amax(-1)
+            stats = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
+            del logits
+            lp, ent, ls = _finish_stats(row_max, *stats)
+            logp[start:end], lse[start:end] = lp, ls
+            if with_entropy:
+                entropy[start:end] = ent
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        use_entropy = ctx.entropy_grad
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
+        grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_w else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits = _chunk_logits(h, weight, ctx.temperature)
+            grad_z = _chunk_grad_logits(
+                logits, targets[start:end], lse[start:end], grad_logp[start:end],
+                entropy[start:end] if use_entropy else None, grad_entropy[start:end] if use_entropy else None)
+            del logits
+            if ctx.temperature != 1.0:
+                grad_z.mul_(1.0 / ctx.temperature)  # z = (h W^T) / T
+            if need_w:
+                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+            if need_h:
+                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
+            del grad_z
+        if need_w:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be [vocab, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if targets.numel():
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one device sync for both bounds
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"targets must lie in [0, {weight.shape[0]}), got range [{lo}, {hi}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True")
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                   temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = True,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(hidden @ weight.T / temperature)[target] and the distribution's entropy, chunked.
+
+    hidden [..., H] (any leading shape), weight [V, H] (`model.output_weight()`), targets [...] ids.
+    Returns (logp [...], entropy [...] or None), both fp32 (fp64 for fp64 inputs). Gradients flow to `hidden` and `weight`;
+    the entropy is detached unless `entropy_grad` (then its gradient flows too, e.g. for an entropy
+    bonus). Peak extra memory is about two fp32 [chunk_size, V] buffers in either pass.
+    """
+    _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
+    lead = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).long()
+    logp, entropy = _ChunkedTokenLogprobs.apply(
+        flat_h, weight, flat_t, float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad))
+    return logp.view(lead), (entropy.view(lead) if with_entropy else None)
+
+
+def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         temperature: float = 1.0, chunk_size: int | None = None, with_entropy: bool = True,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference for `token_logprobs`: materialises the full fp32 logits and lets autograd differentiate.
+    `chunk_size` is accepted for signature compatibility and ignored."""
+    _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
+    logits = (hidden @ weight.t()).to(_stats_dtype(hidden.dtype)) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, None
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, (entropy if entropy_grad else entropy.detach())

@@ -1,0 +1,90 @@
+"""Our Qwen2 vs transformers.Qwen2ForCausalLM (eager attention) in fp32 on random weights."""
+
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.hf import hf_config_from_args, to_hf_name
+from model.logprob import token_logprobs
+from model.qwen2 import Qwen2
+
+TOL = 1e-4
+
+# (heads, kv heads): MHA, GQA 2:1, MQA 8:1; two eps values; tied and untied; RoPE bases 1e6 and 1e4.
+CASES = [
+    dict(num_heads=4, num_kv_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6),
+    dict(num_heads=4, num_kv_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=1e6),
+    dict(num_heads=8, num_kv_heads=1, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1e4),
+    dict(num_heads=8, num_kv_heads=2, rms_norm_eps=1e-2, tie_word_embeddings=False, rope_theta=1e6),
+]
+
+
+def _pair(case, seed=0):
+    """HF model with every parameter random (norm weights and biases too), and ours with its weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    args = ModelArgs(vocab_size=200, hidden_size=64, num_layers=2, intermediate_size=96,
+                     max_position_embeddings=256, **case)
+    config = Qwen2Config(**{k: v for k, v in hf_config_from_args(args).items() if k != "architectures"},
+                         attn_implementation="eager")
+    torch.manual_seed(seed)
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1)
+    ours = Qwen2(args).eval()
+    hf_state = hf.state_dict()
+    ours.load_state_dict({n: hf_state[to_hf_name(n)].clone() for n, _ in ours.named_parameters()}, strict=True)
+    return args, hf, ours
+
+
+def _max_err(a, b):
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c['num_heads']}kv{c['num_kv_heads']}-eps{c['rms_norm_eps']:g}-"
+                                                      f"{'tied' if c['tie_word_embeddings'] else 'untied'}")
+def test_logits_match_transformers(case):
+    args, hf, ours = _pair(case)
+    if args.tie_word_embeddings:
+        assert ours.lm_head is None and hf.lm_head.weight is hf.model.embed_tokens.weight
+    tokens = torch.randint(0, args.vocab_size, (3, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        got = ours(tokens)
+        # Explicit positions with a jump (0..9, then 40..50): relative distances change, so RoPE must
+        # use the given positions, not the token index.
+        positions = torch.cat([torch.arange(0, 10), torch.arange(40, 51)]).expand(3, -1)
+        want_shift = hf(tokens, position_ids=positions).logits
+        got_shift = ours(tokens, positions=positions)
+    assert got.shape == (3, 21, args.vocab_size)
+    err, err_shift = _max_err(got, want), _max_err(got_shift, want_shift)
+    print(f"max |logits - HF| = {err:.2e} (default positions), {err_shift:.2e} (explicit positions)")
+    assert err <= TOL and err_shift <= TOL
+    assert _max_err(want[:, 10:], want_shift[:, 10:]) > 100 * TOL  # the jump really changes the output
+
+
+def test_hidden_states_and_logprobs_match_transformers():
+    args, hf, ours = _pair(CASES[1], seed=3)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf_out = hf(tokens, output_hidden_states=True)
+        hidden = ours(tokens, return_hidden=True)
+        logp, _ = token_logprobs(hidden[:, :-1], ours.output_weight(), tokens[:, 1:], chunk_size=5)
+    want_logp = hf_out.logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    assert _max_err(hidden, hf_out.hidden_states[-1]) <= TOL  # HF's last hidden state is after the final norm
+    assert _max_err(logp, want_logp) <= TOL
+
+
+def test_gradients_match_transformers():
+    args, hf, ours = _pair(CASES[2], seed=4)
+    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    hf(tokens).logits.log_softmax(-1)[..., 7].sum().backward()
+    ours(tokens).log_softmax(-1)[..., 7].sum().backward()
+    hf_params = dict(hf.named_parameters())
+    worst = max(_max_err(p.grad, hf_params[to_hf_name(n)].grad) for n, p in ours.named_parameters())
+    print(f"max |grad - HF grad| = {worst:.2e}")
+    assert worst <= TOL
