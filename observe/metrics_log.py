@@ -1,0 +1,131 @@
+"""Per-step metrics: one JSON line per `log` call in run_dir/metrics.jsonl, optionally TensorBoard too.
+
+A line is `{"step": <int>, "<key>": <number or null>, ...}`. Values are ints or floats; bools become
+0/1, 0-d tensors and numpy scalars their Python number, and NaN / +-inf become null (JSON has no
+such numbers) so that every line is strict JSON any tool can read. The file is opened in append
+mode and flushed after every line: a crashed or resumed run keeps what it logged, and a plot can
+read the file while the run writes it. After a resume from an earlier checkpoint, `truncate_after`
+drops the lines of steps that will be redone.
+
+TensorBoard (optional): the same values go to a `SummaryWriter` in run_dir/tensorboard/ with the
+JSONL keys as tags (NaN and inf as they are; TensorBoard shows them). Only rank 0 writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+
+
+class MetricsLogger:
+    """Append per-step metrics to run_dir/metrics.jsonl (and TensorBoard); a no-op on rank != 0."""
+
+    FILENAME = "metrics.jsonl"
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = False, rank: int = 0):
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, self.FILENAME)
+        self.active = rank == 0
+        self._file = None
+        self._writer = None
+        if not self.active:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Write one line: `step` and every metric (see the module docstring for value conversion)."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"metrics step must be an int >= 0, got {step!r}")
+        if "step" in metrics:
+            raise ValueError("metrics must not contain the key 'step' (it is the separate step argument)")
+        row = {"step": int(step)}
+        raw = {}
+        for key, value in metrics.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"metric names must be non-empty strings, got {key!r}")
+            raw[key] = _number(key, value)
+            row[key] = raw[key] if raw[key] is None or math.isfinite(raw[key]) else None
+        if not self.active:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.path} is closed")
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in raw.items():
+                if value is not None:
+                    self._writer.add_scalar(key, value, global_step=int(step))
+            self._writer.flush()
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the lines of steps > `step` (they will be logged again after a resume); returns how many."""
+        if not self.active:
+            return 0
+        self._file.flush()
+        rows = read_metrics(self.path)
+        kept = [row for row in rows if row["step"] <= step]
+        if len(kept) != len(rows):
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+            self._file.close()
+            os.replace(tmp, self.path)
+            self._file = open(self.path, "a", encoding="utf-8")
+        return len(rows) - len(kept)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _number(key: str, value) -> float | int | None:
+    if value is None:
+        return None
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # 0-d torch tensor / numpy scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__} {value!r:.60}")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """Every line of a metrics.jsonl file as a dict, in file order; errors name the file and line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics file at {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                # A run killed mid-write can leave a partial last line; anywhere else it is corruption.
+                if not line.endswith("\n"):
+                    break
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError(f"{path}:{number}: a metrics line must be an object with an int 'step'")
+            rows.append(row)
+    return rows

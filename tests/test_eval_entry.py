@@ -1,0 +1,304 @@
+"""eval.py: planted accuracies through a fake engine come back exactly; the CLI runs end to end on CPU."""
+
+import io
+import itertools
+import json
+import os
+import runpy
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+
+import eval as evaluation
+from eval import EvalEngineError, evaluate, flat_metrics, format_table
+from model.args import PRESETS
+from model.hf import save_hf
+from model.qwen2 import build_model
+from model.tokenizer import train_bpe_tokenizer
+from observe.progress import Progress
+from rl.data import rows_to_examples, synthetic_arithmetic_rows
+from rl.reward import compute_score
+from rollout.engine import Completion, Engine, SamplingParams
+from rollout.torch_engine import TorchEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    rows = synthetic_arithmetic_rows(60, split="train", seed=1)
+    texts = [r["prompt"][0]["content"] for r in rows] + [r["extra_info"]["solution"] for r in rows]
+    return train_bpe_tokenizer(texts, vocab_size=300)
+
+
+def _examples(tokenizer, num, sources=None):
+    rows = synthetic_arithmetic_rows(num, split="eval", seed=0)
+    for i, source in enumerate(sources or []):
+        rows[i]["data_source"] = source
+    examples, _ = rows_to_examples(rows, tokenizer, max_prompt_length=1024)
+    return examples
+
+
+class FakeEngine:
+    """Implements the engine protocol; answers each prompt with planted response texts."""
+
+    def __init__(self, tokenizer, responses: dict[tuple, list[str]], finish: str = "stop"):
+        self.tokenizer, self.responses, self.finish = tokenizer, responses, finish
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        out = []
+        for p, prompt in enumerate(prompts):
+            texts = self.responses[tuple(prompt)]
+            assert len(texts) == params.n
+            for s, text in enumerate(texts):
+                ids = self.tokenizer.encode(text) + [self.tokenizer.stop_ids[-1]]  # ends with <|im_end|>
+                out.append(Completion(p, s, ids, [-0.1] * len(ids), self.finish))
+        return out
+
+    def update_weights(self, named_tensors):
+        raise NotImplementedError
+
+    def release_memory(self):
+        pass
+
+    def resume_memory(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def _answer(example, value):
+    return f"Adding the numbers gives {value}.\nAnswer: {value}"
+
+
+def _params(k):
+    return SamplingParams(max_new_tokens=64, temperature=1.0, top_p=0.7, n=k)
+
+
+# ------------------------------------------------------------------------------------------ planted numbers
+
+
+def test_planted_per_sample_pattern_gives_exact_avg_pass_maj(tokenizer):
+    ex = _examples(tokenizer, 6, sources=["a", "a", "a", "b", "b", "b"])
+    gt = [e.ground_truth for e in ex]
+    wrong = [str(int(g) + 1) for g in gt]
+    other = [str(int(g) + 2) for g in gt]
+    none = "I do not know."
+
+    def answers(i, pattern):
+        # "g": right, "w"/"o": two different wrong answers, "-": no answer, "b": right in \boxed{} only.
+        table = {"g": _answer(ex[i], gt[i]), "w": _answer(ex[i], wrong[i]), "o": _answer(ex[i], other[i]),
+                 "-": none, "b": f"so it is \\boxed{{{gt[i]}}}"}
+        return [table[x] for x in pattern]
+
+    planted = ["gggg", "wgw-", "wogb", "wggw", "---g", "----"]
+    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): answers(i, pattern)
+                                    for i, (e, pattern) in enumerate(zip(ex, planted))})
+    assert isinstance(engine, Engine)
+    report = evaluate(engine, ex, tokenizer, _params(4), pass_at=(1, 2, 4))
+    a, b, overall = report["by_source"]["a"], report["by_source"]["b"], report["overall"]
+    # Correct counts: a = 4, 1, 2 ("b" is right through the boxed fallback); b = 2, 1, 0.
+    assert a["avg@4"] == pytest.approx((1 + 0.25 + 0.5) / 3, abs=1e-12)
+    assert b["avg@4"] == pytest.approx((0.5 + 0.25 + 0) / 3, abs=1e-12)
+    assert overall["avg@4"] == pytest.approx(2.5 / 6, abs=1e-12)
+    assert overall["pass@1"] == pytest.approx(2.5 / 6, abs=1e-12)
+    # pass@2 of c of 4: c=4 -> 1, c=1 -> 1/2, c=2 -> 5/6, c=0 -> 0.
+    assert a["pass@2"] == pytest.approx((1 + 0.5 + 5 / 6) / 3, abs=1e-12)
+    assert b["pass@2"] == pytest.approx((5 / 6 + 0.5) / 3, abs=1e-12)
+    assert (a["pass@4"], b["pass@4"], overall["pass@4"]) == pytest.approx((1, 2 / 3, 5 / 6), abs=1e-12)
+    # maj@4. a: right; wrong (2 votes of "w"); right ("g" and boxed "b" are one answer with 2 votes).
+    # b: "w" and "g" tie with 2 votes, "w" comes first -> wrong; right beats non-answers; no answer -> wrong.
+    assert (a["maj@4"], b["maj@4"], overall["maj@4"]) == pytest.approx((2 / 3, 1 / 3, 0.5), abs=1e-12)
+    assert overall["truncated_share"] == 0.0
+    assert report["sampling"]["top_p"] == 0.7 and report["k"] == 4
+
+
+def test_planted_correct_counts_on_a_synthetic_set(tokenizer):
+    """Problem i gets c_i = i % (k + 1) right answers at rotating positions and no answer elsewhere."""
+    k, num = 4, 15
+    ex = _examples(tokenizer, num)
+    responses, layouts = {}, []
+    for i, e in enumerate(ex):
+        right = {(i + j) % k for j in range(i % (k + 1))}
+        layouts.append([s in right for s in range(k)])
+        responses[tuple(e.prompt_ids)] = [_answer(e, e.ground_truth) if s in right else "no idea" for s in range(k)]
+    report = evaluate(FakeEngine(tokenizer, responses), ex, tokenizer, _params(k), pass_at=(1, 2, 3, 4))
+    overall = report["overall"]
+    assert overall["avg@4"] == pytest.approx(sum(sum(x) / k for x in layouts) / num, abs=1e-12)
+    for j in (1, 2, 3, 4):
+        # Reference: over all j-subsets of each problem's planted samples, the share holding a right one.
+        expected = sum(Fraction(sum(any(x[s] for s in subset) for subset in itertools.combinations(range(k), j)),
+                                len(list(itertools.combinations(range(k), j)))) for x in layouts) / num
+        assert overall[f"pass@{j}"] == pytest.approx(float(expected), abs=1e-12)
+    # Wrong samples give no answer, so the majority is right exactly when some sample is.
+    assert overall["maj@4"] == pytest.approx(sum(any(x) for x in layouts) / num, abs=1e-12)
+    assert overall["num_problems"] == num
+
+
+def test_chunked_calls_advance_the_progress_display_and_gather_merges_ranks(tokenizer):
+    ex = _examples(tokenizer, 5)
+    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in ex})
+    out = io.StringIO()
+    progress = Progress(total=5, desc="eval", unit="problems", file=out)
+    other_rank = []
+
+    def gather(local):  # as if a second rank had evaluated the same problems and got them all wrong
+        other_rank.extend(evaluation.score_completions(
+            ex, [Completion(p, s, [5], [0.0], "length") for p in range(5) for s in range(2)], tokenizer, 2))
+        return local + other_rank
+
+    report = evaluate(engine, ex, tokenizer, _params(2), progress=progress, prompts_per_call=2, gather=gather)
+    progress.close()
+    assert engine.calls == [2, 2, 1]
+    assert progress.n == 5
+    assert "eval: 5/5 problems" in out.getvalue()
+    assert report["overall"]["num_problems"] == 10
+    assert report["overall"]["avg@2"] == 0.5
+    assert report["overall"]["truncated_share"] == 0.5
+
+
+def test_engine_failures_and_repeats_are_refused_with_counts(tokenizer):
+    ex = _examples(tokenizer, 3)
+    responses = {tuple(e.prompt_ids): ["x", "y"] for e in ex}
+    with pytest.raises(EvalEngineError, match="aborted 6 of 6 requests"):
+        evaluate(FakeEngine(tokenizer, responses, finish="abort"), ex, tokenizer, _params(2))
+
+    class Short(FakeEngine):
+        def generate(self, prompts, params):
+            return super().generate(prompts, params)[:-1]
+
+    with pytest.raises(EvalEngineError, match="returned 5 completions for 3 prompts x 2 samples"):
+        evaluate(Short(tokenizer, responses), ex, tokenizer, _params(2))
+    with pytest.raises(ValueError, match="example 3 repeats example 0"):
+        evaluate(FakeEngine(tokenizer, responses), ex + ex[:1], tokenizer, _params(2))
+    with pytest.raises(ValueError, match="pass@3 needs between 1 and k = 2"):
+        evaluate(FakeEngine(tokenizer, responses), ex, tokenizer, _params(2), pass_at=(1, 3))
+
+
+def test_table_and_flat_metrics(tokenizer):
+    ex = _examples(tokenizer, 4, sources=["aime", "aime"])
+    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth), "?"] for e in ex})
+    report = evaluate(engine, ex, tokenizer, _params(2))
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["source", "problems", "avg@2", "pass@1", "pass@2", "maj@2", "mean", "len", "truncated"]
+    rows = {line.split()[0]: line.split() for line in table if line[:1].isalnum()}
+    assert rows["aime"][1:6] == ["2", "50.0%", "50.0%", "100.0%", "100.0%"]
+    assert rows["overall"][1:6] == ["4", "50.0%", "50.0%", "100.0%", "100.0%"]
+    flat = flat_metrics(report)
+    assert flat["eval/avg_at_k"] == 0.5 and flat["eval/pass_at_k"] == 1.0 and flat["eval/maj_at_k"] == 1.0
+    assert flat["eval/pass_at_1"] == 0.5 and flat["eval/aime/avg_at_k"] == 0.5
+    assert set(flat) >= {"eval/response_length/mean", "eval/truncated_share", "eval/synthetic_arithmetic_l2/avg_at_k"}
+
+
+# ------------------------------------------------------------------------------------------ real engine, CLI
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tokenizer, tmp_path_factory):
+    """A run folder whose hf/ export holds a tiny random Qwen2 and the tokenizer."""
+    run = tmp_path_factory.mktemp("run")
+    args = PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size, init_std=0.2)
+    save_hf(build_model(args, seed=3), str(run / "hf"))
+    tokenizer.save(str(run / "hf"))
+    return run
+
+
+@pytest.fixture()
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkpoint, one_thread):
+    from model.hf import load_hf
+
+    ex = _examples(tokenizer, 3)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.7, n=2,
+                            stop_token_ids=tuple(tokenizer.stop_ids), seed=11)
+
+    def engine():
+        return TorchEngine(load_hf(str(checkpoint / "hf")), max_batch_size=8, max_seq_len=512)
+
+    report = evaluate(engine(), ex, tokenizer, params)
+    completions = engine().generate([e.prompt_ids for e in ex], params)
+    lengths = [len(c.token_ids) for c in completions]
+    acc = [compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex[c.prompt_index].ground_truth)["acc"]
+           for c in completions]
+    assert report["overall"]["response_length/mean"] == pytest.approx(sum(lengths) / len(lengths))
+    assert report["overall"]["avg@2"] == pytest.approx(sum(acc) / len(acc))
+    assert report["overall"]["truncated_share"] == pytest.approx(
+        sum(c.finish_reason == "length" for c in completions) / len(completions))
+
+
+def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys, one_thread):
+    out = tmp_path / "report.json"
+    argv = ["--model", str(checkpoint), "--data", "synthetic", "--synthetic-num", "4", "--k", "2",
+            "--max-new-tokens", "6", "--json", str(out), "--no-progress", "--max-batch-size", "4"]
+    report = evaluation.main(argv)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0].split()[:3] == ["source", "problems", "avg@2"]
+    assert printed[2].split()[:2] == ["synthetic_arithmetic_l2", "4"]
+    assert printed[-2].split()[:2] == ["overall", "4"]
+    assert json.loads(printed[-1]) == report == json.loads(out.read_text())
+    assert report["model"] == str(checkpoint / "hf")
+    assert report["overall"]["num_problems"] == 4 and report["overall"]["num_samples"] == 2
+    assert 1 <= report["overall"]["response_length/mean"] <= 6
+    assert report["sampling"] == {"n": 2, "temperature": 1.0, "top_p": 0.7, "top_k": -1, "max_new_tokens": 6,
+                                  "strict_box": False}
+
+
+def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_path, capsys, one_thread):
+    argv = ["--model", str(checkpoint / "hf"), "--data", "synthetic", "--synthetic-num", "3", "--greedy", "--k", "1",
+            "--max-new-tokens", "5", "--no-progress"]
+    first, second = evaluation.main(argv), evaluation.main(argv)
+    for report in (first, second):
+        report.pop("time_s")
+    assert first == second and first["sampling"]["temperature"] == 0.0
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        evaluation.main(["--model", str(tmp_path / "nowhere"), "--data", "synthetic"])
+    with pytest.raises(SystemExit):
+        evaluation.main(["--model", str(checkpoint), "--data", "synthetic", "--greedy", "--k", "4"])
+    assert "needs --k 1" in capsys.readouterr().err
+
+
+def test_cli_subprocess(checkpoint, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "eval.py", "--model", str(checkpoint), "--data", "synthetic", "--synthetic-num", "2",
+         "--k", "2", "--max-new-tokens", "4", "--json", str(tmp_path / "r.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "r.json").read_text())
+    assert "eval: 2/2 problems" in proc.stderr  # the progress display, as plain lines (stderr is a pipe)
+
+
+def test_script_exits_with_one_line_on_bad_input(tmp_path, monkeypatch):
+    # The script's __main__ block, in-process: bad input ends with a message naming it, no traceback.
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--model", str(tmp_path / "missing"), "--data", "synthetic"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(os.path.join(ROOT, "eval.py"), run_name="__main__")
+    assert str(tmp_path / "missing") in str(exit_info.value.code) and "hf/config.json" in str(exit_info.value.code)
+
+
+def test_params_from_config_follow_the_eval_section():
+    from config import Config
+
+    cfg = Config()
+    params = evaluation.params_from_config(cfg, [0, 2], seed=5)
+    assert (params.n, params.temperature, params.top_p, params.max_new_tokens) == (32, 1.0, 0.7, 20480)
+    assert params.stop_token_ids == (0, 2) and params.seed == 5
+    cfg.eval.greedy, cfg.eval.k, cfg.eval.max_response_length = True, 1, 48
+    params = evaluation.params_from_config(cfg, [0])
+    assert (params.n, params.temperature, params.top_p, params.max_new_tokens) == (1, 0.0, 1.0, 48)
+    cfg.eval.k = 4
+    with pytest.raises(ValueError, match="eval.k must be 1"):
+        evaluation.params_from_config(cfg, [0])
