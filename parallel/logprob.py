@@ -1,0 +1,174 @@
+"""Token log-probabilities and entropy from a vocabulary-sharded output head, without gathering the vocabulary.
+
+Under tensor parallelism each rank holds rows [off, off + V/tp) of the [V, H] output weight, so it forms
+only its slice of the logits z = h W^T / T. The chunked math of `model/logprob.py` is applied per slice,
+and only a few floats per token cross the TP group:
+
+    m       = max_v z_v                          all-reduce MAX (a shift for stability; no gradient)
+    S       = sum_v exp(z_v - m)                 all-reduce SUM  \
+    z_y - m  (only the rank owning y adds it)    all-reduce SUM   } one collective on a [3, chunk] tensor
+    sum_v exp(z_v - m)(z_v - m)                  all-reduce SUM  /
+    logp_y  = (z_y - m) - log S,   lse = m + log S,   entropy = log S - sum exp(z - m)(z - m) / S
+
+The backward recomputes each chunk's logit slice and applies, with the global lse and entropy,
+
+    d logp_y / d z_v  = 1[v = y] - p_v,        d entropy / d z_v = -p_v (log p_v + entropy)
+
+so the weight shard's gradient is local and exact, and the hidden states' gradient is a partial sum
+over the vocabulary slices, reduced over the TP group (by DTensor when `hidden` is a DTensor, by an
+all-reduce otherwise). The [tokens, V] logits never exist, on any rank; at most one [chunk, V/tp] slice.
+
+Without tensor parallelism this is `model.logprob.token_logprobs`, so the trainer calls one function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from model.logprob import _chunk_grad_logits, _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, token_logprobs
+
+
+class _VocabParallelTokenLogprobs(torch.autograd.Function):
+    """(hidden [N, H] full, weight slice [V/tp, H], targets [N] global ids) -> (logp [N], entropy [N] or empty)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_offset, tp_group, temperature, chunk_size, with_entropy,
+                entropy_grad, reduce_hidden_grad):
+        n = hidden.shape[0]
+        local = targets - vocab_offset
+        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
+        logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            row_max = logits.amax(-1)
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+            sum_exp, sum_exp_z, target_z = _chunk_stats(logits, local[start:end], row_max, with_entropy)
+            del logits
+            sums = torch.stack([sum_exp, target_z] + ([sum_exp_z] if with_entropy else []))
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
+            lp, ent, ls = _finish_stats(row_max, sums[0], sums[2] if with_entropy else None, sums[1])
+            logp[start:end], lse[start:end] = lp, ls
+            if with_entropy:
+                entropy[start:end] = ent
+        ctx.save_for_backward(hidden, weight, local, lse, entropy if entropy_grad else None)
+        ctx.tp_group, ctx.temperature, ctx.chunk_size = tp_group, temperature, chunk_size
+        ctx.entropy_grad, ctx.reduce_hidden_grad = entropy_grad, reduce_hidden_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, local, lse, entropy = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = None
+        if need_w:  # accumulated over chunks in fp32, cast once at the end
+            grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits = _chunk_logits(h, weight, ctx.temperature)
+            grad_z = _chunk_grad_logits(
+                logits, local[start:end], lse[start:end], grad_logp[start:end],
+                entropy[start:end] if ctx.entropy_grad else None,
+                grad_entropy[start:end] if ctx.entropy_grad else None,
+            )
+            del logits
+            if ctx.temperature != 1.0:
+                grad_z.mul_(1.0 / ctx.temperature)
+            if need_w:
+                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+            if need_h:
+                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
+        if need_h and ctx.reduce_hidden_grad:
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
+        if need_w:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def vocab_parallel_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and entropy per token from hidden states [..., H] and a (vocab-sharded) head weight.
+
+    hidden: final hidden states. A DTensor on the TP mesh (the sequence-sharded output of the final norm
+        under sequence parallelism) is gathered along the sequence here; a plain tensor must be the same
+        full tensor on every TP rank.
+    weight: `model.output_weight()`: under TP a DTensor sharded on dim 0 (vocabulary) over the TP mesh,
+        or this rank's plain slice together with `tp_group` (rank r holds rows [r V/tp, (r+1) V/tp)).
+    targets: global vocabulary ids, shape `hidden.shape[:-1]`, the same on every TP rank.
+    tp_group: the TP process group for a plain weight slice; unused for a DTensor weight (its mesh is used).
+
+    Returns (logp, entropy or None), fp32 (fp64 for fp64 inputs), shape `targets.shape`, identical on every
+    TP rank. The entropy carries a gradient only with `entropy_grad=True`. Without any sharding this is
+    exactly `model.logprob.token_logprobs`.
+    """
+    if isinstance(weight, DTensor):
+        names = weight.device_mesh.mesh_dim_names
+        if names is not None and names != ("tp",):
+            raise ValueError(
+                f"the head weight is sharded over the {names} mesh, not tensor-parallel: under FSDP call this after "
+                "model(...) has run, while the output head is gathered (model.output_weight() then returns it)"
+            )
+        if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+            raise ValueError(
+                f"the head weight must be sharded on dim 0 over a 1-D tensor-parallel mesh, got placements "
+                f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh (gather it under FSDP first)"
+            )
+        tp_size = weight.device_mesh.size()
+        if weight.shape[0] % tp_size:
+            raise ValueError(f"vocabulary {weight.shape[0]} is not divisible by the tensor-parallel size {tp_size}")
+        tp_group = weight.device_mesh.get_group()
+        vocab = weight.shape[0]
+        weight = weight.to_local()
+    else:
+        vocab = weight.shape[0] * (dist.get_world_size(tp_group) if tp_group is not None else 1)
+    reduce_hidden_grad = True
+    if isinstance(hidden, DTensor):
+        # Gather the sequence. The local gradient w.r.t. the gathered hidden states is this rank's share of
+        # a sum over vocabulary slices, so it is declared Partial and DTensor reduces it on the way back.
+        ndim = hidden.device_mesh.ndim
+        hidden = hidden.redistribute(placements=[Replicate()] * ndim).to_local(grad_placements=[Partial()] * ndim)
+        reduce_hidden_grad = False
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight slice must be [vocab/tp, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(f"targets must lie in [0, {vocab}), got range [{int(targets.min())}, {int(targets.max())}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True")
+
+    rank = dist.get_rank(tp_group)
+    logp, entropy = _VocabParallelTokenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), rank * weight.shape[0], tp_group,
+        float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad), reduce_hidden_grad,
+    )
+    lead = targets.shape
+    return logp.view(lead), (entropy.view(lead) if with_entropy else None)

@@ -1,0 +1,87 @@
+"""Apply every parallelism to a Qwen2 model, in the one order that composes: TP -> float8 -> AC -> compile -> FSDP.
+
+Why this order:
+  1. Tensor parallelism first: it replaces parameters by DTensors sharded over the tp mesh and installs the
+     input/output redistribution hooks that every later step must see as part of the module.
+  2. Float8 swaps nn.Linear modules for float8 ones, which must happen before anything wraps their forward.
+  3. Activation checkpointing wraps each block's forward, so that compile traces the checkpointed region
+     (and can apply its own recompute decisions inside it).
+  4. Compile per block, after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs.
+  5. FSDP last: it shards whatever parameters exist (the TP DTensors become 2-D, dp x tp) and groups them
+     into units; its hooks must wrap the final form of each block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parallel.activation_checkpoint import apply_ac
+from parallel.compile import apply_compile
+from parallel.dims import ParallelDims
+from parallel.float8 import apply_float8
+from parallel.fsdp import apply_fsdp
+from parallel.tensor_parallel import apply_tp
+
+
+@dataclass
+class ParallelizeConfig:
+    """Switches of `parallelize_qwen2` (train.py fills them from its TOML sections)."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpoint: str = "none"  # none | full | selective
+    selective_ac: str = "op"  # "op" or a block interval k (as a string or int)
+    compile: bool = False
+    compile_backend: str = "inductor"
+    float8: bool = False
+
+
+def parallelize_qwen2(model: nn.Module, mesh, dims: ParallelDims, config: ParallelizeConfig | None = None,
+                      **overrides) -> nn.Module:
+    """Parallelise `model` in place over `mesh` (from `dims.build_mesh`) and return it.
+
+    `config` fields may also be passed as keyword arguments (`compile=True`, ...). FSDP wraps the model when
+    there is data parallelism or mixed precision (param_dtype != the model's dtype). Without a mesh (single
+    process, no process group), only float8, AC and compile apply.
+    """
+    config = config or ParallelizeConfig()
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise TypeError(f"parallelize_qwen2 got an unknown option {key!r}")
+        setattr(config, key, value)
+    dims.validate_model(model.args)
+    if mesh is not None and mesh is not dims.world_mesh:
+        raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
+    if (dims.tp_enabled or dims.fsdp_enabled) and mesh is None:
+        raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
+    # Mixed precision is FSDP's MixedPrecisionPolicy, so a single data-parallel rank that trains in bf16
+    # still gets a (size-1) FSDP wrapping: fp32 master weights, bf16 compute.
+    mixed_precision = config.param_dtype != next(model.parameters()).dtype
+    if mixed_precision and mesh is None:
+        raise ValueError(
+            f"param_dtype {config.param_dtype} differs from the model's dtype; mixed precision runs through FSDP "
+            "and needs a process group and mesh (one rank is fine), or set param_dtype to the model's dtype"
+        )
+
+    if dims.tp_enabled:
+        apply_tp(model, dims.tp_mesh())
+    if config.float8:
+        apply_float8(model, tp_enabled=dims.tp_enabled)
+    apply_ac(model, config.activation_checkpoint, selective=config.selective_ac)
+    if config.compile:
+        apply_compile(model, backend=config.compile_backend)
+    if dims.fsdp_enabled or mixed_precision:
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh(),
+            param_dtype=config.param_dtype,
+            reduce_dtype=config.reduce_dtype,
+            reshard_after_forward=config.reshard_after_forward,
+            cpu_offload=config.cpu_offload,
+        )
+    return model
