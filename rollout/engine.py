@@ -1,0 +1,137 @@
+"""The rollout engine protocol: what train.py needs from any inference engine.
+
+Two implementations exist: `rollout.torch_engine.TorchEngine` (this repo's Qwen2 with a KV cache, CPU or
+GPU) and `rollout.sglang_engine.SGLangEngine` (SGLang on GPUs). train.py only sees this protocol.
+
+Conventions shared by every engine:
+  * Prompts and completions are token ids; no tokenizer is involved.
+  * `generate` returns completions grouped by prompt: all `n` samples of prompt 0, then prompt 1, ...
+  * A completion's `logprobs[i]` is log_softmax(logits / T)[token_ids[i]], computed from the very logits
+    the token was sampled from (before any top-p / top-k truncation); at temperature 0 (greedy) it is
+    the log_softmax of the raw logits. These are the "old policy" log-probs of DAPO's ratio (Eq. 10).
+  * When a stop token is sampled it IS included in `token_ids` (with its log-prob) and the finish
+    reason is "stop". "length" means `max_new_tokens` (or the engine's context) ran out; "abort" means
+    the engine gave up on the request (SGLang only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample.
+
+    max_new_tokens: at most this many tokens per completion (>= 1).
+    temperature: logits are divided by it before softmax; 0 means greedy (argmax).
+    top_p: nucleus sampling; keep the smallest set of most-likely tokens whose probability mass is
+        >= top_p (1.0 = off). Applied after top-k.
+    top_k: keep only the k most likely tokens (-1 = off).
+    n: samples per prompt (the DAPO group size G).
+    stop_token_ids: sampling one of these ends the completion (the token is kept, reason "stop").
+    seed: seeds the sampler of one `generate` call: the same seed, prompts and engine settings give
+        the same samples. None lets the engine advance its own seed. (SGLang seeds once at start.)
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = field(default=())
+    seed: int | None = None
+
+    def __post_init__(self):
+        # Accept any iterable of ints for stop tokens but store a tuple so the params stay hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled response: `token_ids` and their per-token `logprobs` (same length).
+
+    finish_reason "stop": the last token is the stop token that was sampled (kept, with its log-prob);
+    "length": max_new_tokens (or the engine's context) was reached; "abort": the engine gave up.
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
+            )
+        if self.finish_reason not in ("stop", "length", "abort"):
+            raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine that shares the GPUs with the trainer.
+
+    generate(prompts, params): list of completions, grouped by prompt (prompt 0's n samples first).
+    update_weights(named_tensors): one bucket of (Hugging Face name, full tensor) pairs, copied into the
+        engine's existing weights; the whole bucket is validated before anything is written.
+    release_memory() / resume_memory(): free the KV cache (and weights, where supported) while the
+        trainer runs; take it back before the next rollout.
+    shutdown(): free everything; the engine is unusable afterwards.
+    """
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def validate_prompts(prompts: list[list[int]], max_prompt_len: int, vocab_size: int | None = None) -> None:
+    """Refuse bad prompts with an error that names the prompt: empty, too long, or out-of-vocabulary ids.
+
+    max_prompt_len is the longest prompt that still leaves room for one generated token.
+    """
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError("generate() needs a non-empty list of prompts (each a list of token ids)")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) > max_prompt_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, longer than the engine's context allows "
+                f"({max_prompt_len} tokens, leaving room for one generated token)"
+            )
+        if vocab_size is not None:
+            lo, hi = min(prompt), max(prompt)
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")

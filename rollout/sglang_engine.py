@@ -1,0 +1,380 @@
+"""The production rollout engine on GPUs: SGLang's offline `sglang.Engine`, driven by token ids.
+
+Pinned to sglang 0.5.21, the release whose own pin is torch==2.13.0 (ours, requirements.txt);
+requirements-gpu.txt installs it. The installed version is checked when an engine starts and any
+other is refused: the weight-update protocol below changes between releases. sglang is imported
+lazily, so this module imports (and its pure functions are tested) on machines without it.
+
+Engine start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static,
+enable_memory_saver=True, skip_tokenizer_init=True, dtype, random_seed)`; prompts go in as token ids.
+
+Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`.
+SGLang's parallel sampling (`n`) prefills each prompt once and returns results prompt-major, the order
+of the protocol. Every output dict is translated by `completions_from_sglang`:
+    token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
+    logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
+    finish     <- meta_info["finish_reason"]["type"] ("stop" | "length" | "abort")
+and checked against `output_ids`. A sampled stop token is kept (`no_stop_trim`), as in the torch
+engine. SGLang also stops on the checkpoint's own `eos_token_id` (config.json / generation_config);
+save checkpoints with the stop ids you pass. `SamplingParams.seed` is not used: SGLang seeds its
+sampler once, from `random_seed` at engine start (per-request seeds exist only in its deterministic
+mode, where the n samples of a prompt would share one seed and come out identical).
+
+Weight updates (after each optimizer step), inside one update session:
+    begin_weight_update()                                   # opened by the first bucket
+    update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)  per bucket
+    end_weight_update(); flush_cache()                      # closed by resume_memory() / generate()
+A bucket is flattened into one uint8 tensor plus metadata (SGLang's FlattenedTensorBucket), and
+serialized with SGLang's MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC handle, not
+as bytes. SGLang's TP rank i opens payload i. With a process group (one trainer rank per SGLang TP
+rank, on the same GPUs), each rank serializes its own gathered copy and the payloads are gathered to
+the group's rank 0, which owns the sglang.Engine; every rank keeps its bucket alive until the leader's
+call returned (a broadcast of the result). Names are Hugging Face's, as SGLang loads them.
+
+Memory (colocated with the trainer on one GPU pool):
+    release_memory()        release_memory_occupation()                (KV cache, weights, CUDA graphs)
+    update_weights(...)     resume_memory_occupation(["weights"]) first, then the buckets
+    resume_memory()         end the update session, flush_cache(), resume_memory_occupation(the rest)
+Released weights are discarded, not offloaded: after a release every weight must be pushed again
+before resume_memory(), which refuses otherwise and names the missing weights.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from typing import Iterable
+
+import torch
+
+from rollout.engine import Completion, SamplingParams, validate_prompts
+
+SGLANG_VERSION = "0.5.21"
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_FINISH_TYPES = ("stop", "length", "abort")
+# sglang.srt.constants: GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_CUDA_GRAPH.
+_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def check_sglang_version(installed: str | None = None) -> None:
+    """Refuse any sglang other than SGLANG_VERSION, with the reason and the fix."""
+    if installed is None:
+        try:
+            installed = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError(
+                f"the SGLang engine needs sglang=={SGLANG_VERSION}, which is not installed; "
+                "install it on a GPU machine with `pip install -r requirements-gpu.txt`, or use the torch engine"
+            ) from None
+    if installed != SGLANG_VERSION:
+        raise RuntimeError(
+            f"sglang {installed} is installed, but this engine is written against sglang=={SGLANG_VERSION} "
+            "(the release pinned to our torch 2.13.0; its weight-update and memory APIs differ between "
+            "releases); install requirements-gpu.txt"
+        )
+
+
+def sglang_sampling_params(params: SamplingParams) -> dict:
+    """Our SamplingParams as SGLang's sampling_params dict (temperature 0 is greedy there too)."""
+    out = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "n": params.n,
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completion]:
+    """Translate SGLang's output dicts (prompt-major, n per prompt) into Completions; see module doc."""
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    if len(outputs) != num_prompts * n:
+        raise ValueError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x {n} samples")
+    completions = []
+    for i, out in enumerate(outputs):
+        prompt_index, sample_index = divmod(i, n)
+        meta = out.get("meta_info") or {}
+        entries = meta.get("output_token_logprobs")
+        if entries is None:
+            raise ValueError(f"SGLang output {i} has no meta_info['output_token_logprobs'] (was return_logprob set?)")
+        token_ids = [int(entry[1]) for entry in entries]
+        logprobs = [float(entry[0]) for entry in entries]
+        reason = meta.get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        if kind not in _FINISH_TYPES:
+            raise ValueError(f"SGLang output {i} has finish_reason {reason!r}; expected type stop, length or abort")
+        output_ids = [int(t) for t in out.get("output_ids", token_ids)]
+        # A trimmed stop token is the only difference we accept between the two token lists.
+        trimmed_stop = kind == "stop" and output_ids == token_ids[:-1]
+        if output_ids != token_ids and not trimmed_stop:
+            raise ValueError(
+                f"SGLang output {i}: output_ids {output_ids[:8]}... disagree with the log-prob token ids "
+                f"{token_ids[:8]}..."
+            )
+        completions.append(Completion(prompt_index, sample_index, token_ids, logprobs, kind))
+    return completions
+
+
+def split_by_counts(items: list, counts: list[int]) -> list[list]:
+    """Cut a flat list into consecutive parts of the given lengths."""
+    if sum(counts) != len(items):
+        raise ValueError(f"cannot split {len(items)} items into parts of {counts}")
+    parts, start = [], 0
+    for c in counts:
+        parts.append(items[start:start + c])
+        start += c
+    return parts
+
+
+def checkpoint_weights(model_path: str):
+    """(ModelArgs, {HF name: shape}) of a checkpoint's model, from its config.json alone (no tensors read)."""
+    from model.hf import args_from_hf_config, to_hf_name
+    from model.qwen2 import Qwen2
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        args = args_from_hf_config(json.load(f))
+    with torch.device("meta"):
+        model = Qwen2(args)
+    return args, {to_hf_name(name): p.shape for name, p in model.named_parameters()}
+
+
+class SGLangEngine:
+    """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
+
+    model_path: a HF checkpoint directory (e.g. written by model.hf.save_hf).
+    group: the process group of the trainer ranks that share this engine's GPUs, one per SGLang TP rank
+        (size tp_size); its rank 0 owns the sglang.Engine. None: this process alone drives the engine.
+    Every rank of `group` must make the same calls in the same order (they are collectives); a failure
+    on the leader is raised on every rank.
+    """
+
+    def __init__(self, model_path: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.6,
+                 dtype: torch.dtype | str = torch.bfloat16, seed: int = 0, context_length: int | None = None,
+                 group=None, **engine_kwargs):
+        if isinstance(dtype, str):  # config files name dtypes as strings
+            dtype = {name: d for d, name in _DTYPE_NAMES.items()}.get(dtype, dtype)
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype!r}")
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.args, self.weight_shapes = checkpoint_weights(model_path)
+        self.dtype = dtype
+        self.tp_size = tp_size
+        self.context_length = context_length or self.args.max_position_embeddings
+        self.group = group
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(group) != tp_size:
+                raise ValueError(f"group has {dist.get_world_size(group)} ranks; "
+                                 f"it needs one per SGLang TP rank ({tp_size})")
+            self._leader = dist.get_global_rank(group, 0)
+            self.is_leader = dist.get_rank(group) == 0
+        else:
+            self._leader, self.is_leader = None, True
+        # Protocol state, kept identical on every rank of the group; only the leader holds the engine.
+        self._engine = None
+        self._released: set[str] = set()
+        self._pushed: set[str] = set()
+        self._session_open = False
+        launch = dict(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
+                      mem_fraction_static=mem_fraction_static, enable_memory_saver=True, skip_tokenizer_init=True,
+                      dtype=_DTYPE_NAMES[dtype], random_seed=seed, context_length=self.context_length, **engine_kwargs)
+
+        def start():
+            self._engine = self._launch(**launch)
+
+        self._leader_call("start", start)
+
+    # -- the SGLang boundary (the only methods that import sglang) --------------------------------
+
+    def _launch(self, **kwargs):
+        check_sglang_version()
+        import sglang
+
+        return sglang.Engine(**kwargs)
+
+    def _serialize_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
+        """(payload, keep-alive): {"flattened_tensor", "metadata"} through SGLang's serializer."""
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        # CUDA IPC handles then name the device by UUID, so the receiver finds it whatever its CUDA_VISIBLE_DEVICES.
+        monkey_patch_torch_reductions()
+        flat = FlattenedTensorBucket(named_tensors=bucket)
+        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        return MultiprocessingSerializer.serialize(payload, output_str=True), flat
+
+    # -- collectives over the group ----------------------------------------------------------------
+
+    def _gather(self, obj) -> list | None:
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered = [None] * self.tp_size if self.is_leader else None
+        dist.gather_object(obj, gathered, dst=self._leader, group=self.group)
+        return gathered
+
+    def _scatter(self, parts: list | None):
+        if self.group is None:
+            return parts[0]
+        import torch.distributed as dist
+
+        out = [None]
+        dist.scatter_object_list(out, parts if self.is_leader else None, src=self._leader, group=self.group)
+        return out[0]
+
+    def _leader_call(self, what: str, fn) -> None:
+        """Run fn on the leader; a failure there becomes an error on every rank, not a hang later."""
+        if self.group is None:
+            fn()
+            return
+        import torch.distributed as dist
+
+        error = None
+        if self.is_leader:
+            try:
+                fn()
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        box = [error]
+        dist.broadcast_object_list(box, src=self._leader, group=self.group)
+        if box[0] is not None:
+            raise RuntimeError(f"SGLang engine {what} failed on the leader rank: {box[0]}")
+
+    # -- protocol ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check(what: str, result) -> None:
+        """SGLang's update calls return (success, message)."""
+        if isinstance(result, (tuple, list)) and not result[0]:
+            raise RuntimeError(f"{what}: {result[1]}")
+
+    def _end_session(self) -> None:
+        """Leader only: close an open update session and drop cached prefixes computed with old weights."""
+        if self._session_open:
+            self._check("end_weight_update", self._engine.end_weight_update())
+            self._engine.flush_cache()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
+        bucket = list(named_tensors)
+        seen = set()
+        for name, tensor in bucket:
+            if name not in self.weight_shapes:
+                raise KeyError(f"update_weights: unknown weight {name!r} for this checkpoint's model")
+            if name in seen:
+                raise ValueError(f"update_weights: weight {name!r} appears twice in one bucket")
+            seen.add(name)
+            if tensor.shape != self.weight_shapes[name]:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is "
+                                 f"{tuple(self.weight_shapes[name])}")
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
+        if not bucket:
+            return
+        payload, keep_alive = self._serialize_bucket(bucket)
+        payloads = self._gather(payload)
+        resume_weights, open_session = "weights" in self._released, not self._session_open
+
+        def send():
+            if resume_weights:
+                self._engine.resume_memory_occupation(["weights"])
+            if open_session:
+                self._check("begin_weight_update", self._engine.begin_weight_update())
+            # Without a group one process feeds every TP rank: each rank gets its own copy of the payload.
+            per_rank = payloads if self.group is not None else payloads * self.tp_size
+            self._check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
+                named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False))
+
+        self._leader_call("update_weights", send)
+        self._released.discard("weights")
+        self._session_open = True
+        self._pushed.update(seen)
+        del keep_alive  # only now, after the leader's call returned, may the memory behind the handles go
+
+    def release_memory(self) -> None:
+        """Free the KV cache, the weights and the CUDA graphs while the trainer runs."""
+        def release():
+            self._end_session()
+            self._engine.release_memory_occupation()
+
+        self._leader_call("release_memory", release)
+        self._session_open = False
+        self._released = set(_MEMORY_TAGS)
+        self._pushed = set()
+
+    def resume_memory(self) -> None:
+        """Finish a weight update and take back the KV cache and CUDA graphs (see the module doc)."""
+        if self._released and self._pushed != set(self.weight_shapes):
+            missing = sorted(set(self.weight_shapes) - self._pushed)
+            raise RuntimeError(
+                f"the engine's weights were released and {len(missing)} weights were not pushed again "
+                f"(e.g. {missing[:3]}); call sync_weights before resume_memory"
+            )
+        rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
+
+        def resume():
+            self._end_session()
+            if rest:
+                self._engine.resume_memory_occupation(rest)
+
+        self._leader_call("resume_memory", resume)
+        self._session_open = False
+        self._released = set()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Every rank of the group passes its own prompts; the leader runs them all as one SGLang batch."""
+        problem = None
+        try:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            if self._released:
+                raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
+            validate_prompts(prompts, self.context_length - 1, self.args.vocab_size)
+        except (TypeError, ValueError, RuntimeError) as e:
+            if self.group is None:
+                raise
+            problem = f"{type(e).__name__}: {e}"
+        gathered = self._gather(("error", problem) if problem else ("ok", [list(map(int, p)) for p in prompts]))
+        parts = None
+        if self.is_leader:
+            errors = [f"rank {i}: {value}" for i, (status, value) in enumerate(gathered) if status == "error"]
+            try:
+                if errors:
+                    raise ValueError("; ".join(errors))
+                rank_prompts = [value for _, value in gathered]
+                self._end_session()
+                flat = [p for ps in rank_prompts for p in ps]
+                outputs = self._engine.generate(input_ids=flat, sampling_params=sglang_sampling_params(params),
+                                                return_logprob=True)
+                completions = completions_from_sglang(outputs, len(flat), params.n)
+                parts, offset = [], 0
+                for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
+                    for c in part:  # prompt indices count from 0 on every rank
+                        c.prompt_index -= offset
+                    offset += len(part) // params.n
+                    parts.append(("ok", part))
+            except Exception as e:
+                if self.group is None:
+                    raise
+                parts = [("error", f"{type(e).__name__}: {e}")] * len(gathered)
+        self._session_open = False
+        status, value = self._scatter(parts)
+        if status == "error":
+            raise RuntimeError(f"SGLang engine generate failed: {value}")
+        return value
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None

@@ -1,0 +1,78 @@
+"""Trainer -> engine weight sync after an optimizer step, one bucket at a time.
+
+    for each trainer parameter, in registration order (embedding, layers 0..N-1, norm, head):
+        local = shard.to(engine dtype)        # cast before gathering: fewer bytes on the wire
+        full  = local.full_tensor()           # all-gather of a DTensor (FSDP, TP or both); plain tensors as is
+        bucket += (HF name, full)
+        if bucket holds >= bucket_bytes: engine.update_weights(bucket); drop bucket
+    engine.update_weights(last bucket)
+
+Peak extra memory is one bucket of full tensors (a single tensor larger than `bucket_bytes` forms a
+bucket of its own). The engine copies each bucket into its existing weights (no re-allocation).
+
+Who calls it: every rank of the trainer, because gathering a DTensor is a collective that all ranks of
+its mesh must enter, in the same order (the loop order is the module's, identical on every rank).
+Where the engine lives: pass `engine=None` on ranks that hold no engine; they still take part in the
+gathers. With the torch engine every rank holds its own full copy, so every rank passes its engine.
+With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
+`update_weights` gathers the ranks' buckets to the engine's leader.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.hf import to_hf_name
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    # DTensor is imported lazily so the single-device path needs no torch.distributed at all.
+    if type(tensor).__name__ == "DTensor":
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor()
+    return tensor
+
+
+def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None):
+    """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
+
+    A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
+    can be freed first. Every rank must consume it to the end (collectives).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            if dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            full = _full_tensor(tensor)
+            bucket.append((to_hf_name(name), full))
+            size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def sync_weights(trainer_model: nn.Module, engine, *, bucket_bytes: int = 1 << 30,
+                 dtype: torch.dtype | None = None) -> int:
+    """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
+
+    dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it), else the
+    trainer's own dtype. Call on every trainer rank (see the module docstring).
+    """
+    if dtype is None and engine is not None:
+        dtype = getattr(engine, "dtype", None)
+    sent = 0
+    for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype):
+        if engine is not None:
+            engine.update_weights(bucket)
+        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        del bucket
+    return sent

@@ -1,0 +1,252 @@
+"""TorchEngine: parity with transformers and with the trainer's log-probs, sampling, stops, bad input,
+memory release, and in-place weight updates."""
+
+import pytest
+import torch
+
+from model.args import PRESETS
+from model.hf import hf_config_from_args, to_hf_name
+from model.logprob import token_logprobs
+from model.qwen2 import build_model
+from rollout.engine import Engine, SamplingParams
+from rollout.sampling import truncate_logits
+from rollout.torch_engine import TorchEngine
+
+# A larger init spread than the default 0.02 makes the tiny random model's next-token distributions
+# peaked, so greedy decoding has clear winners (no near-ties for float noise to flip).
+ARGS = PRESETS["tiny"].replace(init_std=0.2)
+TIED_ARGS = PRESETS["tiny-tied"].replace(init_std=0.2)
+PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [250], [8, 8, 8, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine idle-spinning
+    OpenMP workers slow them down by 10x or more; restore the setting for other test modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _engine(args=ARGS, seed=0, **kw):
+    kw.setdefault("max_batch_size", 8)
+    kw.setdefault("max_seq_len", 64)
+    return TorchEngine(build_model(args, seed=seed), **kw)
+
+
+def _hf_model(model):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = hf_config_from_args(model.args)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        config.pop(key)
+    hf = Qwen2ForCausalLM(Qwen2Config(**config)).eval()
+    state = {to_hf_name(k): v for k, v in model.state_dict().items()}
+    if model.args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+def _trainer_logprobs(model, prompt, tokens, temperature):
+    """What the trainer computes: one forward over prompt + completion, chunked log-probs."""
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        hidden = model(seq, return_hidden=True)[0]
+    targets = torch.tensor(tokens)
+    logp, _ = token_logprobs(hidden[len(prompt) - 1: -1], model.output_weight(), targets,
+                             temperature=temperature, with_entropy=False)
+    return logp
+
+
+def test_satisfies_the_engine_protocol():
+    assert isinstance(_engine(), Engine)
+
+
+@pytest.mark.parametrize("args", [ARGS, TIED_ARGS], ids=["untied", "tied"])
+def test_greedy_matches_transformers_generate(args):
+    engine = _engine(args, seed=3, max_batch_size=4)
+    hf = _hf_model(build_model(args, seed=3))
+    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert [c.prompt_index for c in completions] == [0, 1, 2, 3]
+    for prompt, completion in zip(PROMPTS, completions):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                              pad_token_id=0, eos_token_id=None)
+        assert completion.token_ids == out[0, len(prompt):].tolist()
+        assert completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, -1), (1.0, 1.0, -1), (0.7, 0.9, 20)])
+def test_logprobs_match_the_trainer(temperature, top_p, top_k):
+    engine = _engine(seed=1, max_batch_size=5)  # fewer slots than requests: slots get refilled
+    reference = build_model(ARGS, seed=1)
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=11)
+    completions = engine.generate(PROMPTS, params)
+    assert len(completions) == 12
+    for c in completions:
+        want = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, temperature or 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_samples_stay_inside_top_k_and_nucleus_of_the_true_distribution():
+    engine = _engine(seed=2)
+    reference = build_model(ARGS, seed=2)
+    params = SamplingParams(max_new_tokens=8, temperature=1.3, top_p=0.7, top_k=30, n=4, seed=0)
+    for c in engine.generate(PROMPTS[:2], params):
+        seq = PROMPTS[c.prompt_index] + c.token_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([seq]))[0, len(PROMPTS[c.prompt_index]) - 1: -1]
+        allowed = torch.isfinite(truncate_logits(logits / 1.3, 30, 0.7))
+        assert allowed[torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)].all()
+
+
+def test_n_samples_grouped_by_prompt_and_distinct():
+    engine = _engine(seed=4)
+    completions = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, n=4, seed=5))
+    assert [(c.prompt_index, c.sample_index) for c in completions] == [(p, s) for p in range(3) for s in range(4)]
+    for p in range(3):
+        group = [tuple(c.token_ids) for c in completions if c.prompt_index == p]
+        assert len(set(group)) > 1  # samples of one prompt are independent draws, not copies
+
+
+def test_top_k_one_is_greedy():
+    engine = _engine(seed=5)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
+    top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=9))
+    assert [c.token_ids for c in greedy] == [c.token_ids for c in top1]
+
+
+def test_fixed_seed_reproduces_across_slot_counts():
+    params = SamplingParams(max_new_tokens=8, n=2, seed=123)
+    a = _engine(seed=6, max_batch_size=8).generate(PROMPTS, params)
+    b = _engine(seed=6, max_batch_size=8).generate(PROMPTS, params)
+    c = _engine(seed=6, max_batch_size=8).generate(PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=124))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_greedy_is_independent_of_batching():
+    """One slot (every request alone) and many slots (all together, refilled) give the same tokens."""
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, n=2)
+    alone = _engine(seed=7, max_batch_size=1).generate(PROMPTS, params)
+    batched = _engine(seed=7, max_batch_size=3, max_prefill_tokens=16).generate(PROMPTS, params)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
+    for x, y in zip(alone, batched):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+
+
+def test_stop_token_is_kept_and_ends_the_request():
+    engine = _engine(seed=8)
+    free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0))
+    # Stop on the 4th greedy token of prompt 0: that request must end right there, keeping the token.
+    stop = free[0].token_ids[3]
+    stopped = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop]))
+    for f, s in zip(free, stopped):
+        if stop in f.token_ids:
+            cut = f.token_ids.index(stop) + 1
+            assert s.token_ids == f.token_ids[:cut] and s.finish_reason == "stop"
+            assert s.logprobs == pytest.approx(f.logprobs[:cut], abs=1e-6)
+        else:
+            assert s.token_ids == f.token_ids and s.finish_reason == "length"
+    assert stopped[0].finish_reason == "stop" and len(stopped[0].token_ids) <= 4
+
+
+def test_length_finish_at_max_new_tokens_and_at_the_context_end():
+    engine = _engine(seed=9, max_seq_len=16)
+    prompts = [[1, 2, 3], list(range(1, 14)), list(range(1, 16))]  # 3, 13 and 15 tokens of 16
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
+    assert [len(c.token_ids) for c in completions] == [5, 3, 1]
+    assert all(c.finish_reason == "length" for c in completions)
+
+
+def test_bad_input_is_refused():
+    engine = _engine(max_seq_len=16)
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1, 2], []], params)
+    with pytest.raises(ValueError, match="prompt 0 has 16 tokens, longer than the engine's context"):
+        engine.generate([list(range(16))], params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, 256]], params)
+    with pytest.raises(ValueError, match="non-empty list of prompts"):
+        engine.generate([], params)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate([[1]], {"max_new_tokens": 4})
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _engine(max_seq_len=ARGS.max_position_embeddings + 1)
+
+
+def test_release_and_resume_memory():
+    engine = _engine(seed=10)
+    before = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
+    engine.release_memory()
+    assert engine._cache is None
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    engine.resume_memory()
+    after = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
+    assert [c.token_ids for c in before] == [c.token_ids for c in after]
+
+
+@pytest.mark.parametrize("args", [ARGS, TIED_ARGS], ids=["untied", "tied"])
+def test_update_weights_in_place(args):
+    engine = _engine(args, seed=11)
+    pointers = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    new = build_model(args, seed=12)
+    named = [(to_hf_name(n), p.detach().clone()) for n, p in new.named_parameters()]
+    for i in range(0, len(named), 5):  # several buckets
+        engine.update_weights(named[i:i + 5])
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
+    for (n, p), (_, q) in zip(engine.model.named_parameters(), new.named_parameters()):
+        assert torch.equal(p, q), n
+    fresh = _engine(args, seed=12)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    updated, expected = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
+    assert [c.token_ids for c in updated] == [c.token_ids for c in expected]
+    for x, y in zip(updated, expected):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-6)
+
+
+def test_bad_bucket_changes_nothing():
+    engine = _engine(seed=13)
+    snapshot = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    good = ("model.norm.weight", torch.full((ARGS.hidden_size,), 2.0))
+    q = engine.model.layers["0"].self_attn.q_proj.weight
+    bad_buckets = {
+        "unknown weight 'model.layers.9.mlp.up_proj.weight'": [
+            good, ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))],
+        "has shape": [good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(q.shape[0], q.shape[1] + 1))],
+        "has dtype": [good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(q.shape, dtype=torch.float64))],
+        "appears twice": [good, good],
+    }
+    for message, bucket in bad_buckets.items():
+        with pytest.raises((KeyError, ValueError), match=message):
+            engine.update_weights(bucket)
+        for n, p in engine.model.named_parameters():
+            assert torch.equal(p, snapshot[n]), (message, n)
+    tied = _engine(TIED_ARGS)
+    with pytest.raises(KeyError, match="unknown weight 'lm_head.weight'"):
+        tied.update_weights([("lm_head.weight", torch.zeros(256, 64))])
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager():
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, n=2, seed=3)
+    eager = _engine(seed=14, max_batch_size=3).generate(PROMPTS, params)
+    compiled = _engine(seed=14, max_batch_size=3, compile=True).generate(PROMPTS, params)
+    assert [c.token_ids for c in eager] == [c.token_ids for c in compiled]
+    for x, y in zip(eager, compiled):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu_and_compiled_cuda_graphs():
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
+    cpu = _engine(seed=15).generate(PROMPTS, params)
+    cuda = _engine(seed=15, device="cuda").generate(PROMPTS, params)
+    graphs = _engine(seed=15, device="cuda", compile=True).generate(PROMPTS, params)
+    assert [c.token_ids for c in cpu] == [c.token_ids for c in cuda] == [c.token_ids for c in graphs]
+    for x, y in zip(cpu, graphs):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)

@@ -1,0 +1,165 @@
+"""rollout/weight_sync.py: buckets, dtype cast, and sync from FSDP / TP / 2-D sharded trainers (gloo, CPU)."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from model.args import PRESETS
+from model.hf import to_hf_name
+from model.qwen2 import build_model
+from rollout.torch_engine import TorchEngine
+from rollout.weight_sync import iter_weight_buckets, sync_weights
+
+ARGS = PRESETS["tiny"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _distinct_model(seed: int, args=ARGS):
+    """A model whose every tensor (norms and biases included) holds distinct random values."""
+    model = build_model(args, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+class _Recorder:
+    """Wraps an engine and records every bucket's names and size."""
+
+    def __init__(self, engine):
+        self.engine, self.dtype, self.buckets = engine, engine.dtype, []
+
+    def update_weights(self, named_tensors):
+        named_tensors = list(named_tensors)
+        self.buckets.append([(n, t.numel() * t.element_size()) for n, t in named_tensors])
+        self.engine.update_weights(named_tensors)
+
+
+def _assert_engine_holds(engine, model, dtype=torch.float32):
+    for (name, p), (_, want) in zip(engine.model.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, want.detach().to(dtype)), name
+
+
+def test_single_process_sync_in_buckets():
+    trainer = _distinct_model(1)
+    engine = TorchEngine(build_model(ARGS, seed=2), max_batch_size=2, max_seq_len=32)
+    pointers = [p.data_ptr() for p in engine.model.parameters()]
+    recorder = _Recorder(engine)
+    bucket_bytes = 40_000
+    sent = sync_weights(trainer, recorder, bucket_bytes=bucket_bytes)
+    _assert_engine_holds(engine, trainer)
+    assert [p.data_ptr() for p in engine.model.parameters()] == pointers
+    sizes = {to_hf_name(n): p.numel() * 4 for n, p in trainer.named_parameters()}
+    assert sent == sum(sizes.values())
+    assert [n for b in recorder.buckets for n, _ in b] == list(sizes)  # every weight once, in order
+    assert len(recorder.buckets) > 3
+    for bucket in recorder.buckets:
+        # A bucket closes as soon as it reaches the limit: without its last tensor it is below it.
+        assert sum(s for _, s in bucket[:-1]) < bucket_bytes
+
+
+def test_cast_to_engine_dtype_and_compiled_wrapper_names():
+    trainer = torch.compile(_distinct_model(3))  # parameters appear as "_orig_mod.<name>"
+    engine = TorchEngine(build_model(ARGS, seed=4), max_batch_size=2, max_seq_len=32, dtype=torch.bfloat16)
+    sync_weights(trainer, engine)  # dtype taken from engine.dtype
+    _assert_engine_holds(engine, trainer, torch.bfloat16)
+
+
+def test_gather_only_ranks_and_bad_bucket_size():
+    trainer = _distinct_model(5)
+    total = sum(p.numel() * 4 for p in trainer.parameters())
+    assert sync_weights(trainer, None) == total
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        next(iter_weight_buckets(trainer, bucket_bytes=0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharded trainers: FSDP2 (fully_shard) and TP (parallelize_module) applied with torch's public APIs.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def _shard(model, kind, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if kind == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "tp":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers.values():
+            parallelize_module(layer, mesh, _tp_plan())
+    elif kind == "2d":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for layer in model.layers.values():
+            parallelize_module(layer, mesh["tp"], _tp_plan())
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _sharded_sync_worker(rank, world, init_file, kinds):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        reference = _distinct_model(7)  # the same full weights on every rank
+        for kind in kinds:
+            trainer = _shard(copy.deepcopy(reference), kind, world)
+            sharded = [n for n, p in trainer.named_parameters() if isinstance(p, DTensor)]
+            assert sharded, f"{kind}: no parameter was sharded"
+            for dtype in (torch.float32, torch.bfloat16):
+                engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32, dtype=dtype)
+                pointers = [p.data_ptr() for p in engine.model.parameters()]
+                recorder = _Recorder(engine)
+                sync_weights(trainer, recorder, bucket_bytes=30_000)
+                assert len(recorder.buckets) > 1
+                _assert_engine_holds(engine, reference, dtype)
+                assert [p.data_ptr() for p in engine.model.parameters()] == pointers
+        dist.barrier()  # both ranks done communicating before gloo tears its connections down
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, kinds, tmp_path):
+    import torch.multiprocessing as mp
+
+    init_file = os.path.join(tmp_path, "init")
+    mp.spawn(_sharded_sync_worker, args=(world, init_file, kinds), nprocs=world, join=True)
+
+
+@pytest.mark.multiprocess
+def test_sync_from_fsdp2_and_tp2_trainers(tmp_path):
+    _spawn(2, ("fsdp", "tp"), tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sync_from_2d_fsdp_tp_trainer(tmp_path):
+    _spawn(4, ("2d",), tmp_path)
