@@ -47,6 +47,7 @@ class JobConfig:
     name: str = "dapo"  # run name; the run's folder is run_dir/name
     run_dir: str = "runs"  # root folder holding one folder per run
     seed: int = 0  # seed for model initialisation and sampling
+    cpu_threads: int = 0  # intra-op threads of each process (torch.set_num_threads); 0 = torch's default
 
     @property
     def run_path(self) -> str:
@@ -419,6 +420,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
           "must be a non-empty folder name without path separators")
     check(bool(job.run_dir), "job.run_dir", "must not be empty")
     check(job.seed >= 0, "job.seed", "must be >= 0")
+    check(job.cpu_threads >= 0, "job.cpu_threads", "must be >= 0 (0 = torch's default)")
 
     check(not model.preset or model.preset in PRESETS, "model.preset",
           f"unknown preset; known presets: {', '.join(PRESETS)}")

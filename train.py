@@ -1,31 +1,225 @@
-"""DAPO training entry point (Algorithm 1 of arXiv 2503.14476).
+"""DAPO training: Algorithm 1 of "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
+(arXiv 2503.14476), top to bottom.
 
-Until the full loop lands this runs a forward pass of the configured model to check the set-up.
+    python train.py --config configs/demo_cpu.toml                       # one CPU process
+    torchrun --nproc_per_node=8 train.py --config configs/dapo_32b.toml  # one 8-GPU node
+    python train.py --config X --dry-run                                 # print the resolved config
+
+Algorithm 1, as this file runs it:
+    for step = 1..M:
+        repeat (at most max_num_gen_batches rounds)                      trainer/rollout_phase.py
+            sample prompts; generate G responses each with the engine    rollout/
+            reward = rule reward + soft overlong punishment (Eq. 13)     rl/reward.py
+            keep groups with 0 < #correct < G (Eq. 11)                    rl/filter.py
+        until train_batch_size groups are kept (surplus carried over)
+        advantages A_i = (R_i - mean R) / (std R + eps) (Eq. 9)          rl/advantage.py
+        for each mini-batch: DAPO loss (Eq. 8, 10), token-level mean      rl/loss.py, trainer/update.py
+        push the new weights into the engine in place                    rollout/weight_sync.py
 """
 
-import argparse
+from __future__ import annotations
+
+import json
+import logging
+import sys
 import time
 
 import torch
 
-from model.args import get_preset, num_params
-from model.qwen2 import build_model
+from config import ConfigError, check_runnable, config_to_dict, parse_cli
+from parallel.checkpoint import CheckpointManager
+from parallel.hf_export import export_hf
+from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
+from rl.filter import DynamicBatchBuilder
+from eval import params_from_config
+from rollout.engine import SamplingParams
+from rollout.weight_sync import sync_weights
+from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.evaluation import run_held_out_eval
+from trainer.rollout_phase import collect_batch
+from trainer.run_folder import RunFolderError, prepare_run_folder
+from trainer.scoring import EngineFailure, RewardSettings
+from trainer.signals import GracefulStop, StopRequested
+from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
+from trainer.sft import sft_warmup
+from trainer.step_metrics import MetricsWriter, rollout_metrics
+from trainer.update import TrainPhase
+from rl.data import PromptSampler
+
+log = logging.getLogger("train")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="configs/demo_cpu.toml")
-    parser.add_argument("--preset", default="demo")
-    args, _ = parser.parse_known_args()
-    model_args = get_preset(args.preset)
-    model = build_model(model_args, seed=0)
-    tokens = torch.randint(0, model_args.vocab_size, (2, 64))
-    start = time.perf_counter()
-    with torch.no_grad():
-        logits = model(tokens)
-    print(f"model {args.preset}: {num_params(model_args):,} parameters; logits {tuple(logits.shape)} "
-          f"in {time.perf_counter() - start:.3f}s")
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg, cli = parse_cli(argv)
+    if cli.dry_run:
+        print(json.dumps(config_to_dict(cfg), indent=2))
+        return 0
+    check_runnable(cfg)
+
+    # --- Processes, run folder, data -------------------------------------------------------------
+    dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
+    torch.manual_seed(cfg.job.seed)
+    if cfg.job.cpu_threads:
+        torch.set_num_threads(cfg.job.cpu_threads)
+    run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main)
+    dist.barrier()
+    tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
+    train_set, eval_set = load_datasets(cfg, tokenizer)
+    sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                            dp_rank=dist.dp_rank, dp_size=dist.dp_size)
+    log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
+
+    # --- Policy, rollout engine, optimizer ---------------------------------------------------------
+    policy = build_policy(cfg, dist.device)
+    engine = build_engine(cfg, policy, dist.device, cfg.data.max_prompt_length)
+    par = cfg.parallelism
+    parallelize_qwen2(policy, dist.mesh, dist.dims, ParallelizeConfig(
+        param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
+        reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
+        activation_checkpoint=par.activation_checkpoint,
+        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
+        compile=par.compile, float8=par.float8))
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    # Linear warm-up over the first `warmup_steps` rollout steps, then constant (the paper's schedule).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, opt.warmup_steps)))
+    alg = cfg.algorithm
+    builder = DynamicBatchBuilder(cfg.training.train_batch_size // dist.dp_size, alg.max_num_gen_batches,
+                                  on_shortfall=alg.on_shortfall, max_staleness=alg.carry_over_max_staleness,
+                                  enabled=alg.dynamic_sampling, metric=alg.filter_metric)
+    trainer = TrainPhase(policy, optimizer, scheduler, cfg, dist, dist.device)
+
+    # --- Resume ------------------------------------------------------------------------------------
+    state = {"step": 0, "sft_done": False, "tokens": 0}
+    checkpoints = CheckpointManager(f"{run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
+
+    def save_checkpoint(position=None):
+        """Checkpoint the last completed step (`position`: the data state it ended with)."""
+        if state["step"] in checkpoints.complete_steps():
+            return
+        position = position or {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        checkpoints.save(state["step"], policy, optimizer, scheduler, dict(state, **position))
+
+    saved = checkpoints.resume(policy, optimizer, scheduler) if cfg.checkpoint.resume else None
+    if saved is not None:
+        sampler.load_state_dict(saved.pop("sampler"))
+        builder.load_state_dict(saved.pop("builder"))
+        state.update(saved)
+        log.info("resumed from step %d", state["step"])
+        sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+    metrics_out = MetricsWriter(run_path, cfg, rank=dist.rank, resumed_step=state["step"])
+
+    # --- Supervised warm-up (demo models start from random weights) --------------------------------
+    if cfg.training.sft_warmup_steps and not state["sft_done"]:
+        start = time.perf_counter()
+        sft_warmup(policy, train_set, tokenizer, steps=cfg.training.sft_warmup_steps,
+                   batch_size=cfg.training.sft_batch_size, lr=cfg.training.sft_lr,
+                   micro_batch_tokens=cfg.training.micro_batch_tokens, dist_env=dist, device=dist.device,
+                   seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l))
+        sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        state["sft_done"] = True
+        log.info("supervised warm-up: %d steps in %.1fs", cfg.training.sft_warmup_steps, time.perf_counter() - start)
+
+    eval_params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
+
+    def held_out(step):
+        return run_held_out_eval(engine, eval_set, tokenizer, eval_params, dist, run_path, step,
+                                 strict_box=alg.strict_box)
+
+    if cfg.eval.at_start and state["step"] == 0 and eval_set:
+        scores = held_out(0)
+        metrics_out.write(0, scores)
+        log.info("held-out accuracy before DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], eval_params.n)
+
+    # --- Algorithm 1 -------------------------------------------------------------------------------
+    rollout_params = SamplingParams(
+        max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n, stop_token_ids=tokenizer.stop_ids,
+        seed=cfg.job.seed)
+    reward = RewardSettings(cfg.rollout.max_response_length, alg.overlong_penalty, alg.overlong_buffer,
+                            alg.overlong_penalty_factor, alg.strict_box)
+    multiplier = cfg.rollout.gen_batch_multiplier if alg.dynamic_sampling else 1
+    prompts_per_round = cfg.training.train_batch_size * multiplier
+    stop = GracefulStop().install()
+    for step in range(state["step"] + 1, cfg.training.steps + 1):
+        step_start = time.perf_counter()
+        # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
+        before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        engine.resume_memory()
+        try:
+            groups, filter_stats, gen_seconds = collect_batch(
+                step, builder, engine, sampler, prompts_per_round, rollout_params, tokenizer, reward, dist)
+        except EngineFailure as exc:
+            save_checkpoint(before_step)
+            raise RuntimeError(f"step {step}: {exc}; the retry failed too. Checkpoint of step {state['step']} "
+                               f"saved; rerun the same command to resume") from exc
+        engine.release_memory()  # colocated: the KV cache makes room for training activations
+        score_seconds = time.perf_counter() - step_start - gen_seconds
+        if stop.requested(dist):
+            save_checkpoint(before_step)
+            raise StopRequested(stop.signal_name, state["step"])
+
+        train_start = time.perf_counter()
+        train_stats = trainer.run(step, groups)
+        train_seconds = time.perf_counter() - train_start
+        state["step"] = step
+        if trainer.nonfinite_in_a_row >= cfg.training.max_nonfinite_steps:
+            save_checkpoint()
+            raise RuntimeError(f"{trainer.nonfinite_in_a_row} non-finite updates in a row at step {step}; "
+                               f"checkpoint saved, stopping")
+
+        sync_start = time.perf_counter()
+        sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        sync_seconds = time.perf_counter() - sync_start
+
+        state["tokens"] += int(train_stats["train_tokens"])
+        row = rollout_metrics(groups, filter_stats, train_stats, dist, cfg)
+        row.update({"time/generate": gen_seconds, "time/score": score_seconds, "time/train": train_seconds,
+                    "time/sync": sync_seconds, "time/step": time.perf_counter() - step_start})
+        row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
+        if cfg.eval.interval and step % cfg.eval.interval == 0 and step != cfg.training.steps and eval_set:
+            row.update(held_out(step))
+        metrics_out.write(step, row)
+        if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+            save_checkpoint()
+        if stop.requested(dist):
+            save_checkpoint()
+            raise StopRequested(stop.signal_name, step)
+    stop.restore()
+
+    # --- The end: held-out accuracy, checkpoint, HF export, plot -----------------------------------
+    if cfg.eval.at_end and eval_set:
+        scores = held_out(state["step"])
+        metrics_out.write(state["step"], scores)
+        log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], eval_params.n)
+    if cfg.checkpoint.enabled and state["step"] % max(cfg.checkpoint.interval, 1):
+        save_checkpoint()
+    if cfg.checkpoint.export_hf:
+        export_hf(policy, f"{run_path}/hf")
+        if dist.is_main:
+            tokenizer.save(f"{run_path}/hf")
+    metrics_out.close(plot=cfg.metrics.plot)
+    engine.shutdown()
+    shutdown_distributed()
+    return 0
+
+
+def run_cli(argv=None):
+    """`main` with the exits a shell expects: 2 for bad input, 143/130 after a signal, 1 for failures."""
+    try:
+        sys.exit(main(argv))
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except RunFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except StopRequested as exc:
+        print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)
+        sys.exit(130 if exc.signal_name == "SIGINT" else 143)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli()

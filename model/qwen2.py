@@ -71,20 +71,48 @@ class CausalContext:
 
 
 class DocumentMaskContext:
-    """Packed rows on any device: token i sees token j iff same document and j <= i.
+    """Packed rows with SDPA (CPU, or CUDA without FlexAttention): token i sees token j iff both are in
+    the same document and j <= i.
 
-    The mask is [B, 1, T, T] booleans built once per forward; fine for CPU-sized rows. Every query
-    sees at least itself, so no row of the softmax is empty.
+    When every document is one contiguous run of its row (what trainer/packing.py builds), the runs
+    are gathered into a [documents, longest, ...] batch and attended with plain causal SDPA: the cost
+    is sum(len^2) instead of T^2, and the padding at the end of a short run is never seen by its real
+    queries (causality) and is dropped afterwards. Otherwise an explicit [B, 1, T, T] boolean mask is
+    used. Every query sees at least itself, so no softmax row is empty.
     """
 
     def __init__(self, document_ids: torch.Tensor):
-        t = document_ids.shape[1]
-        same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-        causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
-        self.mask = (same_doc & causal).unsqueeze(1)
+        b, t = document_ids.shape
+        flat = document_ids.reshape(-1)
+        row = torch.arange(b * t, device=flat.device) // t
+        starts_here = torch.ones(b * t, dtype=torch.bool, device=flat.device)
+        starts_here[1:] = (flat[1:] != flat[:-1]) | (row[1:] != row[:-1])
+        starts = starts_here.nonzero().squeeze(1)
+        distinct = torch.unique(row * (int(flat.max()) - int(flat.min()) + 1) + (flat - flat.min())).numel()
+        self.mask = self.index = self.valid = None
+        if starts.numel() == distinct:  # contiguous documents: segment them
+            lengths = torch.diff(starts, append=torch.tensor([b * t], device=flat.device))
+            offsets = torch.arange(int(lengths.max()), device=flat.device)
+            self.valid = offsets < lengths.unsqueeze(1)
+            self.index = torch.where(self.valid, starts.unsqueeze(1) + offsets, 0)
+        else:
+            same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+            causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+            self.mask = (same_doc & causal).unsqueeze(1)
 
     def attend(self, layer_id: int, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if self.mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+        b, _, t, d = q.shape
+
+        def segments(x):  # [B, H, T, D] -> [documents, H, longest, D]
+            return x.transpose(1, 2).reshape(b * t, x.shape[1], d)[self.index].transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(segments(q), segments(k), segments(v), is_causal=True, enable_gqa=gqa)
+        # The valid entries, read in order, are positions 0 .. B*T-1: the runs partition every row.
+        out = out.transpose(1, 2)[self.valid]
+        return out.reshape(b, t, q.shape[1], d).transpose(1, 2)
 
 
 class FlexDocumentContext:

@@ -11,6 +11,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def pytest_configure(config):
+    import torch
+
+    # On small CPU machines one intra-op thread per process is faster than oversubscribed cores, and the
+    # multi-process tests start several ranks side by side.
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -44,6 +44,10 @@ def _rank_main(fn, rank, world_size, store_path, results, args, kwargs):
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            try:
+                dist.barrier()  # no rank tears gloo down while a peer still uses it
+            except Exception:
+                pass
             dist.destroy_process_group()
 
 

@@ -1,0 +1,107 @@
+"""Resilience of train.py: signals, non-finite updates, engine failures, unusable run folders."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+import trainer.policy
+import trainer.scoring
+from parallel.checkpoint import CheckpointManager
+from rollout.torch_engine import TorchEngine
+from tests.planted_train import planted_score
+from tests.test_train_e2e import overrides, read_rows
+from trainer.run_folder import RunFolderError, prepare_run_folder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    real_loss = trainer.policy.policy_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        # Micro-batch 1 of step 1 is NaN (one skipped update); from step 2 on every loss is NaN.
+        if calls["n"] == 1 or calls["n"] > 2:
+            loss = loss * float("nan")
+        return loss, metrics
+
+    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    argv = overrides(str(tmp_path), steps=4, **{"training.max_nonfinite_steps": 2, "training.mini_batch_size": 2,
+                                                "training.micro_batch_tokens": 4096, "checkpoint.interval": 100})
+    with pytest.raises(RuntimeError, match="2 non-finite updates in a row at step 2; checkpoint saved"):
+        train.main(argv)
+    rows = [r for r in read_rows(str(tmp_path)) if "loss" in r]
+    assert rows[0]["step"] == 1 and rows[0]["updates_skipped_nonfinite"] == 1
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
+
+
+def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    real_generate = TorchEngine.generate
+    calls = {"n": 0}
+
+    def flaky(self, prompts, params):
+        calls["n"] += 1
+        if calls["n"] == 1 or calls["n"] >= 3:  # fails once in step 1 (retried), then for good in step 2
+            raise RuntimeError("CUDA error: out of memory (simulated)")
+        return real_generate(self, prompts, params)
+
+    monkeypatch.setattr(TorchEngine, "generate", flaky)
+    argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
+    with pytest.raises(RuntimeError, match=r"step 2: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
+                                           r"error: out of memory \(simulated\); the retry failed too"):
+        train.main(argv)
+    assert calls["n"] == 4
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
+
+
+def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RunFolderError, match=f"run folder {blocker}/run is not writable"):
+        prepare_run_folder(str(blocker), "run", {})
+    with pytest.raises(RunFolderError, match=r"MiB free; at least \d+ MiB are needed"):
+        prepare_run_folder(str(tmp_path), "run", {}, min_free_bytes=1 << 62)
+    result = subprocess.run([sys.executable, "train.py", "--config", "configs/demo_cpu.toml",
+                             f"--job.run_dir={blocker}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "is not writable" in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
+    command = [sys.executable, "tests/planted_train.py"]
+    subprocess.run(command + overrides(straight, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    process = subprocess.Popen(command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(interrupted, "run", "metrics.jsonl")
+    deadline = time.time() + 600
+    while not (os.path.exists(metrics) and any('"loss"' in line for line in open(metrics))):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 143, stderr
+    assert "run the same command again to resume" in stderr
+    steps_done = CheckpointManager(os.path.join(interrupted, "run", "checkpoints")).complete_steps()
+    assert steps_done and steps_done[-1] in (1, 2)
+
+    subprocess.run(command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    expected = {r["step"]: r for r in read_rows(straight) if "loss" in r}
+    got = {r["step"]: r for r in read_rows(interrupted) if "loss" in r}
+    assert sorted(got) == [1, 2, 3]
+    for step in range(steps_done[-1] + 1, 4):
+        for key in ("loss", "reward/mean", "entropy", "grad_norm", "response_length/mean"):
+            assert got[step][key] == expected[step][key], (step, key)

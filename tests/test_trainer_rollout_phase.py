@@ -1,0 +1,99 @@
+"""Dynamic sampling inside the training loop: rounds until the batch is full, surplus carried over."""
+
+import pytest
+import torch
+
+from parallel.dims import ParallelDims
+
+from rl.data import PromptExample, PromptSampler
+from rl.filter import DynamicBatchBuilder
+from rollout.engine import Completion, SamplingParams
+from trainer.distributed import DistEnv
+from trainer.rollout_phase import collect_batch
+from trainer.scoring import EngineFailure, RewardSettings
+
+
+def SingleProcess():
+    return DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dims=ParallelDims(world_size=1))
+
+
+class DigitTokenizer:
+    def decode(self, ids):
+        return "".join(chr(ord("0") + i) for i in ids)
+
+
+class PlantedEngine:
+    """Prompt k is answered correctly by samples whose index is in `pattern(k)`: known kept groups."""
+
+    def __init__(self, pattern):
+        self.pattern, self.calls = pattern, []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        out = []
+        for p, prompt in enumerate(prompts):
+            k = prompt[0]
+            for s in range(params.n):
+                answer = [1] if s in self.pattern(k) else [2]
+                out.append(Completion(p, s, answer, [-0.5], "stop"))
+        return out
+
+
+def _examples(n):
+    # Ground truth "1": the response "Answer: 1" is correct, "Answer: 2" is wrong.
+    return [PromptExample(prompt_ids=[k], ground_truth="1", data_source="t", messages=[]) for k in range(n)]
+
+
+class AnswerTokenizer(DigitTokenizer):
+    def decode(self, ids):
+        return "Answer: " + super().decode(ids)
+
+
+def test_rounds_fill_the_batch_and_surplus_is_carried_over():
+    # Prompts whose id is divisible by 3 are mixed (1 of 4 correct); the others are all wrong (dropped).
+    engine = PlantedEngine(lambda k: {0} if k % 3 == 0 else set())
+    sampler = PromptSampler(_examples(30), shuffle=False)
+    builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=5, max_staleness=2)
+    params = SamplingParams(max_new_tokens=4, n=4, seed=1)
+    reward = RewardSettings(max_response_length=4, overlong_penalty=False)
+    batch, diag, _ = collect_batch(1, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
+    # Round 1 sees prompts 0..5 (kept: 0, 3), round 2 sees 6..11 (kept: 6, 9): full after two rounds.
+    assert engine.calls == [6, 6] and diag["rounds"] == 2
+    assert [g.payload[0].example.prompt_ids[0] for g in batch] == [0, 3, 6, 9]
+    assert diag["groups_generated"] == 12 and diag["share_all_wrong"] == pytest.approx(8 / 12)
+    assert diag["samples_per_kept_sample"] == pytest.approx(48 / 16)
+    assert builder.num_carried == 0
+
+    # Step 2: one round of 12 prompts (12..23) keeps 12, 15, 18, 21: exactly full; a third step with a
+    # round of 12 (24..29, 0..5) keeps 24, 27, 0, 3 -> full; no surplus until a round over-fills.
+    batch, diag, _ = collect_batch(2, builder, engine, sampler, 12, params, AnswerTokenizer(), reward, SingleProcess())
+    assert diag["rounds"] == 1 and [g.payload[0].example.prompt_ids[0] for g in batch] == [12, 15, 18, 21]
+    batch, diag, _ = collect_batch(3, builder, engine, sampler, 18, params, AnswerTokenizer(), reward, SingleProcess())
+    # 18 prompts: 24..29 then 0..11 -> kept 24, 27, 0, 3, 6, 9: four trained, two carried to step 4.
+    assert [g.payload[0].example.prompt_ids[0] for g in batch] == [24, 27, 0, 3]
+    assert builder.num_carried == 2 and diag["groups_carried_over"] == 2
+    batch, diag, _ = collect_batch(4, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
+    assert [g.payload[0].example.prompt_ids[0] for g in batch][:2] == [6, 9]
+    assert diag["groups_from_carry"] == 2
+
+
+def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
+    engine = PlantedEngine(lambda k: {0} if k == 0 else set())
+    sampler = PromptSampler(_examples(30), shuffle=False)
+    builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=2, on_shortfall="fill")
+    params = SamplingParams(max_new_tokens=4, n=2)
+    reward = RewardSettings(max_response_length=4, overlong_penalty=False)
+    with pytest.warns(RuntimeWarning, match="kept 1 of 4 groups"):
+        batch, diag, _ = collect_batch(1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess())
+    assert len(batch) == 1 and diag["rounds"] == 2 and diag["shortfall"] == 3
+
+    class AbortingEngine(PlantedEngine):
+        def generate(self, prompts, params):
+            out = super().generate(prompts, params)
+            out[1] = Completion(0, 1, [], [], "abort")
+            return out
+
+    aborting = AbortingEngine(lambda k: {0})
+    with pytest.raises(EngineFailure, match="aborted 1 of 4 requests"):
+        collect_batch(2, builder, aborting, sampler, 2, params, AnswerTokenizer(), reward, SingleProcess())
+    assert aborting.calls == [2, 2]  # retried once on the same prompts, then reported

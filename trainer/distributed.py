@@ -1,0 +1,82 @@
+"""Process-group set-up for train.py: torchrun (SPMD) or a plain single process, CPU or CUDA."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel.dims import ParallelDims
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dims: ParallelDims
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank() if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_group(self):
+        return self.dims.dp_mesh().get_group() if self.mesh is not None else None
+
+    @property
+    def mesh(self):
+        return self.dims.world_mesh
+
+    def all_reduce(self, values: list[float], op: str = "sum", group="dp") -> list[float]:
+        """Reduce a few Python numbers over the data-parallel ranks (or the world with group="world")."""
+        if self.world_size == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=reduce_op, group=self.dp_group if group == "dp" else None)
+        return tensor.tolist()
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def init_distributed(dp_replicate: int, dp_shard: int, tp: int) -> DistEnv:
+    """Join torchrun's process group if there is one (nccl on CUDA, gloo on CPU) and build the mesh."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size)
+    # One CUDA process still needs a (one-rank) mesh: FSDP's mixed precision (bf16 compute over fp32
+    # master weights) is applied through fully_shard.
+    if world_size > 1 or device.type == "cuda":
+        if not dist.is_initialized():
+            if world_size == 1:
+                dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dims.build_mesh(device.type)
+    return DistEnv(rank, world_size, local_rank, device, dims)
+
+
+def shutdown_distributed():
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while a peer still uses it
+        dist.destroy_process_group()

@@ -1,0 +1,53 @@
+"""Graceful stop on SIGTERM / SIGINT: the first signal asks the loop to stop at the next phase boundary
+(it then writes a checkpoint and exits non-zero); a second signal exits at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+log = logging.getLogger("train")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(Exception):
+    """Raised by the loop after it saved a checkpoint in response to a signal."""
+
+    def __init__(self, signal_name: str, step: int):
+        super().__init__(f"stopped by {signal_name} after step {step}")
+        self.signal_name, self.step = signal_name, step
+
+
+class GracefulStop:
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def install(self) -> "GracefulStop":
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal_name is not None:
+            log.error("second signal (%s): exiting at once without a checkpoint", name)
+            os._exit(128 + signum)
+        self.signal_name = name
+        log.warning("%s received: finishing the current phase, then saving a checkpoint (send it again to exit "
+                    "at once)", name)
+
+    def requested(self, dist_env) -> bool:
+        """True on every rank if any rank received a signal (ranks must stop at the same boundary)."""
+        local = 1.0 if self.signal_name is not None else 0.0
+        anyone = dist_env.all_reduce([local], op="max", group="world")[0] > 0
+        if anyone and self.signal_name is None:
+            self.signal_name = "a signal on another rank"
+        return anyone

@@ -1,0 +1,67 @@
+"""The per-step metrics row (the DAPO paper's monitoring panel) and where it is written."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from observe.metrics_log import MetricsLogger
+from observe.plot import plot_run
+
+log = logging.getLogger("train")
+
+
+def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg) -> dict[str, float]:
+    """Reward, accuracy, lengths and group shares of the step, reduced over data-parallel ranks."""
+    samples = [s for g in groups for s in g.payload]
+    lengths = [len(s.response_ids) for s in samples]
+    local = [float(len(samples)), float(sum(s.score for s in samples)), float(sum(s.acc for s in samples)),
+             float(sum(lengths)), float(sum(1 for s in samples if s.finish_reason == "length"))]
+    n, score, acc, length, clipped = dist_env.all_reduce(local)
+    longest = dist_env.all_reduce([float(max(lengths, default=0))], op="max")[0]
+    pre = {k: dist_env.all_reduce([float(filter_stats[k])])[0] for k in
+           ("groups_generated", "samples_generated", "groups_kept")}
+    shares = {k: filter_stats[k] for k in ("share_all_correct", "share_all_wrong", "mean_pass_rate")}
+    n = max(n, 1.0)
+    row = {
+        "reward/mean": score / n,
+        "acc/kept_mean": acc / n,
+        "acc/mean": shares["mean_pass_rate"],
+        "response_length/mean": length / n,
+        "response_length/max": longest,
+        "response_length/clip_ratio": clipped / n,
+        # NaN on a step served entirely from carried-over groups (nothing generated, nothing filtered).
+        "groups/kept_share": pre["groups_kept"] / pre["groups_generated"] if pre["groups_generated"] else math.nan,
+        "groups/all_correct_share": shares["share_all_correct"],
+        "groups/all_wrong_share": shares["share_all_wrong"],
+        "gen/rounds": filter_stats["rounds"],
+        "gen/samples_per_kept_sample": (pre["samples_generated"] / (pre["groups_kept"] * cfg.rollout.n)
+                                        if pre["groups_kept"] else math.nan),
+        "groups/in_batch": dist_env.all_reduce([float(len(groups))])[0],
+    }
+    row.update({k: v for k, v in train_stats.items() if not k.startswith("_")})
+    return row
+
+
+class MetricsWriter:
+    """metrics.jsonl (+ TensorBoard) through observe.MetricsLogger, a console line per step, the plot."""
+
+    def __init__(self, run_path: str, cfg, *, rank: int, resumed_step: int = 0):
+        self.run_path, self.cfg, self.rank = run_path, cfg, rank
+        self.logger = MetricsLogger(run_path, tensorboard=cfg.metrics.tensorboard, rank=rank)
+        if rank == 0:
+            # Lines past the resumed checkpoint belong to steps that will be run again.
+            self.logger.truncate_after(resumed_step)
+
+    def write(self, step: int, row: dict) -> None:
+        self.logger.log(step, row)
+        if self.rank == 0 and "reward/mean" in row and step % max(self.cfg.metrics.log_every, 1) == 0:
+            log.info("step %d | reward %.3f | acc %.3f | kept %.2f | len %.1f | entropy %.3f | clip %.3f | %.1fs",
+                     step, row["reward/mean"], row["acc/mean"], row["groups/kept_share"],
+                     row["response_length/mean"], row["entropy"], row["pg_clipfrac"], row["time/step"])
+
+    def close(self, plot: bool = False) -> None:
+        self.logger.close()
+        if plot and self.rank == 0:
+            path = plot_run(self.run_path)
+            log.info("monitoring panel: %s", path)

@@ -1,0 +1,188 @@
+"""One step's training phase (Algorithm 1, lines 9-12): advantages, old log-probs, mini-batch updates.
+
+    A_i = (R_i - mean(R)) / (std(R) + eps) per group (Eq. 9, rl/advantage.py)
+    for each of train_batch_size / mini_batch_size mini-batches (x ppo_epochs):
+        loss = sum over micro-batches and ranks of policy_loss(..., global counts)   (Eq. 8, 10)
+        clip the global gradient norm, AdamW step
+
+Micro-batches are packed rows of at most `micro_batch_tokens` tokens. FSDP runs collectives in every
+forward and backward, so every rank must run the same number of micro-batches: ranks with fewer pad
+with an empty one (loss mask 0), which changes no gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from parallel.grad_clip import clip_grad_norm_
+from rl.advantage import group_advantages
+from rl.correction import mismatch_metrics
+from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
+from trainer.policy import LOGPROB_CHUNK, dapo_micro_batch_loss, micro_batch_logprobs
+
+log = logging.getLogger(__name__)
+
+
+def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool,
+                          group_offset: int = 0) -> list[list[PackItem]]:
+    """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
+    out = []
+    for g, group in enumerate(groups):
+        samples = group.payload
+        advantages = group_advantages(torch.tensor(group.score, dtype=torch.float64), group_size=len(samples),
+                                      eps=adv_eps, norm_by_std=norm_by_std)
+        items = []
+        for sample, advantage in zip(samples, advantages.tolist()):
+            # Overlong filtering (Sec. 3.4): truncated samples are masked out of the loss.
+            weight = 0.0 if overlong_filter and sample.finish_reason == "length" else 1.0
+            items.append(PackItem(sample.example.prompt_ids, sample.response_ids, advantage, weight,
+                                  sample.rollout_logprobs, group_id=group_offset + g))
+        tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
+        for it in items:
+            it.group_num_tokens = tokens
+        out.append(items)
+    return out
+
+
+def empty_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
+    """A one-token row that enters no loss: keeps FSDP's collectives in step on ranks with less data."""
+    return pack([PackItem([0], [0], loss_weight=0.0)], pad_to_multiple)
+
+
+def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env) -> list[MicroBatch]:
+    most = int(dist_env.all_reduce([float(len(micro_batches))], op="max")[0])
+    pad = dist_env.dims.tp
+    return micro_batches + [empty_micro_batch(pad) for _ in range(most - len(micro_batches))]
+
+
+def split_into_mini_batches(group_items: list[list[PackItem]], num_updates: int) -> list[list[PackItem]]:
+    """Deal whole groups into `num_updates` consecutive mini-batches (sizes differ by at most one group)."""
+    bounds = [round(i * len(group_items) / num_updates) for i in range(num_updates + 1)]
+    return [[it for items in group_items[a:b] for it in items] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@torch.no_grad()
+def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int) -> None:
+    """log pi_old of every response token, from the trainer before this step's first update."""
+    for mb in micro_batches:
+        logp, _ = micro_batch_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=False)
+        mb.old_logp = logp.float()
+
+
+class TrainPhase:
+    """Holds what the updates need across steps: model, optimizer, scheduler and the settings."""
+
+    def __init__(self, model, optimizer, scheduler, cfg, dist_env, device):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.dist, self.device = cfg, dist_env, device
+        self.nonfinite_in_a_row = 0
+
+    def run(self, step: int, groups) -> dict[str, float]:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
+        group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
+        items = pack_items_for_groups(groups, adv_eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std,
+                                      overlong_filter=alg.overlong_filter, group_offset=group_offset)
+        mini_batches = []
+        for mini in split_into_mini_batches(items, num_updates):
+            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp) if mini else []
+            mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        chunk = LOGPROB_CHUNK
+        self.model.train()
+        for mbs in mini_batches:
+            fill_old_logprobs(self.model, mbs, temperature, chunk)
+        mismatch = self._mismatch([mb for mbs in mini_batches for mb in mbs])
+
+        sums = dict.fromkeys(("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum",
+                              "valid_tokens"), 0.0)
+        grad_norms, skipped = [], 0
+        for epoch in range(cfg.training.ppo_epochs):
+            for index, mbs in enumerate(mini_batches):
+                tokens, seqs, groups_here = self._local_counts(mbs)
+                g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
+                loss_total = 0.0
+                for micro_index, mb in enumerate(mbs):
+                    loss, metrics = dapo_micro_batch_loss(
+                        self.model, mb, global_num_tokens=g_tokens, global_num_seqs=g_seqs, global_num_groups=g_groups,
+                        temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
+                        agg=alg.loss_agg, truncated_is_cap=alg.truncated_is_cap if alg.truncated_is else None,
+                        norm_len=cfg.rollout.max_response_length, chunk_size=chunk)
+                    loss.backward()
+                    loss_total += loss.item()
+                    n = float(metrics["num_tokens"])
+                    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                        sums[key] += float(metrics[key]) * n
+                    for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
+                        sums[key] += float(metrics[key])
+                    if not math.isfinite(loss.item()):
+                        log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
+                                    step, loss.item(), index, micro_index)
+                sums["loss"] += self.dist.all_reduce([loss_total])[0]
+                grad_norm = self._clip_and_step(step, index)
+                if grad_norm is None:
+                    skipped += 1
+                else:
+                    grad_norms.append(grad_norm)
+        self.scheduler.step()
+        # Every rank contributed its token-weighted sums; "loss" is already reduced.
+        loss_sum = sums.pop("loss")
+        totals = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
+        totals["loss"] = loss_sum
+        tokens = max(totals.pop("valid_tokens"), 1.0)
+        updates = num_updates * cfg.training.ppo_epochs
+        return {
+            "loss": totals["loss"] / updates,
+            "pg_clipfrac": totals["pg_clipfrac"] / tokens,
+            "pg_clipfrac_lower": totals["pg_clipfrac_lower"] / tokens,
+            "ppo_kl": totals["ppo_kl"] / tokens,
+            "entropy": totals["entropy_sum"] / tokens,
+            "token_prob/mean": totals["token_prob_sum"] / tokens,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+            "updates_skipped_nonfinite": skipped,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "train_tokens": tokens,
+            **mismatch,
+        }
+
+    def _mismatch(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """Engine vs trainer log-probs of the same tokens (rl/correction.py), over all ranks' tokens."""
+        sums = [0.0, 0.0, 0.0, 0.0]  # tokens, |delta| sum, k3 sum, |delta p| > 0.1 count
+        worst = 0.0
+        for mb in micro_batches:
+            m = mismatch_metrics(mb.old_logp, mb.rollout_logp, mb.mask)
+            n = float(m["mismatch_num_tokens"])
+            sums[0] += n
+            sums[1] += float(m["mismatch_abs_logp_mean"]) * n
+            sums[2] += float(m["mismatch_k3_kl"]) * n
+            sums[3] += float(m["mismatch_prob_diff_frac"]) * n
+            worst = max(worst, float(m["mismatch_abs_logp_max"]))
+        tokens, abs_sum, k3_sum, far = self.dist.all_reduce(sums)
+        worst = self.dist.all_reduce([worst], op="max")[0]
+        tokens = max(tokens, 1.0)
+        return {"mismatch/mean_abs_logp": abs_sum / tokens, "mismatch/max_abs_logp": worst,
+                "mismatch/k3_kl": k3_sum / tokens, "mismatch/prob_diff_gt_0.1": far / tokens}
+
+    def _local_counts(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
+        tokens = sum(float((mb.mask > 0).sum()) for mb in mbs)
+        seqs = sum(float(sum(1 for it in mb.items if it.loss_weight > 0)) for mb in mbs)
+        groups = len({int(g) for mb in mbs for g, it in zip(mb.group_ids.tolist(), mb.items) if it.loss_weight > 0})
+        return tokens, seqs, float(groups)
+
+    def _clip_and_step(self, step: int, index: int) -> float | None:
+        """Clip the global grad norm and step; a non-finite norm skips the update (None)."""
+        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
+        norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            log.warning("step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
+                        step, index, norm, self.nonfinite_in_a_row)
+            return None
+        self.nonfinite_in_a_row = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
