@@ -149,14 +149,13 @@ def main(argv=None) -> int:
         before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
         engine.resume_memory()
         try:
-            groups, filter_stats, gen_seconds = collect_batch(
+            groups, filter_stats, rollout_seconds = collect_batch(
                 step, builder, engine, sampler, prompts_per_round, rollout_params, tokenizer, reward, dist)
         except EngineFailure as exc:
             save_checkpoint(before_step)
             raise RuntimeError(f"step {step}: {exc}; the retry failed too. Checkpoint of step {state['step']} "
                                f"saved; rerun the same command to resume") from exc
         engine.release_memory()  # colocated: the KV cache makes room for training activations
-        score_seconds = time.perf_counter() - step_start - gen_seconds
         if stop.requested(dist):
             save_checkpoint(before_step)
             raise StopRequested(stop.signal_name, state["step"])
@@ -176,7 +175,8 @@ def main(argv=None) -> int:
 
         state["tokens"] += int(train_stats["train_tokens"])
         row = rollout_metrics(groups, filter_stats, train_stats, dist, cfg)
-        row.update({"time/generate": gen_seconds, "time/score": score_seconds, "time/train": train_seconds,
+        row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
+                    "time/train": train_seconds,
                     "time/sync": sync_seconds, "time/step": time.perf_counter() - step_start})
         row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
         if cfg.eval.interval and step % cfg.eval.interval == 0 and step != cfg.training.steps and eval_set:

@@ -69,3 +69,32 @@ def test_padding_to_a_multiple_adds_a_separate_document_that_predicts_nothing():
     assert mb.document_ids.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2]]
     assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2, 0, 1]]
     assert mb.predict_positions.tolist() == [1, 3, 4]
+
+
+def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
+    from rl.correction import truncated_is_weights
+    from rl.loss import policy_loss
+    from trainer.policy import dapo_micro_batch_loss
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny"), seed=1)
+    items = _items(seed=5, n=4)
+    for i, it in enumerate(items):
+        it.response_ids = it.response_ids or [1]
+        it.rollout_logprobs = [-1.0 - 0.1 * i] * len(it.response_ids)
+        it.stale = i % 2 == 1
+    mb = pack(items)
+    with torch.no_grad():
+        mb.old_logp, _ = micro_batch_logprobs(model, mb)
+    kwargs = dict(global_num_tokens=None, global_num_seqs=None, global_num_groups=None, temperature=1.0,
+                  clip_low=0.2, clip_high=0.28, clip_c=10.0, agg="token-mean")
+    loss, _ = dapo_micro_batch_loss(model, mb, **kwargs)
+    logp, _ = micro_batch_logprobs(model, mb)
+    weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=2.0)
+    expected_weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
+    assert not torch.allclose(expected_weights, torch.ones_like(weights))
+    expected, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.mask, token_weights=expected_weights)
+    assert torch.allclose(loss, expected, atol=1e-7)
+    everything, _ = dapo_micro_batch_loss(model, mb, truncated_is=True, **kwargs)
+    all_weighted, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.mask, token_weights=weights)
+    assert torch.allclose(everything, all_weighted, atol=1e-7)

@@ -41,7 +41,7 @@ def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chu
 
 def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_num_seqs, global_num_groups,
                           temperature: float, clip_low: float, clip_high: float, clip_c: float, agg: str,
-                          truncated_is_cap: float | None = None, norm_len: float | None = None,
+                          truncated_is: bool = False, is_cap: float = 2.0, norm_len: float | None = None,
                           chunk_size: int = LOGPROB_CHUNK):
     """This micro-batch's share of the mini-batch DAPO loss (Eq. 8, 10), and its metrics.
 
@@ -49,9 +49,13 @@ def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_nu
     gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py).
     """
     logp, entropy = micro_batch_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size)
-    weights = None
-    if truncated_is_cap is not None:
-        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=truncated_is_cap)
+    # Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
+    # carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the
+    # clip stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only
+    # when truncated_is is on, to absorb engine/trainer numeric differences.
+    weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=is_cap)
+    if not truncated_is:
+        weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
     group_num_tokens = None
     if agg == "group-token-mean":
         # Groups never straddle ranks, but may straddle micro-batches: count each group's tokens over the

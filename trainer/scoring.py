@@ -24,6 +24,7 @@ class Sample:
     acc: bool
     score: float  # rule reward + overlong penalty
     pred: str | None
+    step: int = 0  # the training step whose rollout generated it (carried-over samples are older)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def decode_response(tokenizer, token_ids: list[int], stop_ids: set[int]) -> str:
 
 
 def score_groups(examples: list[PromptExample], completions, n: int, tokenizer, settings: RewardSettings,
-                 stop_ids: set[int]) -> list[ScoredGroup]:
+                 stop_ids: set[int], step: int = 0) -> list[ScoredGroup]:
     """Score the n completions of every prompt; one ScoredGroup (payload: list[Sample]) per prompt."""
     if len(completions) != len(examples) * n:
         raise EngineFailure(f"engine returned {len(completions)} completions for {len(examples)} prompts x {n} samples")
@@ -68,7 +69,7 @@ def score_groups(examples: list[PromptExample], completions, n: int, tokenizer, 
                 score += overlong_penalty(len(c.token_ids), settings.max_response_length, settings.overlong_buffer,
                                           settings.overlong_penalty_factor)
             samples.append(Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason,
-                                  bool(result["acc"]), float(score), result["pred"]))
+                                  bool(result["acc"]), float(score), result["pred"], step))
         groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
                                   score=tuple(s.score for s in samples)))
     return groups

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool,
-                          group_offset: int = 0) -> list[list[PackItem]]:
+                          group_offset: int = 0, step: int = 0) -> list[list[PackItem]]:
     """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
     out = []
     for g, group in enumerate(groups):
@@ -39,7 +39,7 @@ def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong
             # Overlong filtering (Sec. 3.4): truncated samples are masked out of the loss.
             weight = 0.0 if overlong_filter and sample.finish_reason == "length" else 1.0
             items.append(PackItem(sample.example.prompt_ids, sample.response_ids, advantage, weight,
-                                  sample.rollout_logprobs, group_id=group_offset + g))
+                                  sample.rollout_logprobs, group_id=group_offset + g, stale=sample.step < step))
         tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
         for it in items:
             it.group_num_tokens = tokens
@@ -47,9 +47,12 @@ def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong
     return out
 
 
+PADDING_GROUP = -1  # group id of the rows that only keep ranks in step
+
+
 def empty_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
     """A one-token row that enters no loss: keeps FSDP's collectives in step on ranks with less data."""
-    return pack([PackItem([0], [0], loss_weight=0.0)], pad_to_multiple)
+    return pack([PackItem([0], [0], loss_weight=0.0, group_id=PADDING_GROUP)], pad_to_multiple)
 
 
 def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env) -> list[MicroBatch]:
@@ -85,7 +88,7 @@ class TrainPhase:
         num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
         items = pack_items_for_groups(groups, adv_eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std,
-                                      overlong_filter=alg.overlong_filter, group_offset=group_offset)
+                                      overlong_filter=alg.overlong_filter, group_offset=group_offset, step=step)
         mini_batches = []
         for mini in split_into_mini_batches(items, num_updates):
             mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp) if mini else []
@@ -109,7 +112,7 @@ class TrainPhase:
                     loss, metrics = dapo_micro_batch_loss(
                         self.model, mb, global_num_tokens=g_tokens, global_num_seqs=g_seqs, global_num_groups=g_groups,
                         temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
-                        agg=alg.loss_agg, truncated_is_cap=alg.truncated_is_cap if alg.truncated_is else None,
+                        agg=alg.loss_agg, truncated_is=alg.truncated_is, is_cap=alg.truncated_is_cap,
                         norm_len=cfg.rollout.max_response_length, chunk_size=chunk)
                     loss.backward()
                     loss_total += loss.item()
@@ -127,6 +130,7 @@ class TrainPhase:
                     skipped += 1
                 else:
                     grad_norms.append(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
         self.scheduler.step()
         # Every rank contributed its token-weighted sums; "loss" is already reduced.
         loss_sum = sums.pop("loss")
@@ -143,8 +147,8 @@ class TrainPhase:
             "token_prob/mean": totals["token_prob_sum"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "updates_skipped_nonfinite": skipped,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "train_tokens": tokens,
+            "lr": lr,
+            "train_tokens": tokens / cfg.training.ppo_epochs,
             **mismatch,
         }
 
@@ -153,7 +157,8 @@ class TrainPhase:
         sums = [0.0, 0.0, 0.0, 0.0]  # tokens, |delta| sum, k3 sum, |delta p| > 0.1 count
         worst = 0.0
         for mb in micro_batches:
-            m = mismatch_metrics(mb.old_logp, mb.rollout_logp, mb.mask)
+            # Fresh samples only: carried-over ones differ by design (an older policy drew them).
+            m = mismatch_metrics(mb.old_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
             n = float(m["mismatch_num_tokens"])
             sums[0] += n
             sums[1] += float(m["mismatch_abs_logp_mean"]) * n
@@ -167,10 +172,11 @@ class TrainPhase:
                 "mismatch/k3_kl": k3_sum / tokens, "mismatch/prob_diff_gt_0.1": far / tokens}
 
     def _local_counts(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
+        """Loss tokens, sequences and groups of this rank's mini-batch. Sequences and groups count every
+        sample, overlong-filtered ones included (rl/loss.py counts fully masked rows too)."""
         tokens = sum(float((mb.mask > 0).sum()) for mb in mbs)
-        seqs = sum(float(sum(1 for it in mb.items if it.loss_weight > 0)) for mb in mbs)
-        groups = len({int(g) for mb in mbs for g, it in zip(mb.group_ids.tolist(), mb.items) if it.loss_weight > 0})
-        return tokens, seqs, float(groups)
+        real = [it for mb in mbs for it in mb.items if it.group_id != PADDING_GROUP]
+        return tokens, float(len(real)), float(len({it.group_id for it in real}))
 
     def _clip_and_step(self, step: int, index: int) -> float | None:
         """Clip the global grad norm and step; a non-finite norm skips the update (None)."""
