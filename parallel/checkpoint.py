@@ -184,7 +184,10 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, "train_state"))
         _barrier()
 
-        state = self._dcp_state(model, optimizer)
+        # An optimizer that never stepped has no state; asking DCP for it would initialise it with a
+        # zero-lr step (Adam's step count becomes 1), so a resumed run's first update would differ.
+        with_optimizer = optimizer is not None and len(optimizer.state) > 0
+        state = self._dcp_state(model, optimizer if with_optimizer else None)
         with _single_process_quiet():
             dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
         extra = {
@@ -200,7 +203,8 @@ class CheckpointManager:
         _barrier()
 
         if _rank() == 0:
-            manifest = {"step": step, "world_size": _world_size(), "files": _list_files(tmp)}
+            manifest = {"step": step, "world_size": _world_size(), "optimizer": with_optimizer,
+                        "files": _list_files(tmp)}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -234,6 +238,9 @@ class CheckpointManager:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler; return the saved train state."""
         path = self._step_path(step)
+        with open(os.path.join(path, MANIFEST)) as f:
+            if not json.load(f).get("optimizer", True):
+                optimizer = None  # saved before the first update: the optimizer starts fresh
         state = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())

@@ -141,3 +141,21 @@ def test_single_process_save_prune_and_fallback(tmp_path):
 def test_bad_keep_is_refused(tmp_path):
     with pytest.raises(ValueError, match="keep must be at least 1"):
         CheckpointManager(str(tmp_path), keep=0)
+
+
+def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path):
+    """DCP would initialise an empty Adam state with a zero-lr step (step count 1); it must not."""
+    from model.args import get_preset
+    from model.qwen2 import build_model
+    from parallel.checkpoint import CheckpointManager
+
+    model = build_model(get_preset("tiny"), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = CheckpointManager(str(tmp_path), keep=2)
+    manager.save(0, model, optimizer, train_state={"step": 0})
+    assert len(optimizer.state) == 0
+    restored = build_model(get_preset("tiny"), seed=1)
+    fresh = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    assert manager.resume(restored, fresh) == {"step": 0}
+    assert len(fresh.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), restored.parameters()))
