@@ -135,29 +135,40 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        use_entropy = ctx.entropy_grad
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
-        grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_w else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            logits = _chunk_logits(h, weight, ctx.temperature)
-            grad_z = _chunk_grad_logits(
-                logits, targets[start:end], lse[start:end], grad_logp[start:end],
-                entropy[start:end] if use_entropy else None, grad_entropy[start:end] if use_entropy else None)
-            del logits
-            if ctx.temperature != 1.0:
-                grad_z.mul_(1.0 / ctx.temperature)  # z = (h W^T) / T
-            if need_w:
-                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
-            if need_h:
-                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
-            del grad_z
-        if need_w:
-            grad_weight = grad_weight.to(weight.dtype)
+        grad_hidden, grad_weight = chunked_backward(
+            hidden, weight, targets, lse, grad_logp, entropy if ctx.entropy_grad else None,
+            grad_entropy if ctx.entropy_grad else None, ctx.temperature, ctx.chunk_size,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_backward(hidden, weight, targets, lse, grad_logp, entropy, grad_entropy, temperature: float,
+                     chunk_size: int, need_hidden: bool, need_weight: bool):
+    """Gradients of the chunked log-probs (and entropy, when `entropy` is given) with respect to `hidden`
+    and `weight`, recomputing each chunk's logits: shared by this module and the vocabulary-parallel
+    version (parallel/logprob.py), whose `targets` are slice-local (-1: not in this slice)."""
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+    # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
+    grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_weight else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        logits = _chunk_logits(h, weight, temperature)
+        grad_z = _chunk_grad_logits(
+            logits, targets[start:end], lse[start:end], grad_logp[start:end],
+            entropy[start:end] if entropy is not None else None,
+            grad_entropy[start:end] if entropy is not None else None)
+        del logits
+        if temperature != 1.0:
+            grad_z.mul_(1.0 / temperature)  # z = (h W^T) / T
+        if need_weight:
+            grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+        if need_hidden:
+            torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
+        del grad_z
+    if need_weight:
+        grad_weight = grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight
 
 
 # ---------------------------------------------------------------------------------------------------

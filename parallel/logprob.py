@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from model.logprob import _chunk_grad_logits, _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, token_logprobs
+from model.logprob import _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, chunked_backward, token_logprobs
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -66,30 +66,11 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, local, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = None
-        if need_w:  # accumulated over chunks in fp32, cast once at the end
-            grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            logits = _chunk_logits(h, weight, ctx.temperature)
-            grad_z = _chunk_grad_logits(
-                logits, local[start:end], lse[start:end], grad_logp[start:end],
-                entropy[start:end] if ctx.entropy_grad else None,
-                grad_entropy[start:end] if ctx.entropy_grad else None,
-            )
-            del logits
-            if ctx.temperature != 1.0:
-                grad_z.mul_(1.0 / ctx.temperature)
-            if need_w:
-                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
-            if need_h:
-                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
+        grad_hidden, grad_weight = chunked_backward(
+            hidden, weight, local, lse, grad_logp, entropy if ctx.entropy_grad else None,
+            grad_entropy if ctx.entropy_grad else None, ctx.temperature, ctx.chunk_size, need_h, need_w)
         if need_h and ctx.reduce_hidden_grad:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
-        if need_w:
-            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0
+from rl.loss import LOG_RATIO_CLAMP
 
 
 def mismatch_metrics(

@@ -20,6 +20,7 @@ import torch
 from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
 from rl.correction import mismatch_metrics
+from rl.reward import overlong_filter_mask
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.policy import LOGPROB_CHUNK, dapo_micro_batch_loss, micro_batch_logprobs
 
@@ -34,10 +35,12 @@ def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong
         samples = group.payload
         advantages = group_advantages(torch.tensor(group.score, dtype=torch.float64), group_size=len(samples),
                                       eps=adv_eps, norm_by_std=norm_by_std)
+        # Overlong filtering (Sec. 3.4): truncated samples are masked out of the loss.
+        weights = torch.ones(len(samples), 1)
+        if overlong_filter:
+            weights = overlong_filter_mask(weights, [s.finish_reason for s in samples])
         items = []
-        for sample, advantage in zip(samples, advantages.tolist()):
-            # Overlong filtering (Sec. 3.4): truncated samples are masked out of the loss.
-            weight = 0.0 if overlong_filter and sample.finish_reason == "length" else 1.0
+        for sample, advantage, weight in zip(samples, advantages.tolist(), weights[:, 0].tolist()):
             items.append(PackItem(sample.example.prompt_ids, sample.response_ids, advantage, weight,
                                   sample.rollout_logprobs, group_id=group_offset + g, stale=sample.step < step))
         tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
