@@ -72,6 +72,7 @@ class DataConfig:
     synthetic_difficulty: int = 2  # level of the synthetic arithmetic task (rl/data.py SYNTHETIC_LEVELS)
     synthetic_num_train: int = 2000  # synthetic training problems
     synthetic_num_eval: int = 200  # synthetic held-out problems (disjoint from training)
+    synthetic_answer_share: float = 1.0  # share of synthetic worked solutions ending in the "Answer:" line (rest: prose)
     shuffle: bool = True  # reshuffle the prompts every pass over the data
     seed: int = 0  # seed for shuffling and for generating the synthetic task
 
@@ -427,6 +428,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     check(not (model.preset and model.hf_path), "model.preset",
           f"set either model.preset or model.hf_path = {model.hf_path!r}, not both")
 
+    check(0.0 <= cfg.data.synthetic_answer_share <= 1.0, "data.synthetic_answer_share", "must be in [0, 1]")
     for key in ("data.max_prompt_length", "data.synthetic_difficulty", "data.synthetic_num_train",
                 "data.synthetic_num_eval", "rollout.n", "rollout.max_response_length",
                 "rollout.gen_batch_multiplier", "rollout.tp_size", "rollout.weight_sync_bucket_mb",

@@ -175,12 +175,19 @@ def _is_eval_problem(text: str, eval_share: float) -> bool:
 
 
 def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "train", seed: int = 0,
-                              eval_share: float = 0.2) -> list[dict]:
+                              eval_share: float = 0.2, answer_line_share: float = 1.0) -> list[dict]:
     """`num` distinct arithmetic problems of one split, as DAPO-schema rows with worked solutions.
 
     The problem `a op b` with `a, b` drawn from [0, range) is asked inside DAPO's prompt template; the
     solution is "a op b = c" followed by "Answer: c". Train and eval splits never share a problem.
+
+    answer_line_share: the share of worked solutions that end with the "Answer: c" line the reward
+    reads; the others state the result in prose ("a op b = c, so the result is c."), which the rule
+    reward scores as wrong. Below 1, a model fitted to these solutions follows the requested answer
+    format only part of the time, as base models do: something DAPO's verifiable reward teaches.
     """
+    if not 0.0 <= answer_line_share <= 1.0:
+        raise ValueError(f"answer_line_share must be in [0, 1], got {answer_line_share}")
     if difficulty not in SYNTHETIC_LEVELS:
         raise ValueError(f"synthetic difficulty must be one of {sorted(SYNTHETIC_LEVELS)}, got {difficulty}")
     if split not in ("train", "eval"):
@@ -192,6 +199,7 @@ def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "tr
         raise ValueError(f"difficulty {difficulty} has about {int(expected)} distinct {split} problems; "
                          f"asked for {num}")
     rng = random.Random(f"{seed}-{difficulty}")
+    style_rng = random.Random(f"{seed}-{difficulty}-{split}-style")
     rows, seen = [], set()
     while len(rows) < num:
         a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
@@ -200,12 +208,14 @@ def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "tr
             continue
         seen.add(text)
         value = a + b if op == "+" else a - b if op == "-" else a * b
+        answer_line = style_rng.random() < answer_line_share
+        solution = f"{text} = {value}\nAnswer: {value}" if answer_line else f"{text} = {value}, so the result is {value}."
         rows.append({
             "data_source": f"synthetic_arithmetic_l{difficulty}",
             "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
             "ability": "MATH",
             "reward_model": {"style": "rule", "ground_truth": str(value)},
-            "extra_info": {"index": len(rows), "split": split, "solution": f"{text} = {value}\nAnswer: {value}"},
+            "extra_info": {"index": len(rows), "split": split, "solution": solution},
         })
     return rows
 

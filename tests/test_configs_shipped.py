@@ -130,7 +130,8 @@ def test_demo_is_runnable_small_and_has_every_technique_on():
     alg = cfg.algorithm
     assert alg.clip_high > alg.clip_low and alg.loss_agg == "token-mean"
     assert alg.overlong_filter and alg.overlong_penalty and alg.dynamic_sampling
-    assert cfg.training.train_batch_size * cfg.rollout.n <= 128 and cfg.rollout.max_response_length <= 48
+    # Small enough for the 10-minute CPU budget (measured by bench/demo_learning.py).
+    assert cfg.training.train_batch_size * cfg.rollout.n <= 512 and cfg.rollout.max_response_length <= 48
 
 
 def test_dapo_32b_memory_budget_arithmetic():

@@ -113,3 +113,15 @@ def test_sampler_refuses_mismatched_state_and_indivisible_batches():
     other = PromptSampler(_examples(8), seed=5)
     with pytest.raises(ValueError, match="saved for 10 prompts"):
         other.load_state_dict(sampler.state_dict())
+
+
+def test_synthetic_solutions_can_mix_answer_formats():
+    rows = synthetic_arithmetic_rows(400, difficulty=2, split="train", seed=2, answer_line_share=0.5)
+    same_problems = synthetic_arithmetic_rows(400, difficulty=2, split="train", seed=2)
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in same_problems]
+    scored = [compute_score(r["extra_info"]["solution"], r["reward_model"]["ground_truth"])["acc"] for r in rows]
+    with_line = ["\nAnswer: " in r["extra_info"]["solution"] for r in rows]
+    assert scored == with_line  # prose solutions state the right result but miss the format the reward reads
+    assert 0.4 < sum(with_line) / len(rows) < 0.6
+    with pytest.raises(ValueError, match="answer_line_share"):
+        synthetic_arithmetic_rows(5, answer_line_share=1.5)

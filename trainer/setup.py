@@ -21,7 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _synthetic_rows(cfg, split: str) -> list[dict]:
     count = cfg.data.synthetic_num_train if split == "train" else cfg.data.synthetic_num_eval
-    return synthetic_arithmetic_rows(count, difficulty=cfg.data.synthetic_difficulty, split=split, seed=cfg.data.seed)
+    return synthetic_arithmetic_rows(count, difficulty=cfg.data.synthetic_difficulty, split=split, seed=cfg.data.seed,
+                                     answer_line_share=cfg.data.synthetic_answer_share)
 
 
 def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
