@@ -183,10 +183,11 @@ def main(argv=None) -> int:
                     "time/train": train_seconds,
                     "time/sync": sync_seconds, "time/step": time.perf_counter() - step_start})
         row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
-        if cfg.eval.interval and step % cfg.eval.interval == 0 and step != cfg.training.steps and eval_set:
+        last = step == cfg.training.steps
+        if cfg.eval.interval and step % cfg.eval.interval == 0 and not (last and cfg.eval.at_end) and eval_set:
             row.update(held_out(step))
         metrics_out.write(step, row)
-        if cfg.checkpoint.enabled and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+        if cfg.checkpoint.enabled and step % cfg.checkpoint.interval == 0:
             save_checkpoint()
         if stop.requested(dist):
             save_checkpoint()
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
         scores = held_out(state["step"])
         metrics_out.write(state["step"], scores)
         log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], eval_params.n)
-    if cfg.checkpoint.enabled and state["step"] % max(cfg.checkpoint.interval, 1):
+    if cfg.checkpoint.enabled and state["step"] % cfg.checkpoint.interval:
         save_checkpoint()
     if cfg.checkpoint.export_hf:
         export_hf(policy, f"{run_path}/hf")

@@ -19,9 +19,13 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
              float(sum(lengths)), float(sum(1 for s in samples if s.finish_reason == "length"))]
     n, score, acc, length, clipped = dist_env.all_reduce(local)
     longest = dist_env.all_reduce([float(max(lengths, default=0))], op="max")[0]
-    pre = {k: dist_env.all_reduce([float(filter_stats[k])])[0] for k in
-           ("groups_generated", "samples_generated", "groups_kept")}
-    shares = {k: filter_stats[k] for k in ("share_all_correct", "share_all_wrong", "mean_pass_rate")}
+    pre = dict(zip(("groups_generated", "samples_generated", "groups_kept"), dist_env.all_reduce(
+        [float(filter_stats[k]) for k in ("groups_generated", "samples_generated", "groups_kept")])))
+    # Shares over every rank's generated groups (each rank reports shares of its own).
+    generated = float(filter_stats["groups_generated"])
+    share_keys = ("share_all_correct", "share_all_wrong", "mean_pass_rate")
+    counts = dist_env.all_reduce([filter_stats[k] * generated if generated else 0.0 for k in share_keys])
+    shares = {k: c / pre["groups_generated"] if pre["groups_generated"] else math.nan for k, c in zip(share_keys, counts)}
     n = max(n, 1.0)
     row = {
         "reward/mean": score / n,
