@@ -13,16 +13,6 @@ from rollout.sampling import sample, truncate_logits
 CHI2_DF3_P1E4 = 21.11
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine idle-spinning
-    OpenMP workers slow them down by 10x or more; restore the setting for other test modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())

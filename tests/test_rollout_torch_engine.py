@@ -19,16 +19,6 @@ TIED_ARGS = PRESETS["tiny-tied"].replace(init_std=0.2)
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77], [250], [8, 8, 8, 60], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine idle-spinning
-    OpenMP workers slow them down by 10x or more; restore the setting for other test modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _engine(args=ARGS, seed=0, **kw):
     kw.setdefault("max_batch_size", 8)
     kw.setdefault("max_seq_len", 64)
