@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     # --- Policy, rollout engine, optimizer ---------------------------------------------------------
     policy = build_policy(cfg, dist.device)
-    engine = build_engine(cfg, policy, dist.device, cfg.data.max_prompt_length)
+    engine = build_engine(cfg, policy, dist.device, cfg.data.max_prompt_length, dist)
     par = cfg.parallelism
     parallelize_qwen2(policy, dist.mesh, dist.dims, ParallelizeConfig(
         param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],

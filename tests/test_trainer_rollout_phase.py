@@ -97,3 +97,23 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     with pytest.raises(EngineFailure, match="aborted 1 of 4 requests"):
         collect_batch(2, builder, aborting, sampler, 2, params, AnswerTokenizer(), reward, SingleProcess())
     assert aborting.calls == [2, 2]  # retried once on the same prompts, then reported
+
+
+def _engine_groups(rank, world_size):
+    from trainer.setup import engine_group
+
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                  dims=ParallelDims(world_size=world_size))
+    group, base_gpu = engine_group(2, env)
+    return torch.distributed.get_process_group_ranks(group), base_gpu
+
+
+@pytest.mark.multiprocess
+def test_sglang_engine_groups_are_consecutive_ranks_on_their_first_gpu():
+    from tests.dist_utils import run_ranks
+
+    assert run_ranks(_engine_groups, 4) == [([0, 1], 0), ([0, 1], 0), ([2, 3], 2), ([2, 3], 2)]
+    from trainer.setup import engine_group
+
+    with pytest.raises(ValueError, match="rollout.tp_size = 2 needs 2 ranks"):
+        engine_group(2, SingleProcess())

@@ -75,8 +75,28 @@ def build_policy(cfg, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_length: int):
-    """The rollout engine. The torch engine gets its own copy of the (not yet parallelised) policy."""
+def engine_group(tp_size: int, dist_env):
+    """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
+    the engine), and the first GPU of that engine on this node. Every rank creates every group."""
+    import torch.distributed as dist
+
+    if dist_env.world_size == 1:
+        if tp_size != 1:
+            raise ValueError(f"rollout.tp_size = {tp_size} needs {tp_size} ranks (torchrun); this run has one")
+        return None, 0
+    if dist_env.world_size % tp_size:
+        raise ValueError(f"rollout.tp_size = {tp_size} does not divide the world size {dist_env.world_size}")
+    mine = None
+    for start in range(0, dist_env.world_size, tp_size):
+        group = dist.new_group(list(range(start, start + tp_size)))
+        if start <= dist_env.rank < start + tp_size:
+            mine = group
+    return mine, dist_env.local_rank - dist_env.local_rank % tp_size
+
+
+def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_length: int, dist_env=None):
+    """The rollout engine. The torch engine gets its own copy of the (not yet parallelised) policy; an
+    SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
@@ -87,6 +107,7 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
                            dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed)
     from rollout.sglang_engine import SGLangEngine
 
-    return SGLangEngine(model_path=cfg.model.hf_path, tp_size=cfg.rollout.tp_size,
+    group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)
+    return SGLangEngine(model_path=cfg.model.hf_path, tp_size=cfg.rollout.tp_size, base_gpu_id=base_gpu_id,
                         mem_fraction_static=cfg.rollout.mem_fraction_static, dtype=cfg.rollout.dtype,
-                        seed=cfg.job.seed)
+                        seed=cfg.job.seed, context_length=max_prompt_length + max_new, group=group)
