@@ -35,6 +35,10 @@ __all__ = ["token_logprobs", "naive_token_logprobs"]
 # ---------------------------------------------------------------------------------------------------
 
 
+# Tokens per chunk. At vocab 151936 one fp32 [256, V] buffer is 148 MiB; bench/logprob_memory.py measured
+# 7% of the naive peak memory at 256 tokens per chunk (13% at 1024) and no loss of speed.
+DEFAULT_CHUNK = 256
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics are kept in fp32, or fp64 when the inputs already are."""
     return torch.promote_types(dtype, torch.float32)
@@ -198,7 +202,7 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                   temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = True,
+                   temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = True,
                    entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(hidden @ weight.T / temperature)[target] and the distribution's entropy, chunked.
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from model.logprob import _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, chunked_backward, token_logprobs
+from model.logprob import DEFAULT_CHUNK, _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, chunked_backward, token_logprobs
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -81,7 +81,7 @@ def vocab_parallel_token_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK,
     with_entropy: bool = True,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -11,18 +11,14 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from model.logprob import token_logprobs
+from model.logprob import DEFAULT_CHUNK, token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
 from rl.correction import truncated_is_weights
 from rl.loss import policy_loss
 from trainer.packing import MicroBatch
 
-# Tokens per chunk of the output-head log-prob: at vocab 151936 one fp32 [256, V] buffer is 148 MiB, and
-# bench/logprob_memory.py measured 7% of the naive peak memory at this size.
-LOGPROB_CHUNK = 256
 
-
-def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = LOGPROB_CHUNK,
+def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                          with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) / T-tempered, and the entropy, on the micro-batch's [S, L] response grid."""
     hidden = model(mb.tokens, mb.positions, mb.document_ids, return_hidden=True)
@@ -42,7 +38,7 @@ def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chu
 def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_num_seqs, global_num_groups,
                           temperature: float, clip_low: float, clip_high: float, clip_c: float, agg: str,
                           truncated_is: bool = False, is_cap: float = 2.0, norm_len: float | None = None,
-                          chunk_size: int = LOGPROB_CHUNK):
+                          chunk_size: int = DEFAULT_CHUNK):
     """This micro-batch's share of the mini-batch DAPO loss (Eq. 8, 10), and its metrics.
 
     The global counts make the loss `sum(token losses here) / count over the whole mini-batch`, so the
@@ -75,7 +71,7 @@ def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_nu
     return loss, metrics
 
 
-def sft_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, chunk_size: int = LOGPROB_CHUNK):
+def sft_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, chunk_size: int = DEFAULT_CHUNK):
     """Supervised warm-up: -sum log p(solution tokens) / tokens in the whole batch (teacher forcing)."""
     logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size, with_entropy=False)
     return -(logp * mb.mask).sum() / global_num_tokens

@@ -17,12 +17,13 @@ import math
 
 import torch
 
+from model.logprob import DEFAULT_CHUNK
 from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
 from rl.correction import mismatch_metrics
 from rl.reward import overlong_filter_mask
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
-from trainer.policy import LOGPROB_CHUNK, dapo_micro_batch_loss, micro_batch_logprobs
+from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class TrainPhase:
             mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        chunk = LOGPROB_CHUNK
+        chunk = DEFAULT_CHUNK
         self.model.train()
         for mbs in mini_batches:
             fill_old_logprobs(self.model, mbs, temperature, chunk)
