@@ -416,7 +416,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{key} = {value!r}{where}: {rule}")
 
     job, model, data, ro, alg = cfg.job, cfg.model, cfg.data, cfg.rollout, cfg.algorithm
-    opt, tr, par, ckpt, ev = cfg.optimizer, cfg.training, cfg.parallelism, cfg.checkpoint, cfg.eval
+    opt, tr, par, ev = cfg.optimizer, cfg.training, cfg.parallelism, cfg.eval
     check(bool(job.name) and not set(job.name) & {"/", "\\"} and job.name not in (".", ".."), "job.name",
           "must be a non-empty folder name without path separators")
     check(bool(job.run_dir), "job.run_dir", "must not be empty")

@@ -32,20 +32,11 @@ the per-source averages.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rl.math_normalize import normalize_final_answer
-
-
-def _count(name: str, value) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
+from rl.reward import require_int
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,7 +47,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     float) and nothing cancels (the subtraction is exact), so tiny and near-1 values keep full
     precision. C(n - c, k) = 0 when n - c < k: every k-subset then holds a correct sample.
     """
-    n, c, k = _count("n", n), _count("c", c), _count("k", k)
+    n, c, k = require_int("n", n), require_int("c", c), require_int("k", k)
     if n < 1:
         raise ValueError(f"pass@k needs n >= 1 samples, got n={n}")
     if not 0 <= c <= n:
@@ -177,7 +168,7 @@ def summarize_group(results: Sequence[ProblemResult], ks: Iterable[int]) -> dict
         sizes = sorted({r.n for r in results})
         raise ValueError(f"problems have different sample counts {sizes}; avg@k / pass@k / maj@k need the same n")
     row: dict = {"num_problems": len(results), "num_samples": n, f"avg@{n}": avg_at_k(results)}
-    for j in sorted(set(_count("k", j) for j in ks)):
+    for j in sorted(set(require_int("k", j) for j in ks)):
         row[f"pass@{j}"] = mean_pass_at_k(results, j)
     row[f"maj@{n}"] = maj_at_k(results)
     lengths = [x for r in results for x in r.response_length]

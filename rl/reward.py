@@ -84,14 +84,19 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return (expected - length) / buffer_len * factor
 
 
-def _token_count(name: str, value) -> int:
-    # Accept any integer type (int, numpy and 0-d torch integers); refuse floats and bools.
+def require_int(name: str, value, kind: str = "an int") -> int:
+    """`value` as a Python int; any integer type (int, numpy and 0-d torch integers) passes, floats and
+    bools are refused with a TypeError naming `name`."""
     try:
         if isinstance(value, bool):
             raise TypeError
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"overlong_penalty: {name} must be an int number of tokens, got {value!r}") from None
+        raise TypeError(f"{name} must be {kind}, got {value!r}") from None
+
+
+def _token_count(name: str, value) -> int:
+    return require_int(f"overlong_penalty: {name}", value, "an int number of tokens")
 
 
 def overlong_filter_mask(loss_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:
