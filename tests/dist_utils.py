@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -68,23 +69,31 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
             p.start()
         collected: dict[int, object] = {}
         errors: list[str] = []
-        try:
-            for _ in range(world_size):
-                rank, ok, out = results.get(timeout=timeout)
-                if ok:
-                    collected[rank] = torch.load(io.BytesIO(out), weights_only=False)
-                else:
-                    errors.append(f"rank {rank} failed:\n{out}")
-                    break  # the other ranks are probably blocked in a collective
-        except queue.Empty:
-            missing = sorted(set(range(world_size)) - set(collected))
-            errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
-        finally:
-            for p in procs:
-                p.join(timeout=5 if errors else timeout)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size and not errors:
+            try:
+                rank, ok, out = results.get(timeout=0.5)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(collected))
+                # A rank killed by a signal (an abort inside a collective) never reports: say so at once.
+                dead = [f"rank {r} exited with code {procs[r].exitcode} before reporting"
+                        for r in missing if procs[r].exitcode is not None]
+                if dead and results.empty():
+                    errors.extend(dead)
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks {missing}")
+                continue
+            if ok:
+                collected[rank] = torch.load(io.BytesIO(out), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{out}")  # the others are probably blocked in a collective
+        for p in procs:
+            # After every rank reported, exit codes are not checked: gloo can abort while tearing down
+            # after a rank's work is done, which says nothing about what the test checked.
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
         if errors:
             raise AssertionError("\n".join(errors))
     return [collected[r] for r in range(world_size)]

@@ -22,6 +22,8 @@ from rollout.sglang_engine import (
 )
 from rollout.weight_sync import sync_weights
 
+from dist_utils import run_ranks
+
 ARGS = PRESETS["tiny"]
 
 
@@ -216,40 +218,33 @@ def test_bad_bucket_is_refused_before_sending(checkpoint):
         engine.generate([[]], SamplingParams(max_new_tokens=2))
 
 
-def _group_worker(rank, world, init_file, checkpoint):
+def _group_worker(rank, world, checkpoint):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        engine = _EngineOnRecorder(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
-        assert (engine._engine is not None) == (rank == 0)  # only the leader starts SGLang
-        prompts = [[[1, 2, 3]], [[4], [5, 6]]][rank]
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=2))
-        # The recorder answers [len(prompt), sample]: each rank gets its own prompts back, indexed from 0.
-        assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-            (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)]
-        engine.release_memory()
-        trainer = build_model(ARGS, seed=5)
-        sync_weights(trainer, engine, bucket_bytes=50_000)
-        engine.resume_memory()
-        if rank == 0:
-            for (n, p), (_, q) in zip(engine._engine.model.named_parameters(), trainer.named_parameters()):
-                assert torch.equal(p, q), n
-        # A bad prompt on one rank fails the call on every rank instead of hanging the others.
-        bad = [[1]] if rank == 0 else [[]]
-        with pytest.raises(RuntimeError, match="rank 1: ValueError: prompt 0 is empty"):
-            engine.generate(bad, SamplingParams(max_new_tokens=2))
-        dist.barrier()  # both ranks done communicating before gloo tears its connections down
-    finally:
-        dist.destroy_process_group()
+    engine = _EngineOnRecorder(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
+    assert (engine._engine is not None) == (rank == 0)  # only the leader starts SGLang
+    prompts = [[[1, 2, 3]], [[4], [5, 6]]][rank]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=2))
+    # The recorder answers [len(prompt), sample]: each rank gets its own prompts back, indexed from 0.
+    assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
+        (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)]
+    engine.release_memory()
+    trainer = build_model(ARGS, seed=5)
+    sync_weights(trainer, engine, bucket_bytes=50_000)
+    engine.resume_memory()
+    if rank == 0:
+        for (n, p), (_, q) in zip(engine._engine.model.named_parameters(), trainer.named_parameters()):
+            assert torch.equal(p, q), n
+    # A bad prompt on one rank fails the call on every rank instead of hanging the others.
+    bad = [[1]] if rank == 0 else [[]]
+    with pytest.raises(RuntimeError, match="rank 1: ValueError: prompt 0 is empty"):
+        engine.generate(bad, SamplingParams(max_new_tokens=2))
+    return len(out)
 
 
 @pytest.mark.multiprocess
-def test_group_of_two_ranks_shares_one_engine(checkpoint, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_group_worker, args=(2, str(tmp_path / "init"), checkpoint), nprocs=2, join=True)
+def test_group_of_two_ranks_shares_one_engine(checkpoint):
+    assert run_ranks(_group_worker, 2, checkpoint) == [2, 4]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """rollout/weight_sync.py: buckets, dtype cast, and sync from FSDP / TP / 2-D sharded trainers (gloo, CPU)."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -12,16 +11,9 @@ from model.qwen2 import build_model
 from rollout.torch_engine import TorchEngine
 from rollout.weight_sync import iter_weight_buckets, sync_weights
 
+from dist_utils import run_ranks
+
 ARGS = PRESETS["tiny"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _distinct_model(seed: int, args=ARGS):
@@ -122,44 +114,38 @@ def _shard(model, kind, world):
     return model
 
 
-def _sharded_sync_worker(rank, world, init_file, kinds):
-    import torch.distributed as dist
+def _sharded_sync_worker(rank, world, kinds):
     from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        reference = _distinct_model(7)  # the same full weights on every rank
-        for kind in kinds:
-            trainer = _shard(copy.deepcopy(reference), kind, world)
-            sharded = [n for n, p in trainer.named_parameters() if isinstance(p, DTensor)]
-            assert sharded, f"{kind}: no parameter was sharded"
-            for dtype in (torch.float32, torch.bfloat16):
-                engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32, dtype=dtype)
-                pointers = [p.data_ptr() for p in engine.model.parameters()]
-                recorder = _Recorder(engine)
-                sync_weights(trainer, recorder, bucket_bytes=30_000)
-                assert len(recorder.buckets) > 1
-                _assert_engine_holds(engine, reference, dtype)
-                assert [p.data_ptr() for p in engine.model.parameters()] == pointers
-        dist.barrier()  # both ranks done communicating before gloo tears its connections down
-    finally:
-        dist.destroy_process_group()
+    reference = _distinct_model(7)  # the same full weights on every rank
+    synced = []
+    for kind in kinds:
+        trainer = _shard(copy.deepcopy(reference), kind, world)
+        sharded = [n for n, p in trainer.named_parameters() if isinstance(p, DTensor)]
+        assert sharded, f"{kind}: no parameter was sharded"
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32, dtype=dtype)
+            pointers = [p.data_ptr() for p in engine.model.parameters()]
+            recorder = _Recorder(engine)
+            sync_weights(trainer, recorder, bucket_bytes=30_000)
+            assert len(recorder.buckets) > 1
+            _assert_engine_holds(engine, reference, dtype)
+            assert [p.data_ptr() for p in engine.model.parameters()] == pointers
+            synced.append((kind, dtype))
+    return synced
 
 
-def _spawn(world, kinds, tmp_path):
-    import torch.multiprocessing as mp
-
-    init_file = os.path.join(tmp_path, "init")
-    mp.spawn(_sharded_sync_worker, args=(world, init_file, kinds), nprocs=world, join=True)
+def _spawn(world, kinds):
+    synced = [(kind, dtype) for kind in kinds for dtype in (torch.float32, torch.bfloat16)]
+    assert run_ranks(_sharded_sync_worker, world, kinds) == [synced] * world
 
 
 @pytest.mark.multiprocess
-def test_sync_from_fsdp2_and_tp2_trainers(tmp_path):
-    _spawn(2, ("fsdp", "tp"), tmp_path)
+def test_sync_from_fsdp2_and_tp2_trainers():
+    _spawn(2, ("fsdp", "tp"))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sync_from_2d_fsdp_tp_trainer(tmp_path):
-    _spawn(4, ("2d",), tmp_path)
+def test_sync_from_2d_fsdp_tp_trainer():
+    _spawn(4, ("2d",))
