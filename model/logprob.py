@@ -115,20 +115,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logits = _chunk_logits(hidden[start:end], weight, temperature)
-            row_max = logits.amax(-1)
-            stats = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
-            del logits
-            lp, ent, ls = _finish_stats(row_max, *stats)
-            logp[start:end], lse[start:end] = lp, ls
-            if with_entropy:
-                entropy[start:end] = ent
+        logp, lse, entropy = chunked_forward(hidden, weight, targets, temperature, chunk_size, with_entropy)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
         if not entropy_grad:
@@ -144,6 +131,37 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_entropy if ctx.entropy_grad else None, ctx.temperature, ctx.chunk_size,
             ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def chunked_forward(hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool,
+                    reduce_max=None, reduce_sum=None):
+    """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk.
+
+    Shared by this module and the vocabulary-parallel version (parallel/logprob.py), which passes
+    in-place all-reduces over its TP group as `reduce_max` (the row max) and `reduce_sum` (the stacked
+    sums) and slice-local `targets` (-1: not in this slice); without them the slice is the whole vocabulary.
+    """
+    n = hidden.shape[0]
+    logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        logits = _chunk_logits(hidden[start:end], weight, temperature)
+        row_max = logits.amax(-1)
+        if reduce_max is not None:
+            reduce_max(row_max)
+        sum_exp, sum_exp_z, target_z = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
+        del logits
+        if reduce_sum is not None:  # one collective for the two or three sums
+            sums = torch.stack([sum_exp, target_z] + ([sum_exp_z] if with_entropy else []))
+            reduce_sum(sums)
+            sum_exp, target_z, sum_exp_z = sums[0], sums[1], (sums[2] if with_entropy else None)
+        lp, ent, ls = _finish_stats(row_max, sum_exp, sum_exp_z, target_z)
+        logp[start:end], lse[start:end] = lp, ls
+        if with_entropy:
+            entropy[start:end] = ent
+    return logp, lse, entropy
 
 
 def chunked_backward(hidden, weight, targets, lse, grad_logp, entropy, grad_entropy, temperature: float,

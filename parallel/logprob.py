@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from model.logprob import DEFAULT_CHUNK, _chunk_logits, _chunk_stats, _finish_stats, _stats_dtype, chunked_backward, token_logprobs
+from model.logprob import DEFAULT_CHUNK, chunked_backward, chunked_forward, token_logprobs
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -36,25 +36,12 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_offset, tp_group, temperature, chunk_size, with_entropy,
                 entropy_grad, reduce_hidden_grad):
-        n = hidden.shape[0]
         local = targets - vocab_offset
         local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
-        logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            logits = _chunk_logits(hidden[start:end], weight, temperature)
-            row_max = logits.amax(-1)
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-            sum_exp, sum_exp_z, target_z = _chunk_stats(logits, local[start:end], row_max, with_entropy)
-            del logits
-            sums = torch.stack([sum_exp, target_z] + ([sum_exp_z] if with_entropy else []))
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=tp_group)
-            lp, ent, ls = _finish_stats(row_max, sums[0], sums[2] if with_entropy else None, sums[1])
-            logp[start:end], lse[start:end] = lp, ls
-            if with_entropy:
-                entropy[start:end] = ent
+        logp, lse, entropy = chunked_forward(
+            hidden, weight, local, temperature, chunk_size, with_entropy,
+            reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group),
+            reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=tp_group))
         ctx.save_for_backward(hidden, weight, local, lse, entropy if entropy_grad else None)
         ctx.tp_group, ctx.temperature, ctx.chunk_size = tp_group, temperature, chunk_size
         ctx.entropy_grad, ctx.reduce_hidden_grad = entropy_grad, reduce_hidden_grad
