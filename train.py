@@ -36,7 +36,7 @@ from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
-from trainer.rollout_phase import collect_batch
+from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import RunFolderError, prepare_run_folder
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
@@ -159,6 +159,10 @@ def main(argv=None) -> int:
             save_checkpoint(before_step)
             raise RuntimeError(f"step {step}: {exc}; the retry failed too. Checkpoint of step {state['step']} "
                                f"saved; rerun the same command to resume") from exc
+        except RolloutError as exc:  # a shortfall under on_shortfall = "raise", or a scoring error
+            save_checkpoint(before_step)
+            raise RuntimeError(f"{exc}. Checkpoint of step {state['step']} saved; rerun to resume "
+                               f"(with the cause fixed)") from exc
         engine.release_memory()  # colocated: the KV cache makes room for training activations
         if stop.requested(dist):
             save_checkpoint(before_step)

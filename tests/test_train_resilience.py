@@ -65,6 +65,52 @@ def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, m
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
 
 
+def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path, monkeypatch):
+    steps_trained = []
+    real_run = train.TrainPhase.run
+
+    def counting_run(self, step, groups):
+        steps_trained.append(step)
+        return real_run(self, step, groups)
+
+    def score(solution, ground_truth, strict_box=False):
+        if len(steps_trained) >= 2:  # from step 3's rollouts on every group is all-correct: nothing is kept
+            return {"score": 1.0, "acc": True, "pred": None}
+        return planted_score(solution, ground_truth)
+
+    monkeypatch.setattr(train.TrainPhase, "run", counting_run)
+    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    argv = overrides(str(tmp_path), steps=4, **{"algorithm.on_shortfall": "raise", "checkpoint.interval": 100})
+    with pytest.raises(RuntimeError, match=r"could not fill the batch of step 3 in \d+ generation rounds .*"
+                                           r"Checkpoint of step 2 saved"):
+        train.main(argv)
+    assert steps_trained == [1, 2]
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
+
+
+def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    generate_calls = []
+    real_generate = TorchEngine.generate
+
+    def counting_generate(self, prompts, params):
+        generate_calls.append(len(prompts))
+        return real_generate(self, prompts, params)
+
+    def score(solution, ground_truth, strict_box=False):
+        if len(generate_calls) >= 2:
+            raise KeyError("broken scorer (simulated)")
+        return planted_score(solution, ground_truth)
+
+    monkeypatch.setattr(TorchEngine, "generate", counting_generate)
+    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
+    with pytest.raises(RuntimeError, match=r"step 2, generation round 1 on data-parallel rank 0: KeyError: "
+                                           r"'broken scorer \(simulated\)'. Checkpoint of step 1 saved"):
+        train.main(argv)
+    assert len(generate_calls) == 2  # one round per step, no retry of the engine for a scorer bug
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
+
+
 def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")

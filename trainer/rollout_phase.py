@@ -28,27 +28,44 @@ def generate_round(engine, sampler, prompts_per_round: int, params: SamplingPara
     stop_ids = set(params.stop_token_ids)
     last_error = None
     for _ in range(retries + 1):
+        start = time.perf_counter()
         try:
-            start = time.perf_counter()
             completions = engine.generate([e.prompt_ids for e in examples], params)
-            generated = time.perf_counter()
-            groups = score_groups(examples, completions, params.n, tokenizer, reward, stop_ids, step)
-            return groups, generated - start, time.perf_counter() - generated
-        except EngineFailure as exc:
-            last_error = exc
         except Exception as exc:  # the engine's own errors: report them with the request count
             last_error = EngineFailure(f"engine failed on {len(examples)} prompts x {params.n} samples: "
                                        f"{type(exc).__name__}: {exc}")
+            continue
+        generated = time.perf_counter()
+        try:
+            # Raises EngineFailure for aborted requests or malformed output; other errors are not the engine's.
+            groups = score_groups(examples, completions, params.n, tokenizer, reward, stop_ids, step)
+        except EngineFailure as exc:
+            last_error = exc
+            continue
+        return groups, generated - start, time.perf_counter() - generated
     raise last_error
+
+
+class RolloutError(RuntimeError):
+    """The rollout phase of a step stopped on every rank for a reason that is not the engine's."""
+
+
+class BatchShortfall(RolloutError):
+    """Dynamic sampling could not fill the batch and algorithm.on_shortfall is "raise"."""
+
+
+# What a rank tells the others after each round: the worst of these wins.
+_ROUND_OK, _ROUND_ENGINE_FAILED, _ROUND_FAILED = 0.0, 1.0, 2.0
 
 
 def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prompts_per_round: int,
                   params: SamplingParams, tokenizer, reward: RewardSettings, dist_env):
     """Run generation rounds until every rank's builder is full or the round limit is reached.
 
-    Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}). An
-    engine failure or a shortfall under on_shortfall="raise" on any rank is raised on every rank, so
-    no rank is left waiting in a collective.
+    Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}). An engine
+    failure (EngineFailure), any other error of a round (RolloutError) or a shortfall under
+    on_shortfall="raise" (BatchShortfall) on any rank is raised on every rank, so no rank is left
+    waiting in a collective and train.py can checkpoint the last completed step.
     """
     builder.start_step(step)
     seconds = {"generate": 0.0, "score": 0.0}
@@ -58,21 +75,29 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prom
             break
         # A seed derived from (seed, step, round, rank) makes every round reproducible after a resume.
         seed = zlib.crc32(f"{params.seed}-{step}-{builder.rounds}-{dist_env.dp_rank}".encode())
-        failure = None
+        failure, status = None, _ROUND_OK
         try:
             groups, gen_s, score_s = generate_round(engine, sampler, prompts_per_round,
                                                     dataclasses.replace(params, seed=seed), tokenizer, reward, step)
         except EngineFailure as exc:
-            failure = exc
-        if dist_env.all_reduce([float(failure is not None)], op="max", group="world")[0] > 0:
+            failure, status = exc, _ROUND_ENGINE_FAILED
+        except Exception as exc:  # scoring or data: still agreed on, so no rank waits in a collective
+            failure = RolloutError(f"step {step}, generation round {builder.rounds + 1} on data-parallel rank "
+                                   f"{dist_env.dp_rank}: {type(exc).__name__}: {exc}")
+            failure.__cause__, status = exc, _ROUND_FAILED
+        worst = dist_env.all_reduce([status], op="max", group="world")[0]
+        if worst == _ROUND_ENGINE_FAILED:
             raise failure or EngineFailure("the engine failed on another rank")
+        if worst == _ROUND_FAILED:
+            raise failure or RolloutError(f"step {step}: the rollout phase failed on another rank (see its log)")
         seconds["generate"] += gen_s
         seconds["score"] += score_s
         builder.add_round(groups)
     if builder.on_shortfall == "raise":
         short = dist_env.all_reduce([float(not builder.full())], op="max", group="world")[0] > 0
         if short:
-            raise RuntimeError(f"dynamic sampling could not fill the batch of step {step} in "
-                               f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise')")
+            raise BatchShortfall(f"dynamic sampling could not fill the batch of step {step} in "
+                                 f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise'); "
+                                 f"raise algorithm.max_num_gen_batches or set algorithm.on_shortfall = 'fill'")
     batch, diagnostics = builder.finish()
     return batch, diagnostics, seconds
