@@ -106,11 +106,16 @@ class TrainPhase:
 
         sums = dict.fromkeys(("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum",
                               "valid_tokens"), 0.0)
-        grad_norms, skipped = [], 0
+        grad_norms, skipped, updates = [], 0, 0
         for epoch in range(cfg.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
                 tokens, seqs, groups_here = self._local_counts(mbs)
                 g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
+                if g_seqs == 0:
+                    # A short batch (on_shortfall = "fill") leaves later mini-batches empty on every rank:
+                    # no update, and nothing that would enter the logged loss or grad norm as a zero.
+                    continue
+                updates += 1
                 loss_total = 0.0
                 for micro_index, mb in enumerate(mbs):
                     loss, metrics = dapo_micro_batch_loss(
@@ -141,9 +146,8 @@ class TrainPhase:
         totals = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
         totals["loss"] = loss_sum
         tokens = max(totals.pop("valid_tokens"), 1.0)
-        updates = num_updates * cfg.training.ppo_epochs
         return {
-            "loss": totals["loss"] / updates,
+            "loss": totals["loss"] / updates if updates else math.nan,
             "pg_clipfrac": totals["pg_clipfrac"] / tokens,
             "pg_clipfrac_lower": totals["pg_clipfrac_lower"] / tokens,
             "ppo_kl": totals["ppo_kl"] / tokens,
@@ -151,6 +155,7 @@ class TrainPhase:
             "token_prob/mean": totals["token_prob_sum"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "updates_skipped_nonfinite": skipped,
+            "updates": updates,
             "lr": lr,
             "train_tokens": tokens / cfg.training.ppo_epochs,
             **mismatch,
