@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.job.seed)
     if cfg.job.cpu_threads:
         torch.set_num_threads(cfg.job.cpu_threads)
-    run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main)
+    run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main,
+                                  resume=cfg.checkpoint.resume)
     dist.barrier()
     tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
     train_set, eval_set = load_datasets(cfg, tokenizer)

@@ -12,7 +12,9 @@ Layout of `folder`:
 Atomicity: all ranks write into `step-N.tmp`; after a barrier rank 0 writes the manifest and renames the
 folder to `step-N` (one rename, atomic on POSIX file systems). A checkpoint without the manifest, or whose
 files no longer match it (a truncated or missing file), is skipped with a warning and the next older
-intact one is used. Only the latest `keep` complete checkpoints are kept.
+intact one is used; when a run resumes from it, the newer damaged ones are renamed `step-N.damaged`, so
+the run's own later checkpoints are neither shadowed nor pruned by them. Only the latest `keep` complete
+checkpoints are kept (0: all).
 
 Works with and without a process group: single-process training saves the same layout.
 """
@@ -96,6 +98,15 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _unused_name(path: str) -> str:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
+
+
 def _list_files(root: str) -> dict[str, int]:
     sizes = {}
     for directory, _, files in os.walk(root):
@@ -117,8 +128,8 @@ class CheckpointManager:
     """Save and resume (model, optimizer, LR scheduler, train state) under `folder`, keeping the latest `keep`."""
 
     def __init__(self, folder: str, keep: int = 3):
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0 (0 keeps every checkpoint), got {keep}")
         self.folder = folder
         self.keep = keep
 
@@ -155,8 +166,13 @@ class CheckpointManager:
                 return f"file {name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
         return None
 
-    def latest_valid_step(self) -> int | None:
-        """The newest intact checkpoint; newer damaged ones are skipped with a warning. Decided on rank 0."""
+    def latest_valid_step(self, set_aside_damaged: bool = False) -> int | None:
+        """The newest intact checkpoint; newer damaged ones are skipped with a warning. Decided on rank 0.
+
+        set_aside_damaged: rename the skipped ones to `step-N.damaged` (kept for inspection). A run that
+        resumes from an older step must do this: its own later checkpoints would otherwise rank below the
+        damaged ones and be pruned as the oldest, and the damaged step would never be written again.
+        """
         chosen = None
         if _rank() == 0:
             for step in reversed(self.complete_steps()):
@@ -164,7 +180,12 @@ class CheckpointManager:
                 if problem is None:
                     chosen = step
                     break
-                warnings.warn(f"skipping checkpoint {self._step_path(step)}: {problem}", stacklevel=2)
+                path = self._step_path(step)
+                if set_aside_damaged:
+                    aside = _unused_name(path + ".damaged")
+                    os.replace(path, aside)
+                    problem += f"; moved to {aside}"
+                warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
         return _broadcast(chosen)
 
     # ---- save ---------------------------------------------------------------------------------------
@@ -209,17 +230,22 @@ class CheckpointManager:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            if os.path.exists(final):  # re-saving a step replaces it
-                shutil.rmtree(final)
+            old = None
+            if os.path.exists(final):  # re-saving a step replaces it; a directory cannot be replaced in one rename
+                old = _unused_name(final + ".old")
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.folder)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self._prune(keep_step=step)
         _barrier()
         return final
 
     def _prune(self, keep_step: int) -> None:
-        for step in self.complete_steps()[:-self.keep]:
-            shutil.rmtree(self._step_path(step), ignore_errors=True)
+        if self.keep:  # 0: keep every checkpoint
+            for step in self.complete_steps()[:-self.keep]:
+                shutil.rmtree(self._step_path(step), ignore_errors=True)
         for name in os.listdir(self.folder):  # folders of interrupted saves
             if name.endswith(".tmp") and name != f"step-{keep_step:08d}.tmp":
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
@@ -269,7 +295,7 @@ class CheckpointManager:
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                lr_scheduler=None) -> dict[str, Any] | None:
         """Load the newest intact checkpoint, if any; returns its train state or None (fresh start)."""
-        step = self.latest_valid_step()
+        step = self.latest_valid_step(set_aside_damaged=True)
         if step is None:
             return None
         return self.load(step, model, optimizer, lr_scheduler)

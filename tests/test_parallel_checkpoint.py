@@ -130,17 +130,52 @@ def test_single_process_save_prune_and_fallback(tmp_path):
     # A checkpoint whose manifest is missing (renamed by hand, or an older format) is not trusted either.
     os.remove(os.path.join(folder, "step-00000004", MANIFEST))
     fresh, fresh_opt, fresh_sched = _setup(1)
-    with pytest.warns(UserWarning, match=r"step-00000004: no COMPLETE.json"):
+    with pytest.warns(UserWarning, match=r"step-00000004: no COMPLETE.json .*; moved to .*step-00000004.damaged"):
         state = manager.resume(fresh, fresh_opt, fresh_sched)
     assert state == {"step": 3}
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved[3].items())
     assert fresh_sched.last_epoch == scheduler.last_epoch - 1
     assert fresh_opt.state_dict()["state"][0]["step"] == 3
+    assert sorted(os.listdir(folder)) == ["step-00000003", "step-00000004.damaged"]
+
+
+def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    manager = CheckpointManager(folder, keep=1)
+    model, optimizer, scheduler = _setup(0)
+    for step in (20, 30):
+        _step(model, optimizer, scheduler)
+        manager.save(step, model, optimizer, scheduler, {"step": step})
+    with open(os.path.join(folder, "step-00000030", "train_state", "rank-00000.pt"), "r+b") as f:
+        f.truncate(10)
+    # keep=1 pruned step 20; rebuild it as the intact one to fall back to.
+    manager.keep = 0
+    manager.save(20, model, optimizer, scheduler, {"step": 20})
+    manager.keep = 1
+    with pytest.warns(UserWarning, match="rank-00000.pt has 10 bytes"):
+        assert manager.resume(*_setup(1)) == {"step": 20}
+    # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
+    manager.save(21, model, optimizer, scheduler, {"step": 21})
+    assert manager.complete_steps() == [21] and manager.latest_valid_step() == 21
+    manager.save(30, model, optimizer, scheduler, {"step": 30})
+    assert manager.complete_steps() == [30] and manager.validate(30) is None
+    assert sorted(os.listdir(folder)) == ["step-00000030", "step-00000030.damaged"]
+
+
+def test_keep_zero_keeps_every_checkpoint_and_resaving_a_step_replaces_it(tmp_path):
+    manager = CheckpointManager(str(tmp_path), keep=0)
+    model, optimizer, scheduler = _setup(0)
+    for step in range(1, 5):
+        manager.save(step, model, optimizer, scheduler, {"step": step})
+    manager.save(4, model, optimizer, scheduler, {"step": 4, "again": True})
+    assert manager.complete_steps() == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path)) == [f"step-0000000{s}" for s in range(1, 5)]
+    assert manager.resume(*_setup(1)) == {"step": 4, "again": True}
 
 
 def test_bad_keep_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="keep must be at least 1"):
-        CheckpointManager(str(tmp_path), keep=0)
+    with pytest.raises(ValueError, match=r"keep must be >= 0 \(0 keeps every checkpoint\), got -1"):
+        CheckpointManager(str(tmp_path), keep=-1)
 
 
 def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path):

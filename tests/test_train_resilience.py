@@ -121,6 +121,15 @@ def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
     result = subprocess.run([sys.executable, "train.py", "--config", "configs/demo_cpu.toml",
                              f"--job.run_dir={blocker}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "is not writable" in result.stderr
+    # A fresh run (no resume) refuses a folder with an earlier run's checkpoints; its config is left as it was.
+    earlier = tmp_path / "runs" / "run"
+    (earlier / "checkpoints" / "step-00000030").mkdir(parents=True)
+    (earlier / "config.json").write_text("{}")
+    with pytest.raises(RunFolderError, match=r"already holds checkpoints of an earlier run \(step-00000030\) and "
+                                             r"checkpoint.resume = false"):
+        prepare_run_folder(str(tmp_path / "runs"), "run", {"new": 1}, resume=False)
+    assert (earlier / "config.json").read_text() == "{}"
+    assert prepare_run_folder(str(tmp_path / "runs"), "run", {"new": 1}, resume=True) == str(earlier)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@
         config.json        the resolved configuration (what --dry-run prints)
         metrics.jsonl      one JSON line of metrics per step
         tensorboard/       event files (metrics.tensorboard = true)
-        checkpoints/       distributed checkpoints, step_<N>/ (the newest complete one is resumed)
+        checkpoints/       distributed checkpoints, step-<N>/ (the newest complete one is resumed)
         hf/                the final policy as an HF checkpoint (+ tokenizer)
         tokenizer/         the tokenizer the run trained (synthetic task without a tokenizer path)
         plots/panel.png    the monitoring panel drawn from metrics.jsonl
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 
@@ -25,11 +26,22 @@ MIN_FREE_BYTES = 64 << 20
 
 
 def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: bool = True,
-                       min_free_bytes: int = MIN_FREE_BYTES) -> str:
-    """Create the run folder, prove it is writable and has room, and snapshot the configuration."""
+                       min_free_bytes: int = MIN_FREE_BYTES, resume: bool = True) -> str:
+    """Create the run folder, prove it is writable and has room, and snapshot the configuration.
+
+    resume=False (checkpoint.resume = false) refuses a folder that already holds checkpoints: a fresh run
+    there would have its own checkpoints shadowed and pruned by the earlier run's higher steps.
+    """
     path = os.path.abspath(os.path.join(run_dir, name))
     if not is_main:
         return path
+    checkpoints = os.path.join(path, "checkpoints")
+    if not resume and os.path.isdir(checkpoints):
+        earlier = sorted(n for n in os.listdir(checkpoints) if re.fullmatch(r"step-\d+", n))
+        if earlier:
+            raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
+                                 f"and checkpoint.resume = false; set checkpoint.resume = true to continue that run, "
+                                 f"or choose another job.name or job.run_dir")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write_probe")
