@@ -12,8 +12,8 @@ bucket of its own). The engine copies each bucket into its existing weights (no 
 
 Who calls it: every rank of the trainer, because gathering a DTensor is a collective that all ranks of
 its mesh must enter, in the same order (the loop order is the module's, identical on every rank).
-Where the engine lives: pass `engine=None` on ranks that hold no engine; they still take part in the
-gathers. With the torch engine every rank holds its own full copy, so every rank passes its engine.
+Where the engine lives: pass `engine=None` and the engines' `dtype` on ranks that hold no engine; they
+still take part in the gathers, which must move the same bytes on every rank. With the torch engine every rank holds its own full copy, so every rank passes its engine.
 With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
 `update_weights` gathers the ranks' buckets to the engine's leader.
 """
@@ -64,10 +64,14 @@ def sync_weights(trainer_model: nn.Module, engine, *, bucket_bytes: int = 1 << 3
                  dtype: torch.dtype | None = None) -> int:
     """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
 
-    dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it), else the
-    trainer's own dtype. Call on every trainer rank (see the module docstring).
+    dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it). Required with
+    `engine=None`: such a rank must gather in the dtype the ranks with an engine cast to.
+    Call on every trainer rank (see the module docstring).
     """
-    if dtype is None and engine is not None:
+    if dtype is None:
+        if engine is None:
+            raise ValueError("sync_weights on a rank without an engine needs dtype=<the engines' weight dtype>: "
+                             "every rank casts before gathering, and the gathers must move the same bytes")
         dtype = getattr(engine, "dtype", None)
     sent = 0
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype):

@@ -71,7 +71,10 @@ def test_cast_to_engine_dtype_and_compiled_wrapper_names():
 def test_gather_only_ranks_and_bad_bucket_size():
     trainer = _distinct_model(5)
     total = sum(p.numel() * 4 for p in trainer.parameters())
-    assert sync_weights(trainer, None) == total
+    assert sync_weights(trainer, None, dtype=torch.float32) == total
+    assert sync_weights(trainer, None, dtype=torch.bfloat16) == total // 2
+    with pytest.raises(ValueError, match="without an engine needs dtype="):
+        sync_weights(trainer, None)
     with pytest.raises(ValueError, match="bucket_bytes"):
         next(iter_weight_buckets(trainer, bucket_bytes=0))
 
@@ -138,6 +141,23 @@ def _sharded_sync_worker(rank, world, kinds):
 def _spawn(world, kinds):
     synced = [(kind, dtype) for kind in kinds for dtype in (torch.float32, torch.bfloat16)]
     assert run_ranks(_sharded_sync_worker, world, kinds) == [synced] * world
+
+
+def _engine_on_one_rank_worker(rank, world):
+    reference = _distinct_model(7)
+    trainer = _shard(copy.deepcopy(reference), "fsdp", world)
+    if rank == 0:
+        engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32, dtype=torch.bfloat16)
+        sync_weights(trainer, engine, bucket_bytes=30_000)
+        _assert_engine_holds(engine, reference, torch.bfloat16)
+    else:  # gathers in the engine's dtype without holding an engine
+        sync_weights(trainer, None, bucket_bytes=30_000, dtype=torch.bfloat16)
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_rank_without_an_engine_gathers_in_the_engine_dtype():
+    assert run_ranks(_engine_on_one_rank_worker, 2) == [0, 1]
 
 
 @pytest.mark.multiprocess
