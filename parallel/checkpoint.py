@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from parallel.fsdp import reshard_gathered
+
 MANIFEST = "COMPLETE.json"
 _STEP_DIR = re.compile(r"step-(\d{8})\Z")
 
@@ -197,6 +199,7 @@ class CheckpointManager:
         train_state: picklable values of this rank (step, tokens, data position, carried-over rollout
         groups as bytes, ...); RNG states are added automatically.
         """
+        reshard_gathered(model)  # the fp32 master shards, not copies gathered by a forward without backward
         final = self._step_path(step)
         tmp = final + ".tmp"
         if _rank() == 0:

@@ -70,3 +70,16 @@ def set_gradient_sum(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def reshard_gathered(model: nn.Module) -> None:
+    """Put every FSDP unit back in its sharded state, so `named_parameters()` yields the fp32 master shards.
+
+    Units built with reshard_after_forward=False (the root, the last block) stay gathered after a forward
+    that has no backward (a no-grad log-prob pass, an evaluation): their parameters are then the gathered
+    low-precision copies, and whoever reads them (weight sync, checkpoint, export) would get bf16-rounded
+    weights. Cheap when every unit is already sharded.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

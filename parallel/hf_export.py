@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model.hf import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, hf_config_from_args, save_hf, to_hf_name
+from parallel.fsdp import reshard_gathered
 
 _MODEL_FILES = re.compile(r"(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)\Z")
 
@@ -85,10 +86,12 @@ def export_hf(model: nn.Module, path: str, *, dtype: torch.dtype | None = None,
     """Write `model` (plain, FSDP- and/or TP-sharded) as a HF Qwen2 checkpoint into `path`; call on every rank.
 
     dtype: cast the stored tensors (e.g. torch.bfloat16); default: the parameters' dtype. Older model files
-    in `path` are replaced. Call outside forward/backward (FSDP parameters must be in their sharded state).
+    in `path` are replaced. Call outside forward/backward; FSDP units still gathered by a forward without
+    backward are resharded first, so the fp32 master weights are written.
     """
     if method not in ("dcp", "gather"):
         raise ValueError(f"export method must be 'dcp' or 'gather', got {method!r}")
+    reshard_gathered(model)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         save_hf(((n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in model.named_parameters()),
                 path, args=model.args, max_shard_bytes=max_shard_bytes)

@@ -20,6 +20,8 @@ With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -44,6 +46,10 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if "torch.distributed.fsdp" in sys.modules:  # otherwise no module can be FSDP-sharded
+        from parallel.fsdp import reshard_gathered
+
+        reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
     bucket, size = [], 0
     with torch.no_grad():
         for name, param in model.named_parameters():

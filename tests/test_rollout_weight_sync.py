@@ -155,6 +155,40 @@ def _engine_on_one_rank_worker(rank, world):
     return rank
 
 
+def _after_no_grad_forward_worker(rank, world, folder):
+    from model.args import PRESETS as presets
+    from parallel.checkpoint import CheckpointManager
+    from parallel.dims import ParallelDims
+    from parallel.parallelize import parallelize_qwen2
+
+    args = presets["tiny-tied"]
+    dims = ParallelDims(world_size=world)
+    model = build_model(args, seed=3)
+    parallelize_qwen2(model, dims.build_mesh("cpu"), dims, param_dtype=torch.bfloat16)
+    master = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # leaves the root unit and the last block gathered, in bf16
+        model(torch.randint(0, args.vocab_size, (1, 8)), return_hidden=True)
+    engine = TorchEngine(build_model(args, seed=9), max_batch_size=1, max_seq_len=16)  # fp32
+    sync_weights(model, engine)
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, master[name]), name
+    with torch.no_grad():
+        model(torch.randint(0, args.vocab_size, (1, 8)), return_hidden=True)
+    manager = CheckpointManager(folder)
+    manager.save(1, model)
+    fresh = build_model(args, seed=4)
+    parallelize_qwen2(fresh, dims.build_mesh("cpu"), dims, param_dtype=torch.bfloat16)
+    manager.load(1, fresh)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.full_tensor(), master[name]), name
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_sync_and_checkpoint_after_a_no_grad_forward_read_the_fp32_master_weights(tmp_path):
+    assert run_ranks(_after_no_grad_forward_worker, 2, str(tmp_path / "ckpt")) == [0, 1]
+
+
 @pytest.mark.multiprocess
 def test_rank_without_an_engine_gathers_in_the_engine_dtype():
     assert run_ranks(_engine_on_one_rank_worker, 2) == [0, 1]
