@@ -38,8 +38,9 @@ def group_advantages(
         raise ValueError(f"group_advantages: scores must be 1-D [N], got shape {tuple(scores.shape)}")
     if not torch.isfinite(scores).all():
         raise ValueError("group_advantages: scores contain NaN or inf")
-    if not eps >= 0:
-        raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
+    if norm_by_std and not eps > 0:
+        # eps = 0 would turn a group of equal rewards into 0 / 0 instead of the documented A = 0.
+        raise ValueError(f"group_advantages: eps must be > 0 when dividing by the group std, got {eps}")
     index, num_groups = _group_index(scores.shape[0], group_size, group_ids, scores.device)
 
     x = scores.to(torch.float64)

@@ -89,7 +89,8 @@ def test_dtype_is_preserved():
         ({"group_size": 0}, "positive int"),
         ({"group_ids": [0, 1]}, "2 group ids for 4 scores"),
         ({"group_ids": torch.tensor([0.0, 0.0, 1.0, 1.0])}, "integer values"),
-        ({"group_size": 2, "eps": -1.0}, "eps"),
+        ({"group_size": 2, "eps": -1.0}, "eps must be > 0"),
+        ({"group_size": 2, "eps": 0.0}, "eps must be > 0 when dividing by the group std"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
