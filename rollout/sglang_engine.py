@@ -8,7 +8,9 @@ lazily, so this module imports (and its pure functions are tested) on machines w
 Engine start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static,
 enable_memory_saver=True, skip_tokenizer_init=True, dtype, random_seed)`; prompts go in as token ids.
 
-Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`.
+Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`,
+one sampling_params dict per prompt whose max_new_tokens is capped at what the context leaves (SGLang
+refuses the whole batch otherwise); prompts must leave SGLang's margin of PROMPT_MARGIN tokens.
 SGLang's parallel sampling (`n`) prefills each prompt once and returns results prompt-major, the order
 of the protocol. Every output dict is translated by `completions_from_sglang`:
     token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
@@ -26,7 +28,8 @@ Weight updates (after each optimizer step), inside one update session:
     end_weight_update(); flush_cache()                      # closed by resume_memory() / generate()
 A bucket is flattened into one uint8 tensor plus metadata (SGLang's FlattenedTensorBucket), and
 serialized with SGLang's MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC handle, not
-as bytes. SGLang's TP rank i opens payload i. With a process group (one trainer rank per SGLang TP
+as bytes. SGLang's TP rank i opens payload i, and each payload is a serialization of its own (a CUDA
+IPC reference is released once per serialization). With a process group (one trainer rank per SGLang TP
 rank, on the same GPUs), each rank serializes its own gathered copy and the payloads are gathered to
 the group's rank 0, which owns the sglang.Engine; every rank keeps its bucket alive until the leader's
 call returned (a broadcast of the result). Names are Hugging Face's, as SGLang loads them.
@@ -76,10 +79,17 @@ def check_sglang_version(installed: str | None = None) -> None:
         )
 
 
-def sglang_sampling_params(params: SamplingParams) -> dict:
-    """Our SamplingParams as SGLang's sampling_params dict (temperature 0 is greedy there too)."""
+# SGLang aborts a prompt of min(context, KV-cache tokens) - 6 tokens or more (its max_req_input_len is
+# min(context - 1, kv tokens - 1) - 5), and caps a request's new tokens at context - 2 - prompt length.
+PROMPT_MARGIN = 7
+NEW_TOKEN_MARGIN = 2
+
+
+def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = None) -> dict:
+    """Our SamplingParams as SGLang's sampling_params dict (temperature 0 is greedy there too);
+    `max_new_tokens` overrides the params' own (a per-prompt cap)."""
     out = {
-        "max_new_tokens": params.max_new_tokens,
+        "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,
@@ -89,6 +99,20 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
     return out
+
+
+def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
+    """The SGLang context in which a prompt of max_prompt_length tokens still gets all max_new_tokens."""
+    return max_prompt_length + max(max_new_tokens + NEW_TOKEN_MARGIN, PROMPT_MARGIN)
+
+
+def sglang_request_params(params: SamplingParams, prompt_lengths: list[int], context_length: int) -> list[dict]:
+    """One sampling_params dict per prompt, its max_new_tokens capped at what the context leaves:
+    min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
+    (as in the torch engine) instead of SGLang refusing the whole batch (it raises when prompt length +
+    max_new_tokens exceeds the context)."""
+    return [sglang_sampling_params(params, min(params.max_new_tokens, context_length - NEW_TOKEN_MARGIN - length))
+            for length in prompt_lengths]
 
 
 def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completion]:
@@ -201,17 +225,27 @@ class SGLangEngine:
 
         return sglang.Engine(**kwargs)
 
-    def _serialize_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
-        """(payload, keep-alive): {"flattened_tensor", "metadata"} through SGLang's serializer."""
-        from sglang.srt.utils import MultiprocessingSerializer
+    def _flatten_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
+        """(payload, keep-alive): {"flattened_tensor", "metadata"} of SGLang's FlattenedTensorBucket."""
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         # CUDA IPC handles then name the device by UUID, so the receiver finds it whatever its CUDA_VISIBLE_DEVICES.
         monkey_patch_torch_reductions()
         flat = FlattenedTensorBucket(named_tensors=bucket)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-        return MultiprocessingSerializer.serialize(payload, output_str=True), flat
+        return {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, flat
+
+    def _serialize(self, payload) -> str:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+    def _serialize_bucket(self, bucket: list[tuple[str, torch.Tensor]], copies: int):
+        """(`copies` serialized payloads, keep-alive). Each serialization of a CUDA tensor takes one
+        reference on the sender's block that exactly one receiver releases, so every SGLang TP rank must
+        open a payload of its own: one shared string opened by tp ranks would never let the memory go."""
+        payload, keep_alive = self._flatten_bucket(bucket)
+        return [self._serialize(payload) for _ in range(copies)], keep_alive
 
     # -- collectives over the group ----------------------------------------------------------------
 
@@ -282,8 +316,10 @@ class SGLangEngine:
                 raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
         if not bucket:
             return
-        payload, keep_alive = self._serialize_bucket(bucket)
-        payloads = self._gather(payload)
+        # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
+        # process feeds every TP rank, one serialization each.
+        payloads, keep_alive = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
+        per_rank = self._gather(payloads[0]) if self.group is not None else payloads
         resume_weights, open_session = "weights" in self._released, not self._session_open
 
         def send():
@@ -291,8 +327,6 @@ class SGLangEngine:
                 self._engine.resume_memory_occupation(["weights"])
             if open_session:
                 self._check("begin_weight_update", self._engine.begin_weight_update())
-            # Without a group one process feeds every TP rank: each rank gets its own copy of the payload.
-            per_rank = payloads if self.group is not None else payloads * self.tp_size
             self._check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
                 named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False))
 
@@ -340,7 +374,7 @@ class SGLangEngine:
                 raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
             if self._released:
                 raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
-            validate_prompts(prompts, self.context_length - 1, self.args.vocab_size)
+            validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
         except (TypeError, ValueError, RuntimeError) as e:
             if self.group is None:
                 raise
@@ -355,8 +389,9 @@ class SGLangEngine:
                 rank_prompts = [value for _, value in gathered]
                 self._end_session()
                 flat = [p for ps in rank_prompts for p in ps]
-                outputs = self._engine.generate(input_ids=flat, sampling_params=sglang_sampling_params(params),
-                                                return_logprob=True)
+                outputs = self._engine.generate(
+                    input_ids=flat, return_logprob=True,
+                    sampling_params=sglang_request_params(params, [len(p) for p in flat], self.context_length))
                 completions = completions_from_sglang(outputs, len(flat), params.n)
                 parts, offset = [], 0
                 for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):

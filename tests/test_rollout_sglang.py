@@ -4,6 +4,7 @@ engine's protocol state machine driven against a recording backend that enforces
 before loading). The real engine is exercised by the `sglang`-marked test and bench/sglang_smoke.py."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rollout.sglang_engine import (
     SGLangEngine,
     check_sglang_version,
     completions_from_sglang,
+    context_length_for,
     sglang_sampling_params,
     split_by_counts,
 )
@@ -104,9 +106,10 @@ def test_missing_sglang_is_a_clear_error(tmp_path):
 class _RecordingBackend:
     """Answers like sglang.Engine 0.5.21 and records the calls; loads weights into a torch model."""
 
-    def __init__(self, model, tp_size):
-        self.model, self.tp_size = model, tp_size
+    def __init__(self, model, tp_size, context_length):
+        self.model, self.tp_size, self.context_length = model, tp_size, context_length
         self.calls, self.session, self.released = [], False, set()
+        self.max_new_tokens = []
 
     def begin_weight_update(self):
         self.calls.append("begin")
@@ -125,13 +128,16 @@ class _RecordingBackend:
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append("update")
         assert load_format == "flattened_bucket" and flush_cache is False and len(named_tensors) == self.tp_size
+        # One serialization per TP rank: each CUDA IPC reference is released by exactly one rank.
+        assert all(isinstance(p, _Serialized) for p in named_tensors)
+        assert len({p.number for p in named_tensors}) == self.tp_size
         if not self.session:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         if "weights" in self.released:
             return False, "weights are released"
         params = dict(self.model.named_parameters())
         with torch.no_grad():
-            for hf_name, tensor in named_tensors[0]:
+            for hf_name, tensor in named_tensors[0].payload:
                 params[hf_name[len("model."):] if hf_name.startswith("model.") else hf_name].copy_(tensor)
         return True, "Success"
 
@@ -149,20 +155,39 @@ class _RecordingBackend:
     def generate(self, input_ids, sampling_params, return_logprob):
         self.calls.append("generate")
         assert return_logprob and not self.released
-        n = sampling_params["n"]
+        assert isinstance(sampling_params, list) and len(sampling_params) == len(input_ids)
+        n = sampling_params[0]["n"]
+        assert all(sp["n"] == n for sp in sampling_params)  # SGLang requires one n for the batch
+        for prompt, sp in zip(input_ids, sampling_params):  # what SGLang 0.5.21 refuses for the whole batch
+            if len(prompt) >= self.context_length - 6 or len(prompt) + sp["max_new_tokens"] > self.context_length:
+                raise ValueError(f"prompt of {len(prompt)} tokens + {sp['max_new_tokens']} new exceeds the context")
+        self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
         return [_out([len(p), s], [-1.0, -2.0], {"type": "length"}) for p in input_ids for s in range(n)]
 
     def shutdown(self):
         self.calls.append("shutdown")
 
 
+class _Serialized:
+    """Stands for one serialized payload; numbered so the recorder can tell serializations apart."""
+
+    count = 0
+
+    def __init__(self, payload):
+        _Serialized.count += 1
+        self.payload, self.number = payload, (os.getpid(), _Serialized.count)  # ranks are processes
+
+
 class _EngineOnRecorder(SGLangEngine):
     def _launch(self, **kwargs):
         assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "float32"
-        return _RecordingBackend(build_model(ARGS, seed=1), kwargs["tp_size"])
+        return _RecordingBackend(build_model(ARGS, seed=1), kwargs["tp_size"], kwargs["context_length"])
 
-    def _serialize_bucket(self, bucket):
+    def _flatten_bucket(self, bucket):
         return list(bucket), None  # the recorder reads tensors directly; no CUDA IPC on CPU
+
+    def _serialize(self, payload):
+        return _Serialized(payload)
 
 
 @pytest.fixture
@@ -197,6 +222,21 @@ def test_memory_and_weight_update_protocol(checkpoint):
         (0, 0, [3, 0]), (0, 1, [3, 1]), (1, 0, [1, 0]), (1, 1, [1, 1])]
     engine.shutdown()
     assert backend.calls[-1] == "shutdown"
+
+
+def test_long_prompts_get_capped_budgets_instead_of_failing_the_batch(checkpoint):
+    engine = _EngineOnRecorder(checkpoint, dtype=torch.float32, context_length=16)
+    prompts = [[1] * 3, [2] * 9]  # 9 = 16 - PROMPT_MARGIN: the longest prompt SGLang accepts here
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=10, n=2))
+    assert engine._engine.max_new_tokens == [[10, 16 - 2 - 9]]  # capped: ends with finish reason "length"
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"prompt 1 has 10 tokens, longer than the engine's context allows \(9"):
+        engine.generate([[1], [2] * 10], SamplingParams(max_new_tokens=1))
+    # The context train.py asks for gives the longest prompt its whole budget.
+    engine = _EngineOnRecorder(checkpoint, dtype=torch.float32, context_length=context_length_for(9, 10))
+    engine.generate([[2] * 9], SamplingParams(max_new_tokens=10))
+    assert engine._engine.max_new_tokens == [[10]]
+    assert context_length_for(9, 1) == 9 + 7  # short budgets still leave SGLang's prompt margin
 
 
 def test_bad_bucket_is_refused_before_sending(checkpoint):

@@ -105,9 +105,10 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
         return TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
                            max_seq_len=max_prompt_length + max_new, device=device,
                            dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed)
-    from rollout.sglang_engine import SGLangEngine
+    from rollout.sglang_engine import SGLangEngine, context_length_for
 
     group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)
     return SGLangEngine(model_path=cfg.model.hf_path, tp_size=cfg.rollout.tp_size, base_gpu_id=base_gpu_id,
                         mem_fraction_static=cfg.rollout.mem_fraction_static, dtype=cfg.rollout.dtype,
-                        seed=cfg.job.seed, context_length=max_prompt_length + max_new, group=group)
+                        seed=cfg.job.seed, context_length=context_length_for(max_prompt_length, max_new),
+                        group=group)
