@@ -17,10 +17,12 @@ estimators and the majority-vote rules are in rl/eval_metrics.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
@@ -44,13 +46,14 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
 
     examples: distinct problems (rl/data.py PromptExample: prompt_ids, ground_truth, data_source);
         k comes from params.n, so a data set loaded with repeat > 1 is refused.
-    progress: None/False for no display, True for one on stderr, or an object with `update(n)`
-        (e.g. observe.progress.Progress) that is advanced by the number of problems done.
+    progress: None/False for no display, True for one on stderr, or an object with `update(n, **postfix)`
+        (e.g. observe.progress.Progress) that is advanced by the number of problems done, with the
+        running accuracy as `acc=`.
     pass_at: the j of the reported pass@j (each <= k); default 1 and k.
     prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
         engine's batch fullest; smaller calls give the progress display finer steps).
     gather: merges the per-problem results of all ranks (e.g. wrapping all_gather_object) when each
-        rank evaluates its own share of the problems; None for a single process.
+        rank evaluates its own share of the problems (which may be empty); None for a single process.
 
     Returns {"k", "overall": {...}, "by_source": {source: {...}}, "sampling": {...}, "time_s"}; the
     rows hold num_problems, num_samples, avg@k, pass@j, maj@k, response_length/mean (tokens, stop
@@ -59,7 +62,7 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
     examples = list(examples)
-    if not examples:
+    if not examples and gather is None:
         raise ValueError("evaluate() needs at least one example")
     _refuse_repeats(examples)
     k = params.n
@@ -69,7 +72,7 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
         raise ValueError(f"pass@{bad[0]} needs between 1 and k = {k} samples per problem")
     if prompts_per_call is not None and prompts_per_call < 1:
         raise ValueError(f"prompts_per_call must be >= 1 or None, got {prompts_per_call}")
-    chunk = prompts_per_call or len(examples)
+    chunk = prompts_per_call or max(len(examples), 1)
 
     owned = progress is True
     if owned:
@@ -81,7 +84,7 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
     try:
         for begin in range(0, len(examples), chunk):
             batch = examples[begin:begin + chunk]
-            completions = engine.generate([list(e.prompt_ids) for e in batch], params)
+            completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
             results.extend(score_completions(batch, completions, tokenizer, k, strict_box=strict_box))
             if progress is not None and progress is not False:
                 done = results[-len(batch):]
@@ -91,12 +94,23 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
             progress.close()
     elapsed = time.perf_counter() - start
     if gather is not None:
-        results = gather(results)
+        results = gather(results)  # a rank with no share of the problems contributes nothing
+        if not results:
+            raise ValueError("evaluate() needs at least one example (none on any rank)")
     report = summarize(results, ks)
     report["sampling"] = {"n": k, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                           "max_new_tokens": params.max_new_tokens, "strict_box": strict_box}
     report["time_s"] = elapsed
     return report
+
+
+def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> SamplingParams:
+    """The params of one generate call. A fixed seed is combined with the call's first problem, so calls
+    (chunks, data-parallel ranks) draw independent samples instead of replaying one random stream; the
+    same problems and seed still give the same samples."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=zlib.crc32(f"{params.seed}-{begin}-{batch[0].index}".encode()))
 
 
 def params_from_config(cfg, stop_token_ids, seed: int | None = None) -> SamplingParams:

@@ -163,6 +163,57 @@ def test_chunked_calls_advance_the_progress_display_and_gather_merges_ranks(toke
     assert report["overall"]["truncated_share"] == 0.5
 
 
+def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tokenizer):
+    ex = _examples(tokenizer, 5)
+    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in ex})
+    seeds = []
+    real_generate = engine.generate
+
+    def recording_generate(prompts, params):
+        seeds.append(params.seed)
+        return real_generate(prompts, params)
+
+    engine.generate = recording_generate
+    others = evaluation.score_completions(ex, engine.generate([list(e.prompt_ids) for e in ex], _params(2)),
+                                          tokenizer, 2)
+    seeds.clear()
+    # A rank whose share is empty (more ranks than problems) generates nothing and still merges.
+    report = evaluate(engine, [], tokenizer, _params(2), gather=lambda local: local + others)
+    assert seeds == [] and report["overall"]["num_problems"] == 5 and report["overall"]["avg@2"] == 1.0
+    with pytest.raises(ValueError, match="none on any rank"):
+        evaluate(engine, [], tokenizer, _params(2), gather=lambda local: local)
+    # A fixed seed gives each call (chunk, or rank's share) its own stream, reproducibly.
+    seeded = SamplingParams(max_new_tokens=64, temperature=1.0, top_p=0.7, n=2, seed=7)
+    evaluate(engine, ex, tokenizer, seeded, prompts_per_call=2)
+    evaluate(engine, ex, tokenizer, seeded, prompts_per_call=2)
+    evaluate(engine, ex[1:], tokenizer, seeded)  # another rank's share
+    assert len(set(seeds[:3])) == 3 and seeds[3:6] == seeds[:3] and seeds[6] not in seeds[:3]
+    assert evaluation.evaluate(engine, ex, tokenizer, _params(2)) and seeds[-1] is None  # None stays None
+
+
+def _held_out_worker(rank, world, tokenizer, examples, run_path):
+    import types
+
+    import torch.distributed as dist
+
+    from trainer.evaluation import run_held_out_eval
+
+    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
+    dist_env = types.SimpleNamespace(dp_rank=rank, dp_size=world, world_size=world, dp_group=dist.group.WORLD,
+                                     is_main=rank == 0)
+    metrics = run_held_out_eval(engine, examples, tokenizer, _params(2), dist_env, run_path, step=0)
+    return engine.calls, metrics["eval/avg_at_k"]
+
+
+@pytest.mark.multiprocess
+def test_held_out_eval_with_more_ranks_than_problems(tokenizer, tmp_path):
+    from dist_utils import run_ranks
+
+    one_problem = _examples(tokenizer, 1)
+    results = run_ranks(_held_out_worker, 2, tokenizer, one_problem, str(tmp_path))
+    assert results == [([1], 1.0), ([], 1.0)]  # rank 1 has no problem: no generate call, same merged metrics
+
+
 def test_engine_failures_and_repeats_are_refused_with_counts(tokenizer):
     ex = _examples(tokenizer, 3)
     responses = {tuple(e.prompt_ids): ["x", "y"] for e in ex}
@@ -228,7 +279,8 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
         return TorchEngine(load_hf(str(checkpoint / "hf")), max_batch_size=8, max_seq_len=512)
 
     report = evaluate(engine(), ex, tokenizer, params)
-    completions = engine().generate([e.prompt_ids for e in ex], params)
+    # evaluate() seeds its one call from (seed, first problem): the same draw, made directly.
+    completions = engine().generate([e.prompt_ids for e in ex], evaluation._call_params(params, ex, 0))
     lengths = [len(c.token_ids) for c in completions]
     acc = [compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex[c.prompt_index].ground_truth)["acc"]
            for c in completions]
