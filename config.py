@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model.args import PRESETS
+from rl.data import SYNTHETIC_LEVELS, synthetic_problem_limit
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_cpu.toml")
 DType = Literal["float32", "bfloat16"]
@@ -429,6 +430,16 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
           f"set either model.preset or model.hf_path = {model.hf_path!r}, not both")
 
     check(0.0 <= cfg.data.synthetic_answer_share <= 1.0, "data.synthetic_answer_share", "must be in [0, 1]")
+    synthetic_splits = [split for key, split in (("train_path", "train"), ("eval_path", "eval"))
+                        if getattr(cfg.data, key) == "synthetic"]
+    if synthetic_splits:
+        check(cfg.data.synthetic_difficulty in SYNTHETIC_LEVELS, "data.synthetic_difficulty",
+              f"must be one of the synthetic task's levels {sorted(SYNTHETIC_LEVELS)}")
+    for split in synthetic_splits:
+        most = synthetic_problem_limit(cfg.data.synthetic_difficulty, split)
+        check(getattr(cfg.data, f"synthetic_num_{split}") <= most, f"data.synthetic_num_{split}",
+              f"must be <= {most}: the {split} split of difficulty {cfg.data.synthetic_difficulty} has no more "
+              f"distinct problems")
     for key in ("data.max_prompt_length", "data.synthetic_difficulty", "data.synthetic_num_train",
                 "data.synthetic_num_eval", "rollout.n", "rollout.max_response_length",
                 "rollout.gen_batch_multiplier", "rollout.tp_size", "rollout.weight_sync_bucket_mb",
@@ -509,6 +520,9 @@ def check_runnable(cfg: Config) -> None:
         if path != "synthetic" and not os.path.isfile(path):
             raise ConfigError(f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
                               f"{what} schema, or to 'synthetic'")
+    if data.train_path != "synthetic" and not (model.tokenizer_path or model.hf_path):
+        raise ConfigError(f"model.tokenizer_path is not set: data.train_path = {data.train_path!r} needs the "
+                          "tokenizer of model.hf_path or model.tokenizer_path (only the synthetic task trains its own)")
     longest = data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     if max_positions is not None and longest > max_positions:
         raise ConfigError(f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "

@@ -71,6 +71,10 @@ def main(argv=None) -> int:
     dist.barrier()
     tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
     train_set, eval_set = load_datasets(cfg, tokenizer)
+    if cfg.training.sft_warmup_steps and not any(e.solution for e in train_set):
+        raise ConfigError(f"training.sft_warmup_steps = {cfg.training.sft_warmup_steps} needs worked solutions "
+                          f"(extra_info.solution), and none of the {len(train_set)} prompts of data.train_path = "
+                          f"{cfg.data.train_path!r} has one: set training.sft_warmup_steps = 0 for this data set")
     sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                             dp_rank=dist.dp_rank, dp_size=dist.dp_size)
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))

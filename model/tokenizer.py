@@ -31,7 +31,7 @@ __all__ = ["Tokenizer", "train_bpe_tokenizer", "render_chat", "QWEN25_DEFAULT_SY
 
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant")
 
 # The same rendering as `Tokenizer.apply_chat_template`, as a jinja template for tokenizer_config.json,
 # so `transformers.AutoTokenizer` formats prompts identically from a directory written by `save`.
@@ -188,8 +188,8 @@ def _check_messages(messages) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        if m["role"] not in _ROLES:
-            raise ValueError(f"message {i} has role {m['role']!r}; supported roles: {', '.join(_ROLES)}")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"message {i} has role {m['role']!r}; supported roles: {', '.join(CHAT_ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"message {i} content must be text, got {type(m['content']).__name__}")
 

@@ -16,6 +16,8 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+from model.tokenizer import CHAT_ROLES
+
 log = logging.getLogger(__name__)
 
 # The instruction DAPO-Math-17k wraps around every problem.
@@ -65,6 +67,8 @@ def _row_problem(row: dict) -> str | None:
     for message in prompt:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
             return "a 'prompt' message lacks 'role' or string 'content'"
+        if message["role"] not in CHAT_ROLES:
+            return f"a 'prompt' message has role {message['role']!r}; the chat template knows {', '.join(CHAT_ROLES)}"
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") in (None, ""):
         return "field 'reward_model.ground_truth' is missing"
@@ -168,10 +172,24 @@ SYNTHETIC_LEVELS = {
 }
 
 
-def _is_eval_problem(text: str, eval_share: float) -> bool:
-    """Split by a hash of the problem text: train and eval are disjoint by construction."""
-    digest = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+def _is_eval_problem(a: int, op: str, b: int, eval_share: float) -> bool:
+    """Split by a hash of the problem: train and eval are disjoint by construction. "a + b" and "b + a"
+    (likewise "*") are one problem with one worked solution, so the hash sees them in one order."""
+    if op in "+*":
+        a, b = min(a, b), max(a, b)
+    digest = int(hashlib.sha256(f"{a} {op} {b}".encode()).hexdigest()[:8], 16)
     return digest / 0xFFFFFFFF < eval_share
+
+
+def synthetic_problem_limit(difficulty: int, split: str, eval_share: float = 0.2) -> int:
+    """The most problems one split of a difficulty level may ask for: 90% of the split's expected number
+    of distinct problems (beyond that, drawing distinct ones would take ever longer)."""
+    if difficulty not in SYNTHETIC_LEVELS:
+        raise ValueError(f"synthetic difficulty must be one of {sorted(SYNTHETIC_LEVELS)}, got {difficulty}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    operators, limit = SYNTHETIC_LEVELS[difficulty]
+    return int(0.9 * len(operators) * limit * limit * (eval_share if split == "eval" else 1 - eval_share))
 
 
 def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "train", seed: int = 0,
@@ -179,7 +197,8 @@ def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "tr
     """`num` distinct arithmetic problems of one split, as DAPO-schema rows with worked solutions.
 
     The problem `a op b` with `a, b` drawn from [0, range) is asked inside DAPO's prompt template; the
-    solution is "a op b = c" followed by "Answer: c". Train and eval splits never share a problem.
+    solution is "a op b = c" followed by "Answer: c". Train and eval splits never share a problem, nor
+    its commuted twin ("b + a" for "a + b").
 
     answer_line_share: the share of worked solutions that end with the "Answer: c" line the reward
     reads; the others state the result in prose ("a op b = c, so the result is c."), which the rule
@@ -188,23 +207,17 @@ def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "tr
     """
     if not 0.0 <= answer_line_share <= 1.0:
         raise ValueError(f"answer_line_share must be in [0, 1], got {answer_line_share}")
-    if difficulty not in SYNTHETIC_LEVELS:
-        raise ValueError(f"synthetic difficulty must be one of {sorted(SYNTHETIC_LEVELS)}, got {difficulty}")
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    most = synthetic_problem_limit(difficulty, split, eval_share)
+    if num > most:
+        raise ValueError(f"difficulty {difficulty} gives at most {most} distinct {split} problems; asked for {num}")
     operators, limit = SYNTHETIC_LEVELS[difficulty]
-    capacity = len(operators) * limit * limit
-    expected = capacity * (eval_share if split == "eval" else 1 - eval_share)
-    if num > 0.9 * expected:
-        raise ValueError(f"difficulty {difficulty} has about {int(expected)} distinct {split} problems; "
-                         f"asked for {num}")
     rng = random.Random(f"{seed}-{difficulty}")
     style_rng = random.Random(f"{seed}-{difficulty}-{split}-style")
     rows, seen = [], set()
     while len(rows) < num:
         a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
         text = f"{a} {op} {b}"
-        if text in seen or _is_eval_problem(text, eval_share) != (split == "eval"):
+        if text in seen or _is_eval_problem(a, op, b, eval_share) != (split == "eval"):
             continue
         seen.add(text)
         value = a + b if op == "+" else a - b if op == "-" else a * b

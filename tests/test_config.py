@@ -311,6 +311,11 @@ def test_missing_file_and_bad_bases(tmp_path):
     (["training.ppo_epochs=0"], r"training\.ppo_epochs = 0 .*must be >= 1"),
     (["algorithm.carry_over_max_staleness=-1"], r"algorithm\.carry_over_max_staleness = -1 .*must be >= 0"),
     (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be > 0"),
+    (["data.synthetic_difficulty=7"], r"data\.synthetic_difficulty = 7 .*must be one of the synthetic task's levels "
+                                      r"\[1, 2, 3, 4, 5\]"),
+    (["data.synthetic_difficulty=1"], r"data\.synthetic_num_train = 2000 \(default\): must be <= 72: the train split "
+                                      r"of difficulty 1 has no more distinct problems"),
+    (["data.synthetic_num_eval=2000"], r"data\.synthetic_num_eval = 2000 \(command line\): must be <= 1800"),
 ])
 def test_impossible_values_name_the_key_and_the_constraint(overrides, message):
     with pytest.raises(ConfigError, match=message):

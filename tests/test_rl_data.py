@@ -32,6 +32,14 @@ def test_deduplicates_and_counts_skipped_rows():
     assert "row 3" in stats.first_problem and "ground_truth" in stats.first_problem
 
 
+def test_a_role_the_chat_template_does_not_know_skips_the_row_and_names_it():
+    odd = _row("b")
+    odd["prompt"] = [{"role": "human", "content": "b"}]
+    examples, stats = rows_to_examples([_row("a"), odd], CharTokenizer(), max_prompt_length=10)
+    assert [e.messages[0]["content"] for e in examples] == ["a"] and stats.missing_fields == 1
+    assert stats.first_problem == "row 1: a 'prompt' message has role 'human'; the chat template knows system, user, assistant"
+
+
 def test_long_prompts_are_left_truncated_or_dropped():
     rows = [_row("0123456789"), _row("short")]
     kept, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=6)
@@ -66,6 +74,12 @@ def test_synthetic_task_is_seeded_disjoint_and_self_consistent():
     assert train == synthetic_arithmetic_rows(300, difficulty=3, split="train", seed=1)
     problems = lambda rows: {r["prompt"][0]["content"] for r in rows}
     assert not problems(train) & problems(evals)
+    # Nor does eval hold the commuted twin of a training problem ("b + a" is "a + b", same solution).
+    operands = lambda rows: {tuple(sorted(c.split("What is ")[1].split("?")[0].split(" + ")))
+                             for c in problems(rows) if " + " in c}
+    big_train = synthetic_arithmetic_rows(2000, difficulty=2, split="train")
+    big_eval = synthetic_arithmetic_rows(200, difficulty=2, split="eval")
+    assert len(operands(big_eval)) > 150 and not operands(big_train) & operands(big_eval)
     assert len(problems(train)) == 300
     for row in train[:50]:
         content = row["prompt"][0]["content"]
@@ -79,7 +93,7 @@ def test_synthetic_task_is_seeded_disjoint_and_self_consistent():
 def test_synthetic_task_refuses_impossible_requests():
     with pytest.raises(ValueError, match="difficulty"):
         synthetic_arithmetic_rows(5, difficulty=9)
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match="difficulty 1 gives at most 72 distinct train problems; asked for 100"):
         synthetic_arithmetic_rows(100, difficulty=1)
 
 

@@ -132,6 +132,28 @@ def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
     assert prepare_run_folder(str(tmp_path / "runs"), "run", {"new": 1}, resume=True) == str(earlier)
 
 
+def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(tmp_path, monkeypatch):
+    from config import ConfigError
+    from model.tokenizer import train_bpe_tokenizer
+    from rl.data import synthetic_arithmetic_rows, write_parquet_rows
+
+    rows = synthetic_arithmetic_rows(32, split="train")
+    for row in rows:
+        del row["extra_info"]["solution"]  # as in DAPO-Math-17k
+    path = str(tmp_path / "train.parquet")
+    write_parquet_rows(rows, path)
+    argv = overrides(str(tmp_path), **{"data.train_path": path, "training.sft_warmup_steps": 5})
+    with pytest.raises(ConfigError, match=r"model.tokenizer_path is not set: data.train_path = '.*train.parquet' "
+                                          r"needs the tokenizer of model.hf_path or model.tokenizer_path"):
+        train.main(argv)
+    tokenizer_dir = str(tmp_path / "tokenizer")
+    train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
+    monkeypatch.setattr(train, "build_policy", lambda *a, **k: pytest.fail("the policy was built"))
+    with pytest.raises(ConfigError, match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
+                                          r"prompts of data.train_path = '.*train.parquet' has one"):
+        train.main(argv + [f"--model.tokenizer_path={tokenizer_dir}"])
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
