@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -285,6 +286,10 @@ def build_engine(args, model_dir: str, longest_prompt: int):
     model = load_hf(model_dir, dtype=dtype, device=args.device)
     # The engine never needs more context than the longest prompt plus the response budget.
     max_seq_len = min(model.args.max_position_embeddings, longest_prompt + args.max_new_tokens)
+    if max_seq_len < longest_prompt + args.max_new_tokens:
+        print(f"warning: the model's context of {max_seq_len} tokens leaves the longest prompt "
+              f"{max_seq_len - longest_prompt} of the {args.max_new_tokens} new tokens asked for; longer responses "
+              f"end with finish reason 'length'", file=sys.stderr)
     return TorchEngine(model, max_batch_size=args.max_batch_size, max_seq_len=max_seq_len, seed=args.seed)
 
 
@@ -324,7 +329,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.greedy:
         if args.k != 1:
             p.error(f"--greedy draws one deterministic sample per problem; it needs --k 1, got --k {args.k}")
-        args.temperature = 0.0
+        args.temperature, args.top_p, args.top_k = 0.0, 1.0, -1  # argmax: the report shows no unused filter
     for name in ("k", "max_new_tokens", "max_prompt_length", "max_batch_size", "synthetic_num"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -338,6 +343,8 @@ def main(argv=None) -> dict:
     from model.tokenizer import Tokenizer
 
     args = parse_args(argv)
+    if not logging.getLogger().handlers:  # data-loading counts (duplicates, truncated prompts) go to stderr
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(args.model)
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(args.tokenizer, model_dir, args.model))
     examples = load_examples(args, tokenizer)

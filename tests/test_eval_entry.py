@@ -314,6 +314,7 @@ def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_pat
     for report in (first, second):
         report.pop("time_s")
     assert first == second and first["sampling"]["temperature"] == 0.0
+    assert first["sampling"]["top_p"] == 1.0 and first["sampling"]["top_k"] == -1  # no filter shown that is unused
     with pytest.raises(FileNotFoundError, match="nowhere"):
         evaluation.main(["--model", str(tmp_path / "nowhere"), "--data", "synthetic"])
     with pytest.raises(SystemExit):
