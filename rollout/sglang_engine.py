@@ -132,6 +132,9 @@ def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completio
         logprobs = [float(entry[0]) for entry in entries]
         reason = meta.get("finish_reason")
         kind = reason.get("type") if isinstance(reason, dict) else reason
+        if isinstance(reason, dict) and reason.get("matched") == "NaN happened":
+            # SGLang then replaces the last output id by a stop id; say what happened, not that ids disagree.
+            raise ValueError(f"SGLang output {i}: the model produced NaN logits (finish_reason {reason!r})")
         if kind not in _FINISH_TYPES:
             raise ValueError(f"SGLang output {i} has finish_reason {reason!r}; expected type stop, length or abort")
         output_ids = [int(t) for t in out.get("output_ids", token_ids)]

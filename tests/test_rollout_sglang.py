@@ -67,6 +67,9 @@ def test_completions_from_sglang_refuses_inconsistent_outputs():
         completions_from_sglang([_out([1, 2], [-1.0, -1.0], {"type": "length"}, output_ids=[1])], 1, 1)
     with pytest.raises(ValueError, match="finish_reason"):
         completions_from_sglang([_out([1], [-1.0], None)], 1, 1)
+    with pytest.raises(ValueError, match="SGLang output 0: the model produced NaN logits"):
+        completions_from_sglang([_out([7], [float("nan")], {"type": "stop", "matched": "NaN happened"},
+                                      output_ids=[2])], 1, 1)
     no_logprobs = {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}}
     with pytest.raises(ValueError, match="return_logprob"):
         completions_from_sglang([no_logprobs], 1, 1)
