@@ -171,6 +171,7 @@ class MetricsConfig:
     tensorboard: bool = False  # also write TensorBoard event files
     plot: bool = True  # draw the monitoring panel (PNG) at the end of the run
     progress: bool = True  # progress bars on the console (plain lines when not a terminal)
+    peak_tflops: float = 0.0  # per-device peak for the "mfu" metric; 0 = the datasheet bf16 value of a known GPU
     log_every: int = 1  # steps between console lines (the JSONL gets every step)
 
 
@@ -452,6 +453,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         check(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1")
     for key in ("data.seed", "algorithm.carry_over_max_staleness", "optimizer.weight_decay",
                 "optimizer.warmup_steps", "optimizer.grad_clip", "training.steps", "training.sft_warmup_steps",
+                "metrics.peak_tflops",
                 "checkpoint.keep_latest_k", "eval.interval", "algorithm.overlong_penalty_factor",
                 "parallelism.ac_every_k_blocks"):
         section, name = key.split(".")

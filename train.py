@@ -32,17 +32,18 @@ from parallel.hf_export import export_hf
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.filter import DynamicBatchBuilder
 from eval import params_from_config
+from observe.progress import Progress
 from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
 from trainer.rollout_phase import RolloutError, collect_batch
-from trainer.run_folder import RunFolderError, prepare_run_folder
+from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
 from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
 from trainer.sft import sft_warmup
-from trainer.step_metrics import MetricsWriter, rollout_metrics
+from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
 from rl.data import PromptSampler
 
@@ -117,16 +118,31 @@ def main(argv=None) -> int:
         builder.load_state_dict(saved.pop("builder"))
         state.update(saved)
         log.info("resumed from step %d", state["step"])
+        if state["step"] >= cfg.training.steps and finished_at(run_path) == state["step"]:
+            log.info("this run finished at step %d (eval, export and plot done); nothing to do", state["step"])
+            engine.shutdown()
+            shutdown_distributed()
+            return 0
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
-    metrics_out = MetricsWriter(run_path, cfg, rank=dist.rank, resumed_step=state["step"])
+    # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
+    metrics_out = MetricsWriter(run_path, cfg, rank=dist.rank,
+                                resumed_step=state["step"] if state["step"] > 0 else -1)
+    # A first SIGTERM / SIGINT asks for a checkpoint at the next phase boundary, from here to the end.
+    stop = GracefulStop().install()
+
+    def progress(total, desc, unit):
+        return Progress(total=total, desc=desc, unit=unit, enabled=cfg.metrics.progress and dist.is_main,
+                        leave=False)
 
     # --- Supervised warm-up (demo models start from random weights) --------------------------------
     if cfg.training.sft_warmup_steps and not state["sft_done"]:
         start = time.perf_counter()
-        sft_warmup(policy, train_set, tokenizer, steps=cfg.training.sft_warmup_steps,
-                   batch_size=cfg.training.sft_batch_size, lr=cfg.training.sft_lr,
-                   micro_batch_tokens=cfg.training.micro_batch_tokens, dist_env=dist, device=dist.device,
-                   seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l))
+        with progress(cfg.training.sft_warmup_steps, "warm-up", "steps") as bar:
+            sft_warmup(policy, train_set, tokenizer, steps=cfg.training.sft_warmup_steps,
+                       batch_size=cfg.training.sft_batch_size, lr=cfg.training.sft_lr,
+                       micro_batch_tokens=cfg.training.micro_batch_tokens, dist_env=dist, device=dist.device,
+                       seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l),
+                       progress=bar)
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         state["sft_done"] = True
         log.info("supervised warm-up: %d steps in %.1fs", cfg.training.sft_warmup_steps, time.perf_counter() - start)
@@ -134,13 +150,17 @@ def main(argv=None) -> int:
     eval_params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
 
     def held_out(step):
-        return run_held_out_eval(engine, eval_set, tokenizer, eval_params, dist, run_path, step,
-                                 strict_box=alg.strict_box)
+        with progress(-(-len(eval_set) // dist.dp_size), f"eval at step {step}", "problems") as bar:
+            return run_held_out_eval(engine, eval_set, tokenizer, eval_params, dist, run_path, step,
+                                     strict_box=alg.strict_box, progress=bar)
 
     if cfg.eval.at_start and state["step"] == 0 and eval_set:
         scores = held_out(0)
         metrics_out.write(0, scores)
         log.info("held-out accuracy before DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], eval_params.n)
+    if stop.requested(dist):
+        save_checkpoint()
+        raise StopRequested(stop.signal_name, state["step"])
 
     # --- Algorithm 1 -------------------------------------------------------------------------------
     rollout_params = SamplingParams(
@@ -151,15 +171,16 @@ def main(argv=None) -> int:
                             alg.overlong_penalty_factor, alg.strict_box)
     multiplier = cfg.rollout.gen_batch_multiplier if alg.dynamic_sampling else 1
     prompts_per_round = cfg.training.train_batch_size * multiplier
-    stop = GracefulStop().install()
     for step in range(state["step"] + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
         before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
         engine.resume_memory()
         try:
-            groups, filter_stats, rollout_seconds = collect_batch(
-                step, builder, engine, sampler, prompts_per_round, rollout_params, tokenizer, reward, dist)
+            with progress(builder.train_batch_size, f"step {step} rollout", "groups") as bar:
+                groups, filter_stats, rollout_seconds = collect_batch(
+                    step, builder, engine, sampler, prompts_per_round, rollout_params, tokenizer, reward, dist,
+                    progress=bar)
         except EngineFailure as exc:
             save_checkpoint(before_step)
             raise RuntimeError(f"step {step}: {exc}; the retry failed too. Checkpoint of step {state['step']} "
@@ -174,47 +195,56 @@ def main(argv=None) -> int:
             raise StopRequested(stop.signal_name, state["step"])
 
         train_start = time.perf_counter()
-        train_stats = trainer.run(step, groups)
+        with progress(None, f"step {step} train", "micro-batches") as bar:
+            train_stats = trainer.run(step, groups, progress=bar)
         train_seconds = time.perf_counter() - train_start
         state["step"] = step
+        state["tokens"] += int(train_stats["train_tokens"])
+        row = rollout_metrics(groups, filter_stats, train_stats, dist, cfg)
+        row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
+                    "time/train": train_seconds})
+        row.update(training_mfu(policy.args, groups, cfg, train_seconds, dist))
         if trainer.nonfinite_in_a_row >= cfg.training.max_nonfinite_steps:
+            row["time/step"] = time.perf_counter() - step_start
+            metrics_out.write(step, row)
             save_checkpoint()
             raise RuntimeError(f"{trainer.nonfinite_in_a_row} non-finite updates in a row at step {step}; "
                                f"checkpoint saved, stopping")
 
         sync_start = time.perf_counter()
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
-        sync_seconds = time.perf_counter() - sync_start
-
-        state["tokens"] += int(train_stats["train_tokens"])
-        row = rollout_metrics(groups, filter_stats, train_stats, dist, cfg)
-        row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
-                    "time/train": train_seconds,
-                    "time/sync": sync_seconds, "time/step": time.perf_counter() - step_start})
+        row["time/sync"] = time.perf_counter() - sync_start
+        row["time/step"] = time.perf_counter() - step_start
         row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
         last = step == cfg.training.steps
         if cfg.eval.interval and step % cfg.eval.interval == 0 and not (last and cfg.eval.at_end) and eval_set:
+            eval_start = time.perf_counter()
             row.update(held_out(step))
+            row["time/eval"] = time.perf_counter() - eval_start
         metrics_out.write(step, row)
         if cfg.checkpoint.enabled and step % cfg.checkpoint.interval == 0:
             save_checkpoint()
         if stop.requested(dist):
             save_checkpoint()
             raise StopRequested(stop.signal_name, step)
-    stop.restore()
 
     # --- The end: held-out accuracy, checkpoint, HF export, plot -----------------------------------
     if cfg.eval.at_end and eval_set:
         scores = held_out(state["step"])
         metrics_out.write(state["step"], scores)
         log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], eval_params.n)
-    if cfg.checkpoint.enabled and state["step"] % cfg.checkpoint.interval:
-        save_checkpoint()
+    if cfg.checkpoint.enabled:
+        save_checkpoint()  # no-op when the last step's interval checkpoint exists
+    if stop.requested(dist):
+        raise StopRequested(stop.signal_name, state["step"])
     if cfg.checkpoint.export_hf:
         export_hf(policy, f"{run_path}/hf")
         if dist.is_main:
             tokenizer.save(f"{run_path}/hf")
     metrics_out.close(plot=cfg.metrics.plot)
+    stop.restore()
+    if dist.is_main:
+        mark_finished(run_path, state["step"])
     engine.shutdown()
     shutdown_distributed()
     return 0

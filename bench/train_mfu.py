@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from model.args import ModelArgs, get_preset  # noqa: E402
+from model.args import ModelArgs, get_preset, training_flops  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.grad_clip import clip_grad_norm_  # noqa: E402
@@ -126,16 +126,6 @@ def packed_rows(n_rows: int, row_tokens: int, vocab: int, min_doc: int, max_doc:
     return rows, doc_lengths
 
 
-def model_flops(args: ModelArgs, doc_lengths: list[list[int]]) -> float:
-    """Forward + backward model FLOPs for the given packed rows (see the module docstring)."""
-    h, kv, inter = args.hidden_size, args.num_kv_heads * args.head_dim, args.intermediate_size
-    block_linear = 2 * h * h + 2 * h * kv + 3 * h * inter
-    dense_per_token = 6 * (args.num_layers * block_linear + args.vocab_size * h)
-    tokens = sum(sum(row) for row in doc_lengths)
-    attended_keys = sum(n * (n + 1) // 2 for row in doc_lengths for n in row)
-    return dense_per_token * tokens + 12 * args.num_layers * h * attended_keys
-
-
 # ---------------------------------------------------------------------------------------------------
 # One configuration
 # ---------------------------------------------------------------------------------------------------
@@ -177,7 +167,7 @@ def run_config(args: ModelArgs, device: torch.device, world: int, compile_: bool
         step()
     _sync(device)
     seconds = (time.perf_counter() - start) / opts.steps
-    flops = model_flops(args, doc_lengths)  # this rank's rows
+    flops = training_flops(args, doc_lengths)  # this rank's rows
     result = {
         "compile": compile_, "ac": ac, "step_s": round(seconds, 4),
         "tokens_per_s_per_device": round(opts.rows_per_step * opts.row_tokens / seconds, 1),

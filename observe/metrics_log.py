@@ -24,7 +24,10 @@ class MetricsLogger:
 
     FILENAME = "metrics.jsonl"
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = False, rank: int = 0):
+    def __init__(self, run_dir: str, *, tensorboard: bool = False, rank: int = 0, resume_after: int | None = None):
+        """resume_after: a run resumed after this step drops what it logged for later steps, in the JSONL
+        (`truncate_after`) and in TensorBoard (events from step resume_after + 1 on are purged); -1
+        drops everything."""
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, self.FILENAME)
         self.active = rank == 0
@@ -34,10 +37,13 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        if resume_after is not None:
+            self.truncate_after(resume_after)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            purge = None if resume_after is None else max(resume_after + 1, 0)
+            self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict) -> None:
         """Write one line: `step` and every metric (see the module docstring for value conversion)."""
@@ -71,7 +77,8 @@ class MetricsLogger:
         self._file.flush()
         rows = read_metrics(self.path)
         kept = [row for row in rows if row["step"] <= step]
-        if len(kept) != len(rows):
+        if len(kept) != len(rows) or not _ends_with_newline(self.path):
+            # Rewritten also when a killed run left a partial last line: the next line would be glued to it.
             tmp = self.path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
@@ -93,6 +100,15 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _number(key: str, value) -> float | int | None:

@@ -185,6 +185,11 @@ class DynamicBatchBuilder:
         return self._rounds
 
     @property
+    def num_kept(self) -> int:
+        """Groups kept so far in the current step (carried-over ones included)."""
+        return len(self._kept)
+
+    @property
     def num_carried(self) -> int:
         """Groups waiting in the carry-over queue (between steps)."""
         return len(self._carry)

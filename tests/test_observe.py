@@ -103,6 +103,30 @@ def test_read_metrics_names_the_bad_line_and_tolerates_a_cut_last_line(tmp_path)
         read_metrics(str(tmp_path / "absent.jsonl"))
 
 
+def test_a_resumed_logger_drops_redone_steps_in_jsonl_and_tensorboard_and_a_cut_last_line(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(str(tmp_path), tensorboard=True) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 0.12')  # killed mid-write
+    with MetricsLogger(str(tmp_path), tensorboard=True, resume_after=1) as log:
+        for step in (2, 3, 4):
+            log.log(step, {"loss": 10.0 * step})
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
+        (1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    # A cut last line is removed even when no complete line is dropped, so the next line starts clean.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    with MetricsLogger(str(tmp_path), resume_after=4) as log:
+        log.log(5, {"loss": 50.0})
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4, 5]
+
+
 # ------------------------------------------------------------------------------------------ progress
 
 

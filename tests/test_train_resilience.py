@@ -42,6 +42,8 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
         train.main(argv)
     rows = [r for r in read_rows(str(tmp_path)) if "loss" in r]
     assert rows[0]["step"] == 1 and rows[0]["updates_skipped_nonfinite"] == 1
+    # The step that stopped the run is logged too: a resume starts after it and would never log it.
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["updates_skipped_nonfinite"] == 2
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
 
 
@@ -69,9 +71,9 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
     steps_trained = []
     real_run = train.TrainPhase.run
 
-    def counting_run(self, step, groups):
+    def counting_run(self, step, groups, **kwargs):
         steps_trained.append(step)
-        return real_run(self, step, groups)
+        return real_run(self, step, groups, **kwargs)
 
     def score(solution, ground_truth, strict_box=False):
         if len(steps_trained) >= 2:  # from step 3's rollouts on every group is all-correct: nothing is kept
@@ -152,6 +154,109 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
     with pytest.raises(ConfigError, match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
                                           r"prompts of data.train_path = '.*train.parquet' has one"):
         train.main(argv + [f"--model.tokenizer_path={tokenizer_dir}"])
+
+
+@pytest.fixture
+def signal_handlers():
+    """train.main installs its own SIGTERM / SIGINT handlers; put pytest's back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch, signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    phases = []
+
+    class Recording:
+        def __init__(self, total=None, desc="", unit="it", **kwargs):
+            self.total, self.desc, self.unit, self.n = total, desc, unit, 0
+            phases.append(self)
+
+        def set_total(self, total):
+            self.total = total
+
+        def update(self, n=1, **postfix):
+            self.n += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(train, "Progress", Recording)
+    train.main(overrides(str(tmp_path), steps=1, **{"training.sft_warmup_steps": 2, "eval.at_start": True}))
+    seen = [(p.desc, p.unit, p.n, p.total) for p in phases]
+    assert seen[0] == ("warm-up", "steps", 2, 2)
+    assert seen[1] == ("eval at step 0", "problems", 8, 8)
+    assert seen[2] == ("step 1 rollout", "groups", 4, 4)
+    desc, unit, done, total = seen[3]
+    assert (desc, unit) == ("step 1 train", "micro-batches") and done == total >= 2
+
+
+def test_rerun_of_a_finished_run_does_nothing_and_a_fresh_restart_logs_step_0_once(tmp_path, monkeypatch,
+                                                                                   signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
+    train.main(argv)
+    first = read_rows(str(tmp_path))
+    assert [(r["step"], "loss" in r) for r in first] == [(0, False), (1, True), (1, False)]
+    assert train.main(argv) == 0
+    assert read_rows(str(tmp_path)) == first  # no second final evaluation
+    # Without a checkpoint a rerun starts over: its step-0 evaluation replaces the earlier one.
+    no_checkpoints = overrides(str(tmp_path / "again"), steps=1, **{"eval.at_start": True, "checkpoint.enabled": False})
+    train.main(no_checkpoints)
+    train.main(no_checkpoints)
+    assert [(r["step"], "loss" in r) for r in read_rows(str(tmp_path / "again"))] == [(0, False), (1, True)]
+
+
+def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
+    from trainer.signals import StopRequested
+
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    real_eval = train.run_held_out_eval
+
+    def eval_then_sigterm(*args, **kwargs):
+        result = real_eval(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives during the final phase
+        return result
+
+    monkeypatch.setattr(train, "run_held_out_eval", eval_then_sigterm)
+    argv = overrides(str(tmp_path), steps=2, **{"eval.at_end": True, "checkpoint.interval": 100})
+    with pytest.raises(StopRequested, match="stopped by SIGTERM after step 2"):
+        train.main(argv)
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
+    assert not os.path.exists(tmp_path / "run" / "finished.json")
+
+
+def test_a_stop_seen_on_another_rank_does_not_make_this_ranks_first_signal_the_second(monkeypatch):
+    from trainer.signals import GracefulStop
+
+    class OtherRankSignalled:
+        def all_reduce(self, values, op="sum", group="dp"):
+            return [1.0]
+
+    monkeypatch.setattr(os, "_exit", lambda code: pytest.fail(f"exited with {code}"))
+    stop = GracefulStop()
+    assert stop.requested(OtherRankSignalled()) and stop.signal_name == "a signal on another rank"
+    stop._handle(signal.SIGTERM, None)  # this rank's own first signal, e.g. during the checkpoint save
+    assert stop.received == "SIGTERM"
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit, match="143"):
+        stop._handle(signal.SIGTERM, None)  # its second one exits at once
+
+
+def test_a_changed_configuration_on_resume_is_kept_beside_the_first_and_named(tmp_path, caplog):
+    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
+    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
+    assert sorted(os.listdir(tmp_path / "run")) == ["config.json"]
+    with caplog.at_level("WARNING", logger="train"):
+        prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.5}, "job": {"seed": 0}})
+    assert "optimizer.lr: 0.001 -> 0.5" in caplog.text and "config.launch-2.json" in caplog.text
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["optimizer"]["lr"] == 0.001
+    assert json.loads((tmp_path / "run" / "config.launch-2.json").read_text())["optimizer"]["lr"] == 0.5
 
 
 @pytest.mark.slow

@@ -59,16 +59,18 @@ _ROUND_OK, _ROUND_ENGINE_FAILED, _ROUND_FAILED = 0.0, 1.0, 2.0
 
 
 def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prompts_per_round: int,
-                  params: SamplingParams, tokenizer, reward: RewardSettings, dist_env):
+                  params: SamplingParams, tokenizer, reward: RewardSettings, dist_env, progress=None):
     """Run generation rounds until every rank's builder is full or the round limit is reached.
 
     Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}). An engine
     failure (EngineFailure), any other error of a round (RolloutError) or a shortfall under
     on_shortfall="raise" (BatchShortfall) on any rank is raised on every rank, so no rank is left
     waiting in a collective and train.py can checkpoint the last completed step.
+    progress: an observe.progress.Progress counting this rank's kept groups (None: no display).
     """
     builder.start_step(step)
     seconds = {"generate": 0.0, "score": 0.0}
+    shown = 0
     while True:
         everyone_full = dist_env.all_reduce([float(builder.full())], op="min")[0] > 0
         if everyone_full or builder.rounds >= builder.max_rounds:
@@ -93,6 +95,10 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prom
         seconds["generate"] += gen_s
         seconds["score"] += score_s
         builder.add_round(groups)
+        if progress is not None:
+            kept = min(builder.num_kept, builder.train_batch_size)
+            progress.update(kept - shown, rounds=builder.rounds)
+            shown = kept
     if builder.on_shortfall == "raise":
         short = dist_env.all_reduce([float(not builder.full())], op="max", group="world")[0] > 0
         if short:

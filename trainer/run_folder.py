@@ -1,7 +1,9 @@
 """The run folder: one directory per run holding everything the run writes.
 
     <job.run_dir>/<job.name>/
-        config.json        the resolved configuration (what --dry-run prints)
+        config.json        the resolved configuration of the first launch (what --dry-run prints);
+                           config.launch-<n>.json for a later launch whose configuration differs
+        finished.json      written when the run completed (final eval, export, plot): rerunning is a no-op
         metrics.jsonl      one JSON line of metrics per step
         tensorboard/       event files (metrics.tensorboard = true)
         checkpoints/       distributed checkpoints, step-<N>/ (the newest complete one is resumed)
@@ -13,9 +15,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+
+
+log = logging.getLogger("train")
 
 
 class RunFolderError(RuntimeError):
@@ -54,6 +60,58 @@ def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: b
     if free < min_free_bytes:
         raise RunFolderError(f"run folder {path} has only {free >> 20} MiB free; at least "
                              f"{min_free_bytes >> 20} MiB are needed for metrics and checkpoints")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_dict, f, indent=2)
+    _snapshot_config(path, config_dict)
     return path
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _snapshot_config(path: str, config_dict: dict) -> None:
+    """config.json holds the first launch's configuration. A later launch (a resume) with a different one
+    writes config.launch-<n>.json and names the changed keys: a resumed optimizer keeps its checkpointed
+    learning rates and state whatever the new file says."""
+    first = os.path.join(path, "config.json")
+    if not os.path.isfile(first):
+        with open(first, "w") as f:
+            json.dump(config_dict, f, indent=2)
+        return
+    with open(first) as f:
+        previous = _flatten(json.load(f))
+    current = _flatten(config_dict)
+    changed = sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
+    if not changed:
+        return
+    n = 2
+    while os.path.exists(os.path.join(path, f"config.launch-{n}.json")):
+        n += 1
+    with open(os.path.join(path, f"config.launch-{n}.json"), "w") as f:
+        json.dump(config_dict, f, indent=2)
+    log.warning("this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
+                "state restored from a checkpoint (optimizer, learning rate schedule, data position) keeps its "
+                "saved values", ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in changed), n)
+
+
+FINISHED = "finished.json"
+
+
+def mark_finished(path: str, step: int) -> None:
+    """Record that the run completed step `step` with its final evaluation, export and plot."""
+    with open(os.path.join(path, FINISHED), "w") as f:
+        json.dump({"step": step}, f)
+
+
+def finished_at(path: str) -> int | None:
+    """The step a finished run ended at (None: not finished)."""
+    try:
+        with open(os.path.join(path, FINISHED)) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -21,9 +21,10 @@ from trainer.update import equalise_micro_batch_count
 
 def sft_warmup(model, examples, tokenizer, *, steps: int, batch_size: int, lr: float, micro_batch_tokens: int,
                dist_env, device, seed: int = 0, weight_decay: float = 0.0, log_every: int = 50,
-               on_log=None) -> list[float]:
+               on_log=None, progress=None) -> list[float]:
     """Run `steps` AdamW steps of teacher forcing on solved examples; returns the loss curve.
 
+    progress: an observe.progress.Progress advanced once per step (None: no display).
     Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
     (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
     """
@@ -56,6 +57,8 @@ def sft_warmup(model, examples, tokenizer, *, steps: int, batch_size: int, lr: f
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         losses.append(total)
+        if progress is not None:
+            progress.update(1, loss=total)
         if on_log is not None and (step % log_every == 0 or step == steps - 1):
             on_log(step, total)
     return losses

@@ -22,7 +22,8 @@ class StopRequested(Exception):
 
 class GracefulStop:
     def __init__(self):
-        self.signal_name: str | None = None
+        self.signal_name: str | None = None  # what stopped the run (this process's signal, or another rank's)
+        self.received: str | None = None  # the signal this process itself received
         self._previous = {}
 
     def install(self) -> "GracefulStop":
@@ -37,10 +38,12 @@ class GracefulStop:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.signal_name is not None:
+        # Only this process's own second signal exits at once: a stop first seen on another rank (launchers
+        # do not deliver to every rank at the same instant) must not turn this rank's first one into it.
+        if self.received is not None:
             log.error("second signal (%s): exiting at once without a checkpoint", name)
             os._exit(128 + signum)
-        self.signal_name = name
+        self.received = self.signal_name = name
         log.warning("%s received: finishing the current phase, then saving a checkpoint (send it again to exit "
                     "at once)", name)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+from model.args import training_flops
 from observe.metrics_log import MetricsLogger
 from observe.plot import plot_run
 
@@ -43,8 +44,43 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
                                         if pre["groups_kept"] else math.nan),
         "groups/in_batch": dist_env.all_reduce([float(len(groups))])[0],
     }
+    # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
+    # dropped, and the groups missing from a short batch (on_shortfall = "fill").
+    for key in ("groups_from_carry", "groups_carried_over", "groups_dropped_stale", "shortfall"):
+        row[f"groups/{key.removeprefix('groups_')}"] = dist_env.all_reduce([float(filter_stats[key])])[0]
     row.update({k: v for k, v in train_stats.items() if not k.startswith("_")})
     return row
+
+
+# Dense bf16 peak per device from datasheets, for the MFU column (no entry: not logged unless
+# metrics.peak_tflops is set).
+DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(cfg, device) -> float | None:
+    """metrics.peak_tflops, else the datasheet value of a known GPU, else None."""
+    if cfg.metrics.peak_tflops > 0:
+        return cfg.metrics.peak_tflops
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS.items() if key in name), None)
+
+
+def training_mfu(args, groups, cfg, seconds: float, dist_env) -> dict[str, float]:
+    """{"mfu": ...}: model FLOPs of the training phase over (seconds x devices x peak); {} when the peak is
+    unknown (CPU). FLOPs: the old-log-prob forward (1/3 of forward + backward) plus ppo_epochs forward +
+    backward passes over every trained sequence (model.args.training_flops)."""
+    peak = peak_tflops(cfg, dist_env.device)
+    if peak is None or seconds <= 0:
+        return {}
+    lengths = [len(s.example.prompt_ids) + len(s.response_ids) for g in groups for s in g.payload]
+    flops = training_flops(args, [lengths]) * (cfg.training.ppo_epochs + 1 / 3)
+    # Every rank trains its own sequences; tensor-parallel peers share the same ones.
+    total = dist_env.all_reduce([flops])[0]
+    return {"mfu": total / (seconds * dist_env.world_size * peak * 1e12)}
 
 
 class MetricsWriter:
@@ -52,10 +88,9 @@ class MetricsWriter:
 
     def __init__(self, run_path: str, cfg, *, rank: int, resumed_step: int = 0):
         self.run_path, self.cfg, self.rank = run_path, cfg, rank
-        self.logger = MetricsLogger(run_path, tensorboard=cfg.metrics.tensorboard, rank=rank)
-        if rank == 0:
-            # Lines past the resumed checkpoint belong to steps that will be run again.
-            self.logger.truncate_after(resumed_step)
+        # Lines (and TensorBoard events) past the resumed checkpoint belong to steps that will be run again.
+        self.logger = MetricsLogger(run_path, tensorboard=cfg.metrics.tensorboard, rank=rank,
+                                    resume_after=resumed_step)
 
     def write(self, step: int, row: dict) -> None:
         self.logger.log(step, row)

@@ -87,7 +87,10 @@ class TrainPhase:
         self.cfg, self.dist, self.device = cfg, dist_env, device
         self.nonfinite_in_a_row = 0
 
-    def run(self, step: int, groups) -> dict[str, float]:
+    def run(self, step: int, groups, progress=None) -> dict[str, float]:
+        """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
+        training metrics (reduced over ranks). progress: an observe.progress.Progress, set to the number
+        of micro-batches to run and advanced after each (None: no display)."""
         cfg, alg = self.cfg, self.cfg.algorithm
         num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
@@ -107,6 +110,8 @@ class TrainPhase:
         sums = dict.fromkeys(("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum",
                               "valid_tokens"), 0.0)
         grad_norms, skipped, updates = [], 0, 0
+        if progress is not None:
+            progress.set_total(sum(len(mbs) for mbs in mini_batches) * cfg.training.ppo_epochs)
         for epoch in range(cfg.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
                 tokens, seqs, groups_here = self._local_counts(mbs)
@@ -114,6 +119,8 @@ class TrainPhase:
                 if g_seqs == 0:
                     # A short batch (on_shortfall = "fill") leaves later mini-batches empty on every rank:
                     # no update, and nothing that would enter the logged loss or grad norm as a zero.
+                    if progress is not None:
+                        progress.update(len(mbs))
                     continue
                 updates += 1
                 loss_total = 0.0
@@ -133,6 +140,8 @@ class TrainPhase:
                     if not math.isfinite(loss.item()):
                         log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
                                     step, loss.item(), index, micro_index)
+                    if progress is not None:
+                        progress.update(1)
                 sums["loss"] += self.dist.all_reduce([loss_total])[0]
                 grad_norm = self._clip_and_step(step, index)
                 if grad_norm is None:
