@@ -115,13 +115,28 @@ class DocumentMaskContext:
         return out.reshape(b, t, q.shape[1], d).transpose(1, 2)
 
 
+_COMPILED_FLEX = None
+
+
+def compiled_flex_attention():
+    """flex_attention compiled once per process: called eagerly it falls back to an unfused version that
+    materialises the full [heads, T, T] scores in fp32 (no memory saved by the block mask, and slow).
+    Inside an already compiled block the call is inlined into that block's graph."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
 class FlexDocumentContext:
     """Packed rows on GPU: FlexAttention with a document-causal block mask (sparse, no T x T tensor)."""
 
     def __init__(self, document_ids: torch.Tensor, num_heads_hint: int | None = None):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
-        self._flex = flex_attention
+        self._flex = compiled_flex_attention()
         docs = document_ids
 
         def document_causal(b, h, q_idx, kv_idx):

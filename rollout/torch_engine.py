@@ -43,13 +43,14 @@ class TorchEngine:
     max_seq_len: longest prompt + completion, in tokens (<= the model's max_position_embeddings).
     device / dtype: move the model there once at construction (default: where it already is).
     compile: compile the decode step with torch.compile.
+    cuda_graphs: with compile on CUDA, replay the decode step as CUDA graphs (mode "reduce-overhead").
     seed: seeds calls whose SamplingParams.seed is None (call k uses seed + k).
     max_prefill_tokens: padded prompt tokens per prefill forward (bounds prefill activation memory).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_seq_len: int,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 compile: bool = False, seed: int = 0, max_prefill_tokens: int = 16384):
+                 compile: bool = False, seed: int = 0, max_prefill_tokens: int = 16384, cuda_graphs: bool = True):
         args = getattr(model, "args", None)
         if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
             raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
@@ -81,7 +82,8 @@ class TorchEngine:
         self._kv_bucket = -(-max_seq_len // 8)
         if compile:
             if self._static_shapes:
-                self._decode = torch.compile(self._decode_logits, mode="reduce-overhead", dynamic=False)
+                self._decode = torch.compile(self._decode_logits, dynamic=False,
+                                             mode="reduce-overhead" if cuda_graphs else "default")
             else:
                 self._decode = torch.compile(self._decode_logits, dynamic=True)
         else:

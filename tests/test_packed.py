@@ -111,3 +111,21 @@ def test_segmented_and_explicit_mask_attention_agree():
     ga = torch.autograd.grad(a.square().sum(), (q, k, v))
     gb = torch.autograd.grad(b.square().sum(), (q, k, v))
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(ga, gb))
+
+
+def test_flex_document_mask_agrees_with_the_cpu_path_forward():
+    """The GPU path's block mask (FlexAttention, compiled) gives the CPU path's result; forward only:
+    FlexAttention has no backward on CPU."""
+    from model.qwen2 import DocumentMaskContext, FlexDocumentContext, compiled_flex_attention
+
+    torch.manual_seed(0)
+    many_short = torch.repeat_interleave(torch.arange(52), torch.tensor([3, 2, 4, 1] * 13))  # 130 tokens
+    docs = torch.stack([many_short, torch.tensor([5] * 60 + [7] * 70)])
+    flex = FlexDocumentContext(docs)
+    assert flex._flex is compiled_flex_attention()  # never the unfused eager fallback
+    q = torch.randn(2, 4, 130, 16)
+    k, v = torch.randn(2, 2, 130, 16), torch.randn(2, 2, 130, 16)
+    with torch.no_grad():
+        want = DocumentMaskContext(docs).attend(0, q, k, v)
+        got = flex.attend(0, q, k, v)
+    assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
