@@ -95,16 +95,18 @@ def get_preset(name: str) -> ModelArgs:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None
 
 
-def training_flops(args: ModelArgs, doc_lengths: list[list[int]]) -> float:
+def training_flops(args: ModelArgs, doc_lengths: list[list[int]], head_tokens: int | None = None) -> float:
     """Forward + backward model FLOPs (3x forward) of packed rows of documents with these lengths:
 
-        6 * (block linear weights + V * H for the output head) per token + 12 * L * H * c per token,
+        6 * block linear weights per token + 12 * L * H * c per token + 6 * V * H per head token,
 
-    c being the number of keys the token attends to (its position in its document + 1). Recomputation
-    by activation checkpointing is not counted (the usual MFU convention)."""
+    c being the number of keys the token attends to (its position in its document + 1); head tokens are
+    those whose logits are computed (default: all; the RL trainer only needs the response tokens').
+    Recomputation by activation checkpointing is not counted (the usual MFU convention)."""
     h, kv, inter = args.hidden_size, args.num_kv_heads * args.head_dim, args.intermediate_size
     block_linear = 2 * h * h + 2 * h * kv + 3 * h * inter
-    dense_per_token = 6 * (args.num_layers * block_linear + args.vocab_size * h)
     tokens = sum(sum(row) for row in doc_lengths)
+    head_tokens = tokens if head_tokens is None else head_tokens
     attended_keys = sum(n * (n + 1) // 2 for row in doc_lengths for n in row)
-    return dense_per_token * tokens + 12 * args.num_layers * h * attended_keys
+    return (6 * args.num_layers * block_linear * tokens + 6 * args.vocab_size * h * head_tokens
+            + 12 * args.num_layers * h * attended_keys)

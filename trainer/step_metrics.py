@@ -76,8 +76,10 @@ def training_mfu(args, groups, cfg, seconds: float, dist_env) -> dict[str, float
     peak = peak_tflops(cfg, dist_env.device)
     if peak is None or seconds <= 0:
         return {}
-    lengths = [len(s.example.prompt_ids) + len(s.response_ids) for g in groups for s in g.payload]
-    flops = training_flops(args, [lengths]) * (cfg.training.ppo_epochs + 1 / 3)
+    samples = [s for g in groups for s in g.payload]
+    lengths = [len(s.example.prompt_ids) + len(s.response_ids) for s in samples]
+    head_tokens = sum(len(s.response_ids) for s in samples)  # only response tokens reach the output head
+    flops = training_flops(args, [lengths], head_tokens) * (cfg.training.ppo_epochs + 1 / 3)
     # Every rank trains its own sequences; tensor-parallel peers share the same ones.
     total = dist_env.all_reduce([flops])[0]
     return {"mfu": total / (seconds * dist_env.world_size * peak * 1e12)}
