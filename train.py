@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     trainer = TrainPhase(policy, optimizer, scheduler, cfg, dist, dist.device)
 
     # --- Resume ------------------------------------------------------------------------------------
-    state = {"step": 0, "sft_done": False, "tokens": 0}
+    state = {"step": 0, "sft_done": False, "tokens": 0, "nonfinite_in_a_row": 0}
     checkpoints = CheckpointManager(f"{run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
 
     def save_checkpoint(position=None):
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         sampler.load_state_dict(saved.pop("sampler"))
         builder.load_state_dict(saved.pop("builder"))
         state.update(saved)
+        trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]  # "in a row" spans the restart
         log.info("resumed from step %d", state["step"])
         if state["step"] >= cfg.training.steps and finished_at(run_path) == state["step"]:
             log.info("this run finished at step %d (eval, export and plot done); nothing to do", state["step"])
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
         train_seconds = time.perf_counter() - train_start
         state["step"] = step
         state["tokens"] += int(train_stats["train_tokens"])
+        state["nonfinite_in_a_row"] = trainer.nonfinite_in_a_row
         row = rollout_metrics(groups, filter_stats, train_stats, dist, cfg)
         row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
                     "time/train": train_seconds})

@@ -267,9 +267,11 @@ class CheckpointManager:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler; return the saved train state."""
         path = self._step_path(step)
+        fresh_optimizer = None
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
-                optimizer = None  # saved before the first update: the optimizer starts fresh
+                # Saved before the first update: the optimizer starts fresh.
+                fresh_optimizer, optimizer = optimizer, None
         state = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
@@ -293,6 +295,11 @@ class CheckpointManager:
             _set_rng_state(extra["rng"])
         if lr_scheduler is not None and extra["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            if optimizer is None and fresh_optimizer is not None:
+                # No optimizer state was saved (every update so far was skipped), so the param groups still
+                # hold the initial rate while the schedule has moved on: give them the schedule's.
+                for group, lr in zip(fresh_optimizer.param_groups, lr_scheduler.get_last_lr()):
+                    group["lr"] = lr
         return extra["train_state"]
 
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

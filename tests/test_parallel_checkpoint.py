@@ -194,3 +194,14 @@ def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path)
     assert manager.resume(restored, fresh) == {"step": 0}
     assert len(fresh.state) == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), restored.parameters()))
+    # Steps whose updates were all skipped moved the schedule but left no optimizer state: the resumed
+    # optimizer runs at the schedule's rate, not the initial one.
+    warmup = lambda s: min(1.0, (s + 1) / 10)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    for _ in range(3):
+        scheduler.step()
+    manager.save(3, model, optimizer, scheduler, {"step": 3})
+    again = torch.optim.AdamW(restored.parameters(), lr=1e-3)
+    again_scheduler = torch.optim.lr_scheduler.LambdaLR(again, warmup)
+    assert manager.resume(restored, again, again_scheduler) == {"step": 3}
+    assert again.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.4) == optimizer.param_groups[0]["lr"]

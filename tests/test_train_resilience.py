@@ -47,6 +47,26 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
 
 
+def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    real_loss = trainer.policy.policy_loss
+    poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] >= poison_from["call"] else loss), metrics
+
+    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    settings = {"training.max_nonfinite_steps": 3, "training.mini_batch_size": 2,
+                "training.micro_batch_tokens": 4096, "checkpoint.interval": 100}
+    train.main(overrides(str(tmp_path), steps=2, **settings))  # ends with 2 skipped updates in a row
+    poison_from["call"], calls["n"] = 1, 0
+    with pytest.raises(RuntimeError, match="4 non-finite updates in a row at step 3"):
+        train.main(overrides(str(tmp_path), steps=3, **settings))
+
+
 def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     real_generate = TorchEngine.generate
