@@ -343,8 +343,8 @@ def main(argv=None) -> dict:
     from model.tokenizer import Tokenizer
 
     args = parse_args(argv)
-    if not logging.getLogger().handlers:  # data-loading counts (duplicates, truncated prompts) go to stderr
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(args.model)
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(args.tokenizer, model_dir, args.model))
     examples = load_examples(args, tokenizer)

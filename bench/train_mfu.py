@@ -39,13 +39,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from model.args import ModelArgs, get_preset, training_flops  # noqa: E402
+from trainer.step_metrics import DATASHEET_BF16_TFLOPS as DATASHEET_BF16_TFLOPS_BY_GPU  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.grad_clip import clip_grad_norm_  # noqa: E402
 from parallel.logprob import vocab_parallel_token_logprobs  # noqa: E402
 from parallel.parallelize import parallelize_qwen2  # noqa: E402
 
-DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+DATASHEET_BF16_TFLOPS = DATASHEET_BF16_TFLOPS_BY_GPU["H200"]  # H100/H200 SXM dense bf16 (989)
 
 
 def parse_args(argv=None):

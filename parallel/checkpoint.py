@@ -137,7 +137,8 @@ class CheckpointManager:
 
     # ---- discovery ----------------------------------------------------------------------------------
 
-    def _step_path(self, step: int) -> str:
+    def step_path(self, step: int) -> str:
+        """The folder of checkpoint `step` (it may not exist)."""
         return os.path.join(self.folder, f"step-{step:08d}")
 
     def complete_steps(self) -> list[int]:
@@ -149,7 +150,7 @@ class CheckpointManager:
 
     def validate(self, step: int) -> str | None:
         """None if checkpoint `step` is intact, else why not (missing manifest, missing or resized file)."""
-        path = self._step_path(step)
+        path = self.step_path(step)
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isfile(manifest_path):
             return f"no {MANIFEST} (an interrupted save)"
@@ -182,7 +183,7 @@ class CheckpointManager:
                 if problem is None:
                     chosen = step
                     break
-                path = self._step_path(step)
+                path = self.step_path(step)
                 if set_aside_damaged:
                     aside = _unused_name(path + ".damaged")
                     os.replace(path, aside)
@@ -200,7 +201,7 @@ class CheckpointManager:
         groups as bytes, ...); RNG states are added automatically.
         """
         reshard_gathered(model)  # the fp32 master shards, not copies gathered by a forward without backward
-        final = self._step_path(step)
+        final = self.step_path(step)
         tmp = final + ".tmp"
         if _rank() == 0:
             if os.path.exists(tmp):
@@ -248,7 +249,7 @@ class CheckpointManager:
     def _prune(self, keep_step: int) -> None:
         if self.keep:  # 0: keep every checkpoint
             for step in self.complete_steps()[:-self.keep]:
-                shutil.rmtree(self._step_path(step), ignore_errors=True)
+                shutil.rmtree(self.step_path(step), ignore_errors=True)
         for name in os.listdir(self.folder):  # folders of interrupted saves
             if name.endswith(".tmp") and name != f"step-{keep_step:08d}.tmp":
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
@@ -266,7 +267,7 @@ class CheckpointManager:
              lr_scheduler=None) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler; return the saved train state."""
-        path = self._step_path(step)
+        path = self.step_path(step)
         fresh_optimizer = None
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
@@ -295,7 +296,7 @@ class CheckpointManager:
             _set_rng_state(extra["rng"])
         if lr_scheduler is not None and extra["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            if optimizer is None and fresh_optimizer is not None:
+            if fresh_optimizer is not None:
                 # No optimizer state was saved (every update so far was skipped), so the param groups still
                 # hold the initial rate while the schedule has moved on: give them the schedule's.
                 for group, lr in zip(fresh_optimizer.param_groups, lr_scheduler.get_last_lr()):

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
+
+from parallel.checkpoint import CheckpointManager
 
 
 log = logging.getLogger("train")
@@ -41,13 +42,12 @@ def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: b
     path = os.path.abspath(os.path.join(run_dir, name))
     if not is_main:
         return path
-    checkpoints = os.path.join(path, "checkpoints")
-    if not resume and os.path.isdir(checkpoints):
-        earlier = sorted(n for n in os.listdir(checkpoints) if re.fullmatch(r"step-\d+", n))
-        if earlier:
-            raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
-                                 f"and checkpoint.resume = false; set checkpoint.resume = true to continue that run, "
-                                 f"or choose another job.name or job.run_dir")
+    checkpoints = CheckpointManager(os.path.join(path, "checkpoints"))
+    earlier = [os.path.basename(checkpoints.step_path(step)) for step in checkpoints.complete_steps()]
+    if not resume and earlier:
+        raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
+                             f"and checkpoint.resume = false; set checkpoint.resume = true to continue that run, "
+                             f"or choose another job.name or job.run_dir")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write_probe")

@@ -46,8 +46,9 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
     }
     # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
     # dropped, and the groups missing from a short batch (on_shortfall = "fill").
-    for key in ("groups_from_carry", "groups_carried_over", "groups_dropped_stale", "shortfall"):
-        row[f"groups/{key.removeprefix('groups_')}"] = dist_env.all_reduce([float(filter_stats[key])])[0]
+    origin = ("groups_from_carry", "groups_carried_over", "groups_dropped_stale", "shortfall")
+    totals = dist_env.all_reduce([float(filter_stats[key]) for key in origin])
+    row.update({f"groups/{key.removeprefix('groups_')}": total for key, total in zip(origin, totals)})
     row.update({k: v for k, v in train_stats.items() if not k.startswith("_")})
     return row
 
