@@ -11,15 +11,21 @@ ratio exploded. The per-token losses are then aggregated over the valid (mask = 
     token-mean               sum_{i,t} l / N_tokens                    DAPO token-level loss (recipe)
     seq-mean-token-mean      sum_i (sum_t l / |o_i|) / N_seqs           GRPO baseline
     seq-mean-token-sum       sum_i (sum_t l) / N_seqs
-    seq-mean-token-sum-norm  sum_i (sum_t l / norm_len) / N_seqs        Dr. GRPO (norm_len: constant)
+    seq-mean-token-sum-norm  sum_{i,t} l / norm_len                     Dr. GRPO (norm_len: constant)
     group-token-mean         sum_g (sum_{i in g, t} l / N_tokens(g)) / N_groups
 
 token-mean is how the DAPO recipe applies Eq. 8's 1 / sum_i |o_i|: one token mean over the whole
 mini-batch. group-token-mean reads Eq. 8 literally: the token mean is taken within each prompt's
 group, and the expectation over prompts becomes a mean over groups.
 
-N_seqs counts every row, fully masked ones included. With no global counts these equal verl's
-`agg_loss` with dp_size=1 (N_tokens, N_seqs, norm_len from this call's tensors; norm_len = T).
+N_seqs counts only the rows with at least one valid token, and N_groups only the groups with one: a
+row that overlong filtering masked out entirely has no token mean and takes no share of the average
+(verl's `agg_loss` and OpenRLHF exclude such rows the same way). seq-mean-token-sum-norm has no
+sequence average at all, as in verl ("turns off seq-dim averaging"): the token sums are divided by
+the constant norm_len only (verl's `loss_scale_factor`, default: the padded response length T); the
+Dr. GRPO paper's extra 1 / G is a constant factor for a fixed batch size.
+With no global counts, token-mean and the three seq-* modes equal verl's `agg_loss` with dp_size = 1,
+except where every token is masked: verl then divides 0 by 0 (NaN) and this returns 0.
 
 Global normalisation - the contract with the caller. Pass the counts of the WHOLE mini-batch
 (all gradient-accumulation micro-batches on all data-parallel ranks): `global_num_tokens`,
@@ -29,8 +35,9 @@ so the mini-batch gradient is the SUM of the micro-batch gradients over micro-ba
 data-parallel ranks - not their mean. Accumulating `.backward()` over micro-batches sums already.
 Across ranks, all-reduce the gradients with SUM; a reduction that averages over the W ranks (the
 DDP / FSDP2 default) must be undone by multiplying the loss by W (or, in FSDP2, by setting the
-gradient divide factor to 1). For seq-mean-token-sum-norm, pass a constant `norm_len` (the maximum
-response length): the default, this call's T, changes with padding.
+gradient divide factor to 1). The counts are those of the rows and groups with a valid token. For
+seq-mean-token-sum-norm, pass a constant `norm_len` (the maximum response length): the default, this
+call's T, changes with padding; it needs no global count.
 """
 
 from __future__ import annotations
@@ -78,14 +85,16 @@ def policy_loss(
         clip_c: dual-clip constant c > 1 for A < 0; None disables the dual clip.
         agg: one of `AGG_MODES` (see the module docstring).
         global_num_tokens: valid tokens in the whole mini-batch (token-mean); default: this call's.
-        global_num_seqs: rows in the whole mini-batch (seq-mean-*); default: this call's B.
+        global_num_seqs: rows with a valid token in the whole mini-batch (seq-mean-token-mean,
+            seq-mean-token-sum); default: this call's.
         token_weights: per-token factors on the loss, e.g. truncated importance-sampling weights
             (`rl.correction.truncated_is_weights`); treated as constant.
         group_ids: [B] integer group (prompt) id of each row, required by group-token-mean.
         group_num_tokens: [B] valid tokens of each row's whole group across the mini-batch;
             default: counted in this call.
-        global_num_groups: groups in the whole mini-batch; default: distinct ids in this call.
-        norm_len: the constant divisor of seq-mean-token-sum-norm; default: T.
+        global_num_groups: groups with a valid token in the whole mini-batch; default: counted in
+            this call.
+        norm_len: the constant divisor of seq-mean-token-sum-norm (verl's loss_scale_factor); default: T.
 
     Returns:
         (loss, metrics). metrics holds detached scalars over this call's valid tokens:
@@ -144,15 +153,13 @@ def _aggregate(per_token, valid, agg, global_num_tokens, global_num_seqs, group_
         return row_sum.sum() / _count(global_num_tokens, row_tokens.sum(), per_token, "global_num_tokens")
     if agg == "group-token-mean":
         return _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups)
-    if agg == "seq-mean-token-mean":
-        row_loss = row_sum / row_tokens.clamp(min=1)
-    elif agg == "seq-mean-token-sum":
-        row_loss = row_sum
-    else:  # seq-mean-token-sum-norm
+    if agg == "seq-mean-token-sum-norm":
         if norm_len is not None and not norm_len > 0:
             raise ValueError(f"policy_loss: norm_len must be > 0, got {norm_len}")
-        row_loss = row_sum / (per_token.shape[-1] if norm_len is None else norm_len)
-    num_rows = torch.tensor(per_token.shape[0], dtype=per_token.dtype, device=per_token.device)
+        return row_sum.sum() / (per_token.shape[-1] if norm_len is None else norm_len)
+    # A fully masked row has row_sum 0 (its losses were zeroed) and is left out of the count.
+    row_loss = row_sum / row_tokens.clamp(min=1) if agg == "seq-mean-token-mean" else row_sum
+    num_rows = (row_tokens > 0).sum().to(per_token.dtype)
     return row_loss.sum() / _count(global_num_seqs, num_rows, per_token, "global_num_seqs")
 
 
@@ -164,15 +171,17 @@ def _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_token
             f"got {None if group_ids is None else tuple(group_ids.shape)}"
         )
     distinct, index = torch.unique(group_ids.to(per_token.device), return_inverse=True)
+    tokens_here = torch.zeros(distinct.numel(), dtype=per_token.dtype, device=per_token.device)
+    tokens_here = tokens_here.index_add(0, index, row_tokens)  # valid tokens of each group in this call
     if group_num_tokens is None:
-        group_tokens = torch.zeros(distinct.numel(), dtype=per_token.dtype, device=per_token.device)
-        group_num_tokens = group_tokens.index_add(0, index, row_tokens)[index]
+        group_num_tokens = tokens_here[index]
     elif group_num_tokens.shape != (batch,):
         raise ValueError(
             f"policy_loss: group_num_tokens must have shape [{batch}], got {tuple(group_num_tokens.shape)}"
         )
     group_num_tokens = group_num_tokens.to(per_token.device, per_token.dtype)
-    num_groups = torch.tensor(distinct.numel(), dtype=per_token.dtype, device=per_token.device)
+    # A group whose every sample is masked out has no token mean: it is not counted.
+    num_groups = (tokens_here > 0).sum().to(per_token.dtype)
     # A row of a group without any valid token has row_sum 0; clamping keeps 0 / 0 out.
     loss = (row_sum / group_num_tokens.clamp(min=1)).sum()
     return loss / _count(global_num_groups, num_groups, per_token, "global_num_groups")

@@ -34,15 +34,15 @@ def hand_example(dtype=torch.float64):
         ("token-mean", {}, 18.32 / 6),
         ("seq-mean-token-mean", {}, (-2.78 / 3 + 21.6 / 2 - 0.5 / 1) / 3),
         ("seq-mean-token-sum", {}, 18.32 / 3),
-        ("seq-mean-token-sum-norm", {}, 18.32 / (3 * 3)),  # norm_len defaults to T = 3
-        ("seq-mean-token-sum-norm", {"norm_len": 4}, 18.32 / (3 * 4)),
+        ("seq-mean-token-sum-norm", {}, 18.32 / 3),  # no sequence average; norm_len defaults to T = 3
+        ("seq-mean-token-sum-norm", {"norm_len": 4}, 18.32 / 4),
         # groups {0, 2} and {1}: (-3.28 / 4 + 21.6 / 2) / 2
         ("group-token-mean", {"group_ids": torch.tensor([0, 1, 0])}, (-0.82 + 10.8) / 2),
         ("token-mean", {"global_num_tokens": 12}, 18.32 / 12),
         ("token-mean", {"global_num_tokens": torch.tensor(12)}, 18.32 / 12),
         ("seq-mean-token-sum", {"global_num_seqs": 6}, 18.32 / 6),
         ("seq-mean-token-mean", {"global_num_seqs": 6}, (-2.78 / 3 + 21.6 / 2 - 0.5) / 6),
-        ("seq-mean-token-sum-norm", {"global_num_seqs": 6, "norm_len": 10}, 18.32 / 60),
+        ("seq-mean-token-sum-norm", {"global_num_seqs": 6, "norm_len": 10}, 18.32 / 10),  # needs no count
         (
             "group-token-mean",
             {"group_ids": torch.tensor([0, 1, 0]), "group_num_tokens": torch.tensor([8, 4, 8]), "global_num_groups": 5},
@@ -92,7 +92,8 @@ def test_token_weights_multiply_the_per_token_loss():
     assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 6)  # metrics ignore the weights
 
 
-def test_fully_masked_row_counts_in_sequence_modes_as_in_verl():
+def test_fully_masked_rows_and_groups_are_not_counted():
+    # The hand example plus row 3, fully masked (an overlong-filtered sample), alone in group 2.
     logp, old_logp, advantages, mask = hand_example()
     logp4 = torch.cat([logp.detach(), torch.zeros(1, 3, dtype=torch.float64)])
     old4 = torch.cat([old_logp, torch.zeros(1, 3, dtype=torch.float64)])
@@ -100,12 +101,13 @@ def test_fully_masked_row_counts_in_sequence_modes_as_in_verl():
     mask4 = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
     expect = {
         "token-mean": 18.32 / 6,
-        "seq-mean-token-mean": (-2.78 / 3 + 10.8 - 0.5) / 4,
-        "seq-mean-token-sum": 18.32 / 4,
-        "seq-mean-token-sum-norm": 18.32 / 12,
+        "seq-mean-token-mean": (-2.78 / 3 + 21.6 / 2 - 0.5) / 3,  # 3 rows with tokens, not 4
+        "seq-mean-token-sum": 18.32 / 3,
+        "seq-mean-token-sum-norm": 18.32 / 3,  # sum / T, no row count at all
+        "group-token-mean": (-3.28 / 4 + 21.6 / 2) / 2,  # groups {0, 2}, {1}; group 2 has no token
     }
     for agg, value in expect.items():
-        loss, metrics = policy_loss(logp4, old4, adv4, mask4, agg=agg)
+        loss, metrics = policy_loss(logp4, old4, adv4, mask4, agg=agg, group_ids=torch.tensor([0, 1, 0, 2]))
         assert loss.item() == pytest.approx(value, rel=1e-12), agg
     assert metrics["num_nonempty_seqs"].item() == 3
 
@@ -182,8 +184,9 @@ def test_bad_shapes_are_named():
 def _random_minibatch(seed, batch=12, length=9, group=3):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, length + 1, (batch,), generator=gen)
-    lengths[0] = length  # one row fills the padding width, one is empty
+    lengths[0] = length  # one row fills the padding width, one is empty (fully masked) ...
     lengths[1] = 0
+    lengths[9:12] = 0  # ... and so is the whole last group (every sample overlong-filtered)
     mask = torch.arange(length)[None, :] < lengths[:, None]
     old_logp = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
     # log-ratios up to +-1.5 (ratios 0.22 to 4.5) so that both clips and the dual clip (c = 3) bind
@@ -195,13 +198,14 @@ def _random_minibatch(seed, batch=12, length=9, group=3):
 
 
 def _global_counts(mask, group_ids):
+    """The whole mini-batch's counts; rows and groups without a valid token are not counted."""
     row_tokens = mask.sum(-1)
     per_group = torch.zeros(int(group_ids.max()) + 1, dtype=torch.long).index_add(0, group_ids, row_tokens)
     return {
         "global_num_tokens": int(mask.sum()),
-        "global_num_seqs": mask.shape[0],
+        "global_num_seqs": int((row_tokens > 0).sum()),
         "group_num_tokens": per_group[group_ids],
-        "global_num_groups": int(group_ids.unique().numel()),
+        "global_num_groups": int((per_group > 0).sum()),
     }
 
 

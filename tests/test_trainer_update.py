@@ -1,5 +1,6 @@
-"""trainer/update.py: the gradients of TrainPhase's packed, micro-batched updates equal the DAPO loss of
-rl/loss.py computed directly on each sample alone, and short batches add no empty updates."""
+"""trainer/update.py: the gradients of TrainPhase's packed, micro-batched updates (on one rank or split over
+data-parallel ranks) equal the DAPO loss of rl/loss.py computed directly on each sample alone, also when
+overlong filtering masks samples or whole groups, and short batches add no empty updates."""
 
 import copy
 import types
@@ -49,7 +50,8 @@ class _NoSchedule:
         pass
 
 
-def _groups(num_groups: int, group_size: int = 4, seed: int = 0, truncate_second: bool = False):
+def _groups(num_groups: int, group_size: int = 4, seed: int = 0, truncate_second: bool = False,
+            truncate_groups: tuple[int, ...] = ()):
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for g in range(num_groups):
@@ -59,7 +61,7 @@ def _groups(num_groups: int, group_size: int = 4, seed: int = 0, truncate_second
         for i in range(group_size):
             n = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=gen))
             score = 1.0 if (i + g) % 3 == 0 else -1.0
-            finish = "length" if truncate_second and i == 1 else "stop"
+            finish = "length" if (truncate_second and i == 1) or g in truncate_groups else "stop"
             samples.append(Sample(example, torch.randint(1, ARGS.vocab_size, (n,), generator=gen).tolist(),
                                   (-torch.rand(n, generator=gen)).tolist(), finish, score > 0, score, None, 1))
         groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
@@ -161,3 +163,69 @@ def test_short_batch_adds_no_empty_update_to_the_metrics():
     true_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads if g is not None]))
     assert stats["grad_norm"] == pytest.approx(float(true_norm), rel=1e-5)
     _assert_grads_match(grads, _reference_grads(start, start, groups, cfg))
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_fully_masked_samples_and_groups_take_no_share_of_the_update(agg):
+    # Group 1 was truncated in every sample and the second sample of each group too (overlong filtering):
+    # the sequence and group counts the trainer passes leave them out, as rl/loss.py does in one call.
+    groups = _groups(4, truncate_second=True, truncate_groups=(1,))
+    cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True,
+                  training__train_batch_size=4, training__mini_batch_size=4)
+    start, updates, stats = _train(groups, cfg)
+    assert len(updates) == 1
+    _assert_grads_match(updates[0][1], _reference_grads(start, start, groups, cfg))
+
+
+def test_a_mini_batch_with_every_sample_masked_is_no_update():
+    groups = _groups(2, truncate_groups=(1,))  # the second mini-batch holds only the truncated group
+    cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=2, training__mini_batch_size=1)
+    start, updates, stats = _train(groups, cfg)
+    assert len(updates) == 1 and stats["updates"] == 1
+    _assert_grads_match(updates[0][1], _reference_grads(start, start, groups[:1], cfg))
+
+
+class _GlooDataParallel(_OneProcess):
+    """One data-parallel rank of a gloo job (plain modules: the test sums the ranks' gradients itself)."""
+
+    def __init__(self, rank, world_size):
+        self.dp_rank, self.dp_size, self.world_size, self.rank = rank, world_size, world_size, rank
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                    "min": dist.ReduceOp.MIN}[op])
+        return tensor.tolist()
+
+
+DP_GROUPS = dict(num_groups=4, truncate_second=True, truncate_groups=(3,))  # rank 1 holds the masked group
+
+
+def _dp_rank_grads(rank, world_size):
+    groups = _groups(**DP_GROUPS)
+    share = groups[rank * 2:(rank + 1) * 2]
+    out = {}
+    for agg in AGG_MODES:
+        cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True,
+                      training__train_batch_size=4, training__mini_batch_size=4)
+        model = build_model(ARGS, seed=0)
+        optimizer = _RecordingSGD(model.parameters(), lr=0.0)
+        TrainPhase(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size),
+                   torch.device("cpu")).run(1, share)
+        out[agg] = optimizer.updates[0][1]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_ranks_sum_to_the_one_process_gradient_with_masked_rows():
+    from tests.dist_utils import run_ranks
+
+    ranks = run_ranks(_dp_rank_grads, 2)
+    groups = _groups(**DP_GROUPS)
+    start = build_model(ARGS, seed=0)
+    for agg in AGG_MODES:
+        cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True)
+        summed = [a + b for a, b in zip(ranks[0][agg], ranks[1][agg])]
+        _assert_grads_match(summed, _reference_grads(start, start, groups, cfg))

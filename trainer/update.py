@@ -117,8 +117,9 @@ class TrainPhase:
                 tokens, seqs, groups_here = self._local_counts(mbs)
                 g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
                 if g_seqs == 0:
-                    # A short batch (on_shortfall = "fill") leaves later mini-batches empty on every rank:
-                    # no update, and nothing that would enter the logged loss or grad norm as a zero.
+                    # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
+                    # left it empty, or overlong filtering masked every sample. No update, and nothing that
+                    # would enter the logged loss or grad norm as a zero.
                     if progress is not None:
                         progress.update(len(mbs))
                     continue
@@ -190,11 +191,16 @@ class TrainPhase:
                 "mismatch/k3_kl": k3_sum / tokens, "mismatch/prob_diff_gt_0.1": far / tokens}
 
     def _local_counts(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
-        """Loss tokens, sequences and groups of this rank's mini-batch. Sequences and groups count every
-        sample, overlong-filtered ones included (rl/loss.py counts fully masked rows too)."""
-        tokens = sum(float((mb.mask > 0).sum()) for mb in mbs)
-        real = [it for mb in mbs for it in mb.items if it.group_id != PADDING_GROUP]
-        return tokens, float(len(real)), float(len({it.group_id for it in real}))
+        """Loss tokens, sequences and groups of this rank's mini-batch. Sequences and groups count only
+        those with a loss token (rl/loss.py): overlong-filtered samples and padding rows are left out."""
+        tokens, seqs, groups = 0.0, 0.0, set()
+        for mb in mbs:
+            valid = mb.mask > 0
+            rows = valid.any(dim=-1)
+            tokens += float(valid.sum())
+            seqs += float(rows.sum())
+            groups.update(mb.group_ids[rows.to(mb.group_ids.device)].tolist())
+        return tokens, seqs, float(len(groups))
 
     def _clip_and_step(self, step: int, index: int) -> float | None:
         """Clip the global grad norm and step; a non-finite norm skips the update (None)."""
