@@ -27,12 +27,8 @@ import zlib
 from collections.abc import Callable, Sequence
 
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
-from rl.reward import compute_score
 from rollout.engine import Completion, SamplingParams
-
-
-class EvalEngineError(RuntimeError):
-    """The engine gave up on requests (finish reason "abort") or returned the wrong completions."""
+from trainer.scoring import check_completions, rule_score
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -86,7 +82,8 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
         for begin in range(0, len(examples), chunk):
             batch = examples[begin:begin + chunk]
             completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
-            results.extend(score_completions(batch, completions, tokenizer, k, strict_box=strict_box))
+            results.extend(score_completions(batch, completions, tokenizer, k, strict_box=strict_box,
+                                             stop_ids=params.stop_token_ids))
             if progress is not None and progress is not False:
                 done = results[-len(batch):]
                 progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
@@ -132,29 +129,19 @@ def params_from_config(cfg, stop_token_ids, seed: int | None = None) -> Sampling
 
 
 def score_completions(examples: Sequence, completions: Sequence[Completion], tokenizer, k: int, *,
-                      strict_box: bool = False) -> list[ProblemResult]:
+                      strict_box: bool = False, stop_ids: Sequence[int] = ()) -> list[ProblemResult]:
     """One ProblemResult per example from its k completions (grouped by prompt, as engines return them).
 
-    Responses are decoded without special tokens, so a trailing stop token (<|im_end|>) is not read
-    as part of the answer line.
+    Each response is scored as training scores it (trainer/scoring.py `rule_score` on `response_text`:
+    special tokens, such as the final <|im_end|>, are not part of the answer). An engine answer with
+    missing, aborted or misgrouped completions raises trainer.scoring.EngineFailure.
     """
-    expected = len(examples) * k
-    if len(completions) != expected:
-        raise EvalEngineError(f"the engine returned {len(completions)} completions for {len(examples)} prompts x "
-                              f"{k} samples (expected {expected})")
-    aborted = [c for c in completions if c.finish_reason == "abort"]
-    if aborted:
-        raise EvalEngineError(f"the engine aborted {len(aborted)} of {expected} requests (finish reason 'abort'), "
-                              f"first: prompt {aborted[0].prompt_index} sample {aborted[0].sample_index}; "
-                              "scoring the rest would bias the accuracy")
+    check_completions(completions, len(examples), k)
     results = []
     for p, example in enumerate(examples):
         group = completions[p * k:(p + 1) * k]
-        if any(c.prompt_index != p for c in group):
-            raise EvalEngineError(f"completions are not grouped by prompt: position {p * k} onwards should all "
-                                  f"belong to prompt {p}, got prompt indices {[c.prompt_index for c in group]}")
-        scores = [compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), example.ground_truth,
-                                strict_box=strict_box) for c in group]
+        scores = [rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
+                  for c in group]
         results.append(ProblemResult(
             data_source=example.data_source,
             acc=[bool(s["acc"]) for s in scores],

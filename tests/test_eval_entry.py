@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import eval as evaluation
-from eval import EvalEngineError, evaluate, flat_metrics, format_table
+from eval import evaluate, flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -23,6 +23,7 @@ from rl.data import rows_to_examples, synthetic_arithmetic_rows
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, SamplingParams
 from rollout.torch_engine import TorchEngine
+from trainer.scoring import EngineFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -217,14 +218,14 @@ def test_held_out_eval_with_more_ranks_than_problems(tokenizer, tmp_path):
 def test_engine_failures_and_repeats_are_refused_with_counts(tokenizer):
     ex = _examples(tokenizer, 3)
     responses = {tuple(e.prompt_ids): ["x", "y"] for e in ex}
-    with pytest.raises(EvalEngineError, match="aborted 6 of 6 requests"):
+    with pytest.raises(EngineFailure, match="aborted 6 of 6 requests"):
         evaluate(FakeEngine(tokenizer, responses, finish="abort"), ex, tokenizer, _params(2))
 
     class Short(FakeEngine):
         def generate(self, prompts, params):
             return super().generate(prompts, params)[:-1]
 
-    with pytest.raises(EvalEngineError, match="returned 5 completions for 3 prompts x 2 samples"):
+    with pytest.raises(EngineFailure, match="returned 5 completions for 3 prompts x 2 samples"):
         evaluate(Short(tokenizer, responses), ex, tokenizer, _params(2))
     with pytest.raises(ValueError, match="example 3 repeats example 0"):
         evaluate(FakeEngine(tokenizer, responses), ex + ex[:1], tokenizer, _params(2))

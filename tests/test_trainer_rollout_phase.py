@@ -18,7 +18,7 @@ def SingleProcess():
 
 
 class DigitTokenizer:
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(ord("0") + i) for i in ids)
 
 
@@ -45,8 +45,8 @@ def _examples(n):
 
 
 class AnswerTokenizer(DigitTokenizer):
-    def decode(self, ids):
-        return "Answer: " + super().decode(ids)
+    def decode(self, ids, skip_special_tokens=False):
+        return "Answer: " + super().decode(ids, skip_special_tokens)
 
 
 def test_rounds_fill_the_batch_and_surplus_is_carried_over():
