@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay)
-    # Linear warm-up over the first `warmup_steps` rollout steps, then constant (the paper's schedule).
+    # Linear warm-up over the first `warmup_steps` rollout steps that update the policy (trainer/update.py),
+    # then constant (the paper's schedule).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, opt.warmup_steps)))
     alg = cfg.algorithm
     builder = DynamicBatchBuilder(cfg.training.train_batch_size // dist.dp_size, alg.max_num_gen_batches,

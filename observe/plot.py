@@ -3,7 +3,8 @@
     python -m observe.plot RUN_DIR            writes RUN_DIR/plots/panel.png
 
 Eight panels against the training step: mean response length (with the max, and the share of
-truncated responses on a second axis), reward, training accuracy, entropy of the policy, mean
+truncated responses on a second axis), reward and training accuracy (of every generated sample, and of
+the groups kept for training), entropy of the policy, mean
 token probability, held-out accuracy (avg@k, on evaluation steps only), the share of groups kept by
 dynamic sampling (with the all-correct / all-wrong shares it drops), and the clip fractions. The
 paper watches these to tell healthy training (entropy neither collapsing nor exploding, response
@@ -46,8 +47,9 @@ PANELS: tuple[PanelSpec, ...] = (
                                   Series("response_length/max", "max", ":"),
                                   Series("response_length/clip_ratio", "truncated share", "--", secondary=True)),
               ylabel="tokens"),
-    PanelSpec("Reward (score)", (Series("reward/mean", "mean reward"),)),
-    PanelSpec("Training accuracy", (Series("acc/mean", "all groups"), Series("acc/kept_mean", "kept groups", "--")),
+    PanelSpec("Reward (score)", (Series("reward/mean", "all samples"),
+                                 Series("kept/reward/mean", "kept groups", "--"))),
+    PanelSpec("Training accuracy", (Series("acc/mean", "all samples"), Series("kept/acc/mean", "kept groups", "--")),
               unit_interval=True),
     PanelSpec("Entropy", (Series("entropy", "mean token entropy"),), ylabel="nats"),
     PanelSpec("Mean token probability", (Series("token_prob/mean", "mean probability"),)),

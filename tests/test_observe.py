@@ -211,7 +211,8 @@ def _synthetic_run(run_dir, steps=30, skip=("token_prob/mean",)):
             metrics = {
                 "response_length/mean": 20 + step, "response_length/max": 40 + 2 * step,
                 "response_length/clip_ratio": 0.01 * (step % 5), "reward/mean": -1 + step / steps,
-                "acc/mean": step / steps, "acc/kept_mean": 0.5, "entropy": 1.0 / step, "token_prob/mean": 0.8,
+                "acc/mean": step / steps, "kept/acc/mean": 0.5, "kept/reward/mean": 0.1, "entropy": 1.0 / step,
+                "token_prob/mean": 0.8,
                 "pg_clipfrac": 0.001 * step, "pg_clipfrac_lower": 0.0, "groups/kept_share": 0.6,
                 "groups/all_correct_share": 0.1, "groups/all_wrong_share": 0.3,
                 "grad_norm": float("nan") if step == 4 else 1.0,

@@ -3,7 +3,9 @@ data-parallel ranks) equal the DAPO loss of rl/loss.py computed directly on each
 overlong filtering masks samples or whole groups, and short batches add no empty updates."""
 
 import copy
+import math
 import types
+import warnings
 
 import pytest
 import torch
@@ -229,3 +231,32 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_with_masked_rows():
         cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True)
         summed = [a + b for a, b in zip(ranks[0][agg], ranks[1][agg])]
         _assert_grads_match(summed, _reference_grads(start, start, groups, cfg))
+
+
+def _check_no_update(stats, model, start):
+    assert stats["updates"] == 0 and stats["train_tokens"] == 0
+    for key in ("loss", "grad_norm", "entropy", "token_prob/mean", "pg_clipfrac", "ppo_kl"):
+        assert math.isnan(stats[key]), key  # logged as null: nothing was trained on
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters()))
+
+
+def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
+    model = build_model(ARGS, seed=0)
+    start = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # train.py's warm-up
+    cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=4, training__mini_batch_size=2)
+    phase = TrainPhase(model, optimizer, scheduler, cfg, _OneProcess(), torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Every group dropped by dynamic sampling; then every sample overlong-filtered.
+        for step, groups in ((1, []), (2, _groups(2, truncate_groups=(0, 1)))):
+            stats = phase.run(step, groups)
+            _check_no_update(stats, model, start)
+            assert stats["lr"] == pytest.approx(0.25e-3) and scheduler.last_epoch == 0
+        groups = _groups(4)
+        stats = phase.run(3, groups)  # the first update runs at the warm-up's first rate, then the schedule moves
+    assert stats["updates"] == 2 and stats["lr"] == pytest.approx(0.25e-3) and scheduler.last_epoch == 1
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    assert stats["train_tokens"] == sum(len(s.response_ids) for g in groups for s in g.payload)
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]

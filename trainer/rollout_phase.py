@@ -14,6 +14,7 @@ import zlib
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import SamplingParams
 from trainer.scoring import EngineFailure, RewardSettings, score_groups
+from trainer.step_metrics import add_totals, sample_totals
 
 
 def generate_round(engine, sampler, prompts_per_round: int, params: SamplingParams, tokenizer,
@@ -62,14 +63,16 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prom
                   params: SamplingParams, tokenizer, reward: RewardSettings, dist_env, progress=None):
     """Run generation rounds until every rank's builder is full or the round limit is reached.
 
-    Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}). An engine
-    failure (EngineFailure), any other error of a round (RolloutError) or a shortfall under
+    Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}); diagnostics are
+    the builder's plus "generated", the `sample_totals` of every sample this rank generated in the step.
+    An engine failure (EngineFailure), any other error of a round (RolloutError) or a shortfall under
     on_shortfall="raise" (BatchShortfall) on any rank is raised on every rank, so no rank is left
     waiting in a collective and train.py can checkpoint the last completed step.
     progress: an observe.progress.Progress counting this rank's kept groups (None: no display).
     """
     builder.start_step(step)
     seconds = {"generate": 0.0, "score": 0.0}
+    generated = sample_totals([])
     shown = 0
     while True:
         everyone_full = dist_env.all_reduce([float(builder.full())], op="min")[0] > 0
@@ -95,6 +98,7 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prom
         seconds["generate"] += gen_s
         seconds["score"] += score_s
         builder.add_round(groups)
+        generated = add_totals(generated, sample_totals(groups))
         if progress is not None:
             kept = min(builder.num_kept, builder.train_batch_size)
             progress.update(kept - shown, rounds=builder.rounds)
@@ -106,4 +110,4 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prom
                                  f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise'); "
                                  f"raise algorithm.max_num_gen_batches or set algorithm.on_shortfall = 'fill'")
     batch, diagnostics = builder.finish()
-    return batch, diagnostics, seconds
+    return batch, dict(diagnostics, generated=generated), seconds

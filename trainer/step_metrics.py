@@ -12,29 +12,55 @@ from observe.plot import plot_run
 log = logging.getLogger("train")
 
 
-def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg) -> dict[str, float]:
-    """Reward, accuracy, lengths and group shares of the step, reduced over data-parallel ranks."""
+def sample_totals(groups) -> dict[str, float]:
+    """Sums over the samples of `groups` (ScoredGroups of trainer.scoring.Sample): count, score, correct,
+    response tokens, truncated responses, and the longest response (a max, not a sum)."""
     samples = [s for g in groups for s in g.payload]
     lengths = [len(s.response_ids) for s in samples]
-    local = [float(len(samples)), float(sum(s.score for s in samples)), float(sum(s.acc for s in samples)),
-             float(sum(lengths)), float(sum(1 for s in samples if s.finish_reason == "length"))]
-    n, score, acc, length, clipped = dist_env.all_reduce(local)
-    longest = dist_env.all_reduce([float(max(lengths, default=0))], op="max")[0]
+    return {"samples": float(len(samples)), "score": float(sum(s.score for s in samples)),
+            "acc": float(sum(s.acc for s in samples)), "length": float(sum(lengths)),
+            "truncated": float(sum(s.finish_reason == "length" for s in samples)),
+            "longest": float(max(lengths, default=0))}
+
+
+def add_totals(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Two `sample_totals` combined (e.g. over generation rounds)."""
+    return {k: max(a[k], b[k]) if k == "longest" else a[k] + b[k] for k in a}
+
+
+_SUMMED = ("samples", "score", "acc", "length", "truncated")
+
+
+def _sample_means(sums: list[float], longest: float, prefix: str) -> dict[str, float]:
+    """Reward, accuracy and length means from the `_SUMMED` totals; NaN (logged as null) without samples."""
+    n, score, acc, length, truncated = sums
+    mean = (lambda x: x / n) if n else (lambda x: math.nan)
+    return {f"{prefix}reward/mean": mean(score), f"{prefix}acc/mean": mean(acc),
+            f"{prefix}response_length/mean": mean(length),
+            f"{prefix}response_length/max": longest if n else math.nan,
+            f"{prefix}response_length/clip_ratio": mean(truncated)}
+
+
+def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg) -> dict[str, float]:
+    """Reward, accuracy, lengths and group shares of the step, reduced over data-parallel ranks.
+
+    reward/*, acc/mean and response_length/* describe every sample generated in the step's rounds (the
+    panel's view of the policy: also a step whose groups were all dropped shows what it generated);
+    kept/* the same statistics of the batch trained on (kept groups, carried-over ones included).
+    """
+    generated, kept = filter_stats["generated"], sample_totals(groups)
+    sums = dist_env.all_reduce([totals[k] for totals in (generated, kept) for k in _SUMMED])
+    longest = dist_env.all_reduce([generated["longest"], kept["longest"]], op="max")
+    row = _sample_means(sums[:len(_SUMMED)], longest[0], "")
+    row.update(_sample_means(sums[len(_SUMMED):], longest[1], "kept/"))
     pre = dict(zip(("groups_generated", "samples_generated", "groups_kept"), dist_env.all_reduce(
         [float(filter_stats[k]) for k in ("groups_generated", "samples_generated", "groups_kept")])))
     # Shares over every rank's generated groups (each rank reports shares of its own).
     generated = float(filter_stats["groups_generated"])
-    share_keys = ("share_all_correct", "share_all_wrong", "mean_pass_rate")
+    share_keys = ("share_all_correct", "share_all_wrong")
     counts = dist_env.all_reduce([filter_stats[k] * generated if generated else 0.0 for k in share_keys])
     shares = {k: c / pre["groups_generated"] if pre["groups_generated"] else math.nan for k, c in zip(share_keys, counts)}
-    n = max(n, 1.0)
-    row = {
-        "reward/mean": score / n,
-        "acc/kept_mean": acc / n,
-        "acc/mean": shares["mean_pass_rate"],
-        "response_length/mean": length / n,
-        "response_length/max": longest,
-        "response_length/clip_ratio": clipped / n,
+    row.update({
         # NaN on a step served entirely from carried-over groups (nothing generated, nothing filtered).
         "groups/kept_share": pre["groups_kept"] / pre["groups_generated"] if pre["groups_generated"] else math.nan,
         "groups/all_correct_share": shares["share_all_correct"],
@@ -43,7 +69,7 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
         "gen/samples_per_kept_sample": (pre["samples_generated"] / (pre["groups_kept"] * cfg.rollout.n)
                                         if pre["groups_kept"] else math.nan),
         "groups/in_batch": dist_env.all_reduce([float(len(groups))])[0],
-    }
+    })
     # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
     # dropped, and the groups missing from a short batch (on_shortfall = "fill").
     origin = ("groups_from_carry", "groups_carried_over", "groups_dropped_stale", "shortfall")

@@ -150,19 +150,25 @@ class TrainPhase:
                 else:
                     grad_norms.append(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
-        self.scheduler.step()
+        if updates > skipped:
+            # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
+            # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
+            # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
+            # up warm-up either; the schedule's position is checkpointed with it.
+            self.scheduler.step()
         # Every rank contributed its token-weighted sums; "loss" is already reduced.
         loss_sum = sums.pop("loss")
         totals = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
         totals["loss"] = loss_sum
-        tokens = max(totals.pop("valid_tokens"), 1.0)
+        tokens = totals.pop("valid_tokens")
+        per_token = (lambda x: x / tokens) if tokens else (lambda x: math.nan)  # NaN: no token was trained on
         return {
             "loss": totals["loss"] / updates if updates else math.nan,
-            "pg_clipfrac": totals["pg_clipfrac"] / tokens,
-            "pg_clipfrac_lower": totals["pg_clipfrac_lower"] / tokens,
-            "ppo_kl": totals["ppo_kl"] / tokens,
-            "entropy": totals["entropy_sum"] / tokens,
-            "token_prob/mean": totals["token_prob_sum"] / tokens,
+            "pg_clipfrac": per_token(totals["pg_clipfrac"]),
+            "pg_clipfrac_lower": per_token(totals["pg_clipfrac_lower"]),
+            "ppo_kl": per_token(totals["ppo_kl"]),
+            "entropy": per_token(totals["entropy_sum"]),
+            "token_prob/mean": per_token(totals["token_prob_sum"]),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
             "updates_skipped_nonfinite": skipped,
             "updates": updates,
@@ -186,7 +192,9 @@ class TrainPhase:
             worst = max(worst, float(m["mismatch_abs_logp_max"]))
         tokens, abs_sum, k3_sum, far = self.dist.all_reduce(sums)
         worst = self.dist.all_reduce([worst], op="max")[0]
-        tokens = max(tokens, 1.0)
+        if not tokens:  # no fresh sample to compare: nothing measured
+            return dict.fromkeys(("mismatch/mean_abs_logp", "mismatch/max_abs_logp", "mismatch/k3_kl",
+                                  "mismatch/prob_diff_gt_0.1"), math.nan)
         return {"mismatch/mean_abs_logp": abs_sum / tokens, "mismatch/max_abs_logp": worst,
                 "mismatch/k3_kl": k3_sum / tokens, "mismatch/prob_diff_gt_0.1": far / tokens}
 
