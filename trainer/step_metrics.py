@@ -48,9 +48,9 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
     panel's view of the policy: also a step whose groups were all dropped shows what it generated);
     kept/* the same statistics of the batch trained on (kept groups, carried-over ones included).
     """
-    generated, kept = filter_stats["generated"], sample_totals(groups)
-    sums = dist_env.all_reduce([totals[k] for totals in (generated, kept) for k in _SUMMED])
-    longest = dist_env.all_reduce([generated["longest"], kept["longest"]], op="max")
+    every, kept = filter_stats["generated"], sample_totals(groups)
+    sums = dist_env.all_reduce([totals[k] for totals in (every, kept) for k in _SUMMED])
+    longest = dist_env.all_reduce([every["longest"], kept["longest"]], op="max")
     row = _sample_means(sums[:len(_SUMMED)], longest[0], "")
     row.update(_sample_means(sums[len(_SUMMED):], longest[1], "kept/"))
     pre = dict(zip(("groups_generated", "samples_generated", "groups_kept"), dist_env.all_reduce(
