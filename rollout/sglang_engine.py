@@ -66,13 +66,12 @@ from typing import Iterable
 import torch
 
 from rollout.engine import Completion, SamplingParams, validate_prompts
+from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 SGLANG_VERSION = "0.5.21"
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FINISH_TYPES = ("stop", "length", "abort")
-# sglang.srt.constants: GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_CUDA_GRAPH.
-_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def check_sglang_version(installed: str | None = None) -> None:
