@@ -10,7 +10,8 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   from offload_tags (a set: resuming a tag that was not released raises KeyError) and maps the memory
   back (srt/managers/scheduler_components/weight_updater.py SchedulerWeightUpdaterManager.
   release_memory_occupation / resume_memory_occupation; srt/utils/torch_memory_saver_adapter.py
-  _TorchMemorySaverAdapterReal.pause / resume). Mapping back more than the GPU has free fails.
+  _TorchMemorySaverAdapterReal.pause / resume). Mapping back more than the GPU has free fails. Resume
+  has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either.
 * An exception inside a scheduler request handler ends the engine: the scheduler logs it and sends
   SIGQUIT to its parent (srt/managers/scheduler.py run_scheduler_process); the model then refuses every
   later call.
@@ -19,16 +20,17 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   (SchedulerWeightUpdaterManager.begin_weight_update / end_weight_update / update_weights_from_tensor).
 * Payloads: load_format "flattened_bucket" takes pre-serialized payloads, one per TP rank
   (srt/entrypoints/engine.py Engine._serialize_tensors_per_rank); TP rank i deserializes only entry i
-  (srt/managers/tp_worker.py TpModelWorker.deserialize_own_rank): fewer entries than ranks is an
+  (srt/managers/tp_worker.py BaseTpWorker.deserialize_own_rank): fewer entries than ranks is an
   IndexError in the scheduler, and an entry no rank opens keeps its CUDA IPC reference forever. Entries
   are base64 strings or bytes (srt/utils/common.py normalize_serialized_named_tensor_payload).
   Writing into released weights writes into unmapped memory (a CUDA error that ends the scheduler).
 * Generation: input_ids must not be empty (srt/managers/io_struct.py GenerateReqInput.
-  _determine_batch_size); every request of a batch has the same n (GenerateReqInput.normalize);
+  _determine_batch_size); every request of a batch has the same n (GenerateReqInput._handle_parallel_sampling);
   a prompt of context_len tokens or more, or prompt + max_new_tokens beyond context_len, raises for the
   whole batch (srt/managers/tokenizer_manager.py TokenizerManager._validate_one_request); a prompt of
   max_req_input_len = min(context_len - 1, kv tokens - 1) - 5 tokens or more is aborted
-  (srt/managers/tp_worker.py, srt/managers/utils.py validate_input_length). With n > 1 the tokenizer
+  (srt/managers/tp_worker.py TpModelWorker.get_worker_info, srt/managers/utils.py validate_input_length,
+  called from srt/managers/scheduler.py Scheduler.handle_generate_request). With n > 1 the tokenizer
   manager first sends one prefix-caching request per prompt, one after another, and warns above 128
   prompts (srt/managers/tokenizer_manager.py TokenizerManager._handle_batch_request); outputs come
   prompt-major. Generating with the KV cache or weights released reads unmapped memory.
