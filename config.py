@@ -93,6 +93,7 @@ class RolloutConfig:
     compile: bool = True  # torch.compile the torch engine's decode step
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = 1024  # bucket size of the trainer -> engine weight copy
+    round_timeout_s: int = 21600  # longest a rank waits for the others' generation (gloo control groups)
     max_batch_size: int = 512  # sequences the torch engine decodes at once
 
 
@@ -444,6 +445,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     for key in ("data.max_prompt_length", "data.synthetic_difficulty", "data.synthetic_num_train",
                 "data.synthetic_num_eval", "rollout.n", "rollout.max_response_length",
                 "rollout.gen_batch_multiplier", "rollout.tp_size", "rollout.weight_sync_bucket_mb",
+                "rollout.round_timeout_s",
                 "rollout.max_batch_size", "algorithm.overlong_buffer", "algorithm.max_num_gen_batches",
                 "training.train_batch_size", "training.mini_batch_size", "training.micro_batch_tokens",
                 "training.ppo_epochs", "training.sft_batch_size", "training.max_nonfinite_steps",

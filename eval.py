@@ -78,13 +78,16 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
         progress = Progress(total=len(examples), desc="eval", unit="problems")
     results: list[ProblemResult] = []
     start = time.perf_counter()
+    # Ranks that share one engine (SGLang's TP group) generate in one collective call: a rank without
+    # problems still takes part, with no prompts, or its group would wait for it forever.
+    starts = range(0, len(examples), chunk) if examples or getattr(engine, "group", None) is None else [0]
     try:
-        for begin in range(0, len(examples), chunk):
+        for begin in starts:
             batch = examples[begin:begin + chunk]
             completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
             results.extend(score_completions(batch, completions, tokenizer, k, strict_box=strict_box,
                                              stop_ids=params.stop_token_ids))
-            if progress is not None and progress is not False:
+            if progress is not None and progress is not False and batch:
                 done = results[-len(batch):]
                 progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
     finally:
@@ -106,7 +109,7 @@ def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> Samplin
     """The params of one generate call. A fixed seed is combined with the call's first problem, so calls
     (chunks, data-parallel ranks) draw independent samples instead of replaying one random stream; the
     same problems and seed still give the same samples."""
-    if params.seed is None:
+    if params.seed is None or not batch:
         return params
     return dataclasses.replace(params, seed=zlib.crc32(f"{params.seed}-{begin}-{batch[0].index}".encode()))
 

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     check_runnable(cfg)
 
     # --- Processes, run folder, data -------------------------------------------------------------
-    dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
+    dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp,
+                            control_timeout_s=cfg.rollout.round_timeout_s)
     for key in ("train_batch_size", "mini_batch_size", "sft_batch_size"):
         if getattr(cfg.training, key) % dist.dp_size:
             raise ConfigError(f"training.{key} = {getattr(cfg.training, key)} does not divide over "

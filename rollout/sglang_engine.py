@@ -9,10 +9,14 @@ Engine start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_stat
 enable_memory_saver=True, skip_tokenizer_init=True, dtype, random_seed)`; prompts go in as token ids.
 
 Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`,
-one sampling_params dict per prompt whose max_new_tokens is capped at what the context leaves (SGLang
+one sampling_params dict per request whose max_new_tokens is capped at what the context leaves (SGLang
 refuses the whole batch otherwise); prompts must leave SGLang's margin of PROMPT_MARGIN tokens.
-SGLang's parallel sampling (`n`) prefills each prompt once and returns results prompt-major, the order
-of the protocol. Every output dict is translated by `completions_from_sglang`:
+The n samples of a prompt are n requests with n = 1, the prompt repeated n times in a row (as verl and
+slime do): 0.5.21 serves n > 1 by first prefilling each prompt alone, one request after another, before
+the batch runs (TokenizerManager._handle_batch_request). Outputs come back in request order, so grouped
+per prompt, the order of the protocol. A request SGLang aborts fails the whole call on every rank of
+the group, so the group retries (or gives up) together. Every output dict is translated by
+`completions_from_sglang`:
     token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
     logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
     finish     <- meta_info["finish_reason"]["type"] ("stop" | "length" | "abort")
@@ -32,7 +36,11 @@ as bytes. SGLang's TP rank i opens payload i, and each payload is a serializatio
 IPC reference is released once per serialization). With a process group (one trainer rank per SGLang TP
 rank, on the same GPUs), each rank serializes its own gathered copy and the payloads are gathered to
 the group's rank 0, which owns the sglang.Engine; every rank keeps its bucket alive until the leader's
-call returned (a broadcast of the result). Names are Hugging Face's, as SGLang loads them.
+call returned (a broadcast of the result), and then collects CUDA IPC handles (torch.cuda.ipc_collect):
+torch keeps a sent block in its IPC limbo until then, and without it every bucket of the sync would still
+be reserved when the engine maps its KV cache back. Tensors must already be on this rank's GPU (`device`):
+SGLang opens CUDA IPC handles, and rollout/weight_sync.py moves offloaded shards there before gathering.
+Names are Hugging Face's, as SGLang loads them.
 
 Memory (colocated with the trainer on one GPU pool):
     release_memory()        release_memory_occupation()                (KV cache, weights, CUDA graphs)
@@ -40,6 +48,12 @@ Memory (colocated with the trainer on one GPU pool):
     resume_memory()         end the update session, flush_cache(), resume_memory_occupation(the rest)
 Released weights are discarded, not offloaded: after a release every weight must be pushed again
 before resume_memory(), which refuses otherwise and names the missing weights.
+
+Protocol state (update session open, released tags, weights pushed since the release) is the leader's:
+the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
+group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
+believing what SGLang did not do. The group should be a gloo group with a timeout longer than the
+slowest generation (trainer/setup.py engine_group): non-leader ranks wait in it while the leader generates.
 """
 
 from __future__ import annotations
@@ -52,13 +66,12 @@ from typing import Iterable
 import torch
 
 from rollout.engine import Completion, SamplingParams, validate_prompts
+from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 SGLANG_VERSION = "0.5.21"
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FINISH_TYPES = ("stop", "length", "abort")
-# sglang.srt.constants: GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_CUDA_GRAPH.
-_MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def check_sglang_version(installed: str | None = None) -> None:
@@ -86,14 +99,14 @@ NEW_TOKEN_MARGIN = 2
 
 
 def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = None) -> dict:
-    """Our SamplingParams as SGLang's sampling_params dict (temperature 0 is greedy there too);
-    `max_new_tokens` overrides the params' own (a per-prompt cap)."""
+    """Our SamplingParams as the sampling_params dict of one SGLang request (temperature 0 is greedy there
+    too); `max_new_tokens` overrides the params' own (a per-prompt cap). SGLang's `n` stays 1: the n
+    samples are n requests (see the module docstring)."""
     out = {
         "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,
-        "n": params.n,
         "no_stop_trim": True,
     }
     if params.stop_token_ids:
@@ -107,7 +120,7 @@ def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
 
 
 def sglang_request_params(params: SamplingParams, prompt_lengths: list[int], context_length: int) -> list[dict]:
-    """One sampling_params dict per prompt, its max_new_tokens capped at what the context leaves:
+    """One sampling_params dict per request (prompt length), its max_new_tokens capped at what the context leaves:
     min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
     (as in the torch engine) instead of SGLang refusing the whole batch (it raises when prompt length +
     max_new_tokens exceeds the context)."""
@@ -176,6 +189,7 @@ class SGLangEngine:
     """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
 
     model_path: a HF checkpoint directory (e.g. written by model.hf.save_hf).
+    device: this rank's GPU; update_weights refuses tensors elsewhere (None: no check).
     group: the process group of the trainer ranks that share this engine's GPUs, one per SGLang TP rank
         (size tp_size); its rank 0 owns the sglang.Engine. None: this process alone drives the engine.
     Every rank of `group` must make the same calls in the same order (they are collectives); a failure
@@ -184,7 +198,7 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.6,
                  dtype: torch.dtype | str = torch.bfloat16, seed: int = 0, context_length: int | None = None,
-                 group=None, **engine_kwargs):
+                 group=None, device: torch.device | str | None = None, **engine_kwargs):
         if isinstance(dtype, str):  # config files name dtypes as strings
             dtype = {name: d for d, name in _DTYPE_NAMES.items()}.get(dtype, dtype)
         if dtype not in _DTYPE_NAMES:
@@ -196,6 +210,7 @@ class SGLangEngine:
         self.tp_size = tp_size
         self.context_length = context_length or self.args.max_position_embeddings
         self.group = group
+        self.device = torch.device(device) if device is not None else None
         if group is not None:
             import torch.distributed as dist
 
@@ -250,6 +265,12 @@ class SGLangEngine:
         payload, keep_alive = self._flatten_bucket(bucket)
         return [self._serialize(payload) for _ in range(copies)], keep_alive
 
+    @staticmethod
+    def _collect_ipc_handles() -> None:
+        """Free the sent buckets torch keeps for CUDA IPC receivers (its IPC limbo) once they let go."""
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
     # -- collectives over the group ----------------------------------------------------------------
 
     def _gather(self, obj) -> list | None:
@@ -270,8 +291,16 @@ class SGLangEngine:
         dist.scatter_object_list(out, parts if self.is_leader else None, src=self._leader, group=self.group)
         return out[0]
 
+    def _state(self) -> tuple:
+        return self._session_open, frozenset(self._released), frozenset(self._pushed)
+
+    def _adopt(self, state: tuple) -> None:
+        self._session_open, released, pushed = state
+        self._released, self._pushed = set(released), set(pushed)
+
     def _leader_call(self, what: str, fn) -> None:
-        """Run fn on the leader; a failure there becomes an error on every rank, not a hang later."""
+        """Run fn on the leader; then every rank adopts the leader's protocol state (what SGLang really
+        did, also when fn failed part-way) and a failure there becomes an error on every rank."""
         if self.group is None:
             fn()
             return
@@ -283,10 +312,12 @@ class SGLangEngine:
                 fn()
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-        box = [error]
+        box = [(error, self._state())]
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
-        if box[0] is not None:
-            raise RuntimeError(f"SGLang engine {what} failed on the leader rank: {box[0]}")
+        error, state = box[0]
+        self._adopt(state)
+        if error is not None:
+            raise RuntimeError(f"SGLang engine {what} failed on the leader rank: {error}")
 
     # -- protocol ----------------------------------------------------------------------------------
 
@@ -300,6 +331,7 @@ class SGLangEngine:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
             self._check("end_weight_update", self._engine.end_weight_update())
+            self._session_open = False
             self._engine.flush_cache()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -317,38 +349,42 @@ class SGLangEngine:
                                  f"{tuple(self.weight_shapes[name])}")
             if tensor.dtype != self.dtype:
                 raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
+            if self.device is not None and tensor.device.type != self.device.type:
+                raise ValueError(f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
+                                 f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
+                                 "gathering (rollout.weight_sync.sync_weights does, with device=)")
         if not bucket:
             return
         # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
         # process feeds every TP rank, one serialization each.
         payloads, keep_alive = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
         per_rank = self._gather(payloads[0]) if self.group is not None else payloads
-        resume_weights, open_session = "weights" in self._released, not self._session_open
 
         def send():
-            if resume_weights:
+            if "weights" in self._released:
                 self._engine.resume_memory_occupation(["weights"])
-            if open_session:
+                self._released.discard("weights")
+            if not self._session_open:
                 self._check("begin_weight_update", self._engine.begin_weight_update())
+                self._session_open = True
             self._check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
                 named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False))
+            self._pushed.update(seen)
 
-        self._leader_call("update_weights", send)
-        self._released.discard("weights")
-        self._session_open = True
-        self._pushed.update(seen)
-        del keep_alive  # only now, after the leader's call returned, may the memory behind the handles go
+        try:
+            self._leader_call("update_weights", send)
+        finally:
+            del keep_alive  # only now, after the leader's call returned, may the memory behind the handles go
+            self._collect_ipc_handles()
 
     def release_memory(self) -> None:
         """Free the KV cache, the weights and the CUDA graphs while the trainer runs."""
         def release():
             self._end_session()
             self._engine.release_memory_occupation()
+            self._released, self._pushed = set(_MEMORY_TAGS), set()
 
         self._leader_call("release_memory", release)
-        self._session_open = False
-        self._released = set(_MEMORY_TAGS)
-        self._pushed = set()
 
     def resume_memory(self) -> None:
         """Finish a weight update and take back the KV cache and CUDA graphs (see the module doc)."""
@@ -358,26 +394,53 @@ class SGLangEngine:
                 f"the engine's weights were released and {len(missing)} weights were not pushed again "
                 f"(e.g. {missing[:3]}); call sync_weights before resume_memory"
             )
-        rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
 
         def resume():
             self._end_session()
+            rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
             if rest:
                 self._engine.resume_memory_occupation(rest)
+                self._released -= set(rest)
 
         self._leader_call("resume_memory", resume)
-        self._session_open = False
-        self._released = set()
+
+    def _generate_on_leader(self, rank_prompts: list[list[list[int]]], params: SamplingParams) -> list[list]:
+        """The group's prompts as one SGLang batch of n = 1 requests; the completions of each rank."""
+        self._end_session()
+        flat = [p for ps in rank_prompts for p in ps]
+        if not flat:  # SGLang refuses an empty batch (GenerateReqInput: input_ids cannot be empty)
+            return [[] for _ in rank_prompts]
+        requests = [p for p in flat for _ in range(params.n)]
+        outputs = self._engine.generate(
+            input_ids=requests, return_logprob=True,
+            sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length))
+        completions = completions_from_sglang(outputs, len(flat), params.n)
+        aborted = [i for i, c in enumerate(completions) if c.finish_reason == "abort"]
+        if aborted:
+            reason = (outputs[aborted[0]].get("meta_info") or {}).get("finish_reason")
+            raise RuntimeError(f"SGLang aborted {len(aborted)} of {len(completions)} requests (first: {reason}); "
+                               "every rank of the engine group sees this failure")
+        parts, offset = [], 0
+        for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
+            for c in part:  # prompt indices count from 0 on every rank
+                c.prompt_index -= offset
+            offset += len(part) // params.n
+            parts.append(part)
+        return parts
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Every rank of the group passes its own prompts; the leader runs them all as one SGLang batch."""
+        """Every rank of the group passes its own prompts (possibly none: it still takes part); the leader
+        runs them all as one SGLang batch."""
         problem = None
         try:
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
             if self._released:
                 raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
-            validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
+            if not isinstance(prompts, (list, tuple)):
+                raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+            if prompts:
+                validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
         except (TypeError, ValueError, RuntimeError) as e:
             if self.group is None:
                 raise
@@ -389,25 +452,14 @@ class SGLangEngine:
             try:
                 if errors:
                     raise ValueError("; ".join(errors))
-                rank_prompts = [value for _, value in gathered]
-                self._end_session()
-                flat = [p for ps in rank_prompts for p in ps]
-                outputs = self._engine.generate(
-                    input_ids=flat, return_logprob=True,
-                    sampling_params=sglang_request_params(params, [len(p) for p in flat], self.context_length))
-                completions = completions_from_sglang(outputs, len(flat), params.n)
-                parts, offset = [], 0
-                for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
-                    for c in part:  # prompt indices count from 0 on every rank
-                        c.prompt_index -= offset
-                    offset += len(part) // params.n
-                    parts.append(("ok", part))
+                parts = [("ok", part) for part in self._generate_on_leader([v for _, v in gathered], params)]
             except Exception as e:
                 if self.group is None:
                     raise
                 parts = [("error", f"{type(e).__name__}: {e}")] * len(gathered)
-        self._session_open = False
-        status, value = self._scatter(parts)
+            parts = [(status, value, self._state()) for status, value in parts]
+        status, value, state = self._scatter(parts)
+        self._adopt(state)
         if status == "error":
             raise RuntimeError(f"SGLang engine generate failed: {value}")
         return value

@@ -1,11 +1,16 @@
 """Trainer -> engine weight sync after an optimizer step, one bucket at a time.
 
     for each trainer parameter, in registration order (embedding, layers 0..N-1, norm, head):
-        local = shard.to(engine dtype)        # cast before gathering: fewer bytes on the wire
+        local = shard.to(device)              # an offloaded (CPU) shard goes to the GPU first
+        local = local.to(engine dtype)        # cast before gathering: fewer bytes on the wire
         full  = local.full_tensor()           # all-gather of a DTensor (FSDP, TP or both); plain tensors as is
         bucket += (HF name, full)
         if bucket holds >= bucket_bytes: engine.update_weights(bucket); drop bucket
     engine.update_weights(last bucket)
+
+`device` is the engine's (engine.device by default). With parallelism.cpu_offload the shards live on the
+CPU: gathering them there would run an NCCL collective on CPU tensors, and SGLang would be handed a CPU
+tensor where it opens a CUDA IPC handle. Moving each shard first costs one shard of GPU memory at a time.
 
 Peak extra memory is one bucket of full tensors (a single tensor larger than `bucket_bytes` forms a
 bucket of its own). The engine copies each bucket into its existing weights (no re-allocation).
@@ -38,7 +43,8 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None):
+def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None):
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
 
     A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
@@ -54,6 +60,8 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
     with torch.no_grad():
         for name, param in model.named_parameters():
             tensor = param.detach()
+            if device is not None:
+                tensor = tensor.to(device)  # before the gather, which runs where the shard is
             if dtype is not None and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             full = _full_tensor(tensor)
@@ -67,11 +75,13 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
 
 
 def sync_weights(trainer_model: nn.Module, engine, *, bucket_bytes: int = 1 << 30,
-                 dtype: torch.dtype | None = None) -> int:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> int:
     """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
 
     dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it). Required with
     `engine=None`: such a rank must gather in the dtype the ranks with an engine cast to.
+    device: where shards are gathered and the engine reads them; default `engine.device` (both engines
+    expose it; None leaves each shard where it is).
     Call on every trainer rank (see the module docstring).
     """
     if dtype is None:
@@ -79,8 +89,10 @@ def sync_weights(trainer_model: nn.Module, engine, *, bucket_bytes: int = 1 << 3
             raise ValueError("sync_weights on a rank without an engine needs dtype=<the engines' weight dtype>: "
                              "every rank casts before gathering, and the gathers must move the same bytes")
         dtype = getattr(engine, "dtype", None)
+    if device is None:
+        device = getattr(engine, "device", None)
     sent = 0
-    for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype):
+    for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
         if engine is not None:
             engine.update_weights(bucket)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)

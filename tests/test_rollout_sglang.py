@@ -1,15 +1,16 @@
 """rollout/sglang_engine.py without a GPU: output translation, sampling params, version pin, and the
-engine's protocol state machine driven against a recording backend that enforces SGLang 0.5.21's rules
-(update_weights_from_tensor only inside begin/end_weight_update, released weights must be resumed
-before loading). The real engine is exercised by the `sglang`-marked test and bench/sglang_smoke.py."""
+engine's protocol driven against tests/sglang_model.py, a strict model of sglang 0.5.21 (memory tags,
+idle rule, weight-update sessions, one payload per TP rank, the KV pool sized from free memory), single
+process and on gloo ranks. The real engine is exercised by the `sglang`-marked test and
+bench/sglang_smoke.py."""
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-from model.args import PRESETS
+from eval import evaluate
+from model.args import PRESETS, num_params
 from model.hf import save_hf, to_hf_name
 from model.qwen2 import build_model
 from rollout.engine import Completion, SamplingParams
@@ -22,9 +23,13 @@ from rollout.sglang_engine import (
     sglang_sampling_params,
     split_by_counts,
 )
-from rollout.weight_sync import sync_weights
+from rl.data import PromptExample
+from rollout.weight_sync import iter_weight_buckets, sync_weights
+from trainer.rollout_phase import generate_round
+from trainer.scoring import RewardSettings
 
 from dist_utils import run_ranks
+from sglang_model import MIB, EngineDied, FakeGPU, StrictSGLang, flatten_bucket, install_cuda_ipc_model, serialize
 
 ARGS = PRESETS["tiny"]
 
@@ -77,8 +82,9 @@ def test_completions_from_sglang_refuses_inconsistent_outputs():
 
 def test_sampling_params_translation():
     params = SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20, n=4, stop_token_ids=[2, 3])
+    # n is not SGLang's: each prompt is sent n times with n = 1 (see test_n_samples_are_sent_as_repeated_prompts).
     assert sglang_sampling_params(params) == {"max_new_tokens": 7, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
-                                              "n": 4, "no_stop_trim": True, "stop_token_ids": [2, 3]}
+                                              "no_stop_trim": True, "stop_token_ids": [2, 3]}
     assert "stop_token_ids" not in sglang_sampling_params(SamplingParams(max_new_tokens=1))
 
 
@@ -102,95 +108,34 @@ def test_missing_sglang_is_a_clear_error(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Protocol state machine against a recording backend
+# The engine's protocol against the strict model of sglang 0.5.21 (tests/sglang_model.py)
 # ---------------------------------------------------------------------------------------------------
 
 
-class _RecordingBackend:
-    """Answers like sglang.Engine 0.5.21 and records the calls; loads weights into a torch model."""
+def engine_class(trainer_gpu=None, **model_options):
+    """SGLangEngine whose sglang.Engine is the strict model and whose CUDA IPC payloads are CPU stand-ins."""
 
-    def __init__(self, model, tp_size, context_length):
-        self.model, self.tp_size, self.context_length = model, tp_size, context_length
-        self.calls, self.session, self.released = [], False, set()
-        self.max_new_tokens = []
+    class Engine(SGLangEngine):
+        def _launch(self, **kwargs):
+            assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"]
+            return StrictSGLang(**model_options, **kwargs)
 
-    def begin_weight_update(self):
-        self.calls.append("begin")
-        if self.session:
-            return False, "a weight-update session is already open"
-        self.session = True
-        return True, "Success"
+        def _flatten_bucket(self, bucket):
+            return flatten_bucket(bucket, trainer_gpu)
 
-    def end_weight_update(self):
-        self.calls.append("end")
-        if not self.session:
-            return False, "no weight-update session is open"
-        self.session = False
-        return True, "Success"
+        def _serialize(self, payload):
+            return serialize(payload)
 
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append("update")
-        assert load_format == "flattened_bucket" and flush_cache is False and len(named_tensors) == self.tp_size
-        # One serialization per TP rank: each CUDA IPC reference is released by exactly one rank.
-        assert all(isinstance(p, _Serialized) for p in named_tensors)
-        assert len({p.number for p in named_tensors}) == self.tp_size
-        if not self.session:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-        if "weights" in self.released:
-            return False, "weights are released"
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for hf_name, tensor in named_tensors[0].payload:
-                params[hf_name[len("model."):] if hf_name.startswith("model.") else hf_name].copy_(tensor)
-        return True, "Success"
-
-    def flush_cache(self):
-        self.calls.append("flush")
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release", tuple(tags or ())))
-        self.released = {"kv_cache", "weights", "cuda_graph"}
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tuple(tags)))
-        self.released -= set(tags)
-
-    def generate(self, input_ids, sampling_params, return_logprob):
-        self.calls.append("generate")
-        assert return_logprob and not self.released
-        assert isinstance(sampling_params, list) and len(sampling_params) == len(input_ids)
-        n = sampling_params[0]["n"]
-        assert all(sp["n"] == n for sp in sampling_params)  # SGLang requires one n for the batch
-        for prompt, sp in zip(input_ids, sampling_params):  # what SGLang 0.5.21 refuses for the whole batch
-            if len(prompt) >= self.context_length - 6 or len(prompt) + sp["max_new_tokens"] > self.context_length:
-                raise ValueError(f"prompt of {len(prompt)} tokens + {sp['max_new_tokens']} new exceeds the context")
-        self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
-        return [_out([len(p), s], [-1.0, -2.0], {"type": "length"}) for p in input_ids for s in range(n)]
-
-    def shutdown(self):
-        self.calls.append("shutdown")
+    return Engine
 
 
-class _Serialized:
-    """Stands for one serialized payload; numbered so the recorder can tell serializations apart."""
-
-    count = 0
-
-    def __init__(self, payload):
-        _Serialized.count += 1
-        self.payload, self.number = payload, (os.getpid(), _Serialized.count)  # ranks are processes
+def _named(model):
+    return [(to_hf_name(n), p.detach()) for n, p in model.named_parameters()]
 
 
-class _EngineOnRecorder(SGLangEngine):
-    def _launch(self, **kwargs):
-        assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"] and kwargs["dtype"] == "float32"
-        return _RecordingBackend(build_model(ARGS, seed=1), kwargs["tp_size"], kwargs["context_length"])
-
-    def _flatten_bucket(self, bucket):
-        return list(bucket), None  # the recorder reads tensors directly; no CUDA IPC on CPU
-
-    def _serialize(self, payload):
-        return _Serialized(payload)
+def _assert_holds(sglang, model):
+    for (n, p), (_, q) in zip(sglang.model.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), n
 
 
 @pytest.fixture
@@ -200,53 +145,52 @@ def checkpoint(tmp_path):
 
 
 def test_memory_and_weight_update_protocol(checkpoint):
-    engine = _EngineOnRecorder(checkpoint, tp_size=2, dtype=torch.float32)
-    backend = engine._engine
+    engine = engine_class()(checkpoint, tp_size=2, dtype=torch.float32)
+    sglang = engine._engine
     engine.release_memory()
     with pytest.raises(RuntimeError, match="resume_memory"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     trainer = build_model(ARGS, seed=5)
-    named = [(to_hf_name(n), p.detach()) for n, p in trainer.named_parameters()]
-    engine.update_weights(named[:4])
+    engine.update_weights(_named(trainer)[:4])
     with pytest.raises(RuntimeError, match=r"weights were not pushed again"):
         engine.resume_memory()  # only 4 of the weights arrived: the engine would serve garbage
     sync_weights(trainer, engine, bucket_bytes=50_000)
     engine.resume_memory()
-    assert backend.calls[:4] == [("release", ()), ("resume", ("weights",)), "begin", "update"]
-    assert backend.calls[-3:] == ["end", "flush", ("resume", ("kv_cache", "cuda_graph"))]
-    assert "begin" not in backend.calls[4:]  # one session for all buckets
-    for (n, p), (_, q) in zip(backend.model.named_parameters(), trainer.named_parameters()):
-        assert torch.equal(p, q), n
+    assert sglang.calls[:4] == [("release", ()), ("resume", ("weights",)), "begin", "update"]
+    assert sglang.calls[-3:] == ["end", "flush", ("resume", ("kv_cache", "cuda_graph"))]
+    assert "begin" not in sglang.calls[4:]  # one session for all buckets
+    _assert_holds(sglang, trainer)
     # Updates without a release (weights stay resident) are closed by the next generate.
-    engine.update_weights(named[:2])
+    engine.update_weights(_named(trainer)[:2])
     out = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=2, n=2))
-    assert backend.calls[-4:] == ["update", "end", "flush", "generate"]
+    assert sglang.calls[-4:] == ["update", "end", "flush", "generate"]
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
         (0, 0, [3, 0]), (0, 1, [3, 1]), (1, 0, [1, 0]), (1, 1, [1, 1])]
     engine.shutdown()
-    assert backend.calls[-1] == "shutdown"
+    assert sglang.calls[-1] == "shutdown"
 
 
 def test_long_prompts_get_capped_budgets_instead_of_failing_the_batch(checkpoint):
-    engine = _EngineOnRecorder(checkpoint, dtype=torch.float32, context_length=16)
+    engine = engine_class()(checkpoint, dtype=torch.float32, context_length=16)
     prompts = [[1] * 3, [2] * 9]  # 9 = 16 - PROMPT_MARGIN: the longest prompt SGLang accepts here
     out = engine.generate(prompts, SamplingParams(max_new_tokens=10, n=2))
-    assert engine._engine.max_new_tokens == [[10, 16 - 2 - 9]]  # capped: ends with finish reason "length"
+    cap = 16 - 2 - 9  # capped: ends with finish reason "length"
+    assert engine._engine.max_new_tokens == [[10, 10, cap, cap]]
     assert [c.prompt_index for c in out] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match=r"prompt 1 has 10 tokens, longer than the engine's context allows \(9"):
         engine.generate([[1], [2] * 10], SamplingParams(max_new_tokens=1))
     # The context train.py asks for gives the longest prompt its whole budget.
-    engine = _EngineOnRecorder(checkpoint, dtype=torch.float32, context_length=context_length_for(9, 10))
+    engine = engine_class()(checkpoint, dtype=torch.float32, context_length=context_length_for(9, 10))
     engine.generate([[2] * 9], SamplingParams(max_new_tokens=10))
     assert engine._engine.max_new_tokens == [[10]]
     assert context_length_for(9, 1) == 9 + 7  # short budgets still leave SGLang's prompt margin
 
 
 def test_bad_bucket_is_refused_before_sending(checkpoint):
-    engine = _EngineOnRecorder(checkpoint, dtype="float32")  # dtype names from config files work too
+    engine = engine_class()(checkpoint, dtype="float32")  # dtype names from config files work too
     assert engine.dtype is torch.float32
     with pytest.raises(ValueError, match="dtype must be one of"):
-        _EngineOnRecorder(checkpoint, dtype="int8")
+        engine_class()(checkpoint, dtype="int8")
     good = ("model.norm.weight", torch.ones(ARGS.hidden_size))
     for message, bucket in {
         "unknown weight": [good, ("model.layers.7.mlp.up_proj.weight", torch.zeros(1))],
@@ -261,23 +205,165 @@ def test_bad_bucket_is_refused_before_sending(checkpoint):
         engine.generate([[]], SamplingParams(max_new_tokens=2))
 
 
+# -- the strict model's own rules ------------------------------------------------------------------
+
+
+def _strict(checkpoint, **options):
+    launch = dict(model_path=checkpoint, tp_size=1, base_gpu_id=0, mem_fraction_static=0.5, enable_memory_saver=True,
+                  skip_tokenizer_init=True, dtype="float32", random_seed=0, context_length=64)
+    launch.update(options)
+    return StrictSGLang(**launch)
+
+
+def test_strict_model_memory_tags_and_idle_rule(checkpoint):
+    sglang = _strict(checkpoint)
+    with pytest.raises(KeyError):
+        sglang.resume_memory_occupation(["kv_cache"])  # offload_tags.remove of a tag never released
+    with pytest.raises(EngineDied, match="KeyError"):
+        sglang.generate(input_ids=[[1]], sampling_params={"max_new_tokens": 1})  # the scheduler is gone
+    sglang = _strict(checkpoint)
+    sglang.running = 1
+    with pytest.raises(AssertionError, match="only when server is idle"):
+        sglang.release_memory_occupation()
+    sglang = _strict(checkpoint)
+    sglang.release_memory_occupation(["kv_cache"])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        sglang.generate(input_ids=[[1]], sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="input_ids cannot be empty"):
+        _strict(checkpoint).generate(input_ids=[], sampling_params=[])
+    with pytest.raises(ValueError, match="parallel_sample_num should be the same"):
+        _strict(checkpoint).generate(input_ids=[[1], [2]], sampling_params=[{"max_new_tokens": 1, "n": 2},
+                                                                              {"max_new_tokens": 1}])
+
+
+def test_strict_model_weight_sessions_and_payloads(checkpoint):
+    sglang = _strict(checkpoint, tp_size=2)
+    payload, keep = flatten_bucket([("model.norm.weight", torch.zeros(ARGS.hidden_size))])
+    two = [serialize(payload), serialize(payload)]
+    assert sglang.update_weights_from_tensor(two, load_format="flattened_bucket") == (
+        False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+    assert sglang.end_weight_update()[0] is False
+    assert sglang.begin_weight_update() == (True, "Success")
+    assert sglang.begin_weight_update()[0] is False
+    with pytest.raises(AssertionError, match="never opened"):
+        sglang.update_weights_from_tensor(two + [serialize(payload)], load_format="flattened_bucket")
+    assert sglang.update_weights_from_tensor(two, load_format="flattened_bucket") == (True, "Success")
+    assert torch.equal(sglang.model.norm.weight, torch.zeros(ARGS.hidden_size))
+    with pytest.raises(IndexError, match="TP rank 1 has no payload"):
+        sglang.update_weights_from_tensor([serialize(payload)], load_format="flattened_bucket")
+    sglang = _strict(checkpoint, tp_size=2)
+    sglang.begin_weight_update()
+    one = serialize(payload)
+    with pytest.raises(RuntimeError, match="opened twice"):
+        sglang.update_weights_from_tensor([one, one], load_format="flattened_bucket")
+
+
+def test_strict_model_memory_accounting(checkpoint):
+    gpu = FakeGPU(64 * MIB)
+    sglang = _strict(checkpoint, gpus=[gpu], untagged_bytes=MIB)
+    plan = sglang.plan
+    weights = num_params(ARGS) * 4
+    # The KV pool from the free-memory rule: (63 MiB - weights) - 63 MiB * 0.5, 2 * 2 * 16 * 2 * 4 bytes a token.
+    assert plan.weights == weights
+    assert plan.kv_tokens == int(63 * MIB - weights - 63 * MIB * 0.5) // 512
+    assert gpu.engine == plan.held() and gpu.free == 64 * MIB - plan.held()
+    sglang.release_memory_occupation()
+    assert gpu.engine == MIB  # released tags give their memory back; the untagged share stays
+    sglang.resume_memory_occupation(["weights"])
+    gpu.trainer = gpu.free - (plan.kv_cache + plan.cuda_graph) + 1  # training left one byte too much behind
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        sglang.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    # What the trainer still holds when the engine starts comes out of the KV pool.
+    crowded = _strict(checkpoint, gpus=[FakeGPU(64 * MIB, trainer=16 * MIB)], untagged_bytes=MIB)
+    assert abs((plan.kv_tokens - crowded.plan.kv_tokens) * 512 - 0.5 * 16 * MIB) <= 512
+    with pytest.raises(ValueError, match="leave no memory for the KV cache"):
+        _strict(checkpoint, gpus=[FakeGPU(64 * MIB, trainer=63 * MIB)], untagged_bytes=MIB // 2)
+
+
+# -- defects of the SGLang path ---------------------------------------------------------------------
+
+
+def test_ipc_handles_are_collected_after_each_bucket(checkpoint, monkeypatch):
+    """Each bucket sent as CUDA IPC handles stays in torch's IPC limbo until torch.cuda.ipc_collect();
+    without it the whole sync is still reserved when the engine maps its KV cache back."""
+    install_cuda_ipc_model(monkeypatch)
+    gpu = FakeGPU(64 * MIB)
+    engine = engine_class(trainer_gpu=gpu, gpus=[gpu], untagged_bytes=MIB)(checkpoint, dtype=torch.float32,
+                                                                           mem_fraction_static=0.5)
+    plan = engine._engine.plan
+    engine.release_memory()
+    limbo = []
+    trainer = build_model(ARGS, seed=5)
+    for bucket in iter_weight_buckets(trainer, bucket_bytes=50_000, dtype=torch.float32):
+        engine.update_weights(bucket)
+        limbo.append(gpu.limbo)
+    assert len(limbo) > 3 and max(limbo) == 0
+    gpu.trainer = gpu.total - gpu.engine - (plan.kv_cache + plan.cuda_graph) - plan.weights // 2
+    engine.resume_memory()  # fits only if at most half the weights' bytes are still in limbo
+    _assert_holds(engine._engine, trainer)
+
+
+def test_engine_refuses_cpu_tensors_when_it_runs_on_a_gpu(checkpoint):
+    """SGLang opens CUDA IPC handles: a CPU tensor (an offloaded shard gathered where it lives) is refused."""
+    engine = engine_class()(checkpoint, dtype=torch.float32, device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is on cpu.*move each shard to the GPU"):
+        engine.update_weights([("model.norm.weight", torch.ones(ARGS.hidden_size))])
+    assert engine._engine.calls == []
+
+
+def test_n_samples_are_sent_as_repeated_prompts(checkpoint):
+    """0.5.21 serves n > 1 by first prefilling each prompt alone, one after another (and warns above 128
+    prompts); n = 1 requests with each prompt repeated n times run as one batch."""
+    engine = engine_class()(checkpoint, dtype=torch.float32)
+    prompts = [[1 + i % 200] * (1 + i % 5) for i in range(150)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=3))
+    sglang = engine._engine
+    assert sglang.serial_prefix_requests == 0 and sglang.warnings == []
+    assert len(sglang.max_new_tokens[-1]) == 150 * 3
+    # Grouped per prompt, in order; the model answers [prompt length, copy number of this prompt].
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(150) for s in range(3)]
+    assert all(c.token_ids[0] == len(prompts[c.prompt_index]) for c in out)
+    assert [c.token_ids[1] for c in out[:3]] == [0, 1, 2]
+
+
+def test_a_failure_midway_leaves_the_leaders_true_state(checkpoint):
+    """The leader resumed the weights and opened a session, then the update failed: the engine's state
+    must say so, or the next call resumes a tag that is no longer released (the scheduler dies)."""
+    engine = engine_class()(checkpoint, dtype=torch.float32)
+    sglang = engine._engine
+    engine.release_memory()
+    sglang.fail_next["update"] = "injected load failure"
+    trainer = build_model(ARGS, seed=5)
+    with pytest.raises(RuntimeError, match="injected load failure"):
+        engine.update_weights(_named(trainer)[:1])
+    sync_weights(trainer, engine, bucket_bytes=50_000)
+    engine.resume_memory()
+    _assert_holds(sglang, trainer)
+    assert sglang.calls.count("begin") == 1
+
+
 def _group_worker(rank, world, checkpoint):
     import torch.distributed as dist
 
-    engine = _EngineOnRecorder(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
+    engine = engine_class()(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     assert (engine._engine is not None) == (rank == 0)  # only the leader starts SGLang
     prompts = [[[1, 2, 3]], [[4], [5, 6]]][rank]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=2))
-    # The recorder answers [len(prompt), sample]: each rank gets its own prompts back, indexed from 0.
+    # The model answers [len(prompt), copy]: each rank gets its own prompts back, indexed from 0.
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
         (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)]
     engine.release_memory()
     trainer = build_model(ARGS, seed=5)
+    if rank == 0:
+        engine._engine.fail_next["update"] = "injected load failure"
+    with pytest.raises(RuntimeError, match="injected load failure"):
+        engine.update_weights(_named(trainer)[:1])
+    # Every rank now knows what the leader did: weights resumed, session open.
+    assert (engine._released, engine._session_open) == ({"kv_cache", "cuda_graph"}, True)
     sync_weights(trainer, engine, bucket_bytes=50_000)
     engine.resume_memory()
     if rank == 0:
-        for (n, p), (_, q) in zip(engine._engine.model.named_parameters(), trainer.named_parameters()):
-            assert torch.equal(p, q), n
+        _assert_holds(engine._engine, trainer)
     # A bad prompt on one rank fails the call on every rank instead of hanging the others.
     bad = [[1]] if rank == 0 else [[]]
     with pytest.raises(RuntimeError, match="rank 1: ValueError: prompt 0 is empty"):
@@ -288,6 +374,59 @@ def _group_worker(rank, world, checkpoint):
 @pytest.mark.multiprocess
 def test_group_of_two_ranks_shares_one_engine(checkpoint):
     assert run_ranks(_group_worker, 2, checkpoint) == [2, 4]
+
+
+class _Prompts:
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def next_batch(self, count):
+        return [PromptExample(list(p), "7", "t", []) for p in self.prompts[:count]]
+
+
+class _Digits:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i % 10) for i in ids)
+
+
+def _retry_worker(rank, world, checkpoint):
+    import torch.distributed as dist
+
+    # The leader's batch is rank 0's prompt then rank 1's: request 1 (rank 1's) aborts on the first call.
+    engine = engine_class(abort={(0, 1)})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
+    reward = RewardSettings(max_response_length=2, overlong_penalty=False)
+    groups, _, _ = generate_round(engine, _Prompts([[1 + rank, 2]]), 1, SamplingParams(max_new_tokens=2),
+                                  _Digits(), reward, retries=1)
+    calls = engine._engine.generate_calls if rank == 0 else None
+    return len(groups), calls
+
+
+@pytest.mark.multiprocess
+def test_retries_are_decided_for_the_whole_engine_group(checkpoint):
+    """A request aborted on one rank's prompts makes the whole group retry, not that rank alone."""
+    assert run_ranks(_retry_worker, 2, checkpoint, timeout=60) == [(1, 2), (1, None)]
+
+
+def _eval_worker(rank, world, checkpoint):
+    import torch.distributed as dist
+
+    engine = engine_class()(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
+    problems = [PromptExample([1, 2, 3], "3", "t", [])]
+    mine = problems[rank::world]  # rank 1 has no problem
+
+    def gather(results):
+        everyone = [None] * world
+        dist.all_gather_object(everyone, results)
+        return [r for part in everyone for r in part]
+
+    report = evaluate(engine, mine, _Digits(), SamplingParams(max_new_tokens=2, n=2, seed=3), gather=gather)
+    return report["overall"]["num_problems"]
+
+
+@pytest.mark.multiprocess
+def test_evaluation_with_more_ranks_than_problems(checkpoint):
+    """A rank without problems still takes part in its engine group's generate call."""
+    assert run_ranks(_eval_worker, 2, checkpoint, timeout=60) == [1, 1]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,6 +68,24 @@ def test_cast_to_engine_dtype_and_compiled_wrapper_names():
     _assert_engine_holds(engine, trainer, torch.bfloat16)
 
 
+def test_shards_move_to_the_engine_device_before_gathering():
+    """parallelism.cpu_offload keeps the shards on the CPU; the engine (SGLang: CUDA IPC) needs them on
+    its GPU. "meta" stands in for the GPU here: every tensor handed over must be on the engine's device."""
+
+    class OnDevice:
+        dtype, device, seen = torch.float32, torch.device("meta"), []
+
+        def update_weights(self, named_tensors):
+            self.seen.extend((n, t.device) for n, t in named_tensors)
+
+    engine = OnDevice()
+    sync_weights(_distinct_model(6), engine, bucket_bytes=30_000)
+    assert len(engine.seen) == len(list(_distinct_model(6).parameters()))
+    assert {device for _, device in engine.seen} == {torch.device("meta")}
+    buckets = list(iter_weight_buckets(_distinct_model(6), device="meta", dtype=torch.bfloat16))
+    assert {(t.device, t.dtype) for b in buckets for _, t in b} == {(torch.device("meta"), torch.bfloat16)}
+
+
 def test_gather_only_ranks_and_bad_bucket_size():
     trainer = _distinct_model(5)
     total = sum(p.numel() * 4 for p in trainer.parameters())

@@ -1,14 +1,33 @@
-"""Process-group set-up for train.py: torchrun (SPMD) or a plain single process, CPU or CUDA."""
+"""Process-group set-up for train.py: torchrun (SPMD) or a plain single process, CPU or CUDA.
+
+Two kinds of groups: the default one (NCCL on GPUs) for tensors, and gloo "control" groups for the few
+Python values ranks agree on while an inference engine may still be generating elsewhere (the per-round
+agreement of the rollout phase, SGLang's engine-group messages). A rank whose engine finished waits
+there for the slowest engine, which can take far longer than NCCL's 10-minute default timeout; control
+groups get `control_timeout_s` (config: rollout.round_timeout_s) and keep no GPU stream waiting.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from parallel.dims import ParallelDims
+
+# Six hours: longer than any one generation round of the shipped configs (32B, 20k-token responses).
+DEFAULT_CONTROL_TIMEOUT_S = 6 * 3600
+
+
+def new_control_group(ranks: list[int] | None, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
+    """A gloo group over `ranks` (None: every rank) with a timeout that outlasts the slowest generation.
+    Collective: every rank must call it, in the same order. In a fake world (a rehearsal on PyTorch's
+    "fake" backend) the group stays fake: gloo would wait for peers that do not exist."""
+    backend = None if dist.get_backend() == "fake" else "gloo"
+    return dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 @dataclass
@@ -18,6 +37,8 @@ class DistEnv:
     local_rank: int
     device: torch.device
     dims: ParallelDims
+    control_group: object = None  # gloo group of every rank (None: the default group)
+    control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
 
     @property
     def is_main(self) -> bool:
@@ -40,12 +61,15 @@ class DistEnv:
         return self.dims.world_mesh
 
     def all_reduce(self, values: list[float], op: str = "sum", group="dp") -> list[float]:
-        """Reduce a few Python numbers over the data-parallel ranks (or the world with group="world")."""
+        """Reduce a few Python numbers over the data-parallel ranks, or over every rank with group="world"
+        (on the gloo control group: ranks may wait there for the slowest engine)."""
         if self.world_size == 1:
             return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        control = group == "world" and self.control_group is not None
+        tensor = torch.tensor(values, dtype=torch.float64, device="cpu" if control else self.device)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=reduce_op, group=self.dp_group if group == "dp" else None)
+        dist.all_reduce(tensor, op=reduce_op, group=self.control_group if control else
+                        self.dp_group if group == "dp" else None)
         return tensor.tolist()
 
     def barrier(self):
@@ -53,8 +77,10 @@ class DistEnv:
             dist.barrier()
 
 
-def init_distributed(dp_replicate: int, dp_shard: int, tp: int) -> DistEnv:
-    """Join torchrun's process group if there is one (nccl on CUDA, gloo on CPU) and build the mesh."""
+def init_distributed(dp_replicate: int, dp_shard: int, tp: int,
+                     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> DistEnv:
+    """Join torchrun's process group if there is one (nccl on CUDA, gloo on CPU), build the mesh and the
+    gloo control group (see the module docstring)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -73,7 +99,8 @@ def init_distributed(dp_replicate: int, dp_shard: int, tp: int) -> DistEnv:
             else:
                 dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         dims.build_mesh(device.type)
-    return DistEnv(rank, world_size, local_rank, device, dims)
+    control = new_control_group(None, control_timeout_s) if world_size > 1 else None
+    return DistEnv(rank, world_size, local_rank, device, dims, control, control_timeout_s)
 
 
 def shutdown_distributed():

@@ -77,8 +77,9 @@ def build_policy(cfg, device: torch.device) -> torch.nn.Module:
 
 def engine_group(tp_size: int, dist_env):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
-    the engine), and the first GPU of that engine on this node. Every rank creates every group."""
-    import torch.distributed as dist
+    the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
+    control group (trainer/distributed.py): its ranks wait in it while the leader generates."""
+    from trainer.distributed import new_control_group
 
     if dist_env.world_size == 1:
         if tp_size != 1:
@@ -88,7 +89,7 @@ def engine_group(tp_size: int, dist_env):
         raise ValueError(f"rollout.tp_size = {tp_size} does not divide the world size {dist_env.world_size}")
     mine = None
     for start in range(0, dist_env.world_size, tp_size):
-        group = dist.new_group(list(range(start, start + tp_size)))
+        group = new_control_group(list(range(start, start + tp_size)), dist_env.control_timeout_s)
         if start <= dist_env.rank < start + tp_size:
             mine = group
     return mine, dist_env.local_rank - dist_env.local_rank % tp_size
@@ -112,4 +113,4 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
     return SGLangEngine(model_path=cfg.model.hf_path, tp_size=cfg.rollout.tp_size, base_gpu_id=base_gpu_id,
                         mem_fraction_static=cfg.rollout.mem_fraction_static, dtype=cfg.rollout.dtype,
                         seed=cfg.job.seed, context_length=context_length_for(max_prompt_length, max_new),
-                        group=group)
+                        group=group, device=device)

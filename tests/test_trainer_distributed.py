@@ -1,0 +1,68 @@
+"""trainer/distributed.py: the gloo control groups outlast a slow engine (gloo ranks, CPU)."""
+
+import os
+
+import pytest
+
+from dist_utils import run_ranks
+
+SLOW = 4.0  # seconds the slow rank generates; the default group's timeout is half of it
+
+
+def _slow_engine_worker(rank, world, store_path):
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer.distributed import init_distributed
+    from trainer.setup import engine_group
+
+    # The default group gets a timeout shorter than one generation (NCCL's is 10 minutes, rounds take hours).
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store_path, world),
+                            timeout=timedelta(seconds=SLOW / 2))
+    env = init_distributed(1, -1, 1)  # control groups: the default timeout of rollout.round_timeout_s
+    group, _ = engine_group(2, env)
+    backend = dist.get_backend(group)
+    # The leader generates while its follower waits inside the engine group for the result.
+    if rank == 0:
+        time.sleep(SLOW)
+    box = [f"completions of rank {rank}"]
+    dist.broadcast_object_list(box, src=0, group=group)
+    # One rank's engine is slower; the per-round agreement waits for it.
+    if rank == 1:
+        time.sleep(SLOW)
+    worst = env.all_reduce([float(rank)], op="max", group="world")[0]
+    return backend, box[0], worst
+
+
+@pytest.mark.multiprocess
+def test_engine_groups_and_round_agreement_wait_for_a_slow_engine(tmp_path):
+    got = run_ranks(_slow_engine_worker, 2, str(tmp_path / "store"), timeout=60)
+    assert got == [("gloo", "completions of rank 0", 1.0)] * 2
+
+
+_FAKE_WORLD = """
+import os
+os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0")
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+from trainer.distributed import init_distributed
+from trainer.setup import engine_group
+env = init_distributed(1, -1, 1)
+group, gpu = engine_group(4, env)
+print(dist.get_backend(env.control_group), dist.get_backend(group), gpu)
+"""
+
+
+def test_control_groups_in_a_fake_world():
+    """A rehearsal runs train.py's set-up as one rank of a fake world: there, gloo has no peers to join."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _FAKE_WORLD], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["fake", "fake", "0"]
