@@ -495,6 +495,11 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     check(not ev.greedy or ev.k == 1, "eval.k", "must be 1 with eval.greedy: greedy decoding has one answer")
 
 
+def evaluates(cfg: Config) -> bool:
+    """Whether the run evaluates on the held-out set at all (every `eval.interval` steps, at start or end)."""
+    return bool(cfg.eval.interval or cfg.eval.at_start or cfg.eval.at_end)
+
+
 def check_runnable(cfg: Config) -> None:
     """The checks that only matter when training starts: paths exist, and sequences fit the model."""
     model, data = cfg.model, cfg.data
@@ -516,9 +521,13 @@ def check_runnable(cfg: Config) -> None:
                           "folder holding tokenizer.json, or leave it empty")
     for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
         path = getattr(data, key)
+        if not path and key == "eval_path" and not evaluates(cfg):
+            continue  # no evaluation configured: no held-out set needed
         if not path:
+            also = " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)" \
+                if key == "eval_path" else ""
             raise ConfigError(f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, "
-                              "or to 'synthetic'")
+                              f"or to 'synthetic'{also}")
         if path != "synthetic" and not os.path.isfile(path):
             raise ConfigError(f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
                               f"{what} schema, or to 'synthetic'")

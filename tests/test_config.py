@@ -371,3 +371,14 @@ def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     with pytest.raises(ConfigError, match=r"= 22528 tokens exceed the model's max_position_embeddings = 4096"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]))
+
+
+def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    no_eval = [f"model.hf_path={tmp_path}", "data.eval_path=", "eval.interval=0", "eval.at_start=false",
+               "eval.at_end=false"]
+    check_runnable(load_config(None, no_eval))
+    for evaluation in ("eval.interval=5", "eval.at_start=true", "eval.at_end=true"):
+        with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn "
+                                              r"evaluation off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
+            check_runnable(load_config(None, no_eval + [evaluation]))
