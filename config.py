@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model.args import PRESETS
-from rl.data import SYNTHETIC_LEVELS, synthetic_problem_limit
+from rl.data import SCHEMA_COLUMNS, SYNTHETIC_LEVELS, check_parquet_file, synthetic_problem_limit
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_cpu.toml")
 DType = Literal["float32", "bfloat16"]
@@ -501,7 +501,9 @@ def evaluates(cfg: Config) -> bool:
 
 
 def check_runnable(cfg: Config) -> None:
-    """The checks that only matter when training starts: paths exist, and sequences fit the model."""
+    """The checks that only matter when training starts, before any data or model is loaded: the paths are set
+    and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
+    only: an rl.data.DataError). Configuration problems raise ConfigError."""
     model, data = cfg.model, cfg.data
     if not model.preset and not model.hf_path:
         raise ConfigError("model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "
@@ -538,6 +540,9 @@ def check_runnable(cfg: Config) -> None:
     if max_positions is not None and longest > max_positions:
         raise ConfigError(f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "
                           f"max_position_embeddings = {max_positions}")
+    for path in (data.train_path, data.eval_path):
+        if path and path != "synthetic":
+            check_parquet_file(path, SCHEMA_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------- command line

@@ -45,7 +45,7 @@ from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, l
 from trainer.sft import sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
-from rl.data import PromptSampler
+from rl.data import DataError, PromptSampler
 
 log = logging.getLogger("train")
 
@@ -261,6 +261,9 @@ def run_cli(argv=None):
         sys.exit(2)
     except RunFolderError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except DataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
         sys.exit(2)
     except StopRequested as exc:
         print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)

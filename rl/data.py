@@ -134,12 +134,11 @@ def rows_to_examples(rows, tokenizer, *, max_prompt_length: int, overflow: str =
     return examples, stats
 
 
-def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
-    """All rows of a parquet file as dicts, read with pyarrow.
+def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> None:
+    """Refuse a file that cannot be a prompt set, from its parquet footer alone (no row is read).
 
-    Every way the file can be unusable is a DataError naming the file: missing, empty, not parquet, no
-    rows, or without one of `required_columns`. (pyarrow reads a file with no rows as an empty table;
-    the `datasets` library fails on one with a message that names neither the file nor the cause.)
+    Each way the file can be unusable is a DataError naming the file and the problem: missing, empty,
+    not parquet, no rows, or without one of `required_columns`.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -149,16 +148,32 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: the file is empty (0 bytes), not a parquet file")
     try:
-        table = pq.read_table(path)
+        with pq.ParquetFile(path) as parquet:
+            columns, num_rows = parquet.schema_arrow.names, parquet.metadata.num_rows
     except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: "Parquet magic bytes not found ..."
         raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
-    columns = table.schema.names
-    if table.num_rows == 0:
+    if num_rows == 0:
         raise DataError(f"{path}: the parquet file has no rows (columns: {', '.join(columns) or 'none'})")
     missing = [c for c in required_columns if c not in columns]
     if missing:
         raise DataError(f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
                         f"a prompt file needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema")
+
+
+def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
+    """All rows of a parquet file as dicts, read with pyarrow after `check_parquet_file`.
+
+    (The `datasets` library fails on a file with no rows with a message that names neither the file nor
+    the cause; pyarrow reads the footer, which says both.)
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    check_parquet_file(path, required_columns)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:  # a damaged row group behind an intact footer
+        raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
     return table.to_pylist()
 
 

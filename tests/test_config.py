@@ -11,6 +11,7 @@ import pytest
 
 import config
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
+from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
 
 
 def write(path, text):
@@ -382,3 +383,17 @@ def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
         with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn "
                                               r"evaluation off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
             check_runnable(load_config(None, no_eval + [evaluation]))
+
+
+def test_check_runnable_reads_the_data_files_footers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    empty, rows = tmp_path / "empty.parquet", tmp_path / "rows.parquet"
+    empty.write_bytes(b"")
+    write_parquet_rows(synthetic_arithmetic_rows(3), str(rows))
+    with pytest.raises(DataError, match=f"{empty}: the file is empty"):
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={empty}"]))
+    with pytest.raises(DataError, match=f"{empty}: the file is empty"):
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
+                                          f"data.eval_path={empty}"]))
+    check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
+                                      f"data.eval_path={rows}"]))

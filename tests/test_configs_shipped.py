@@ -10,6 +10,7 @@ import pytest
 
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
+from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"),
@@ -77,7 +78,7 @@ def test_recipe_placeholders_pass_dry_run_but_not_training(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.train_path is not set: set data\.train_path"):
         check_runnable(cfg)
     for name in ("train.parquet", "aime.parquet"):
-        (tmp_path / name).write_bytes(b"")
+        write_parquet_rows(synthetic_arithmetic_rows(3), str(tmp_path / name))
     cfg.data.train_path, cfg.data.eval_path = str(tmp_path / "train.parquet"), str(tmp_path / "aime.parquet")
     check_runnable(cfg)
 
