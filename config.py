@@ -12,7 +12,9 @@ Each value is checked against its field's annotation, then the whole configurati
 problem raises `ConfigError` naming the key, where it was set and what is wrong.
 
 Settings that only matter when training starts (model and data paths) may stay unset in a recipe:
-`check_runnable(cfg)` refuses them just before training, so `--dry-run` works on shipped recipes.
+`check_runnable(cfg)` refuses them just before training, so `--dry-run` works on shipped recipes. It also
+refuses, in one error that lists the overrides that run, every setting this machine cannot run (a GPU
+recipe on a CPU: trainer/machine.py), before any data or model is loaded.
 """
 
 from __future__ import annotations
@@ -500,10 +502,34 @@ def evaluates(cfg: Config) -> bool:
     return bool(cfg.eval.interval or cfg.eval.at_start or cfg.eval.at_end)
 
 
-def check_runnable(cfg: Config) -> None:
-    """The checks that only matter when training starts, before any data or model is loaded: the paths are set
-    and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
-    only: an rl.data.DataError). Configuration problems raise ConfigError."""
+def check_machine(cfg: Config, machine=None) -> None:
+    """Refuse, in one error, every setting this machine cannot run, with the override that runs here.
+
+    `machine`: a trainer.machine.Machine; None probes this one. The rules are in trainer/machine.py.
+    """
+    from trainer.machine import machine_fixes, probe_machine
+
+    machine = probe_machine() if machine is None else machine
+    fixes, launch = machine_fixes(cfg, machine)
+    if not fixes and not launch:
+        return
+    lines = [f"this machine ({machine.describe()}) cannot run this configuration as set"]
+    if fixes:
+        lines[0] += "; to run it here, add: " + " ".join(f.flag for f in fixes)
+        lines += [f"  {f.key} = {f.value!r}: {f.reason}" for f in fixes]
+    lines += [f"  {problem}" for problem in launch]
+    raise ConfigError("\n".join(lines))
+
+
+def check_runnable(cfg: Config, machine=None) -> None:
+    """The checks that only matter when training starts, before any data or model is loaded.
+
+    In this order: this machine can run the settings (`check_machine`: first, because it reads no file and
+    the paths of a recipe differ between the machines it may run on); the paths are set and exist; the
+    sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
+    rl.data.DataError). Configuration problems raise ConfigError.
+    """
+    check_machine(cfg, machine)
     model, data = cfg.model, cfg.data
     if not model.preset and not model.hf_path:
         raise ConfigError("model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "

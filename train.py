@@ -60,10 +60,6 @@ def main(argv=None) -> int:
 
     # --- Processes, run folder, data -------------------------------------------------------------
     dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
-    for key in ("train_batch_size", "mini_batch_size", "sft_batch_size"):
-        if getattr(cfg.training, key) % dist.dp_size:
-            raise ConfigError(f"training.{key} = {getattr(cfg.training, key)} does not divide over "
-                              f"{dist.dp_size} data-parallel ranks (whole groups live on one rank)")
     torch.manual_seed(cfg.job.seed)
     if cfg.job.cpu_threads:
         torch.set_num_threads(cfg.job.cpu_threads)
