@@ -385,8 +385,8 @@ def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
                "eval.at_end=false"]
     check_runnable(load_config(None, no_eval), ONE_GPU)
     for evaluation in ("eval.interval=5", "eval.at_start=true", "eval.at_end=true"):
-        with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn "
-                                              r"evaluation off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
+        with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn evaluation "
+                                              r"off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
             check_runnable(load_config(None, no_eval + [evaluation]), ONE_GPU)
 
 

@@ -115,7 +115,8 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     fits = world % (replicate * tp) == 0 if shard == -1 else replicate * shard * tp == world
     if not fits:
         layout = f"{replicate} x {shard} x {tp}"
-        reason = (f"dp_replicate x dp_shard x tp = {layout} must equal the {world} process(es) of this launch "
+        processes = f"{world} process{'es' * (world > 1)}"
+        reason = (f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
                   "(WORLD_SIZE); dp_shard = -1 takes the ranks left")
         if world % tp:
             fix("parallelism.tp", math.gcd(tp, world), reason)
@@ -131,7 +132,7 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
         if mini % dp:
             fix("training.mini_batch_size", _round_up(mini, dp),
                 f"must divide over the {dp} data-parallel ranks (whole groups live on one rank); a larger "
-                "mini-batch means fewer updates per step, fewer processes keep them")
+                "mini-batch means fewer updates per step, which fewer processes would avoid")
         train = value("training.train_batch_size")
         if train % value("training.mini_batch_size"):
             fix("training.train_batch_size", _round_up(train, value("training.mini_batch_size")),
@@ -172,7 +173,7 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
 
     # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
     if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
-        has = f"compute capability {machine.cuda_capability}" if cuda else "no CUDA GPU"
+        has = "compute capability {}.{}".format(*machine.cuda_capability) if cuda else "no CUDA GPU"
         fix("parallelism.float8", False, f"float8 training needs a CUDA GPU of compute capability >= 8.9; this "
                                          f"machine has {has}")
 
