@@ -5,7 +5,6 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 
