@@ -12,7 +12,9 @@ Each value is checked against its field's annotation, then the whole configurati
 problem raises `ConfigError` naming the key, where it was set and what is wrong.
 
 Settings that only matter when training starts (model and data paths) may stay unset in a recipe:
-`check_runnable(cfg)` refuses them just before training, so `--dry-run` works on shipped recipes.
+`check_runnable(cfg)` refuses them just before training, so `--dry-run` works on shipped recipes. It also
+refuses, in one error that lists the overrides that run, every setting this machine cannot run (a GPU
+recipe on a CPU: trainer/machine.py), before any data or model is loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from model.args import PRESETS
-from rl.data import SYNTHETIC_LEVELS, synthetic_problem_limit
+from rl.data import SCHEMA_COLUMNS, SYNTHETIC_LEVELS, check_parquet_file, synthetic_problem_limit
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_cpu.toml")
 DType = Literal["float32", "bfloat16"]
@@ -497,8 +499,39 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     check(not ev.greedy or ev.k == 1, "eval.k", "must be 1 with eval.greedy: greedy decoding has one answer")
 
 
-def check_runnable(cfg: Config) -> None:
-    """The checks that only matter when training starts: paths exist, and sequences fit the model."""
+def evaluates(cfg: Config) -> bool:
+    """Whether the run evaluates on the held-out set at all (every `eval.interval` steps, at start or end)."""
+    return bool(cfg.eval.interval or cfg.eval.at_start or cfg.eval.at_end)
+
+
+def check_machine(cfg: Config, machine=None) -> None:
+    """Refuse, in one error, every setting this machine cannot run, with the override that runs here.
+
+    `machine`: a trainer.machine.Machine; None probes this one. The rules are in trainer/machine.py.
+    """
+    from trainer.machine import machine_fixes, probe_machine
+
+    machine = probe_machine() if machine is None else machine
+    fixes, launch = machine_fixes(cfg, machine)
+    if not fixes and not launch:
+        return
+    lines = [f"this machine ({machine.describe()}) cannot run this configuration as set"]
+    if fixes:
+        lines[0] += "; to run it here, add: " + " ".join(f.flag for f in fixes)
+        lines += [f"  {f.key} = {f.value!r}: {f.reason}" for f in fixes]
+    lines += [f"  {problem}" for problem in launch]
+    raise ConfigError("\n".join(lines))
+
+
+def check_runnable(cfg: Config, machine=None) -> None:
+    """The checks that only matter when training starts, before any data or model is loaded.
+
+    In this order: this machine can run the settings (`check_machine`: first, because it reads no file and
+    the paths of a recipe differ between the machines it may run on); the paths are set and exist; the
+    sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
+    rl.data.DataError). Configuration problems raise ConfigError.
+    """
+    check_machine(cfg, machine)
     model, data = cfg.model, cfg.data
     if not model.preset and not model.hf_path:
         raise ConfigError("model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "
@@ -518,9 +551,13 @@ def check_runnable(cfg: Config) -> None:
                           "folder holding tokenizer.json, or leave it empty")
     for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
         path = getattr(data, key)
+        if not path and key == "eval_path" and not evaluates(cfg):
+            continue  # no evaluation configured: no held-out set needed
         if not path:
+            also = " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)" \
+                if key == "eval_path" else ""
             raise ConfigError(f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, "
-                              "or to 'synthetic'")
+                              f"or to 'synthetic'{also}")
         if path != "synthetic" and not os.path.isfile(path):
             raise ConfigError(f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
                               f"{what} schema, or to 'synthetic'")
@@ -531,6 +568,9 @@ def check_runnable(cfg: Config) -> None:
     if max_positions is not None and longest > max_positions:
         raise ConfigError(f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "
                           f"max_position_embeddings = {max_positions}")
+    for path in (data.train_path, data.eval_path):
+        if path and path != "synthetic":
+            check_parquet_file(path, SCHEMA_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------- command line

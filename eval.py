@@ -356,8 +356,22 @@ def main(argv=None) -> dict:
     return report
 
 
-if __name__ == "__main__":
+def run_cli(argv=None) -> None:
+    """`main` with the exit a shell expects for bad input: one line naming the problem, exit code 2.
+
+    Bad input is a missing checkpoint or tokenizer (FileNotFoundError), an unusable data file
+    (rl.data.DataError: missing, empty, not parquet, no rows, missing columns) or an impossible setting
+    (ValueError); anything else is a failure and keeps its traceback.
+    """
     try:
-        main()
-    except (FileNotFoundError, ValueError) as exc:  # bad input: one clear line, no traceback
-        sys.exit(f"eval.py: {exc}")
+        main(argv)
+    except (FileNotFoundError, ValueError) as exc:
+        from rl.data import DataError
+
+        kind = "data error: " if isinstance(exc, DataError) else ""
+        print(f"eval.py: {kind}{exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_cli()

@@ -45,7 +45,7 @@ from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, l
 from trainer.sft import sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
-from rl.data import PromptSampler
+from rl.data import DataError, PromptSampler
 
 log = logging.getLogger("train")
 
@@ -61,10 +61,6 @@ def main(argv=None) -> int:
     # --- Processes, run folder, data -------------------------------------------------------------
     dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp,
                             control_timeout_s=cfg.rollout.round_timeout_s)
-    for key in ("train_batch_size", "mini_batch_size", "sft_batch_size"):
-        if getattr(cfg.training, key) % dist.dp_size:
-            raise ConfigError(f"training.{key} = {getattr(cfg.training, key)} does not divide over "
-                              f"{dist.dp_size} data-parallel ranks (whole groups live on one rank)")
     torch.manual_seed(cfg.job.seed)
     if cfg.job.cpu_threads:
         torch.set_num_threads(cfg.job.cpu_threads)
@@ -263,6 +259,9 @@ def run_cli(argv=None):
         sys.exit(2)
     except RunFolderError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except DataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
         sys.exit(2)
     except StopRequested as exc:
         print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)

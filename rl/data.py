@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ class LoadStats:
         return (f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
                 f"{self.missing_fields} rows missing fields skipped, {self.truncated} left-truncated, "
                 f"{self.dropped_too_long} dropped as too long)")
+
+
+# The columns a prompt file must have (the rest of the schema is optional).
+SCHEMA_COLUMNS = ("prompt", "reward_model")
 
 
 class DataError(ValueError):
@@ -129,26 +134,55 @@ def rows_to_examples(rows, tokenizer, *, max_prompt_length: int, overflow: str =
     return examples, stats
 
 
-def read_parquet_rows(path: str) -> list[dict]:
-    """All rows of a parquet file as dicts, read with the `datasets` library."""
-    import os
+def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> None:
+    """Refuse a file that cannot be a prompt set, from its parquet footer alone (no row is read).
 
-    import datasets
+    Each way the file can be unusable is a DataError naming the file and the problem: missing, empty,
+    not parquet, no rows, or without one of `required_columns`.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path}: the file is empty (0 bytes), not a parquet file")
     try:
-        dataset = datasets.Dataset.from_parquet(path, keep_in_memory=True)
-    except Exception as exc:  # the library's errors do not name the file
-        raise DataError(f"{path}: cannot be read as parquet ({type(exc).__name__}: {exc})") from exc
-    return dataset.to_list()
+        with pq.ParquetFile(path) as parquet:
+            columns, num_rows = parquet.schema_arrow.names, parquet.metadata.num_rows
+    except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: "Parquet magic bytes not found ..."
+        raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
+    if num_rows == 0:
+        raise DataError(f"{path}: the parquet file has no rows (columns: {', '.join(columns) or 'none'})")
+    missing = [c for c in required_columns if c not in columns]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
+                        f"a prompt file needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema")
+
+
+def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
+    """All rows of a parquet file as dicts, read with pyarrow after `check_parquet_file`.
+
+    (The `datasets` library fails on a file with no rows with a message that names neither the file nor
+    the cause; pyarrow reads the footer, which says both.)
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    check_parquet_file(path, required_columns)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:  # a damaged row group behind an intact footer
+        raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
+    return table.to_pylist()
 
 
 def load_prompts(path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left",
                  repeat: int = 1) -> list[PromptExample]:
     """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
-    examples, _ = rows_to_examples(read_parquet_rows(path), tokenizer, max_prompt_length=max_prompt_length,
-                                   overflow=overflow, source_name=path)
+    rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
+    examples, _ = rows_to_examples(rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow,
+                                   source_name=path)
     return [e for e in examples for _ in range(repeat)]
 
 

@@ -11,6 +11,8 @@ import pytest
 
 import config
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
+from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
+from trainer.machine import Machine
 
 
 def write(path, text):
@@ -346,28 +348,57 @@ def test_validate_checks_programmatic_edits():
 
 # ------------------------------------------------------------------------------------------ check_runnable
 
+# The path and length checks, on a machine that runs the defaults (bf16 compute over fp32 weights needs CUDA
+# in one process); what a machine can run is tested in tests/test_cpu_guard.py.
+ONE_GPU = Machine(cuda_devices=1, cuda_capability=(9, 0))
+
 
 def test_check_runnable_names_each_missing_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.hf_path is not set: set model\.hf_path"):
-        check_runnable(load_config(None))
+        check_runnable(load_config(None), ONE_GPU)
     with pytest.raises(ConfigError, match=r"model\.hf_path = '.*' is not a checkpoint directory \(no config\.json\)"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]))
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
     with pytest.raises(ConfigError, match=r"data\.train_path = 'x\.parquet' does not exist"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.train_path=x.parquet"]))
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.train_path=x.parquet"]), ONE_GPU)
     with pytest.raises(ConfigError, match=r"data\.eval_path is not set: set data\.eval_path"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.eval_path="]))
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.eval_path="]), ONE_GPU)
     with pytest.raises(ConfigError, match=r"model\.tokenizer_path = 'nowhere' is not a directory"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "model.tokenizer_path=nowhere"]))
-    check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]))  # synthetic data needs no file
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "model.tokenizer_path=nowhere"]), ONE_GPU)
+    check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)  # synthetic data needs no file
 
 
 def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path):
     small = ["model.preset=tiny", "data.max_prompt_length=100", "rollout.max_response_length=900",
              "algorithm.overlong_buffer=100", "training.micro_batch_tokens=1000"]
-    check_runnable(load_config(None, small))  # 1000 tokens = the tiny preset's 1024 positions minus 24
+    check_runnable(load_config(None, small), ONE_GPU)  # 1000 tokens = the tiny preset's 1024 positions minus 24
     with pytest.raises(ConfigError, match=r"= 1100 tokens exceed the model's max_position_embeddings = 1024"):
-        check_runnable(load_config(None, small + ["eval.max_response_length=1000"]))
+        check_runnable(load_config(None, small + ["eval.max_response_length=1000"]), ONE_GPU)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     with pytest.raises(ConfigError, match=r"= 22528 tokens exceed the model's max_position_embeddings = 4096"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]))
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
+
+
+def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    no_eval = [f"model.hf_path={tmp_path}", "data.eval_path=", "eval.interval=0", "eval.at_start=false",
+               "eval.at_end=false"]
+    check_runnable(load_config(None, no_eval), ONE_GPU)
+    for evaluation in ("eval.interval=5", "eval.at_start=true", "eval.at_end=true"):
+        with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn evaluation "
+                                              r"off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
+            check_runnable(load_config(None, no_eval + [evaluation]), ONE_GPU)
+
+
+def test_check_runnable_reads_the_data_files_footers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    empty, rows = tmp_path / "empty.parquet", tmp_path / "rows.parquet"
+    empty.write_bytes(b"")
+    write_parquet_rows(synthetic_arithmetic_rows(3), str(rows))
+    with pytest.raises(DataError, match=f"{empty}: the file is empty"):
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={empty}"]), ONE_GPU)
+    with pytest.raises(DataError, match=f"{empty}: the file is empty"):
+        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
+                                          f"data.eval_path={empty}"]), ONE_GPU)
+    check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
+                                      f"data.eval_path={rows}"]), ONE_GPU)

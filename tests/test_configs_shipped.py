@@ -10,6 +10,9 @@ import pytest
 
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
+from rl.data import synthetic_arithmetic_rows, write_parquet_rows
+from rollout.sglang_engine import SGLANG_VERSION
+from trainer.machine import Machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"),
@@ -18,6 +21,9 @@ ABLATION = ["1_naive_grpo", "2_overlong_filtering", "3_clip_higher", "4_soft_ove
             "5_token_level_loss", "6_dynamic_sampling_dapo"]
 SWITCHES = ("clip_high", "loss_agg", "overlong_filter", "overlong_penalty", "dynamic_sampling")
 GB = 1e9
+# The node the GPU recipes are written for: 8 Hopper GPUs, the pinned SGLang, one process per GPU.
+GPU_NODE = Machine(cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8,
+                   local_world_size=8)
 
 
 def load(name: str) -> Config:
@@ -71,15 +77,15 @@ def test_dapo_32b_holds_the_papers_recipe():
 def test_recipe_placeholders_pass_dry_run_but_not_training(tmp_path):
     cfg = load("dapo_32b.toml")  # loading is what --dry-run does: it must succeed
     with pytest.raises(ConfigError, match=r"model\.hf_path is not set: set model\.hf_path"):
-        check_runnable(cfg)
+        check_runnable(cfg, GPU_NODE)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
     cfg.model.hf_path = str(tmp_path)
     with pytest.raises(ConfigError, match=r"data\.train_path is not set: set data\.train_path"):
-        check_runnable(cfg)
+        check_runnable(cfg, GPU_NODE)
     for name in ("train.parquet", "aime.parquet"):
-        (tmp_path / name).write_bytes(b"")
+        write_parquet_rows(synthetic_arithmetic_rows(3), str(tmp_path / name))
     cfg.data.train_path, cfg.data.eval_path = str(tmp_path / "train.parquet"), str(tmp_path / "aime.parquet")
-    check_runnable(cfg)
+    check_runnable(cfg, GPU_NODE)
 
 
 def test_dapo_7b_changes_only_model_size_dependent_settings():
@@ -122,7 +128,7 @@ def test_ablation_rows_are_the_recipe_apart_from_the_table_1_switches():
 
 def test_demo_is_runnable_small_and_has_every_technique_on():
     cfg = load("demo_cpu.toml")
-    check_runnable(cfg)  # no paths to fill in: preset model, synthetic data
+    check_runnable(cfg, Machine())  # no paths to fill in: preset model, synthetic data; a CPU runs it as it is
     assert cfg.model.preset == "demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
     assert cfg.rollout.engine == "torch" and cfg.model.dtype == cfg.parallelism.param_dtype == "float32"
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp) == (1, -1, 1)

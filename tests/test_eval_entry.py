@@ -335,12 +335,14 @@ def test_cli_subprocess(checkpoint, tmp_path):
     assert "eval: 2/2 problems" in proc.stderr  # the progress display, as plain lines (stderr is a pipe)
 
 
-def test_script_exits_with_one_line_on_bad_input(tmp_path, monkeypatch):
-    # The script's __main__ block, in-process: bad input ends with a message naming it, no traceback.
+def test_script_exits_with_one_line_on_bad_input(tmp_path, monkeypatch, capsys):
+    # The script's __main__ block, in-process: bad input ends with a message naming it, no traceback, exit 2.
     monkeypatch.setattr(sys, "argv", ["eval.py", "--model", str(tmp_path / "missing"), "--data", "synthetic"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(os.path.join(ROOT, "eval.py"), run_name="__main__")
-    assert str(tmp_path / "missing") in str(exit_info.value.code) and "hf/config.json" in str(exit_info.value.code)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert str(tmp_path / "missing") in err and "hf/config.json" in err and len(err.strip().splitlines()) == 1
 
 
 def test_params_from_config_follow_the_eval_section():

@@ -1,3 +1,5 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rl.data import (
@@ -50,11 +52,39 @@ def test_long_prompts_are_left_truncated_or_dropped():
 
 def test_file_without_usable_rows_names_file_and_first_problem(tmp_path):
     path = str(tmp_path / "bad.parquet")
-    write_parquet_rows([{"prompt": [{"role": "user", "content": "x"}], "data_source": "s"}], path)
+    write_parquet_rows([{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"},
+                         "data_source": "s"}], path)
     with pytest.raises(DataError, match=r"bad\.parquet: no usable row.*row 0.*ground_truth"):
         load_prompts(path, CharTokenizer(), max_prompt_length=100)
     with pytest.raises(DataError, match="not found"):
         load_prompts(str(tmp_path / "missing.parquet"), CharTokenizer(), max_prompt_length=100)
+
+
+def _one_line_error(path):
+    with pytest.raises(DataError) as info:
+        load_prompts(str(path), CharTokenizer(), max_prompt_length=100)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    return message
+
+
+def test_unusable_files_are_one_data_error_naming_the_file_and_the_problem(tmp_path):
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    assert _one_line_error(empty) == f"{empty}: the file is empty (0 bytes), not a parquet file"
+    text = tmp_path / "rows.parquet"
+    text.write_text("prompt,answer\nwhat is 1+1?,2\n")  # a CSV under a parquet name
+    assert _one_line_error(text).startswith(f"{text}: cannot be read as parquet (")
+    no_rows = tmp_path / "no_rows.parquet"
+    pq.write_table(pa.Table.from_pylist([_row("a")]).slice(0, 0), str(no_rows))  # the schema, zero rows
+    assert _one_line_error(no_rows) == (f"{no_rows}: the parquet file has no rows (columns: data_source, prompt, "
+                                        "ability, reward_model, extra_info)")
+    other_schema = tmp_path / "other.parquet"
+    write_parquet_rows([{"question": "What is 1 + 1?", "answer": "2"}], str(other_schema))
+    assert _one_line_error(other_schema) == (
+        f"{other_schema}: no column 'prompt', 'reward_model' (it has question, answer); a prompt file needs the "
+        "columns prompt, reward_model of the DAPO-Math-17k schema")
+    assert _one_line_error(tmp_path / "missing.parquet") == f"data file not found: {tmp_path / 'missing.parquet'}"
 
 
 def test_parquet_round_trip_and_repeat_for_avg_at_k(tmp_path):

@@ -1,0 +1,196 @@
+"""What this machine can run: the settings of a configuration that would fail here, and the values that run.
+
+A recipe written for GPUs (configs/dapo_32b.toml, dapo_7b.toml) meets a CPU machine, a node with fewer GPUs
+than processes, or a launch whose process count does not fit the parallel layout. Each of these would stop
+the run only after the data and the model are loaded, one error at a time. `machine_fixes` finds all of
+them at once from the configuration and a `Machine` (what `probe_machine` reads: CUDA devices, SGLang,
+a C++ compiler, torchrun's process counts), before anything is loaded.
+
+Only settings that cannot run are listed, each with the value that runs and why. Settings that are merely
+unused on a CPU are left alone: `rollout.cuda_graphs` (the torch engine captures graphs only on CUDA),
+`rollout.mem_fraction_static` and `rollout.tp_size` (SGLang only), and `parallelism.cpu_offload` in a
+single CPU process (no FSDP wrapping there; with several CPU processes FSDP refuses it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The facts about this machine and launch that decide what a configuration may use."""
+
+    cuda_devices: int = 0  # CUDA devices this process sees (0: CPU only)
+    cuda_capability: tuple[int, int] | None = None  # compute capability of the first one
+    sglang_version: str | None = None  # installed sglang release, None when absent
+    cxx_compiler: bool = True  # a C++ compiler for torch.compile's CPU kernels (inductor)
+    world_size: int = 1  # processes of this launch (torchrun's WORLD_SIZE; 1 without torchrun)
+    local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+
+    def describe(self) -> str:
+        devices = f"{self.cuda_devices} CUDA GPU{'s' * (self.cuda_devices > 1)}" if self.cuda_devices else "no CUDA GPU"
+        return f"{devices}, {self.world_size} process{'es' * (self.world_size > 1)}"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A setting this machine cannot run (`key` = `value`), the value that runs here, and why."""
+
+    key: str
+    value: object
+    runs: object
+    reason: str
+
+    @property
+    def flag(self) -> str:
+        """The command-line override that applies the fix (config.py parses it back to `runs`)."""
+        text = str(self.runs).lower() if isinstance(self.runs, bool) else str(self.runs)
+        return f"--{self.key}={text}"
+
+
+def _cxx_compiler_found() -> bool:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # an inductor without this helper: let torch.compile report it
+        return True
+    try:
+        get_cpp_compiler()
+    except Exception:  # inductor's InvalidCxxCompiler: none of its candidates answers `--version`
+        return False
+    return True
+
+
+def probe_machine(environ=None) -> Machine:
+    """This process's machine: CUDA devices, the sglang release, a C++ compiler, torchrun's process counts."""
+    import torch
+
+    environ = os.environ if environ is None else environ
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        sglang = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        sglang = None
+    world_size = int(environ.get("WORLD_SIZE", "1"))
+    return Machine(cuda_devices=cuda, cuda_capability=torch.cuda.get_device_capability(0) if cuda else None,
+                   sglang_version=sglang, cxx_compiler=cuda > 0 or _cxx_compiler_found(), world_size=world_size,
+                   local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
+    """(settings to change, launch problems) for running `cfg` on `machine`; both empty when it runs as is.
+
+    Each rule sees the fixes before it applied (e.g. once the engine is the torch engine, SGLang's tensor
+    parallel size no longer matters), so applying every listed fix gives a configuration with no fix left.
+    The launch problems are those no setting can fix (more processes on a node than it has GPUs).
+    """
+    from rollout.sglang_engine import SGLANG_VERSION
+
+    fixes: list[Fix] = []
+    launch: list[str] = []
+    current = {}
+
+    def value(key):
+        if key in current:
+            return current[key]
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    def fix(key, runs, reason):
+        fixes.append(Fix(key, value(key), runs, reason))
+        current[key] = runs
+
+    cuda = machine.cuda_devices > 0
+    world = machine.world_size
+
+    # Parallel layout: dp_replicate x dp_shard x tp must be the number of processes (dp_shard = -1 takes the rest).
+    replicate, shard, tp = (value(f"parallelism.{k}") for k in ("dp_replicate", "dp_shard", "tp"))
+    fits = world % (replicate * tp) == 0 if shard == -1 else replicate * shard * tp == world
+    if not fits:
+        layout = f"{replicate} x {shard} x {tp}"
+        processes = f"{world} process{'es' * (world > 1)}"
+        reason = (f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
+                  "(WORLD_SIZE); dp_shard = -1 takes the ranks left")
+        if world % tp:
+            fix("parallelism.tp", math.gcd(tp, world), reason)
+        if world % (value("parallelism.dp_replicate") * value("parallelism.tp")):
+            fix("parallelism.dp_replicate", 1, reason)
+        if shard != -1:
+            fix("parallelism.dp_shard", -1, reason)
+    dp = world // value("parallelism.tp")
+
+    # Whole groups live on one data-parallel rank: batch sizes divide over them.
+    if dp > 1:
+        mini = value("training.mini_batch_size")
+        if mini % dp:
+            fix("training.mini_batch_size", _round_up(mini, dp),
+                f"must divide over the {dp} data-parallel ranks (whole groups live on one rank); a larger "
+                "mini-batch means fewer updates per step, which fewer processes would avoid")
+        train = value("training.train_batch_size")
+        if train % value("training.mini_batch_size"):
+            fix("training.train_batch_size", _round_up(train, value("training.mini_batch_size")),
+                f"must be whole mini-batches of {value('training.mini_batch_size')} prompts, divided over the "
+                f"{dp} data-parallel ranks")
+        sft = value("training.sft_batch_size")
+        if value("training.sft_warmup_steps") and sft % dp:
+            fix("training.sft_batch_size", _round_up(sft, dp), f"must divide over the {dp} data-parallel ranks")
+
+    # Rollout engine: SGLang runs only on CUDA GPUs, and only the release its engine is written against.
+    if value("rollout.engine") == "sglang":
+        if not cuda:
+            fix("rollout.engine", "torch", "SGLang runs only on CUDA GPUs and this machine has none; the torch "
+                                           "engine runs everywhere")
+        elif machine.sglang_version != SGLANG_VERSION:
+            found = f"sglang {machine.sglang_version} is installed" if machine.sglang_version else \
+                "sglang is not installed"
+            fix("rollout.engine", "torch", f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
+                                           "(pip install -r requirements-gpu.txt); or use the torch engine")
+        else:
+            engine_tp = value("rollout.tp_size")
+            if machine.local_world_size % engine_tp:
+                fix("rollout.tp_size", math.gcd(engine_tp, machine.local_world_size),
+                    f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
+                    f"runs {machine.local_world_size}")
+
+    # Mixed precision (param_dtype differs from model.dtype) is FSDP's; on a CPU only torchrun's several
+    # processes start the process group FSDP needs (a single CUDA process starts a one-rank group itself).
+    model_dtype = value("model.dtype")
+    if not cuda and world == 1 and value("parallelism.param_dtype") != model_dtype:
+        fix("parallelism.param_dtype", model_dtype,
+            f"computing in {value('parallelism.param_dtype')} over {model_dtype} weights is FSDP mixed "
+            "precision, which needs a process group: one CPU process has none")
+    fsdp = dp > 1 or value("parallelism.param_dtype") != model_dtype
+    if not cuda and fsdp and value("parallelism.cpu_offload"):
+        fix("parallelism.cpu_offload", False, "offloading moves GPU state to host memory: on a CPU it is there "
+                                              "already, and FSDP refuses the option on a CPU mesh")
+
+    # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
+    if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
+        has = "compute capability {}.{}".format(*machine.cuda_capability) if cuda else "no CUDA GPU"
+        fix("parallelism.float8", False, f"float8 training needs a CUDA GPU of compute capability >= 8.9; this "
+                                         f"machine has {has}")
+
+    # FlexAttention has no backward on CPU; SDPA with a document mask computes the same attention.
+    if not cuda and value("model.attention_backend") == "flex":
+        fix("model.attention_backend", "sdpa", "FlexAttention has no backward pass on CPU; SDPA computes the "
+                                               "same packed attention there")
+
+    # torch.compile generates C++ kernels on a CPU, built with the system's C++ compiler.
+    if not cuda and not machine.cxx_compiler:
+        for key in ("parallelism.compile", "rollout.compile"):
+            if value(key):
+                fix(key, False, "torch.compile builds C++ kernels on a CPU and no C++ compiler (g++, clang++) "
+                                "was found")
+
+    if cuda and machine.local_world_size > machine.cuda_devices:
+        gpus = f"{machine.cuda_devices} CUDA GPU{'s' * (machine.cuda_devices > 1)}"
+        launch.append(f"this node runs {machine.local_world_size} processes but has {gpus}: launch at most one "
+                      f"process per GPU (torchrun --nproc_per_node={machine.cuda_devices})")
+    return fixes, launch
