@@ -210,15 +210,15 @@ def test_demo_tokenizer_is_what_transformers_rebuilds(tmp_path):
 
     cfg = load_config(DEFAULT_CONFIG, [f"job.run_dir={tmp_path}", "data.synthetic_num_train=2000"])
     ours = build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
-    assert ours.transformers_mismatch() is None
     export = tmp_path / "hf"
     ours.save(str(export))
     rows = synthetic_arithmetic_rows(20, difficulty=2, split="eval", answer_line_share=0.5)
     conversations = [r["prompt"] for r in rows] + CONVERSATIONS
     texts = TRICKY_TEXTS + [r["extra_info"]["solution"] for r in rows]
-    _assert_same_as_transformers(Tokenizer.from_dir(str(export)), _as_checkpoint_dir(export, 512), conversations,
-                                 texts)
+    _assert_same_as_transformers(ours, _as_checkpoint_dir(export, 512), conversations, texts)
+    _assert_same_as_transformers(Tokenizer.from_dir(str(export)), str(export), conversations, texts)
     assert len(ours.encode_chat(rows[0]["prompt"])) <= 30  # the template's fixed text is a few tokens
+    assert ours.transformers_mismatch() is None
 
 
 def _qwen_style_dir(path, template, trim_offsets=False):
@@ -248,8 +248,8 @@ def test_qwen_style_tokenizer_matches_transformers(tmp_path):
 
     path = _qwen_style_dir(tmp_path / "qwen", chat_templates.QWEN25)
     ours = Tokenizer.from_dir(path)
-    assert ours.transformers_mismatch() is None and ours.stop_ids == [2, 0] and ours.bos_id == 0
     _assert_same_as_transformers(ours, path, CONVERSATIONS)
+    assert ours.transformers_mismatch() is None and ours.stop_ids == [2, 0] and ours.bos_id == 0
 
 
 def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path):
@@ -292,7 +292,6 @@ def test_a_checkpoints_chat_template_renders_as_in_transformers(tmp_path, name, 
     if as_file:  # transformers' newer layout: chat_template.jinja next to tokenizer_config.json
         (tmp_path / "chat_template.jinja").write_text(template)
     ours = Tokenizer.from_dir(path)
-    assert ours.chat_template == template
     hf = AutoTokenizer.from_pretrained(path)
     for messages in TEMPLATE_CASES[name][1]:
         for add in (True, False):
@@ -308,6 +307,7 @@ def test_a_checkpoints_chat_template_renders_as_in_transformers(tmp_path, name, 
 
         with pytest.raises(jinja2.exceptions.TemplateError, match="must be a system message"):
             ours.apply_chat_template([{"role": "user", "content": "Q"}])
+    assert ours.chat_template == template
 
 
 def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_has_none(tmp_path):
@@ -315,7 +315,6 @@ def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_
 
     path = _qwen_style_dir(tmp_path / "src", None)
     ours = Tokenizer.from_dir(path)
-    assert ours.chat_template is None  # the built-in Qwen2.5 rendering
     out = tmp_path / "out"
     ours.save(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -327,5 +326,5 @@ def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_
             ours.apply_chat_template(messages)
     # The export itself, loaded back, renders with the template and gives the same text.
     again = Tokenizer.from_dir(str(out))
-    assert again.chat_template is not None
+    assert ours.chat_template is None and again.chat_template is not None  # built in, then as a template
     assert [again.apply_chat_template(m) for m in CONVERSATIONS] == [ours.apply_chat_template(m) for m in CONVERSATIONS]
