@@ -96,6 +96,7 @@ def qwen25_template(default_system: str | None) -> str:
     """The jinja text of the built-in Qwen2.5 ChatML rendering with `default_system` (None: no default)."""
     if default_system is None:
         return _HEAD + _TAIL
-    # json.dumps gives a valid jinja string literal for any text (quotes and backslashes escaped).
-    insert = "{{ '<|im_start|>system\\n' + " + json.dumps(default_system) + " + '<|im_end|>\\n' }}"
+    # json.dumps escapes quotes, backslashes and control characters, which makes a valid jinja string
+    # literal; ensure_ascii=False keeps characters outside the BMP whole (not as surrogate-pair escapes).
+    insert = "{{ '<|im_start|>system\\n' + " + json.dumps(default_system, ensure_ascii=False) + " + '<|im_end|>\\n' }}"
     return _HEAD + insert + _TAIL

@@ -328,3 +328,18 @@ def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_
     again = Tokenizer.from_dir(str(out))
     assert ours.chat_template is None and again.chat_template is not None  # built in, then as a template
     assert [again.apply_chat_template(m) for m in CONVERSATIONS] == [ours.apply_chat_template(m) for m in CONVERSATIONS]
+
+
+@pytest.mark.parametrize("default_system", [QWEN25_DEFAULT_SYSTEM, None, "it's \"quoted\", a \\ backslash",
+                                            "héllo — 你好 🙂\n\ttabbed"])
+def test_builtin_rendering_written_as_a_template_renders_byte_identically(trained, tmp_path, default_system):
+    from transformers import AutoTokenizer
+
+    from model.tokenizer import render_chat
+
+    Tokenizer(trained._tok, default_system=default_system).save(str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            want = render_chat(messages, default_system, add)
+            assert hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=False) == want
