@@ -6,7 +6,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from model.tokenizer import QWEN25_DEFAULT_SYSTEM, Tokenizer, train_bpe_tokenizer
 
@@ -252,13 +252,16 @@ def test_qwen_style_tokenizer_matches_transformers(tmp_path):
     assert ours.transformers_mismatch() is None and ours.stop_ids == [2, 0] and ours.bos_id == 0
 
 
-def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path):
+def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
     from transformers import AutoTokenizer
+
+    from config import DEFAULT_CONFIG, load_config
+    from trainer.setup import build_tokenizer
 
     gpt2_style = HFTokenizer(models.BPE())
     gpt2_style.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    gpt2_style.decoder = __import__("tokenizers").decoders.ByteLevel()
-    gpt2_style.train_from_iterator(_arithmetic_texts(300), __import__("tokenizers").trainers.BpeTrainer(
+    gpt2_style.decoder = decoders.ByteLevel()
+    gpt2_style.train_from_iterator(_arithmetic_texts(300), trainers.BpeTrainer(
         vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     gpt2_style.save(str(tmp_path / "tokenizer.json"))
@@ -268,6 +271,11 @@ def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path):
     # ... and transformers does encode it differently (numbers: GPT-2 groups digits, Qwen2 splits them).
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     assert any(hf.encode(t, add_special_tokens=False) != ours.encode(t) for t in _arithmetic_texts(20))
+    # Training with it says so.
+    cfg = load_config(DEFAULT_CONFIG, [f"model.tokenizer_path={tmp_path}"])
+    with caplog.at_level("WARNING"):
+        build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
+    assert "not what transformers 5 rebuilds" in caplog.text and "pre_tokenizer" in caplog.text
 
 
 TEMPLATE_CASES = {
