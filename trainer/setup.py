@@ -33,25 +33,23 @@ def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
     message, DAPO's template around the problem), one token each.
     """
     path = cfg.model.tokenizer_path or cfg.model.hf_path
-    if path:
-        tokenizer = Tokenizer.from_dir(path)
-        mismatch = tokenizer.transformers_mismatch()
-        if mismatch and is_main:
-            log.warning("the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
-                        "transformers' AutoTokenizer will encode the exported policy's prompts differently",
-                        path, mismatch)
-        return tokenizer
-    if cfg.data.train_path != "synthetic":
-        raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
-    saved = os.path.join(run_path, "tokenizer")
-    if is_main and not os.path.isfile(os.path.join(saved, "tokenizer.json")):
-        rows = _synthetic_rows(cfg, "train")
-        texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
-        vocab = get_preset(cfg.model.preset).vocab_size
-        phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
-        train_bpe_tokenizer(texts, vocab, phrases=phrases).save(saved)
-    barrier()
-    return Tokenizer.from_dir(saved)
+    if not path:
+        if cfg.data.train_path != "synthetic":
+            raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
+        path = os.path.join(run_path, "tokenizer")
+        if is_main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            rows = _synthetic_rows(cfg, "train")
+            texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
+            vocab = get_preset(cfg.model.preset).vocab_size
+            phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
+            train_bpe_tokenizer(texts, vocab, phrases=phrases).save(path)
+        barrier()
+    tokenizer = Tokenizer.from_dir(path)
+    mismatch = tokenizer.transformers_mismatch()
+    if mismatch and is_main:
+        log.warning("the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
+                    "transformers' AutoTokenizer will encode the exported policy's prompts differently", path, mismatch)
+    return tokenizer
 
 
 def load_datasets(cfg, tokenizer):
