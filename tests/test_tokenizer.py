@@ -351,3 +351,22 @@ def test_builtin_rendering_written_as_a_template_renders_byte_identically(traine
         for add in (True, False):
             want = render_chat(messages, default_system, add)
             assert hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=False) == want
+
+
+def test_several_stored_templates_use_the_default_one(tmp_path):
+    from tests import chat_templates
+
+    path = _qwen_style_dir(tmp_path, [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+                                      {"name": "default", "template": chat_templates.NO_DEFAULT_SYSTEM}])
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Q"}]
+    want = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert Tokenizer.from_dir(path).apply_chat_template(messages) == want
+    assert AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=False) == want
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = 3
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template must be a string"):
+        Tokenizer.from_dir(path)
