@@ -28,6 +28,7 @@ import torch
 
 from config import ConfigError, check_runnable, config_to_dict, parse_cli
 from parallel.checkpoint import CheckpointManager
+from model.hf import complete_hf_export
 from parallel.hf_export import export_hf
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.filter import DynamicBatchBuilder
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
     if cfg.checkpoint.export_hf:
         export_hf(policy, f"{run_path}/hf")
         if dist.is_main:
-            tokenizer.save(f"{run_path}/hf")
+            complete_hf_export(f"{run_path}/hf", tokenizer, model_source=cfg.model.hf_path or None)
     metrics_out.close(plot=cfg.metrics.plot)
     stop.restore()
     if dist.is_main:

@@ -13,6 +13,10 @@ Our parameter names are HF `Qwen2ForCausalLM`'s without the `model.` prefix of t
 `_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no
 `lm_head.weight`: the output projection is the embedding matrix.
 
+`complete_hf_export` makes such a directory a checkpoint that generates as training did: the tokenizer
+files, config.json's BOS/EOS ids, and a generation_config.json that stops at the ids the policy ends its
+turns with.
+
 Loading builds the model on the meta device and assigns each tensor read from the safetensors files
 as the parameter itself, so the weights are allocated once. Saving streams tensors into shards of at
 most `max_shard_bytes`, so a sharded trainer can hand over one gathered tensor at a time.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -40,6 +45,7 @@ __all__ = [
     "load_hf",
     "save_hf",
     "iter_hf_tensors",
+    "complete_hf_export",
 ]
 
 HF_ARCHITECTURE = "Qwen2ForCausalLM"
@@ -47,6 +53,7 @@ HF_MODEL_TYPE = "qwen2"
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -189,7 +196,7 @@ def hf_config_from_args(args: ModelArgs, *, dtype: torch.dtype = torch.float32) 
         "max_window_layers": args.num_layers,
         "attention_dropout": 0.0,
         "use_cache": True,
-        # Token ids live with the tokenizer; None keeps the config valid for any vocabulary size.
+        # Token ids live with the tokenizer: `complete_hf_export` sets them; None fits any vocabulary.
         "bos_token_id": None,
         "eos_token_id": None,
         "torch_dtype": _DTYPE_NAMES[dtype],
@@ -433,3 +440,54 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
             json.dump(index, f, indent=2, sort_keys=True)
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(hf_config_from_args(args, dtype=dtype), f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer and generation settings of an export
+# ---------------------------------------------------------------------------------------------------
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def complete_hf_export(path: str, tokenizer, model_source: str | None = None) -> None:
+    """Add to the checkpoint in `path` (config.json + weights) what makes it generate as training did.
+
+    - the tokenizer's files (`tokenizer.save`: a loaded tokenizer's files unchanged, with its chat template);
+    - config.json: bos_token_id = tokenizer.bos_id, eos_token_id = tokenizer.eos_id (Qwen2.5's convention);
+    - generation_config.json: eos_token_id = tokenizer.stop_ids, the ids the policy ends a turn with (a
+      list, as Qwen2.5's releases write it), with bos_token_id and pad_token_id. No sampling settings: a
+      plain `generate` decodes greedily. When `model_source` (the checkpoint training started from) has a
+      generation_config.json it is carried instead: unchanged when its eos ids already include every stop
+      id, otherwise with the missing stop ids appended to them.
+    """
+    tokenizer.save(path)
+    config_path = os.path.join(path, CONFIG_NAME)
+    config = _read_json(config_path)
+    config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+    _write_json(config_path, config)
+
+    out = os.path.join(path, GENERATION_CONFIG_NAME)
+    source = os.path.join(model_source, GENERATION_CONFIG_NAME) if model_source else None
+    if source and os.path.isfile(source):
+        carried = _read_json(source)
+        eos = _id_list(carried.get("eos_token_id"))
+        missing = [i for i in tokenizer.stop_ids if i not in eos]
+        if not missing:
+            if os.path.abspath(source) != os.path.abspath(out):
+                shutil.copyfile(source, out)
+            return
+        carried["eos_token_id"] = eos + missing
+        _write_json(out, carried)
+        return
+    _write_json(out, {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+                      "pad_token_id": tokenizer.pad_id})

@@ -319,3 +319,59 @@ def test_save_refuses_mismatched_tensors_and_leaves_nothing(tmp_path):
     tied_state = dict(build_model(ARGS["tied"], seed=9).state_dict(), **{"lm_head.weight": torch.zeros(128, 32)})
     with pytest.raises(CheckpointError, match="unexpected tensors \\(1\\): \\['lm_head.weight'\\]"):
         save_hf(tied_state, str(tmp_path / "bad"), args=ARGS["tied"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token ids and generation settings of an export
+# ----------------------------------------------------------------------------------------------------
+
+
+def _chat_tokenizer():
+    from model.tokenizer import train_bpe_tokenizer
+
+    texts = ["<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\nAnswer: 3<|im_end|>"] * 20
+    return train_bpe_tokenizer(texts, vocab_size=300)  # <|endoftext|> 0 (EOS), <|im_start|> 1, <|im_end|> 2
+
+
+def _exported(tmp_path, tokenizer, source=None):
+    from model.hf import complete_hf_export
+
+    args = ModelArgs(vocab_size=300, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                     tie_word_embeddings=True, max_position_embeddings=128)
+    path = str(tmp_path / "hf")
+    save_hf(build_model(args, seed=0), path)
+    complete_hf_export(path, tokenizer, model_source=source)
+    return path
+
+
+def test_export_names_the_token_ids_and_stops_at_the_turn_end(tmp_path):
+    from transformers import AutoConfig, GenerationConfig
+
+    tokenizer = _chat_tokenizer()
+    path = _exported(tmp_path, tokenizer)
+    config = AutoConfig.from_pretrained(path)
+    assert (config.bos_token_id, config.eos_token_id) == (0, 0)
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f) == {"bos_token_id": 0, "eos_token_id": [0, 2], "pad_token_id": 0}
+    generation = GenerationConfig.from_pretrained(path)
+    assert generation.eos_token_id == tokenizer.stop_ids == [0, 2]
+    # Nothing that would turn greedy decoding into sampling or change its scores.
+    assert not generation.do_sample and generation.repetition_penalty in (None, 1.0)
+    assert os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(
+        os.path.join(path, "tokenizer_config.json"))
+
+
+def test_a_source_generation_config_is_carried(tmp_path):
+    tokenizer = _chat_tokenizer()
+    source = tmp_path / "source"
+    source.mkdir()
+    # Already stops at every stop id: copied byte for byte.
+    text = '{\n "eos_token_id": [2, 0],\n "temperature": 0.7, "do_sample": true\n}'
+    (source / "generation_config.json").write_text(text)
+    path = _exported(tmp_path / "a", tokenizer, source=str(source))
+    assert open(os.path.join(path, "generation_config.json")).read() == text
+    # Stops only at <|endoftext|> (a base model's): the other stop id is added, the rest kept.
+    (source / "generation_config.json").write_text('{"bos_token_id": 0, "eos_token_id": 0, "max_new_tokens": 2048}')
+    path = _exported(tmp_path / "b", tokenizer, source=str(source))
+    with open(os.path.join(path, "generation_config.json")) as f:
+        assert json.load(f) == {"bos_token_id": 0, "eos_token_id": [0, 2], "max_new_tokens": 2048}

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from model.tokenizer import QWEN25_DEFAULT_SYSTEM, Tokenizer, train_bpe_tokenizer
 
@@ -148,15 +148,225 @@ def test_errors_name_the_problem(tmp_path, trained):
         Tokenizer(trained._tok, eos_token="<nope>")
 
 
-def test_unsplit_bpe_collapses_a_repeated_template_and_still_round_trips():
+def test_phrases_collapse_a_repeated_template_and_still_round_trip():
     from model.tokenizer import render_chat, train_bpe_tokenizer
-    from rl.data import synthetic_arithmetic_rows
+    from rl.data import DAPO_PROMPT_TEMPLATE, synthetic_arithmetic_rows
 
     rows = synthetic_arithmetic_rows(300, difficulty=2, seed=0)
     texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] for r in rows]
-    split = train_bpe_tokenizer(texts, 512)
-    merged = train_bpe_tokenizer(texts, 512, split_words=False)
+    plain = train_bpe_tokenizer(texts, 512)
+    phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
+    merged = train_bpe_tokenizer(texts, 512, phrases=phrases)
     prompt = render_chat(rows[0]["prompt"])
-    assert len(merged.encode(prompt)) * 3 < len(split.encode(prompt))
+    assert len(merged.encode(prompt)) * 3 < len(plain.encode(prompt))
     assert merged.decode(merged.encode(prompt)) == prompt
+    assert merged.decode(merged.encode(prompt), skip_special_tokens=True) == prompt.replace("<|im_start|>", "").replace(
+        "<|im_end|>", "")  # phrases are text, not special tokens
+    assert [merged.token_to_id(p) for p in phrases] == list(range(merged.vocab_size - 3, merged.vocab_size))
+    assert merged.vocab_size <= 512
     assert all(len(t) == 1 for t in merged._tok.encode("12345").tokens)  # digits stay single tokens
+
+
+# ----------------------------------------------------------------------------------------------------
+# What transformers rebuilds from a checkpoint directory (config.json says model_type qwen2)
+# ----------------------------------------------------------------------------------------------------
+
+TRICKY_TEXTS = [
+    "What is 305 + 17?\nAnswer: 322", "I'm sure it's 12345, isn't it?", "  two  spaces\n\n\tand tabs\r\n",
+    "unicode: héllo ∑ 你好 🙂", "decomposed e\u0301 and composed \u00e9", "x<|im_end|>y<|endoftext|>",
+    "Solve the following math problem step by step. inside a sentence", "",
+]
+
+
+def _as_checkpoint_dir(path, vocab_size):
+    """Give a tokenizer directory the config.json of a Qwen2 checkpoint, as an export has."""
+    from model.args import ModelArgs
+    from model.hf import hf_config_from_args
+
+    args = ModelArgs(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                     intermediate_size=48, tie_word_embeddings=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_from_args(args), f)
+    return str(path)
+
+
+def _assert_same_as_transformers(ours, path, conversations, texts=TRICKY_TEXTS):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(path)
+    for text in texts:
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text), text
+        assert hf.decode(ours.encode(text)) == ours.decode(ours.encode(text))
+    for messages in conversations:
+        want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert ours.encode_chat(messages) == list(want), messages
+    assert (hf.eos_token_id, hf.pad_token_id) == (ours.eos_id, ours.pad_id)
+
+
+def test_demo_tokenizer_is_what_transformers_rebuilds(tmp_path):
+    from config import DEFAULT_CONFIG, load_config
+    from rl.data import synthetic_arithmetic_rows
+    from trainer.setup import build_tokenizer
+
+    cfg = load_config(DEFAULT_CONFIG, [f"job.run_dir={tmp_path}", "data.synthetic_num_train=2000"])
+    ours = build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
+    export = tmp_path / "hf"
+    ours.save(str(export))
+    rows = synthetic_arithmetic_rows(20, difficulty=2, split="eval", answer_line_share=0.5)
+    conversations = [r["prompt"] for r in rows] + CONVERSATIONS
+    texts = TRICKY_TEXTS + [r["extra_info"]["solution"] for r in rows]
+    _assert_same_as_transformers(ours, _as_checkpoint_dir(export, 512), conversations, texts)
+    _assert_same_as_transformers(Tokenizer.from_dir(str(export)), str(export), conversations, texts)
+    assert len(ours.encode_chat(rows[0]["prompt"])) <= 30  # the template's fixed text is a few tokens
+    assert ours.transformers_mismatch() is None
+
+
+def _qwen_style_dir(path, template, trim_offsets=False):
+    """A byte-level BPE laid out as Qwen2.5's tokenizer files are: Qwen2's pipeline in tokenizer.json,
+    tokenizer_class Qwen2Tokenizer, EOS <|im_end|>, pad <|endoftext|>, no BOS, the chat template."""
+    tok = train_bpe_tokenizer(_arithmetic_texts(300) + TRICKY_TEXTS * 5, vocab_size=400)._tok
+    if not trim_offsets:  # as Qwen2.5's own file: offsets do not change ids
+        spec = json.loads(tok.to_str())
+        spec["pre_tokenizer"]["pretokenizers"][1]["trim_offsets"] = False
+        tok = HFTokenizer.from_str(json.dumps(spec))
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in tok.get_added_tokens_decoder().items()}
+    config = {"add_prefix_space": False, "added_tokens_decoder": added,
+              "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+              "chat_template": template, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
+              "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
+              "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return _as_checkpoint_dir(path, 400)
+
+
+def test_qwen_style_tokenizer_matches_transformers(tmp_path):
+    from tests import chat_templates
+
+    path = _qwen_style_dir(tmp_path / "qwen", chat_templates.QWEN25)
+    ours = Tokenizer.from_dir(path)
+    _assert_same_as_transformers(ours, path, CONVERSATIONS)
+    assert ours.transformers_mismatch() is None and ours.stop_ids == [2, 0] and ours.bos_id == 0
+
+
+def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from config import DEFAULT_CONFIG, load_config
+    from trainer.setup import build_tokenizer
+
+    gpt2_style = HFTokenizer(models.BPE())
+    gpt2_style.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gpt2_style.decoder = decoders.ByteLevel()
+    gpt2_style.train_from_iterator(_arithmetic_texts(300), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    gpt2_style.save(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer.from_dir(_as_checkpoint_dir(tmp_path, 400))
+    problem = ours.transformers_mismatch()
+    assert "normalizer" in problem and "pre_tokenizer" in problem
+    # ... and transformers does encode it differently (numbers: GPT-2 groups digits, Qwen2 splits them).
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert any(hf.encode(t, add_special_tokens=False) != ours.encode(t) for t in _arithmetic_texts(20))
+    # Training with it says so.
+    cfg = load_config(DEFAULT_CONFIG, [f"model.tokenizer_path={tmp_path}"])
+    with caplog.at_level("WARNING"):
+        build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
+    assert "not what transformers 5 rebuilds" in caplog.text and "pre_tokenizer" in caplog.text
+
+
+TEMPLATE_CASES = {
+    "qwen25": (["qwen25"], CONVERSATIONS),
+    "no_default_system": (["no_default_system"], CONVERSATIONS),
+    "system_required": (["system_required"], [c for c in CONVERSATIONS if c[0]["role"] == "system"] + [
+        [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "  1 + 1?  "},
+         {"role": "assistant", "content": "2"}, {"role": "user", "content": "2 + 2?"}]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATE_CASES))
+@pytest.mark.parametrize("as_file", [False, True])
+def test_a_checkpoints_chat_template_renders_as_in_transformers(tmp_path, name, as_file):
+    from transformers import AutoTokenizer
+
+    from tests import chat_templates
+
+    template = {"qwen25": chat_templates.QWEN25, "no_default_system": chat_templates.NO_DEFAULT_SYSTEM,
+                "system_required": chat_templates.SYSTEM_REQUIRED}[name]
+    path = _qwen_style_dir(tmp_path, None if as_file else template)
+    if as_file:  # transformers' newer layout: chat_template.jinja next to tokenizer_config.json
+        (tmp_path / "chat_template.jinja").write_text(template)
+    ours = Tokenizer.from_dir(path)
+    hf = AutoTokenizer.from_pretrained(path)
+    for messages in TEMPLATE_CASES[name][1]:
+        for add in (True, False):
+            want = hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+            assert ours.apply_chat_template(messages, add_generation_prompt=add) == want
+            want_ids = hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=True, return_dict=False)
+            assert ours.encode_chat(messages, add_generation_prompt=add) == list(want_ids)
+    if name == "no_default_system":  # no system turn is invented
+        assert ours.apply_chat_template([{"role": "user", "content": "Q"}]) == \
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    if name == "system_required":
+        import jinja2
+
+        with pytest.raises(jinja2.exceptions.TemplateError, match="must be a system message"):
+            ours.apply_chat_template([{"role": "user", "content": "Q"}])
+    assert ours.chat_template == template
+
+
+def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_has_none(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = _qwen_style_dir(tmp_path / "src", None)
+    ours = Tokenizer.from_dir(path)
+    out = tmp_path / "out"
+    ours.save(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
+    _as_checkpoint_dir(out, 400)
+    hf = AutoTokenizer.from_pretrained(str(out))
+    for messages in CONVERSATIONS:
+        assert hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+            ours.apply_chat_template(messages)
+    # The export itself, loaded back, renders with the template and gives the same text.
+    again = Tokenizer.from_dir(str(out))
+    assert ours.chat_template is None and again.chat_template is not None  # built in, then as a template
+    assert [again.apply_chat_template(m) for m in CONVERSATIONS] == [ours.apply_chat_template(m) for m in CONVERSATIONS]
+
+
+@pytest.mark.parametrize("default_system", [QWEN25_DEFAULT_SYSTEM, None, "it's \"quoted\", a \\ backslash",
+                                            "héllo — 你好 🙂\n\ttabbed"])
+def test_builtin_rendering_written_as_a_template_renders_byte_identically(trained, tmp_path, default_system):
+    from transformers import AutoTokenizer
+
+    from model.tokenizer import render_chat
+
+    Tokenizer(trained._tok, default_system=default_system).save(str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            want = render_chat(messages, default_system, add)
+            assert hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=False) == want
+
+
+def test_several_stored_templates_use_the_default_one(tmp_path):
+    from tests import chat_templates
+
+    path = _qwen_style_dir(tmp_path, [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+                                      {"name": "default", "template": chat_templates.NO_DEFAULT_SYSTEM}])
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "Q"}]
+    want = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert Tokenizer.from_dir(path).apply_chat_template(messages) == want
+    assert AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=False) == want
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = 3
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template must be a string"):
+        Tokenizer.from_dir(path)

@@ -11,8 +11,8 @@ import torch
 from model.args import get_preset
 from model.hf import load_hf
 from model.qwen2 import build_model
-from model.tokenizer import IM_END, Tokenizer, render_chat, train_bpe_tokenizer
-from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
+from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +29,27 @@ def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
     """The checkpoint's tokenizer, or one trained on the synthetic task (saved in the run folder).
 
     Only rank 0 trains the synthetic tokenizer; the others wait and load the saved copy, so every rank
-    holds byte-identical vocabularies.
+    holds byte-identical vocabularies. Its phrases are the fixed text of every prompt (the default system
+    message, DAPO's template around the problem), one token each.
     """
     path = cfg.model.tokenizer_path or cfg.model.hf_path
-    if path:
-        return Tokenizer.from_dir(path)
-    if cfg.data.train_path != "synthetic":
-        raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
-    saved = os.path.join(run_path, "tokenizer")
-    if is_main and not os.path.isfile(os.path.join(saved, "tokenizer.json")):
-        rows = _synthetic_rows(cfg, "train")
-        texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
-        vocab = get_preset(cfg.model.preset).vocab_size
-        train_bpe_tokenizer(texts, vocab, split_words=False).save(saved)
-    barrier()
-    return Tokenizer.from_dir(saved)
+    if not path:
+        if cfg.data.train_path != "synthetic":
+            raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
+        path = os.path.join(run_path, "tokenizer")
+        if is_main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            rows = _synthetic_rows(cfg, "train")
+            texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
+            vocab = get_preset(cfg.model.preset).vocab_size
+            phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
+            train_bpe_tokenizer(texts, vocab, phrases=phrases).save(path)
+        barrier()
+    tokenizer = Tokenizer.from_dir(path)
+    mismatch = tokenizer.transformers_mismatch()
+    if mismatch and is_main:
+        log.warning("the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
+                    "transformers' AutoTokenizer will encode the exported policy's prompts differently", path, mismatch)
+    return tokenizer
 
 
 def load_datasets(cfg, tokenizer):
