@@ -27,7 +27,7 @@ import time
 import torch
 
 from config import ConfigError, check_runnable, config_to_dict, parse_cli
-from parallel.checkpoint import CheckpointManager
+from parallel.checkpoint import CheckpointError, CheckpointManager
 from parallel.hf_export import export_hf
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.filter import DynamicBatchBuilder
@@ -37,6 +37,7 @@ from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
+from trainer.loop_state import loop_position, restore_loop_position
 from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
 from trainer.scoring import EngineFailure, RewardSettings
@@ -109,13 +110,12 @@ def main(argv=None) -> int:
         """Checkpoint the last completed step (`position`: the data state it ended with)."""
         if state["step"] in checkpoints.complete_steps():
             return
-        position = position or {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        position = position or loop_position(sampler, builder)
         checkpoints.save(state["step"], policy, optimizer, scheduler, dict(state, **position))
 
     saved = checkpoints.resume(policy, optimizer, scheduler) if cfg.checkpoint.resume else None
     if saved is not None:
-        sampler.load_state_dict(saved.pop("sampler"))
-        builder.load_state_dict(saved.pop("builder"))
+        restore_loop_position(saved, sampler, builder)
         state.update(saved)
         trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]  # "in a row" spans the restart
         log.info("resumed from step %d", state["step"])
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     for step in range(state["step"] + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
-        before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        before_step = loop_position(sampler, builder)
         engine.resume_memory()
         try:
             with progress(builder.train_batch_size, f"step {step} rollout", "groups") as bar:
@@ -259,7 +259,7 @@ def run_cli(argv=None):
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except RunFolderError as exc:
+    except (RunFolderError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except StopRequested as exc:
