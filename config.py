@@ -161,6 +161,7 @@ class ParallelismConfig:
 class CheckpointConfig:
     enabled: bool = True  # write distributed checkpoints into the run folder
     interval: int = 25  # steps between checkpoints
+    warmup_interval: int = 100  # supervised warm-up steps between warm-up checkpoints (0 = none)
     keep_latest_k: int = 2  # checkpoints kept (0 = all)
     resume: bool = True  # resume from the newest complete checkpoint in the run folder
     export_hf: bool = True  # write the final policy as an HF checkpoint
@@ -453,7 +454,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         check(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1")
     for key in ("data.seed", "algorithm.carry_over_max_staleness", "optimizer.weight_decay",
                 "optimizer.warmup_steps", "optimizer.grad_clip", "training.steps", "training.sft_warmup_steps",
-                "metrics.peak_tflops",
+                "metrics.peak_tflops", "checkpoint.warmup_interval",
                 "checkpoint.keep_latest_k", "eval.interval", "algorithm.overlong_penalty_factor",
                 "parallelism.ac_every_k_blocks"):
         section, name = key.split(".")

@@ -43,7 +43,8 @@ from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepa
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
 from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
-from trainer.sft import sft_warmup
+from trainer.run_folder import WARMUP_CHECKPOINTS
+from trainer.sft import discard_warmup_checkpoints, sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
 from rl.data import PromptSampler
@@ -138,14 +139,19 @@ def main(argv=None) -> int:
     # --- Supervised warm-up (demo models start from random weights) --------------------------------
     if cfg.training.sft_warmup_steps and not state["sft_done"]:
         start = time.perf_counter()
+        warmup_checkpoints = CheckpointManager(f"{run_path}/{WARMUP_CHECKPOINTS}", keep=1)
         with progress(cfg.training.sft_warmup_steps, "warm-up", "steps") as bar:
             sft_warmup(policy, train_set, tokenizer, steps=cfg.training.sft_warmup_steps,
                        batch_size=cfg.training.sft_batch_size, lr=cfg.training.sft_lr,
                        micro_batch_tokens=cfg.training.micro_batch_tokens, dist_env=dist, device=dist.device,
                        seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l),
-                       progress=bar)
+                       progress=bar, checkpoints=warmup_checkpoints, resume=cfg.checkpoint.resume,
+                       interval=cfg.checkpoint.warmup_interval if cfg.checkpoint.enabled else 0, stop=stop)
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         state["sft_done"] = True
+        if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
+            save_checkpoint()
+        discard_warmup_checkpoints(warmup_checkpoints, dist.is_main)
         log.info("supervised warm-up: %d steps in %.1fs", cfg.training.sft_warmup_steps, time.perf_counter() - start)
 
     eval_params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)

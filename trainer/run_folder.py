@@ -7,6 +7,7 @@
         metrics.jsonl      one JSON line of metrics per step
         tensorboard/       event files (metrics.tensorboard = true)
         checkpoints/       distributed checkpoints, step-<N>/ (the newest complete one is resumed)
+        checkpoints/warm-up/  checkpoints of the supervised warm-up, removed once step-00000000/ holds its end
         hf/                the final policy as an HF checkpoint (+ tokenizer)
         tokenizer/         the tokenizer the run trained (synthetic task without a tokenizer path)
         plots/panel.png    the monitoring panel drawn from metrics.jsonl
@@ -23,6 +24,8 @@ from parallel.checkpoint import CheckpointManager
 
 
 log = logging.getLogger("train")
+
+WARMUP_CHECKPOINTS = os.path.join("checkpoints", "warm-up")
 
 
 class RunFolderError(RuntimeError):
@@ -42,8 +45,7 @@ def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: b
     path = os.path.abspath(os.path.join(run_dir, name))
     if not is_main:
         return path
-    checkpoints = CheckpointManager(os.path.join(path, "checkpoints"))
-    earlier = [os.path.basename(checkpoints.step_path(step)) for step in checkpoints.complete_steps()]
+    earlier = earlier_checkpoints(path)
     if not resume and earlier:
         raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
                              f"and checkpoint.resume = false; set checkpoint.resume = true to continue that run, "
@@ -115,3 +117,12 @@ def finished_at(path: str) -> int | None:
             return int(json.load(f)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def earlier_checkpoints(path: str) -> list[str]:
+    """Names of the checkpoints in run folder `path` (DAPO steps, then warm-up steps), relative to checkpoints/."""
+    names = []
+    for folder, prefix in (("checkpoints", ""), (WARMUP_CHECKPOINTS, "warm-up/")):
+        manager = CheckpointManager(os.path.join(path, folder))
+        names += [prefix + os.path.basename(manager.step_path(step)) for step in manager.complete_steps()]
+    return names
