@@ -536,7 +536,7 @@ def check_runnable(cfg: Config) -> None:
 
 
 def parse_cli(argv: typing.Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """`--config PATH`, `--dry-run` and any number of `--section.key=value` / `--section.key value`."""
+    """`--config PATH`, `--dry-run`, `--fresh` and any number of `--section.key=value` / `--section.key value`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="DAPO training (Algorithm 1 of arXiv 2503.14476).",
@@ -544,6 +544,8 @@ def parse_cli(argv: typing.Sequence[str] | None = None) -> tuple[Config, argpars
                "e.g. --training.steps=10 --rollout.engine torch --optimizer.betas=0.9,0.95.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="TOML file (default: configs/demo_cpu.toml)")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as JSON, exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start the run over: move an existing run folder aside (to <name>.old-<n>) first")
     plain, overrides = [], []
     i = 0
     while i < len(argv):

@@ -39,11 +39,11 @@ from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
 from trainer.loop_state import loop_position, restore_loop_position
 from trainer.rollout_phase import RolloutError, collect_batch
-from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
+from trainer.run_folder import (WARMUP_CHECKPOINTS, RunFolderError, finished_run_report, mark_finished,
+                                prepare_run_folder)
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
 from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
-from trainer.run_folder import WARMUP_CHECKPOINTS
 from trainer.sft import discard_warmup_checkpoints, sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
@@ -69,8 +69,15 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.job.seed)
     if cfg.job.cpu_threads:
         torch.set_num_threads(cfg.job.cpu_threads)
+    report = (finished_run_report(cfg.job.run_dir, cfg.job.name, cfg.training.steps)
+              if cfg.checkpoint.resume and not cli.fresh else None)
+    if report is not None:  # rerunning a finished run: its result, and nothing else
+        for line in report if dist.is_main else ():
+            log.info(line)
+        shutdown_distributed()
+        return 0
     run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main,
-                                  resume=cfg.checkpoint.resume)
+                                  resume=cfg.checkpoint.resume, fresh=cli.fresh)
     dist.barrier()
     tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
     train_set, eval_set = load_datasets(cfg, tokenizer)
@@ -120,11 +127,6 @@ def main(argv=None) -> int:
         state.update(saved)
         trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]  # "in a row" spans the restart
         log.info("resumed from step %d", state["step"])
-        if state["step"] >= cfg.training.steps and finished_at(run_path) == state["step"]:
-            log.info("this run finished at step %d (eval, export and plot done); nothing to do", state["step"])
-            engine.shutdown()
-            shutdown_distributed()
-            return 0
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
     # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
     metrics_out = MetricsWriter(run_path, cfg, rank=dist.rank,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,20 +217,86 @@ def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch
     assert (desc, unit) == ("step 1 train", "micro-batches") and done == total >= 2
 
 
-def test_rerun_of_a_finished_run_does_nothing_and_a_fresh_restart_logs_step_0_once(tmp_path, monkeypatch,
-                                                                                   signal_handlers):
+def _folder_state(root):
+    """Every file under `root` with its size and modification time."""
+    return {os.path.relpath(os.path.join(d, f), root): (os.path.getsize(os.path.join(d, f)),
+                                                         os.path.getmtime(os.path.join(d, f)))
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_path, monkeypatch, caplog,
+                                                                         signal_handlers):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
     train.main(argv)
     first = read_rows(str(tmp_path))
     assert [(r["step"], "loss" in r) for r in first] == [(0, False), (1, True), (1, False)]
-    assert train.main(argv) == 0
-    assert read_rows(str(tmp_path)) == first  # no second final evaluation
+    before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
+    files = _folder_state(tmp_path)
+    for name in ("build_policy", "load_datasets", "build_tokenizer"):
+        monkeypatch.setattr(train, name, lambda *a, **k: pytest.fail("a finished run built something"))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="train"):
+        assert train.main(argv) == 0
+    assert f"run folder {tmp_path}/run: this run finished at step 1" in caplog.text
+    assert "run the same command with --fresh" in caplog.text
+    assert f"held-out accuracy before DAPO: {100 * before:.1f}% (avg@4)" in caplog.text
+    assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in caplog.text
+    assert _folder_state(tmp_path) == files  # nothing written, nothing moved
+    # From the command line: the same lines and exit code 0.
+    result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in result.stderr
+    assert _folder_state(tmp_path) == files
+
+
+def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
+    train.main(argv)
+    earlier = _folder_state(tmp_path / "run")
+    with caplog.at_level("WARNING", logger="train"):
+        assert train.main(argv + ["--fresh"]) == 0
+    assert f"--fresh: moved the earlier run folder to {tmp_path}/run.old-1" in caplog.text
+    assert _folder_state(tmp_path / "run.old-1") == earlier  # kept as it was
+    assert [(r["step"], "loss" in r) for r in read_rows(str(tmp_path))] == [(0, False), (1, True)]
+    assert os.path.isfile(tmp_path / "run" / "finished.json")
+    assert train.main(argv + ["--fresh"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["run", "run.old-1", "run.old-2"]
     # Without a checkpoint a rerun starts over: its step-0 evaluation replaces the earlier one.
     no_checkpoints = overrides(str(tmp_path / "again"), steps=1, **{"eval.at_start": True, "checkpoint.enabled": False})
     train.main(no_checkpoints)
     train.main(no_checkpoints)
     assert [(r["step"], "loss" in r) for r in read_rows(str(tmp_path / "again"))] == [(0, False), (1, True)]
+
+
+def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
+    """SIGKILL (no chance to checkpoint) during the supervised warm-up; the same command continues it from
+    its last warm-up checkpoint, with the demo config's own checkpoint.resume."""
+    settings = {"training.sft_warmup_steps": 30, "training.sft_batch_size": 2, "checkpoint.warmup_interval": 3}
+    argv = [a for a in overrides(str(tmp_path), steps=1, **settings) if not a.startswith("--checkpoint.resume")]
+    command = [sys.executable, "tests/planted_train.py", *argv]
+    warmup = tmp_path / "run" / "checkpoints" / "warm-up"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (warmup.is_dir() and any(name.startswith("step-") and not name.endswith(".tmp")
+                                       for name in os.listdir(warmup))):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.kill()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL and "supervised warm-up:" not in stderr, stderr
+    saved = CheckpointManager(str(warmup)).complete_steps()
+    assert saved and saved[-1] % 3 == 0 and saved[-1] < 30
+
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    resumed_at = int(re.search(r"supervised warm-up resumed after step (\d+) of 30", result.stderr).group(1))
+    assert resumed_at >= saved[-1] and resumed_at % 3 == 0
+    assert "sft step 0:" not in result.stderr and "sft step 29:" in result.stderr
+    assert os.path.isfile(tmp_path / "run" / "finished.json") and not warmup.exists()
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [0, 1]
 
 
 def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
