@@ -374,3 +374,54 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tm
     for step in range(steps_done[-1] + 1, 4):
         for key in ("loss", "reward/mean", "entropy", "grad_norm", "response_length/mean"):
             assert got[step][key] == expected[step][key], (step, key)
+
+
+def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
+    """train.main on this rank; with crash_after, every rank dies after that many warm-up steps (no signal)."""
+    import trainer.sft
+    from model.hf import load_hf
+
+    trainer.scoring.compute_score = planted_score
+    if crash_after is not None:
+        real_step = trainer.sft.SFTWarmup.step
+
+        def step(self):
+            if self.done == crash_after:
+                raise RuntimeError("killed (simulated)")
+            return real_step(self)
+
+        trainer.sft.SFTWarmup.step = step
+        try:
+            train.main(argv)
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            trainer.sft.SFTWarmup.step = real_step
+    steps_run = []
+    real_step = trainer.sft.SFTWarmup.step
+    trainer.sft.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
+    try:
+        train.main(argv)
+    finally:
+        trainer.sft.SFTWarmup.step = real_step
+    run = next(a.split("=", 1)[1] for a in argv if a.startswith("--job.run_dir="))
+    exported = load_hf(os.path.join(run, "run", "hf"))
+    return {"steps_run": steps_run, "params": dict(exported.named_parameters()) if rank == 0 else None}
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_does(tmp_path):
+    from dist_utils import run_ranks
+
+    settings = {"parallelism.dp_shard": 2, "training.sft_warmup_steps": 5, "training.sft_batch_size": 4,
+                "checkpoint.warmup_interval": 2}
+    straight = run_ranks(_warm_up_on_ranks, 2, overrides(str(tmp_path / "straight"), steps=0, **settings))[0]
+    interrupted = overrides(str(tmp_path / "interrupted"), steps=0, **settings)
+    assert run_ranks(_warm_up_on_ranks, 2, interrupted, crash_after=3) == ["killed (simulated)"] * 2
+    warmup = tmp_path / "interrupted" / "run" / "checkpoints" / "warm-up"
+    assert CheckpointManager(str(warmup)).complete_steps() == [2]
+    resumed = run_ranks(_warm_up_on_ranks, 2, interrupted)
+    assert [r["steps_run"] for r in resumed] == [[2, 3, 4]] * 2  # steps 3-5 only: step 3 was lost with the crash
+    assert straight["steps_run"] == [0, 1, 2, 3, 4] and not warmup.exists()
+    for name, param in straight["params"].items():
+        assert torch.equal(resumed[0]["params"][name], param), name

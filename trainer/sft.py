@@ -98,7 +98,7 @@ def sft_warmup(model, examples, tokenizer, *, steps: int, batch_size: int, lr: f
     warm = SFTWarmup(model, examples, tokenizer, steps=steps, batch_size=batch_size, lr=lr,
                      micro_batch_tokens=micro_batch_tokens, dist_env=dist_env, device=device, seed=seed,
                      weight_decay=weight_decay)
-    saved = checkpoints.resume(model, warm.optimizer, warm.schedule) if checkpoints and resume else None
+    saved = checkpoints.resume(model, warm.optimizer, warm.schedule) if checkpoints is not None and resume else None
     if saved is not None:
         warm.load_state_dict(saved["warmup"])
         log.info("supervised warm-up resumed after step %d of %d", warm.done, steps)
