@@ -425,3 +425,24 @@ def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_
     assert straight["steps_run"] == [0, 1, 2, 3, 4] and not warmup.exists()
     for name, param in straight["params"].items():
         assert torch.equal(resumed[0]["params"][name], param), name
+
+
+def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_path, monkeypatch, signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    train.main(overrides(str(tmp_path), steps=1))
+    step_1 = tmp_path / "run" / "checkpoints" / "step-00000001"
+    # What an older version left (and anyone could plant): a pickled train state, listed in the manifest.
+    for name in ("rank-00000.json", "rank-00000.safetensors"):
+        os.remove(step_1 / "train_state" / name)
+    torch.save({"train_state": {"step": 1}}, step_1 / "train_state" / "rank-00000.pt")
+    manifest = json.loads((step_1 / "COMPLETE.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("train_state/")}
+    manifest["files"]["train_state/rank-00000.pt"] = os.path.getsize(step_1 / "train_state" / "rank-00000.pt")
+    (step_1 / "COMPLETE.json").write_text(json.dumps(manifest))
+    result = subprocess.run([sys.executable, "train.py", *overrides(str(tmp_path), steps=2)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
+        f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
+        f"the run folder aside) or remove {tmp_path}/run/checkpoints")
