@@ -164,6 +164,7 @@ class ParallelismConfig:
 class CheckpointConfig:
     enabled: bool = True  # write distributed checkpoints into the run folder
     interval: int = 25  # steps between checkpoints
+    warmup_interval: int = 100  # supervised warm-up steps between warm-up checkpoints (0 = none)
     keep_latest_k: int = 2  # checkpoints kept (0 = all)
     resume: bool = True  # resume from the newest complete checkpoint in the run folder
     export_hf: bool = True  # write the final policy as an HF checkpoint
@@ -457,7 +458,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         check(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1")
     for key in ("data.seed", "algorithm.carry_over_max_staleness", "optimizer.weight_decay",
                 "optimizer.warmup_steps", "optimizer.grad_clip", "training.steps", "training.sft_warmup_steps",
-                "metrics.peak_tflops",
+                "metrics.peak_tflops", "checkpoint.warmup_interval",
                 "checkpoint.keep_latest_k", "eval.interval", "algorithm.overlong_penalty_factor",
                 "parallelism.ac_every_k_blocks"):
         section, name = key.split(".")
@@ -577,7 +578,7 @@ def check_runnable(cfg: Config, machine=None) -> None:
 
 
 def parse_cli(argv: typing.Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """`--config PATH`, `--dry-run` and any number of `--section.key=value` / `--section.key value`."""
+    """`--config PATH`, `--dry-run`, `--fresh` and any number of `--section.key=value` / `--section.key value`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="DAPO training (Algorithm 1 of arXiv 2503.14476).",
@@ -585,6 +586,8 @@ def parse_cli(argv: typing.Sequence[str] | None = None) -> tuple[Config, argpars
                "e.g. --training.steps=10 --rollout.engine torch --optimizer.betas=0.9,0.95.")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="TOML file (default: configs/demo_cpu.toml)")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as JSON, exit")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start the run over: move an existing run folder aside (to <name>.old-<n>) first")
     plain, overrides = [], []
     i = 0
     while i < len(argv):

@@ -27,7 +27,7 @@ import time
 import torch
 
 from config import ConfigError, check_runnable, config_to_dict, parse_cli
-from parallel.checkpoint import CheckpointManager
+from parallel.checkpoint import CheckpointError, CheckpointManager
 from model.hf import complete_hf_export
 from parallel.hf_export import export_hf
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
@@ -38,12 +38,14 @@ from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
+from trainer.loop_state import loop_position, restore_loop_position
 from trainer.rollout_phase import RolloutError, collect_batch
-from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
+from trainer.run_folder import (WARMUP_CHECKPOINTS, RunFolderError, finished_run_report, mark_finished,
+                                prepare_run_folder)
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
 from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
-from trainer.sft import sft_warmup
+from trainer.sft import discard_warmup_checkpoints, sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
 from rl.data import DataError, PromptSampler
@@ -65,8 +67,15 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.job.seed)
     if cfg.job.cpu_threads:
         torch.set_num_threads(cfg.job.cpu_threads)
+    report = (finished_run_report(cfg.job.run_dir, cfg.job.name, cfg.training.steps)
+              if cfg.checkpoint.resume and not cli.fresh else None)
+    if report is not None:  # rerunning a finished run: its result, and nothing else
+        for line in report if dist.is_main else ():
+            log.info(line)
+        shutdown_distributed()
+        return 0
     run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main,
-                                  resume=cfg.checkpoint.resume)
+                                  resume=cfg.checkpoint.resume, fresh=cli.fresh)
     dist.barrier()
     tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
     train_set, eval_set = load_datasets(cfg, tokenizer)
@@ -108,21 +117,15 @@ def main(argv=None) -> int:
         """Checkpoint the last completed step (`position`: the data state it ended with)."""
         if state["step"] in checkpoints.complete_steps():
             return
-        position = position or {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        position = position or loop_position(sampler, builder)
         checkpoints.save(state["step"], policy, optimizer, scheduler, dict(state, **position))
 
     saved = checkpoints.resume(policy, optimizer, scheduler) if cfg.checkpoint.resume else None
     if saved is not None:
-        sampler.load_state_dict(saved.pop("sampler"))
-        builder.load_state_dict(saved.pop("builder"))
+        restore_loop_position(saved, sampler, builder)
         state.update(saved)
         trainer.nonfinite_in_a_row = state["nonfinite_in_a_row"]  # "in a row" spans the restart
         log.info("resumed from step %d", state["step"])
-        if state["step"] >= cfg.training.steps and finished_at(run_path) == state["step"]:
-            log.info("this run finished at step %d (eval, export and plot done); nothing to do", state["step"])
-            engine.shutdown()
-            shutdown_distributed()
-            return 0
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
     # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
     metrics_out = MetricsWriter(run_path, cfg, rank=dist.rank,
@@ -137,14 +140,19 @@ def main(argv=None) -> int:
     # --- Supervised warm-up (demo models start from random weights) --------------------------------
     if cfg.training.sft_warmup_steps and not state["sft_done"]:
         start = time.perf_counter()
+        warmup_checkpoints = CheckpointManager(f"{run_path}/{WARMUP_CHECKPOINTS}", keep=1)
         with progress(cfg.training.sft_warmup_steps, "warm-up", "steps") as bar:
             sft_warmup(policy, train_set, tokenizer, steps=cfg.training.sft_warmup_steps,
                        batch_size=cfg.training.sft_batch_size, lr=cfg.training.sft_lr,
                        micro_batch_tokens=cfg.training.micro_batch_tokens, dist_env=dist, device=dist.device,
                        seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l),
-                       progress=bar)
+                       progress=bar, checkpoints=warmup_checkpoints, resume=cfg.checkpoint.resume,
+                       interval=cfg.checkpoint.warmup_interval if cfg.checkpoint.enabled else 0, stop=stop)
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         state["sft_done"] = True
+        if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
+            save_checkpoint()
+        discard_warmup_checkpoints(warmup_checkpoints, dist.is_main)
         log.info("supervised warm-up: %d steps in %.1fs", cfg.training.sft_warmup_steps, time.perf_counter() - start)
 
     eval_params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
     for step in range(state["step"] + 1, cfg.training.steps + 1):
         step_start = time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
-        before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        before_step = loop_position(sampler, builder)
         engine.resume_memory()
         try:
             with progress(builder.train_batch_size, f"step {step} rollout", "groups") as bar:
@@ -258,7 +266,7 @@ def run_cli(argv=None):
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except RunFolderError as exc:
+    except (RunFolderError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except DataError as exc:

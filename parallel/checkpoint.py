@@ -3,9 +3,11 @@
 Layout of `folder`:
 
     step-00000120/                  a complete checkpoint
-        .metadata, __0_0.distcp...  DCP: model and optimizer state, each rank writing its own shards
-        train_state/rank-00000.pt   per rank: step, tokens, data position, carried-over rollout groups,
-                                    LR scheduler, RNG states (torch CPU/CUDA, Python, NumPy)
+        .metadata, __0_0.distcp...  DCP: model parameters and optimizer state tensors, each rank writing
+                                    its own shards
+        train_state/rank-00000.json     per rank, as plain data (parallel/plain_state.py): step, tokens,
+        train_state/rank-00000.safetensors  data position, carried-over rollout groups, LR scheduler, the
+                                    optimizer's hyperparameters, RNG states (torch CPU/CUDA, Python, NumPy)
         COMPLETE.json               manifest: every file's size; written last
     step-00000140.tmp/              being written (or left by a crash): never loaded, removed later
 
@@ -15,6 +17,10 @@ files no longer match it (a truncated or missing file), is skipped with a warnin
 intact one is used; when a run resumes from it, the newer damaged ones are renamed `step-N.damaged`, so
 the run's own later checkpoints are neither shadowed nor pruned by them. Only the latest `keep` complete
 checkpoints are kept (0: all).
+
+Loading runs no code from the folder: the train state is JSON and safetensors, and DCP is read by
+parallel/safe_dcp.py (its index through a restricted unpickler, tensors only). Checkpoints of the older
+layout, whose train state was a pickle (`train_state/rank-N.pt`), are refused, not unpickled.
 
 Works with and without a process group: single-process training saves the same layout.
 """
@@ -42,6 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parallel.fsdp import reshard_gathered
+from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
+from parallel.safe_dcp import CheckpointError, load_tensors
 
 MANIFEST = "COMPLETE.json"
 _STEP_DIR = re.compile(r"step-(\d{8})\Z")
@@ -77,13 +85,16 @@ def _single_process_quiet():
 
 
 def _rng_state() -> dict:
+    """This process's RNG states as plain data (parallel/plain_state.py)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+        state["numpy"] = (algorithm, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                          float(cached_gaussian))
     except ImportError:
         pass
     return state
@@ -97,7 +108,8 @@ def _set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        algorithm, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+        np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
 
 
 def _unused_name(path: str) -> str:
@@ -197,10 +209,23 @@ class CheckpointManager:
              lr_scheduler=None, train_state: dict[str, Any] | None = None) -> str:
         """Write checkpoint `step` atomically on every rank; returns its folder.
 
-        train_state: picklable values of this rank (step, tokens, data position, carried-over rollout
-        groups as bytes, ...); RNG states are added automatically.
+        train_state: this rank's values as plain data (parallel/plain_state.py: str-keyed dicts, lists,
+        tuples, numbers, strings, tensors), e.g. step, tokens, data position, carried-over rollout groups;
+        RNG states are added automatically. Anything else raises PlainStateError before anything is written.
         """
+        # An optimizer that never stepped has no state; asking DCP for it would initialise it with a
+        # zero-lr step (Adam's step count becomes 1), so a resumed run's first update would differ.
+        with_optimizer = optimizer is not None and len(optimizer.state) > 0
         reshard_gathered(model)  # the fp32 master shards, not copies gathered by a forward without backward
+        tensors, param_groups = self._dcp_state(model, optimizer if with_optimizer else None)
+        extra = {
+            "train_state": dict(train_state or {}),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "optimizer_param_groups": param_groups,
+            "rng": _rng_state(),
+            "world_size": _world_size(),
+        }
+        encode(extra, {})  # refuse what is not plain data before any file is touched
         final = self.step_path(step)
         tmp = final + ".tmp"
         if _rank() == 0:
@@ -209,22 +234,9 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, "train_state"))
         _barrier()
 
-        # An optimizer that never stepped has no state; asking DCP for it would initialise it with a
-        # zero-lr step (Adam's step count becomes 1), so a resumed run's first update would differ.
-        with_optimizer = optimizer is not None and len(optimizer.state) > 0
-        state = self._dcp_state(model, optimizer if with_optimizer else None)
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        extra = {
-            "train_state": dict(train_state or {}),
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-            "rng": _rng_state(),
-            "world_size": _world_size(),
-        }
-        rank_file = os.path.join(tmp, "train_state", f"rank-{_rank():05d}.pt")
-        torch.save(extra, rank_file)
-        with open(rank_file, "rb+") as f:
-            os.fsync(f.fileno())
+            dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        save_plain(extra, *self._rank_files(tmp, _rank()))
         _barrier()
 
         if _rank() == 0:
@@ -257,38 +269,72 @@ class CheckpointManager:
     # ---- load ---------------------------------------------------------------------------------------
 
     @staticmethod
+    def _rank_files(path: str, rank: int) -> tuple[str, str]:
+        """(JSON, safetensors) of `rank`'s train state in checkpoint folder `path`."""
+        stem = os.path.join(path, "train_state", f"rank-{rank:05d}")
+        return stem + ".json", stem + ".safetensors"
+
+    @staticmethod
     def _dcp_state(model, optimizer):
+        """(the tensors DCP stores, the optimizer's param_groups or None). The param groups (learning rate,
+        betas, parameter names) are plain values: they go to the JSON train state, so DCP holds tensors only."""
         if optimizer is None:
-            return {"model": get_model_state_dict(model)}
+            return {"model": get_model_state_dict(model)}, None
         model_state, optim_state = get_state_dict(model, optimizer)
-        return {"model": model_state, "optimizer": optim_state}
+        return {"model": model_state, "optimizer": {"state": optim_state["state"]}}, optim_state["param_groups"]
+
+    def _read_train_state(self, path: str) -> tuple[dict, bool]:
+        """This rank's saved extra state (rank 0's when the checkpoint had fewer ranks), and whether it is its own."""
+        json_file, tensor_file = self._rank_files(path, _rank())
+        own = os.path.isfile(json_file)
+        if not own:
+            json_file, tensor_file = self._rank_files(path, 0)
+        if not os.path.isfile(json_file):
+            legacy = [os.path.join(path, "train_state", f"rank-{r:05d}.pt") for r in (_rank(), 0)]
+            legacy = next((file for file in legacy if os.path.isfile(file)), None)
+            if legacy is not None:
+                raise CheckpointError(
+                    f"{legacy} is a pickle written by an older version of this trainer; it is not loaded, because "
+                    f"unpickling a file can run any code in it. Start the run over (train.py --fresh moves the run "
+                    f"folder aside) or remove {self.folder}")
+            raise CheckpointError(f"{json_file} is missing from checkpoint {path}; remove that checkpoint folder")
+        try:
+            extra = load_plain(json_file, tensor_file)
+        except PlainStateError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}; remove that checkpoint folder") from exc
+        if not isinstance(extra, dict) or not {"train_state", "rng", "world_size"} <= extra.keys():
+            raise CheckpointError(f"{json_file} is not a train state written by this trainer; remove checkpoint {path}")
+        return extra, own
 
     def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              lr_scheduler=None) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
-        rank's RNG states and the scheduler; return the saved train state."""
+        rank's RNG states and the scheduler; return the saved train state.
+
+        Nothing in the folder can run code (see the module docstring); a checkpoint that would need it
+        raises CheckpointError, naming the file, before the model is touched."""
         path = self.step_path(step)
+        extra, own = self._read_train_state(path)
+        if not own:
+            warnings.warn(f"{path} was saved by fewer ranks; rank {_rank()} resumes with rank 0's train state "
+                          "and keeps its current RNG states", stacklevel=2)
         fresh_optimizer = None
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
                 # Saved before the first update: the optimizer starts fresh.
                 fresh_optimizer, optimizer = optimizer, None
-        state = self._dcp_state(model, optimizer)
+        if optimizer is not None and extra.get("optimizer_param_groups") is None:
+            raise CheckpointError(f"{path} has optimizer state but no optimizer_param_groups in its train state; "
+                                  f"remove that checkpoint folder")
+        tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            load_tensors(tensors, path, no_dist=not dist.is_initialized())
         if optimizer is None:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, tensors["model"])
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            optim_state = {"state": tensors["optimizer"]["state"], "param_groups": extra["optimizer_param_groups"]}
+            set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state)
 
-        rank_file = os.path.join(path, "train_state", f"rank-{_rank():05d}.pt")
-        own = os.path.isfile(rank_file)
-        if not own:
-            warnings.warn(f"{path} was saved by fewer ranks; rank {_rank()} resumes with rank 0's train state "
-                          "and keeps its current RNG states", stacklevel=2)
-            rank_file = os.path.join(path, "train_state", "rank-00000.pt")
-        # weights_only=False: the file holds this trainer's own picklable state (data position, rollout groups).
-        extra = torch.load(rank_file, weights_only=False)
         if extra["world_size"] != _world_size():
             warnings.warn(f"{path} was saved with {extra['world_size']} ranks, resuming with {_world_size()}",
                           stacklevel=2)

@@ -7,6 +7,8 @@ losses must equal the uninterrupted run's bit for bit.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import pickle
 import warnings
@@ -55,7 +57,7 @@ def _step(model, optimizer, scheduler):
 
 
 def _train_state(step, rank):
-    groups = pickle.dumps([{"prompt": f"rank {rank} step {step}", "rewards": [1.0, -1.0]}])
+    groups = [{"prompt": f"rank {rank} step {step}", "rewards": (1.0, -1.0), "logprobs": torch.full((3,), -0.5)}]
     return {"step": step, "tokens": 16 * step, "data_position": {"epoch": 0, "index": 4 * step},
             "carried_groups": groups}
 
@@ -110,7 +112,9 @@ def test_resume_in_new_process_group_is_exact_and_skips_damaged(tmp_path):
     for rank, rank_out in enumerate(resumed):
         state = rank_out["state"]
         assert state["step"] == 2 and state["data_position"] == {"epoch": 0, "index": 8}
-        assert pickle.loads(state["carried_groups"])[0]["prompt"] == f"rank {rank} step 2"
+        group = state["carried_groups"][0]
+        assert group["prompt"] == f"rank {rank} step 2" and group["rewards"] == (1.0, -1.0)
+        assert torch.equal(group["logprobs"], torch.full((3,), -0.5))
 
 
 def test_single_process_save_prune_and_fallback(tmp_path):
@@ -146,13 +150,13 @@ def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path):
     for step in (20, 30):
         _step(model, optimizer, scheduler)
         manager.save(step, model, optimizer, scheduler, {"step": step})
-    with open(os.path.join(folder, "step-00000030", "train_state", "rank-00000.pt"), "r+b") as f:
+    with open(os.path.join(folder, "step-00000030", "train_state", "rank-00000.json"), "r+b") as f:
         f.truncate(10)
     # keep=1 pruned step 20; rebuild it as the intact one to fall back to.
     manager.keep = 0
     manager.save(20, model, optimizer, scheduler, {"step": 20})
     manager.keep = 1
-    with pytest.warns(UserWarning, match="rank-00000.pt has 10 bytes"):
+    with pytest.warns(UserWarning, match="rank-00000.json has 10 bytes"):
         assert manager.resume(*_setup(1)) == {"step": 20}
     # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
     manager.save(21, model, optimizer, scheduler, {"step": 21})
@@ -205,3 +209,161 @@ def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path)
     again_scheduler = torch.optim.lr_scheduler.LambdaLR(again, warmup)
     assert manager.resume(restored, again, again_scheduler) == {"step": 3}
     assert again.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.4) == optimizer.param_groups[0]["lr"]
+
+
+# ---- loading runs no code from the checkpoint folder ----------------------------------------------------
+
+
+class _CreatesFile:
+    """Unpickling this calls open(path, "w"): a stand-in for any code a planted pickle could run."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _saved_checkpoint(folder):
+    manager = CheckpointManager(folder, keep=1)
+    model, optimizer, scheduler = _setup(0)
+    _step(model, optimizer, scheduler)
+    return manager, manager.save(1, model, optimizer, scheduler, {"step": 1})
+
+
+def _update_manifest(path):
+    """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
+    from parallel.checkpoint import _list_files
+
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    os.remove(os.path.join(path, MANIFEST))
+    manifest["files"] = _list_files(path)
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_a_pickled_train_state_of_the_old_layout_is_refused_not_run(tmp_path):
+    from parallel.checkpoint import CheckpointError
+
+    manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
+    # The old layout: train_state/rank-00000.pt, read with torch.load(weights_only=False).
+    for name in ("rank-00000.json", "rank-00000.safetensors"):
+        os.remove(os.path.join(path, "train_state", name))
+    planted = os.path.join(path, "train_state", "rank-00000.pt")
+    torch.save({"train_state": _CreatesFile(str(tmp_path / "marker"))}, planted)
+    _update_manifest(path)
+    # The planted file does run code when unpickled the old way (checked on a copy of the marker's path).
+    torch.save(_CreatesFile(str(tmp_path / "proof")), tmp_path / "proof.pt")
+    torch.load(tmp_path / "proof.pt", weights_only=False)
+    assert (tmp_path / "proof").exists()
+
+    model, optimizer, scheduler = _setup(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=r"rank-00000.pt is a pickle written by an older version of this "
+                                              r"trainer; it is not loaded, because unpickling a file can run any "
+                                              r"code in it. Start the run over \(train.py --fresh"):
+        manager.resume(model, optimizer, scheduler)
+    assert not (tmp_path / "marker").exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before loading weights
+
+
+def test_a_planted_dcp_index_is_refused_not_run(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from parallel.safe_dcp import UnsafeCheckpointError
+
+    manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        index = pickle.load(f)  # our own file: trusted here
+    assert isinstance(index, Metadata)
+    index.planner_data = _CreatesFile(str(tmp_path / "marker"))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(index, f)
+    _update_manifest(path)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata refers to (builtins|io)\.open, which a checkpoint's "
+                                                    r"index never holds; it was not loaded"):
+        manager.resume(*_setup(1))
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_planted_pickled_item_in_dcp_data_is_refused_not_run(tmp_path):
+    """DCP reads non-tensor items with torch.load(weights_only=False); a checkpoint that declares one is refused."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from parallel.safe_dcp import UnsafeCheckpointError
+
+    manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        index = pickle.load(f)
+    key = "model.norm.weight"
+    assert key in index.state_dict_metadata
+    payload = io.BytesIO()
+    torch.save(_CreatesFile(str(tmp_path / "marker")), payload)
+    with open(os.path.join(path, "planted.distcp"), "wb") as f:
+        f.write(payload.getvalue())
+    index.state_dict_metadata[key] = BytesStorageMetadata()
+    index.storage_data = {k: v for k, v in index.storage_data.items() if k.fqn != key}
+    index.storage_data[MetadataIndex(key)] = _StorageInfo("planted.distcp", 0, len(payload.getvalue()))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(index, f)
+    _update_manifest(path)
+    with pytest.raises(UnsafeCheckpointError, match=r"stores 'model.norm.weight' as a pickled object, which this "
+                                                    r"project never writes; it was not loaded"):
+        manager.resume(*_setup(1))
+    assert not (tmp_path / "marker").exists()
+    # Behind that check, the load planner refuses such an item too.
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from parallel.safe_dcp import TensorsOnlyLoadPlanner
+
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(key), 0, MetadataIndex(key), 0, 0)
+    with pytest.raises(UnsafeCheckpointError, match="as a pickled object"):
+        TensorsOnlyLoadPlanner().load_bytes(item, io.BytesIO(payload.getvalue()))
+    assert not (tmp_path / "marker").exists()
+
+
+def test_a_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    from parallel.safe_dcp import UnsafeCheckpointError
+
+    manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        index = pickle.load(f)
+    for info in index.storage_data.values():
+        info.relative_path = "../../elsewhere.distcp"
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(index, f)
+    _update_manifest(path)
+    with pytest.raises(UnsafeCheckpointError, match=r"names the storage file '../../elsewhere.distcp', outside"):
+        manager.resume(*_setup(1))
+
+
+def test_train_state_that_is_not_plain_data_is_refused_before_anything_is_written(tmp_path):
+    from parallel.plain_state import PlainStateError
+
+    manager = CheckpointManager(str(tmp_path), keep=1)
+    model, optimizer, scheduler = _setup(0)
+    with pytest.raises(PlainStateError, match=r"state.train_state.groups\[0\]: a .*_CreatesFile is not plain data"):
+        manager.save(1, model, optimizer, scheduler, {"groups": [_CreatesFile("x")]})
+    assert os.listdir(tmp_path) == []
+
+
+def test_plain_state_round_trips_exactly(tmp_path):
+    import random
+
+    from parallel.plain_state import load_plain, save_plain
+
+    value = {"ints": [1, -2, 3 ** 40], "floats": (0.1, float("inf"), -0.0), "none": None, "flag": True,
+             "text": "é\n", "python_rng": random.Random(3).getstate(), "empty": {}, "nested": [(), [()]],
+             "tensors": {"bf16": torch.randn(3, dtype=torch.bfloat16), "bytes": torch.get_rng_state(),
+                         "scalar": torch.tensor(7, dtype=torch.int64)}}
+    save_plain(value, str(tmp_path / "s.json"), str(tmp_path / "s.safetensors"))
+    back = load_plain(str(tmp_path / "s.json"), str(tmp_path / "s.safetensors"))
+    tensors = back.pop("tensors")
+    expected = dict(value)
+    expected_tensors = expected.pop("tensors")
+    assert back == expected and type(back["floats"]) is tuple and back["nested"] == [(), [()]]
+    assert back["floats"][2] == 0.0 and str(back["floats"][2]) == "-0.0"
+    for name, tensor in expected_tensors.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name

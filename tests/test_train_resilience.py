@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -216,20 +217,86 @@ def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch
     assert (desc, unit) == ("step 1 train", "micro-batches") and done == total >= 2
 
 
-def test_rerun_of_a_finished_run_does_nothing_and_a_fresh_restart_logs_step_0_once(tmp_path, monkeypatch,
-                                                                                   signal_handlers):
+def _folder_state(root):
+    """Every file under `root` with its size and modification time."""
+    return {os.path.relpath(os.path.join(d, f), root): (os.path.getsize(os.path.join(d, f)),
+                                                         os.path.getmtime(os.path.join(d, f)))
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_path, monkeypatch, caplog,
+                                                                         signal_handlers):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
     train.main(argv)
     first = read_rows(str(tmp_path))
     assert [(r["step"], "loss" in r) for r in first] == [(0, False), (1, True), (1, False)]
-    assert train.main(argv) == 0
-    assert read_rows(str(tmp_path)) == first  # no second final evaluation
+    before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
+    files = _folder_state(tmp_path)
+    for name in ("build_policy", "load_datasets", "build_tokenizer"):
+        monkeypatch.setattr(train, name, lambda *a, **k: pytest.fail("a finished run built something"))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="train"):
+        assert train.main(argv) == 0
+    assert f"run folder {tmp_path}/run: this run finished at step 1" in caplog.text
+    assert "run the same command with --fresh" in caplog.text
+    assert f"held-out accuracy before DAPO: {100 * before:.1f}% (avg@4)" in caplog.text
+    assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in caplog.text
+    assert _folder_state(tmp_path) == files  # nothing written, nothing moved
+    # From the command line: the same lines and exit code 0.
+    result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in result.stderr
+    assert _folder_state(tmp_path) == files
+
+
+def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
+    train.main(argv)
+    earlier = _folder_state(tmp_path / "run")
+    with caplog.at_level("WARNING", logger="train"):
+        assert train.main(argv + ["--fresh"]) == 0
+    assert f"--fresh: moved the earlier run folder to {tmp_path}/run.old-1" in caplog.text
+    assert _folder_state(tmp_path / "run.old-1") == earlier  # kept as it was
+    assert [(r["step"], "loss" in r) for r in read_rows(str(tmp_path))] == [(0, False), (1, True)]
+    assert os.path.isfile(tmp_path / "run" / "finished.json")
+    assert train.main(argv + ["--fresh"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["run", "run.old-1", "run.old-2"]
     # Without a checkpoint a rerun starts over: its step-0 evaluation replaces the earlier one.
     no_checkpoints = overrides(str(tmp_path / "again"), steps=1, **{"eval.at_start": True, "checkpoint.enabled": False})
     train.main(no_checkpoints)
     train.main(no_checkpoints)
     assert [(r["step"], "loss" in r) for r in read_rows(str(tmp_path / "again"))] == [(0, False), (1, True)]
+
+
+def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
+    """SIGKILL (no chance to checkpoint) during the supervised warm-up; the same command continues it from
+    its last warm-up checkpoint, with the demo config's own checkpoint.resume."""
+    settings = {"training.sft_warmup_steps": 30, "training.sft_batch_size": 2, "checkpoint.warmup_interval": 3}
+    argv = [a for a in overrides(str(tmp_path), steps=1, **settings) if not a.startswith("--checkpoint.resume")]
+    command = [sys.executable, "tests/planted_train.py", *argv]
+    warmup = tmp_path / "run" / "checkpoints" / "warm-up"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (warmup.is_dir() and any(name.startswith("step-") and not name.endswith(".tmp")
+                                       for name in os.listdir(warmup))):
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.kill()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL and "supervised warm-up:" not in stderr, stderr
+    saved = CheckpointManager(str(warmup)).complete_steps()
+    assert saved and saved[-1] % 3 == 0 and saved[-1] < 30
+
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    resumed_at = int(re.search(r"supervised warm-up resumed after step (\d+) of 30", result.stderr).group(1))
+    assert resumed_at >= saved[-1] and resumed_at % 3 == 0
+    assert "sft step 0:" not in result.stderr and "sft step 29:" in result.stderr
+    assert os.path.isfile(tmp_path / "run" / "finished.json") and not warmup.exists()
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [0, 1]
 
 
 def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
@@ -307,3 +374,75 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tm
     for step in range(steps_done[-1] + 1, 4):
         for key in ("loss", "reward/mean", "entropy", "grad_norm", "response_length/mean"):
             assert got[step][key] == expected[step][key], (step, key)
+
+
+def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
+    """train.main on this rank; with crash_after, every rank dies after that many warm-up steps (no signal)."""
+    import trainer.sft
+    from model.hf import load_hf
+
+    trainer.scoring.compute_score = planted_score
+    if crash_after is not None:
+        real_step = trainer.sft.SFTWarmup.step
+
+        def step(self):
+            if self.done == crash_after:
+                raise RuntimeError("killed (simulated)")
+            return real_step(self)
+
+        trainer.sft.SFTWarmup.step = step
+        try:
+            train.main(argv)
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            trainer.sft.SFTWarmup.step = real_step
+    steps_run = []
+    real_step = trainer.sft.SFTWarmup.step
+    trainer.sft.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
+    try:
+        train.main(argv)
+    finally:
+        trainer.sft.SFTWarmup.step = real_step
+    run = next(a.split("=", 1)[1] for a in argv if a.startswith("--job.run_dir="))
+    exported = load_hf(os.path.join(run, "run", "hf"))
+    return {"steps_run": steps_run, "params": dict(exported.named_parameters()) if rank == 0 else None}
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_does(tmp_path):
+    from dist_utils import run_ranks
+
+    settings = {"parallelism.dp_shard": 2, "training.sft_warmup_steps": 5, "training.sft_batch_size": 4,
+                "checkpoint.warmup_interval": 2}
+    straight = run_ranks(_warm_up_on_ranks, 2, overrides(str(tmp_path / "straight"), steps=0, **settings))[0]
+    interrupted = overrides(str(tmp_path / "interrupted"), steps=0, **settings)
+    assert run_ranks(_warm_up_on_ranks, 2, interrupted, crash_after=3) == ["killed (simulated)"] * 2
+    warmup = tmp_path / "interrupted" / "run" / "checkpoints" / "warm-up"
+    assert CheckpointManager(str(warmup)).complete_steps() == [2]
+    resumed = run_ranks(_warm_up_on_ranks, 2, interrupted)
+    assert [r["steps_run"] for r in resumed] == [[2, 3, 4]] * 2  # steps 3-5 only: step 3 was lost with the crash
+    assert straight["steps_run"] == [0, 1, 2, 3, 4] and not warmup.exists()
+    for name, param in straight["params"].items():
+        assert torch.equal(resumed[0]["params"][name], param), name
+
+
+def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_path, monkeypatch, signal_handlers):
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    train.main(overrides(str(tmp_path), steps=1))
+    step_1 = tmp_path / "run" / "checkpoints" / "step-00000001"
+    # What an older version left (and anyone could plant): a pickled train state, listed in the manifest.
+    for name in ("rank-00000.json", "rank-00000.safetensors"):
+        os.remove(step_1 / "train_state" / name)
+    torch.save({"train_state": {"step": 1}}, step_1 / "train_state" / "rank-00000.pt")
+    manifest = json.loads((step_1 / "COMPLETE.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("train_state/")}
+    manifest["files"]["train_state/rank-00000.pt"] = os.path.getsize(step_1 / "train_state" / "rank-00000.pt")
+    (step_1 / "COMPLETE.json").write_text(json.dumps(manifest))
+    result = subprocess.run([sys.executable, "train.py", *overrides(str(tmp_path), steps=2)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
+        f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
+        f"the run folder aside) or remove {tmp_path}/run/checkpoints")

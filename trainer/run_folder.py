@@ -3,26 +3,36 @@
     <job.run_dir>/<job.name>/
         config.json        the resolved configuration of the first launch (what --dry-run prints);
                            config.launch-<n>.json for a later launch whose configuration differs
-        finished.json      written when the run completed (final eval, export, plot): rerunning is a no-op
+        finished.json      written when the run completed (final eval, export, plot): rerunning prints the
+                           held-out result and does nothing else
         metrics.jsonl      one JSON line of metrics per step
         tensorboard/       event files (metrics.tensorboard = true)
         checkpoints/       distributed checkpoints, step-<N>/ (the newest complete one is resumed)
+        checkpoints/warm-up/  checkpoints of the supervised warm-up, removed once step-00000000/ holds its end
         hf/                the final policy as an HF checkpoint (+ tokenizer)
         tokenizer/         the tokenizer the run trained (synthetic task without a tokenizer path)
         plots/panel.png    the monitoring panel drawn from metrics.jsonl
+        eval/step_<N>.json one report per held-out evaluation
+
+Rerunning the same command resumes an unfinished run; `--fresh` moves the folder aside to
+`<name>.old-<n>` (never deleted) and starts over.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
 import shutil
 
 from parallel.checkpoint import CheckpointManager
 
 
 log = logging.getLogger("train")
+
+WARMUP_CHECKPOINTS = os.path.join("checkpoints", "warm-up")
 
 
 class RunFolderError(RuntimeError):
@@ -33,21 +43,32 @@ MIN_FREE_BYTES = 64 << 20
 
 
 def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: bool = True,
-                       min_free_bytes: int = MIN_FREE_BYTES, resume: bool = True) -> str:
+                       min_free_bytes: int = MIN_FREE_BYTES, resume: bool = True, fresh: bool = False) -> str:
     """Create the run folder, prove it is writable and has room, and snapshot the configuration.
 
+    fresh=True (train.py --fresh) first moves an existing folder aside to `<name>.old-<n>`, saying where.
     resume=False (checkpoint.resume = false) refuses a folder that already holds checkpoints: a fresh run
     there would have its own checkpoints shadowed and pruned by the earlier run's higher steps.
     """
     path = os.path.abspath(os.path.join(run_dir, name))
     if not is_main:
         return path
-    checkpoints = CheckpointManager(os.path.join(path, "checkpoints"))
-    earlier = [os.path.basename(checkpoints.step_path(step)) for step in checkpoints.complete_steps()]
+    if fresh and os.path.lexists(path):
+        n = 1
+        while os.path.lexists(f"{path}.old-{n}"):
+            n += 1
+        try:
+            os.replace(path, f"{path}.old-{n}")
+        except OSError as exc:
+            raise RunFolderError(f"--fresh: cannot move the earlier run folder {path} aside: "
+                                 f"{exc.strerror or exc}") from exc
+        log.warning("--fresh: moved the earlier run folder to %s.old-%d (delete it when no longer needed)", path, n)
+    earlier = earlier_checkpoints(path)
     if not resume and earlier:
         raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
-                             f"and checkpoint.resume = false; set checkpoint.resume = true to continue that run, "
-                             f"or choose another job.name or job.run_dir")
+                             f"and checkpoint.resume = false; add --fresh to start over (the folder is moved "
+                             f"aside), set checkpoint.resume = true to continue that run, or choose another "
+                             f"job.name or job.run_dir")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write_probe")
@@ -115,3 +136,42 @@ def finished_at(path: str) -> int | None:
             return int(json.load(f)["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def earlier_checkpoints(path: str) -> list[str]:
+    """Names of the checkpoints in run folder `path` (DAPO steps, then warm-up steps), relative to checkpoints/."""
+    names = []
+    for folder, prefix in (("checkpoints", ""), (WARMUP_CHECKPOINTS, "warm-up/")):
+        manager = CheckpointManager(os.path.join(path, folder))
+        names += [prefix + os.path.basename(manager.step_path(step)) for step in manager.complete_steps()]
+    return names
+
+
+def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None:
+    """What to print when run folder `run_dir/name` holds a run that finished at `steps` or later: that it is
+    done, then its held-out accuracy before DAPO (step 0) and after (the last evaluation), read from its
+    eval reports. None when the run is not finished (a rerun resumes it)."""
+    path = os.path.abspath(os.path.join(run_dir, name))
+    step = finished_at(path)
+    if step is None or step < steps:
+        return None
+    lines = [f"run folder {path}: this run finished at step {step} (metrics, checkpoint, HF export and plot are "
+             f"in it); nothing to do. To start over, run the same command with --fresh (the folder is moved aside)"]
+    reports = {}
+    for file in glob.glob(os.path.join(path, "eval", "step_*.json")):
+        match = re.search(r"step_(\d+)\.json$", file)
+        try:
+            with open(file, encoding="utf-8") as f:
+                report = json.load(f)
+            reports[int(match.group(1))] = (report["overall"][f"avg@{report['k']}"], report["k"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # an unreadable report is left out of the summary
+    if 0 in reports:
+        lines.append("held-out accuracy before DAPO: %.1f%% (avg@%d)" % (100 * reports[0][0], reports[0][1]))
+    last = max((s for s in reports if s > 0), default=None)
+    if last is not None:
+        label = "after DAPO" if last == step else f"at step {last}"
+        lines.append("held-out accuracy %s: %.1f%% (avg@%d)" % (label, 100 * reports[last][0], reports[last][1]))
+    if not reports:
+        lines.append(f"no held-out evaluation was run; the training metrics are in {path}/metrics.jsonl")
+    return lines

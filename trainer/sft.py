@@ -5,61 +5,127 @@ yields no kept group and no gradient. A randomly initialised demo model is such 
 first fits worked solutions (`PromptExample.solution`) by teacher forcing, to a modest pass rate:
 
     L_SFT = - sum_{samples, t} log pi(y_t | q, y_<t) / (number of solution tokens in the batch)
+
+The warm-up is checkpointed like the DAPO loop (checkpoint.warmup_interval, in warm-up steps): model,
+the warm-up's own AdamW state and schedule, its sampling RNG and the process RNGs, so a warm-up resumed
+at step k ends with the same parameters as one that was never interrupted.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import shutil
 
 import torch
 
+from parallel.checkpoint import CheckpointManager
 from parallel.grad_clip import clip_grad_norm_
 from trainer.packing import PackItem, pack_micro_batches
 from trainer.policy import sft_micro_batch_loss
+from trainer.signals import StopRequested
 from trainer.update import equalise_micro_batch_count
+
+log = logging.getLogger("train")
+
+
+class SFTWarmup:
+    """Teacher forcing on solved examples, one AdamW step at a time; `done` steps so far.
+
+    Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
+    (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
+    """
+
+    def __init__(self, model, examples, tokenizer, *, steps: int, batch_size: int, lr: float,
+                 micro_batch_tokens: int, dist_env, device, seed: int = 0, weight_decay: float = 0.0):
+        self.solved = [e for e in examples if e.solution]
+        if not self.solved:
+            raise ValueError("the supervised warm-up needs examples with worked solutions (extra_info.solution); "
+                             "set training.sft_warmup_steps = 0 for this data set")
+        if batch_size % dist_env.dp_size:
+            raise ValueError(f"sft_batch_size {batch_size} does not divide over {dist_env.dp_size} data-parallel ranks")
+        self.model, self.tokenizer, self.steps = model, tokenizer, steps
+        self.micro_batch_tokens, self.dist_env, self.device = micro_batch_tokens, dist_env, device
+        self.share = batch_size // dist_env.dp_size
+        self.rng = random.Random(f"sft-{seed}-{dist_env.dp_rank}")
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 - 0.9 * s / max(1, steps))
+        self.done = 0
+
+    def state_dict(self) -> dict:
+        """What the model, optimizer and schedule do not hold: the step count and the batch sampler's RNG."""
+        return {"done": self.done, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done = state["done"]
+        self.rng.setstate(state["rng"])
+
+    def step(self) -> float:
+        """One AdamW step on this rank's share of a batch; returns L_SFT over the whole batch."""
+        self.model.train()
+        picked = self.rng.sample(self.solved, min(self.share, len(self.solved)))
+        stop = self.tokenizer.stop_ids[0]
+        items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution) + [stop]) for e in picked]
+        micro_batches = equalise_micro_batch_count(
+            pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env)
+        num_tokens = self.dist_env.all_reduce([float(sum(len(it.response_ids) for it in items))])[0]
+        total = 0.0
+        for mb in micro_batches:
+            loss = sft_micro_batch_loss(self.model, mb.to(self.device), global_num_tokens=num_tokens)
+            loss.backward()
+            total += loss.item()
+        total = self.dist_env.all_reduce([total])[0]
+        clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        self.done += 1
+        return total
 
 
 def sft_warmup(model, examples, tokenizer, *, steps: int, batch_size: int, lr: float, micro_batch_tokens: int,
                dist_env, device, seed: int = 0, weight_decay: float = 0.0, log_every: int = 50,
-               on_log=None, progress=None) -> list[float]:
-    """Run `steps` AdamW steps of teacher forcing on solved examples; returns the loss curve.
+               on_log=None, progress=None, checkpoints: CheckpointManager | None = None, resume: bool = True,
+               interval: int = 0, stop=None) -> list[float]:
+    """Run the warm-up to `steps` AdamW steps of teacher forcing; returns the loss curve of the steps run here.
 
     progress: an observe.progress.Progress advanced once per step (None: no display).
-    Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
-    (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
+    checkpoints: where the warm-up's checkpoints go (None: nowhere); with `resume`, the newest one is
+    continued; every `interval` steps (0: never) one is written, keeping the newest.
+    stop: a trainer.signals.GracefulStop; once a signal arrived, a checkpoint of the last step is written
+    (to `checkpoints`) and StopRequested is raised.
     """
-    solved = [e for e in examples if e.solution]
-    if not solved:
-        raise ValueError("the supervised warm-up needs examples with worked solutions (extra_info.solution); "
-                         "set training.sft_warmup_steps = 0 for this data set")
-    if batch_size % dist_env.dp_size:
-        raise ValueError(f"sft_batch_size {batch_size} does not divide over {dist_env.dp_size} data-parallel ranks")
-    share = batch_size // dist_env.dp_size
-    rng = random.Random(f"sft-{seed}-{dist_env.dp_rank}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.9 * s / max(1, steps))
-    stop = tokenizer.stop_ids[0]
-    losses = []
-    model.train()
-    for step in range(steps):
-        picked = rng.sample(solved, min(share, len(solved)))
-        items = [PackItem(e.prompt_ids, tokenizer.encode(e.solution) + [stop]) for e in picked]
-        micro_batches = equalise_micro_batch_count(pack_micro_batches(items, micro_batch_tokens, dist_env.dims.tp), dist_env)
-        num_tokens = dist_env.all_reduce([float(sum(len(it.response_ids) for it in items))])[0]
-        total = 0.0
-        for mb in micro_batches:
-            loss = sft_micro_batch_loss(model, mb.to(device), global_num_tokens=num_tokens)
-            loss.backward()
-            total += loss.item()
-        total = dist_env.all_reduce([total])[0]
-        clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        losses.append(total)
+    warm = SFTWarmup(model, examples, tokenizer, steps=steps, batch_size=batch_size, lr=lr,
+                     micro_batch_tokens=micro_batch_tokens, dist_env=dist_env, device=device, seed=seed,
+                     weight_decay=weight_decay)
+    saved = checkpoints.resume(model, warm.optimizer, warm.schedule) if checkpoints is not None and resume else None
+    if saved is not None:
+        warm.load_state_dict(saved["warmup"])
+        log.info("supervised warm-up resumed after step %d of %d", warm.done, steps)
         if progress is not None:
-            progress.update(1, loss=total)
-        if on_log is not None and (step % log_every == 0 or step == steps - 1):
-            on_log(step, total)
+            progress.update(warm.done)
+
+    def save():
+        checkpoints.save(warm.done, model, warm.optimizer, warm.schedule, {"warmup": warm.state_dict()})
+
+    losses = []
+    while warm.done < steps:
+        loss = warm.step()
+        losses.append(loss)
+        if progress is not None:
+            progress.update(1, loss=loss)
+        if on_log is not None and ((warm.done - 1) % log_every == 0 or warm.done == steps):
+            on_log(warm.done - 1, loss)
+        if checkpoints is not None and interval and warm.done % interval == 0 and warm.done < steps:
+            save()
+        if stop is not None and stop.requested(dist_env):
+            if checkpoints is not None and warm.done not in checkpoints.complete_steps():
+                save()
+            raise StopRequested(stop.signal_name, warm.done, phase="supervised warm-up step")
     return losses
 
+
+def discard_warmup_checkpoints(checkpoints: CheckpointManager, is_main: bool) -> None:
+    """Remove the warm-up's checkpoints once the run holds a checkpoint taken after the warm-up."""
+    if is_main:
+        shutil.rmtree(checkpoints.folder, ignore_errors=True)

@@ -15,8 +15,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopRequested(Exception):
     """Raised by the loop after it saved a checkpoint in response to a signal."""
 
-    def __init__(self, signal_name: str, step: int):
-        super().__init__(f"stopped by {signal_name} after step {step}")
+    def __init__(self, signal_name: str, step: int, phase: str = "step"):
+        super().__init__(f"stopped by {signal_name} after {phase} {step}")
         self.signal_name, self.step = signal_name, step
 
 
