@@ -4,6 +4,7 @@
     python train.py --config configs/demo_cpu.toml                       # one CPU process
     torchrun --nproc_per_node=8 train.py --config configs/dapo_32b.toml  # one 8-GPU node
     python train.py --config X --dry-run                                 # print the resolved config
+    python train.py --config X --rehearse                                # the run's per-GPU memory, on CPU
 
 Algorithm 1, as this file runs it:
     for step = 1..M:
@@ -29,7 +30,6 @@ import torch
 from config import ConfigError, check_runnable, config_to_dict, parse_cli
 from parallel.checkpoint import CheckpointManager
 from parallel.hf_export import export_hf
-from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.filter import DynamicBatchBuilder
 from eval import params_from_config
 from observe.progress import Progress
@@ -41,7 +41,7 @@ from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
-from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
+from trainer.setup import build_policy_and_engine, build_tokenizer, load_datasets
 from trainer.sft import sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
@@ -52,7 +52,13 @@ log = logging.getLogger("train")
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg, cli = parse_cli(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rehearse = "--rehearse" in argv
+    cfg, cli = parse_cli([a for a in argv if a != "--rehearse"])
+    if rehearse:
+        from trainer.rehearsal import main as rehearse_main
+
+        return rehearse_main(cfg)
     if cli.dry_run:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
@@ -81,15 +87,7 @@ def main(argv=None) -> int:
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
 
     # --- Policy, rollout engine, optimizer ---------------------------------------------------------
-    policy = build_policy(cfg, dist.device)
-    engine = build_engine(cfg, policy, dist.device, cfg.data.max_prompt_length, dist)
-    par = cfg.parallelism
-    parallelize_qwen2(policy, dist.mesh, dist.dims, ParallelizeConfig(
-        param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
-        reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
-        activation_checkpoint=par.activation_checkpoint,
-        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
-        compile=par.compile, float8=par.float8))
+    policy, engine = build_policy_and_engine(cfg, dist)
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay)
