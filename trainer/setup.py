@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -143,19 +142,15 @@ def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module
 
 
 def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = True):
-    """train.py's build order: the policy, the rollout engine, then the policy's parallelisation.
+    """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
+    nothing full-size ever reaches the device), then the rollout engine, which sizes its KV pool from
+    the memory free when it starts.
 
     start_engine(cfg, policy, device, max_prompt_length, dist_env) -> engine; default `build_engine`.
     fill=False: the policy's values are not needed (a rehearsal).
     """
-    if fill:
-        policy = build_policy(cfg, dist_env.device)
-    else:
-        with torch.device("meta"):
-            policy = Qwen2(policy_args(cfg)).to(DTYPES[cfg.model.dtype])
-        policy.to_empty(device=dist_env.device)
+    policy = build_sharded_policy(cfg, dist_env, fill=fill)
     engine = (start_engine or build_engine)(cfg, policy, dist_env.device, cfg.data.max_prompt_length, dist_env)
-    parallelize_qwen2(policy, dist_env.mesh, dist_env.dims, parallelize_config(cfg))
     return policy, engine
 
 
@@ -185,11 +180,18 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
-        engine_model = copy.deepcopy(policy)
-        return TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
-                           max_seq_len=max_prompt_length + max_new, device=device,
-                           dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
-                           cuda_graphs=cfg.rollout.cuda_graphs)
+        from rollout.weight_sync import sync_weights
+
+        # Its own full copy, filled from the (sharded) policy: every rank takes part in the gathers.
+        with torch.device("meta"):
+            engine_model = Qwen2(policy.args).to(DTYPES[cfg.rollout.dtype])
+        engine_model.to_empty(device=device)
+        engine = TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
+                             max_seq_len=max_prompt_length + max_new, device=device,
+                             dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
+                             cuda_graphs=cfg.rollout.cuda_graphs)
+        sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        return engine
     from rollout.sglang_engine import SGLangEngine, context_length_for
 
     group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)
