@@ -36,6 +36,7 @@ from observe.progress import Progress
 from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.memory import return_cached_memory
 from trainer.evaluation import run_held_out_eval
 from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
         step_start = time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
         before_step = {"sampler": sampler.state_dict(), "builder": builder.state_dict()}
+        return_cached_memory(dist)  # the engine takes its memory back: the trainer's cached blocks first
         engine.resume_memory()
         try:
             with progress(builder.train_batch_size, f"step {step} rollout", "groups") as bar:
@@ -212,6 +214,7 @@ def main(argv=None) -> int:
                                f"checkpoint saved, stopping")
 
         sync_start = time.perf_counter()
+        return_cached_memory(dist)  # the first bucket maps the engine's weights back
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         row["time/sync"] = time.perf_counter() - sync_start
         row["time/step"] = time.perf_counter() - step_start

@@ -212,6 +212,7 @@ def _run_phases(cfg, dist_env, ledger, fill, build, built, start_engine, active)
     from parallel.grad_clip import clip_grad_norm_
     from rollout.weight_sync import sync_weights
     from trainer.policy import dapo_micro_batch_loss
+    from trainer.memory import return_cached_memory
     from trainer.setup import build_policy_and_engine
     from trainer.update import fill_old_logprobs
 
@@ -259,8 +260,11 @@ def _run_phases(cfg, dist_env, ledger, fill, build, built, start_engine, active)
           f"{cfg.training.micro_batch_tokens:,} tokens")
     phase("train: forward+backward", train_micro_batch, f"{cfg.training.micro_batch_tokens:,} tokens")
     phase("train: optimizer step", optimizer_step)
+    # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
+    return_cached_memory(dist_env)
     phase("weight sync", lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
           f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB")
+    return_cached_memory(dist_env)
     phase("resume", engine.resume_memory)
     return engine
 

@@ -11,9 +11,10 @@ import torch
 from model.args import ModelArgs, get_preset
 from model.hf import args_from_hf_config, load_hf
 from model.qwen2 import Qwen2, build_model
-from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from model.tokenizer import IM_END, Tokenizer, render_chat, train_bpe_tokenizer
+from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from trainer.memory import return_cached_memory
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,14 @@ def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module
 
 def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = True):
     """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
-    nothing full-size ever reaches the device), then the rollout engine, which sizes its KV pool from
-    the memory free when it starts.
+    nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout
+    engine, which sizes its KV pool from the memory free when it starts.
 
     start_engine(cfg, policy, device, max_prompt_length, dist_env) -> engine; default `build_engine`.
     fill=False: the policy's values are not needed (a rehearsal).
     """
     policy = build_sharded_policy(cfg, dist_env, fill=fill)
+    return_cached_memory(dist_env)  # what the load cached is free memory for the engine
     engine = (start_engine or build_engine)(cfg, policy, dist_env.device, cfg.data.max_prompt_length, dist_env)
     return policy, engine
 
