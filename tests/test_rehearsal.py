@@ -100,3 +100,21 @@ def test_the_optimizer_step_holds_the_state_and_one_foreach_temporary():
     params = rows["rollout"].trainer["params"]
     assert rows["train: optimizer step"].trainer["optimizer"] == pytest.approx(3 * params, rel=0.02)
     assert rows["resume"].trainer["optimizer"] == pytest.approx(2 * params, rel=0.02)
+
+
+def test_an_engine_without_room_for_its_kv_pool_fails_at_engine_start(capsys):
+    """SGLang's rule (rollout/sglang_memory.py): the KV pool is sized from the memory free at engine start."""
+    argv = ["--config", os.path.join(CONFIGS, "demo_cpu.toml"), "--rehearse", "--model.preset=demo",
+            "--rollout.engine=sglang", "--rehearse.world_size=2", "--rehearse.gpu_memory_gb=2",
+            "--rehearse.context_gb=1.99"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "phase 'engine start'" in err and "SGLang would refuse to start" in err
+
+
+@pytest.mark.slow
+def test_dapo_32b_fits_8_gpus_of_80_gb(capsys):
+    """The shipped recipe on one node (about 2-3 minutes on one core)."""
+    assert train.main(["--config", os.path.join(CONFIGS, "dapo_32b.toml"), "--rehearse"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["fits"] and result["world_size"] == 8 and result["rehearsal"]["gpu_gb"] == 80

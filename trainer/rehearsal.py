@@ -35,8 +35,6 @@ import torch
 from model.args import ModelArgs, get_preset, num_params
 from trainer.memory_ledger import GB, PARTS, MemoryLedger, parts_from_tracker
 
-# The SGLang tags released while the trainer runs (rollout/sglang_engine.py release_memory).
-SGLANG_TAGS = ("kv_cache", "weights", "cuda_graph")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -59,16 +57,22 @@ class EngineShare:
 
 
 def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
-    """SGLang's per-GPU memory, sized by its rule from the memory free when it starts."""
+    """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
+    (rollout/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
+    from rollout.sglang_engine import RELEASED_TAGS, context_length_for
+    from rollout.sglang_memory import EngineMemoryError, plan_engine_memory
+
+    max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     try:
-        from rollout.sglang_memory import plan_engine_memory
-    except ImportError:  # TEMPORARY until rollout/sglang_memory.py lands
-        plan_engine_memory = _plan_engine_memory_stub
-    plan = plan_engine_memory(args, tp_size=cfg.rollout.tp_size, dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
-                              gpu_total_bytes=gpu_bytes, gpu_free_bytes_at_start=free_bytes,
-                              mem_fraction_static=cfg.rollout.mem_fraction_static)
+        plan = plan_engine_memory(args, tp_size=cfg.rollout.tp_size, dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
+                                  gpu_total_bytes=gpu_bytes, gpu_free_bytes_at_start=max(free_bytes, 0),
+                                  mem_fraction_static=cfg.rollout.mem_fraction_static,
+                                  context_length=context_length_for(cfg.data.max_prompt_length, max_new))
+    except EngineMemoryError as exc:
+        raise RehearsalError(f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
+                             f"{gpu_bytes / GB:.0f} GB when the engine starts)") from None
     return EngineShare({"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
-                       plan.other, SGLANG_TAGS, plan.kv_tokens,
+                       plan.other, tuple(RELEASED_TAGS), plan.kv_tokens,
                        f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens")
 
 
@@ -82,23 +86,6 @@ def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
     slots = cfg.rollout.max_batch_size * seq
     return EngineShare({"weights": num_params(args) * nbytes, "kv_cache": kv}, logits, ("kv_cache",), slots,
                        f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens")
-
-
-@dataclass(frozen=True)
-class _PlanStub:  # TEMPORARY: the interface of rollout/sglang_memory.py EngineMemoryPlan
-    weights: int
-    kv_cache: int
-    cuda_graph: int
-    other: int
-    kv_tokens: int
-
-
-def _plan_engine_memory_stub(args, *, tp_size, dtype_bytes, gpu_total_bytes, gpu_free_bytes_at_start,
-                             mem_fraction_static, **engine_options):  # TEMPORARY
-    weights = num_params(args) * dtype_bytes // tp_size
-    kv = int(mem_fraction_static * gpu_free_bytes_at_start) - weights
-    per_token = 2 * args.num_layers * max(1, args.num_kv_heads // tp_size) * args.head_dim * dtype_bytes
-    return _PlanStub(weights, max(kv, 0), int(2 * GB), int(1 * GB), kv // per_token)
 
 
 class StandInEngine:
