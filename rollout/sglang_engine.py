@@ -35,7 +35,7 @@ the group's rank 0, which owns the sglang.Engine; every rank keeps its bucket al
 call returned (a broadcast of the result). Names are Hugging Face's, as SGLang loads them.
 
 Memory (colocated with the trainer on one GPU pool):
-    release_memory()        release_memory_occupation()                (KV cache, weights, CUDA graphs)
+    release_memory()        release_memory_occupation(RELEASED_TAGS)   (KV cache, weights; graphs stay)
     update_weights(...)     resume_memory_occupation(["weights"]) first, then the buckets
     resume_memory()         end the update session, flush_cache(), resume_memory_occupation(the rest)
 Released weights are discarded, not offloaded: after a release every weight must be pushed again
@@ -59,6 +59,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 _FINISH_TYPES = ("stop", "length", "abort")
 # sglang.srt.constants: GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_CUDA_GRAPH.
 _MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+RELEASED_TAGS = ("kv_cache", "weights")  # released for training; the CUDA graphs stay (0.5.21 backs them up to host)
 
 
 def check_sglang_version(installed: str | None = None) -> None:
@@ -340,18 +341,18 @@ class SGLangEngine:
         del keep_alive  # only now, after the leader's call returned, may the memory behind the handles go
 
     def release_memory(self) -> None:
-        """Free the KV cache, the weights and the CUDA graphs while the trainer runs."""
+        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
         def release():
             self._end_session()
-            self._engine.release_memory_occupation()
+            self._engine.release_memory_occupation(tags=list(RELEASED_TAGS))
 
         self._leader_call("release_memory", release)
         self._session_open = False
-        self._released = set(_MEMORY_TAGS)
+        self._released = set(RELEASED_TAGS)
         self._pushed = set()
 
     def resume_memory(self) -> None:
-        """Finish a weight update and take back the KV cache and CUDA graphs (see the module doc)."""
+        """Finish a weight update and take back the KV cache (see the module doc)."""
         if self._released and self._pushed != set(self.weight_shapes):
             missing = sorted(set(self.weight_shapes) - self._pushed)
             raise RuntimeError(

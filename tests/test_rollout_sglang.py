@@ -149,7 +149,7 @@ class _RecordingBackend:
 
     def release_memory_occupation(self, tags=None):
         self.calls.append(("release", tuple(tags or ())))
-        self.released = {"kv_cache", "weights", "cuda_graph"}
+        self.released = set(tags or ("kv_cache", "weights", "cuda_graph"))
 
     def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume", tuple(tags)))
@@ -212,8 +212,9 @@ def test_memory_and_weight_update_protocol(checkpoint):
         engine.resume_memory()  # only 4 of the weights arrived: the engine would serve garbage
     sync_weights(trainer, engine, bucket_bytes=50_000)
     engine.resume_memory()
-    assert backend.calls[:4] == [("release", ()), ("resume", ("weights",)), "begin", "update"]
-    assert backend.calls[-3:] == ["end", "flush", ("resume", ("kv_cache", "cuda_graph"))]
+    # The CUDA graphs are kept (trainer/rehearsal.py ledger: they cost ~1 GB of training-phase headroom).
+    assert backend.calls[:4] == [("release", ("kv_cache", "weights")), ("resume", ("weights",)), "begin", "update"]
+    assert backend.calls[-3:] == ["end", "flush", ("resume", ("kv_cache",))]
     assert "begin" not in backend.calls[4:]  # one session for all buckets
     for (n, p), (_, q) in zip(backend.model.named_parameters(), trainer.named_parameters()):
         assert torch.equal(p, q), n
