@@ -118,3 +118,18 @@ def test_dapo_32b_fits_8_gpus_of_80_gb(capsys):
     assert train.main(["--config", os.path.join(CONFIGS, "dapo_32b.toml"), "--rehearse"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["fits"] and result["world_size"] == 8 and result["rehearsal"]["gpu_gb"] == 80
+
+
+@pytest.mark.multiprocess
+def test_ranks_forked_after_a_rehearsal_shard_correctly():
+    """DTensor caches specs by value and a mesh equals any mesh of the same ranks: without clearing them,
+    gloo ranks forked after a rehearsal were handed the fake world's rank-0 mesh for some parameters."""
+    from model.args import get_preset
+    from model.qwen2 import build_model
+    from tests.test_colocation_order import _sharded_values
+
+    rehearse(small_config(2))
+    expected = build_model(get_preset("tiny"), seed=0)
+    for values in run_ranks(_sharded_values, 2, ["parallelism.dp_shard=2"]):
+        for name, value in values.items():
+            assert torch.equal(value, expected.get_parameter(name).detach()), name

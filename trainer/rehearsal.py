@@ -144,36 +144,59 @@ def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> St
 
     Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from trainer.memory import observe_cache_returns
-    from trainer.setup import DTYPES
 
-    args = rehearsal_args(cfg)
-    cfg = replace(cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (cfg.model.preset or
-                                                                                       cfg.rehearse.preset)))
-    build = MemTracker()
+    run = _Phases(cfg, dist_env, ledger)
+    # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
+    with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
+        run.build(fill)
+        return run.step()
 
-    def built(kind, policy):
+
+class _Phases:
+    """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
+    FSDPMemTracker (which knows FSDP's parameter states) from then on."""
+
+    def __init__(self, cfg, dist_env, ledger: MemoryLedger):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.args = rehearsal_args(cfg)
+        self.cfg = replace(cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (
+            cfg.model.preset or cfg.rehearse.preset)))
+        self.dist_env, self.ledger = dist_env, ledger
+        self.build_tracker, self.tracker = MemTracker(), None
+        self.policy = self.engine = None
+
+    def allocated_on_gpu(self) -> int:
+        if self.tracker is not None:
+            return self.ledger.gpu_bytes_of(_gpu_parts(self.tracker, "current"))
+        # Until the engine starts, the build holds the sharded parameters: in host memory with cpu_offload.
+        return 0 if self.ledger.offload else sum(_gpu_parts(self.build_tracker, "current").values())
+
+    def built(self, kind, policy):
         """(GPU parts, host bytes) of the build: it allocates parameters only. Sharded parameters are in
         host memory with cpu_offload; unsharded ones are wherever the build put them: the device."""
-        total = sum(_gpu_parts(build, kind).values())
+        total = sum(_gpu_parts(self.build_tracker, kind).values())
         host = 0
-        if ledger.offload:
+        if self.ledger.offload:
             from torch.distributed.tensor import DTensor
 
             host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
         return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), host
 
-    def start_engine(cfg_, policy, device, max_prompt_length, dist_env_):
-        peak, host = built("peak", policy)
+    def start_engine(self, cfg_, policy, device, max_prompt_length, dist_env_):
+        """build_policy_and_engine's engine: a stand-in sized from the memory free at this moment."""
+        from trainer.setup import DTYPES
+
+        cfg, ledger = self.cfg, self.ledger
+        peak, host = self.built("peak", policy)
         ledger.record("load + shard", peak, 0, host=host)
-        now, host = built("current", policy)
+        now, host = self.built("current", policy)
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
         if cfg.rollout.engine == "sglang":
-            share = sglang_share(cfg, args, ledger.gpu_bytes, free)
+            share = sglang_share(cfg, self.args, ledger.gpu_bytes, free)
         else:
-            share = torch_engine_share(cfg, args)
+            share = torch_engine_share(cfg, self.args)
         engine = StandInEngine(share, DTYPES[cfg.rollout.dtype])
         row = ledger.record("engine start", now, engine.held(), share.note, host=host)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
@@ -182,78 +205,74 @@ def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> St
                 f"phase 'engine start': the engine's KV pool holds {max(share.kv_tokens, 0):,} tokens, fewer than "
                 f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
                 f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)")
-        _restart(build)  # what follows the engine's start is a phase of its own
+        _restart(self.build_tracker)  # what follows the engine's start is a phase of its own
         return engine
 
-    # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
-    # Until the engine starts, the build holds the sharded parameters: in host memory with cpu_offload.
-    active = [lambda: 0 if ledger.offload else sum(_gpu_parts(build, "current").values())]
-    with observe_cache_returns(lambda: ledger.empty_cache(active[0]())):
-        return _run_phases(cfg, dist_env, ledger, fill, build, built, start_engine, active)
+    def build(self, fill: bool) -> None:
+        from trainer.setup import build_policy_and_engine
 
+        with self.build_tracker:
+            self.policy, self.engine = build_policy_and_engine(self.cfg, self.dist_env,
+                                                               start_engine=self.start_engine, fill=fill)
+        parts, host = self.built("peak", self.policy)
+        self.ledger.record("build done", parts, self.engine.held(), host=host)
 
-def _run_phases(cfg, dist_env, ledger, fill, build, built, start_engine, active):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    from model.logprob import DEFAULT_CHUNK
-    from parallel.grad_clip import clip_grad_norm_
-    from rollout.weight_sync import sync_weights
-    from trainer.policy import dapo_micro_batch_loss
-    from trainer.memory import return_cached_memory
-    from trainer.setup import build_policy_and_engine
-    from trainer.update import fill_old_logprobs
-
-    with build:
-        policy, engine = build_policy_and_engine(cfg, dist_env, start_engine=start_engine, fill=fill)
-    parts, host = built("peak", policy)
-    ledger.record("build done", parts, engine.held(), host=host)
-
-    opt = cfg.optimizer
-    # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
-    # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay, foreach=not cfg.parallelism.cpu_offload)
-    tracker = FSDPMemTracker(policy, optimizer)
-    active[0] = lambda: ledger.gpu_bytes_of(_gpu_parts(tracker, "current"))
-
-    def phase(name, fn, note=""):
-        tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
-        with tracker:
+    def phase(self, name, fn, note=""):
+        self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
+        with self.tracker:
             fn()
-        return ledger.record(name, _gpu_parts(tracker, "peak"), engine.held(), note)
+        return self.ledger.record(name, _gpu_parts(self.tracker, "peak"), self.engine.held(), note)
 
-    mb = longest_micro_batch(cfg, dist_env.device)
-    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    alg = cfg.algorithm
+    def step(self) -> StandInEngine:
+        """One step of train.py's loop after the build (see the module docstring)."""
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    def train_micro_batch():
-        loss, _ = dapo_micro_batch_loss(
-            policy, mb, global_num_tokens=float(mb.targets.numel()), global_num_seqs=1.0, global_num_groups=1.0,
-            temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
-            agg=alg.loss_agg, norm_len=cfg.rollout.max_response_length, chunk_size=DEFAULT_CHUNK)
-        loss.backward()
+        from model.logprob import DEFAULT_CHUNK
+        from parallel.grad_clip import clip_grad_norm_
+        from rollout.weight_sync import sync_weights
+        from trainer.memory import return_cached_memory
+        from trainer.policy import dapo_micro_batch_loss
+        from trainer.update import fill_old_logprobs
 
-    def optimizer_step():
-        clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max(opt.grad_clip, 1e-6))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
+        opt, alg = cfg.optimizer, cfg.algorithm
+        # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
+        # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                      weight_decay=opt.weight_decay, foreach=not cfg.parallelism.cpu_offload)
+        self.tracker = FSDPMemTracker(policy, optimizer)
+        mb = longest_micro_batch(cfg, self.dist_env.device)
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
 
-    phase("rollout", engine.resume_memory)
-    phase("release", engine.release_memory)
-    if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
-        ledger.empty_cache(ledger.gpu_bytes_of(_gpu_parts(tracker, "current")))
-    policy.train()
-    phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK),
-          f"{cfg.training.micro_batch_tokens:,} tokens")
-    phase("train: forward+backward", train_micro_batch, f"{cfg.training.micro_batch_tokens:,} tokens")
-    phase("train: optimizer step", optimizer_step)
-    # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
-    return_cached_memory(dist_env)
-    phase("weight sync", lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
-          f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB")
-    return_cached_memory(dist_env)
-    phase("resume", engine.resume_memory)
-    return engine
+        def train_micro_batch():
+            loss, _ = dapo_micro_batch_loss(
+                policy, mb, global_num_tokens=float(mb.targets.numel()), global_num_seqs=1.0,
+                global_num_groups=1.0, temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                clip_c=alg.clip_c, agg=alg.loss_agg, norm_len=cfg.rollout.max_response_length,
+                chunk_size=DEFAULT_CHUNK)
+            loss.backward()
+
+        def optimizer_step():
+            clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max(opt.grad_clip, 1e-6))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        phase("rollout", engine.resume_memory)
+        phase("release", engine.release_memory)
+        if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
+            ledger.empty_cache(self.allocated_on_gpu())
+        policy.train()
+        phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK), tokens)
+        phase("train: forward+backward", train_micro_batch, tokens)
+        phase("train: optimizer step", optimizer_step)
+        # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
+        return_cached_memory(self.dist_env)
+        phase("weight sync", lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+              f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB")
+        return_cached_memory(self.dist_env)
+        phase("resume", engine.resume_memory)
+        return engine
 
 
 def _restart(tracker) -> None:
@@ -276,6 +295,21 @@ def fake_job(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+        _forget_fake_meshes()
+
+
+def _forget_fake_meshes() -> None:
+    """Drop DTensor's sharding caches: their specs hold the fake world's meshes, and a mesh compares equal
+    to any mesh of the same ranks, so a process forked later (a test's gloo ranks) would be handed a mesh
+    whose coordinate is rank 0's."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's cache
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
 
 
 def fake_tensor_mode():
