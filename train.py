@@ -36,8 +36,8 @@ from observe.progress import Progress
 from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.memory import return_cached_memory
 from trainer.evaluation import run_held_out_eval
+from trainer.memory import return_cached_memory
 from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import RunFolderError, finished_at, mark_finished, prepare_run_folder
 from trainer.scoring import EngineFailure, RewardSettings
