@@ -193,6 +193,14 @@ class EvalConfig:
 
 
 @dataclass
+class RehearseConfig:
+    world_size: int = 8  # ranks (GPUs) of the rehearsed job (train.py --rehearse)
+    gpu_memory_gb: float = 80.0  # memory of one GPU, GB (1e9 bytes)
+    preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
+    context_gb: float = 1.0  # the trainer process's CUDA context, NCCL buffers and allocator slack, GB per GPU
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -205,6 +213,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

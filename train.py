@@ -4,6 +4,7 @@
     python train.py --config configs/demo_cpu.toml                       # one CPU process
     torchrun --nproc_per_node=8 train.py --config configs/dapo_32b.toml  # one 8-GPU node
     python train.py --config X --dry-run                                 # print the resolved config
+    python train.py --config X --rehearse                                # the run's per-GPU memory, on CPU
 
 Algorithm 1, as this file runs it:
     for step = 1..M:
@@ -30,7 +31,6 @@ from config import ConfigError, check_runnable, config_to_dict, parse_cli
 from parallel.checkpoint import CheckpointError, CheckpointManager
 from model.hf import complete_hf_export
 from parallel.hf_export import export_hf
-from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.filter import DynamicBatchBuilder
 from eval import params_from_config
 from observe.progress import Progress
@@ -39,12 +39,13 @@ from rollout.weight_sync import sync_weights
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.evaluation import run_held_out_eval
 from trainer.loop_state import loop_position, restore_loop_position
+from trainer.memory import return_cached_memory
 from trainer.rollout_phase import RolloutError, collect_batch
 from trainer.run_folder import (WARMUP_CHECKPOINTS, RunFolderError, finished_run_report, mark_finished,
                                 prepare_run_folder)
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.signals import GracefulStop, StopRequested
-from trainer.setup import DTYPES, build_engine, build_policy, build_tokenizer, load_datasets
+from trainer.setup import build_policy_and_engine, build_tokenizer, load_datasets
 from trainer.sft import discard_warmup_checkpoints, sft_warmup
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
@@ -55,7 +56,13 @@ log = logging.getLogger("train")
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg, cli = parse_cli(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rehearse = "--rehearse" in argv
+    cfg, cli = parse_cli([a for a in argv if a != "--rehearse"])
+    if rehearse:
+        from trainer.rehearsal import main as rehearse_main
+
+        return rehearse_main(cfg)
     if cli.dry_run:
         print(json.dumps(config_to_dict(cfg), indent=2))
         return 0
@@ -88,15 +95,7 @@ def main(argv=None) -> int:
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
 
     # --- Policy, rollout engine, optimizer ---------------------------------------------------------
-    policy = build_policy(cfg, dist.device)
-    engine = build_engine(cfg, policy, dist.device, cfg.data.max_prompt_length, dist)
-    par = cfg.parallelism
-    parallelize_qwen2(policy, dist.mesh, dist.dims, ParallelizeConfig(
-        param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
-        reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
-        activation_checkpoint=par.activation_checkpoint,
-        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
-        compile=par.compile, float8=par.float8))
+    policy, engine = build_policy_and_engine(cfg, dist)
     opt = cfg.optimizer
     optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay)
@@ -183,6 +182,7 @@ def main(argv=None) -> int:
         step_start = time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
         before_step = loop_position(sampler, builder)
+        return_cached_memory(dist)  # the engine takes its memory back: the trainer's cached blocks first
         engine.resume_memory()
         try:
             with progress(builder.train_batch_size, f"step {step} rollout", "groups") as bar:
@@ -221,6 +221,7 @@ def main(argv=None) -> int:
                                f"checkpoint saved, stopping")
 
         sync_start = time.perf_counter()
+        return_cached_memory(dist)  # the first bucket maps the engine's weights back
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         row["time/sync"] = time.perf_counter() - sync_start
         row["time/step"] = time.perf_counter() - step_start

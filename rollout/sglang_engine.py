@@ -43,7 +43,7 @@ SGLang opens CUDA IPC handles, and rollout/weight_sync.py moves offloaded shards
 Names are Hugging Face's, as SGLang loads them.
 
 Memory (colocated with the trainer on one GPU pool):
-    release_memory()        release_memory_occupation()                (KV cache, weights, CUDA graphs)
+    release_memory()        release_memory_occupation(RELEASED_TAGS)   (KV cache, weights; graphs stay)
     update_weights(...)     resume_memory_occupation(["weights"]) first, then the buckets
     resume_memory()         end the update session, flush_cache(), resume_memory_occupation(the rest)
 Released weights are discarded, not offloaded: after a release every weight must be pushed again
@@ -72,6 +72,9 @@ SGLANG_VERSION = "0.5.21"
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FINISH_TYPES = ("stop", "length", "abort")
+# Released for training; the CUDA graphs stay: 0.5.21 would back them up to host and restore them every
+# step, for ~1 GB per GPU that training does not need (the rehearsal's ledger, bench/RESULTS.md).
+RELEASED_TAGS = ("kv_cache", "weights")
 
 
 def check_sglang_version(installed: str | None = None) -> None:
@@ -378,16 +381,16 @@ class SGLangEngine:
             self._collect_ipc_handles()
 
     def release_memory(self) -> None:
-        """Free the KV cache, the weights and the CUDA graphs while the trainer runs."""
+        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
         def release():
             self._end_session()
-            self._engine.release_memory_occupation()
-            self._released, self._pushed = set(_MEMORY_TAGS), set()
+            self._engine.release_memory_occupation(tags=list(RELEASED_TAGS))
+            self._released, self._pushed = set(RELEASED_TAGS), set()
 
         self._leader_call("release_memory", release)
 
     def resume_memory(self) -> None:
-        """Finish a weight update and take back the KV cache and CUDA graphs (see the module doc)."""
+        """Finish a weight update and take back the KV cache (see the module doc)."""
         if self._released and self._pushed != set(self.weight_shapes):
             missing = sorted(set(self.weight_shapes) - self._pushed)
             raise RuntimeError(

@@ -92,7 +92,7 @@ def test_dapo_7b_changes_only_model_size_dependent_settings():
     base, cfg = load("dapo_32b.toml"), load("dapo_7b.toml")
     assert differences(base, cfg) == {"job.name", "rollout.max_response_length", "rollout.tp_size",
                                       "rollout.mem_fraction_static", "training.micro_batch_tokens",
-                                      "parallelism.cpu_offload", "eval.max_response_length"}
+                                      "parallelism.cpu_offload", "eval.max_response_length", "rehearse.preset"}
     assert cfg.rollout.max_response_length == 8192 and cfg.algorithm.overlong_buffer == 4096
 
 

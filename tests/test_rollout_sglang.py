@@ -156,8 +156,9 @@ def test_memory_and_weight_update_protocol(checkpoint):
         engine.resume_memory()  # only 4 of the weights arrived: the engine would serve garbage
     sync_weights(trainer, engine, bucket_bytes=50_000)
     engine.resume_memory()
-    assert sglang.calls[:4] == [("release", ()), ("resume", ("weights",)), "begin", "update"]
-    assert sglang.calls[-3:] == ["end", "flush", ("resume", ("kv_cache", "cuda_graph"))]
+    # The CUDA graphs are kept (the rehearsal's ledger: releasing them frees ~1 GB that training does not need).
+    assert sglang.calls[:4] == [("release", ("kv_cache", "weights")), ("resume", ("weights",)), "begin", "update"]
+    assert sglang.calls[-3:] == ["end", "flush", ("resume", ("kv_cache",))]
     assert "begin" not in sglang.calls[4:]  # one session for all buckets
     _assert_holds(sglang, trainer)
     # Updates without a release (weights stay resident) are closed by the next generate.

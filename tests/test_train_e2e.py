@@ -99,7 +99,7 @@ def test_dry_run_prints_the_resolved_config_without_building_a_model(config, cap
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run must not touch a model")
 
-    monkeypatch.setattr(train, "build_policy", refuse)
+    monkeypatch.setattr(train, "build_policy_and_engine", refuse)
     assert train.main(["--config", os.path.join(CONFIGS, config), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert set(resolved) >= {"model", "rollout", "algorithm", "training", "parallelism"}

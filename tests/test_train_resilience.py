@@ -171,7 +171,7 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
         train.main(argv)
     tokenizer_dir = str(tmp_path / "tokenizer")
     train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
-    monkeypatch.setattr(train, "build_policy", lambda *a, **k: pytest.fail("the policy was built"))
+    monkeypatch.setattr(train, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
     with pytest.raises(ConfigError, match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
                                           r"prompts of data.train_path = '.*train.parquet' has one"):
         train.main(argv + [f"--model.tokenizer_path={tokenizer_dir}"])

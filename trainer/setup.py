@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import copy
+import json
 import logging
 import os
 
 import torch
 
-from model.args import get_preset
-from model.hf import load_hf
-from model.qwen2 import build_model
+from model.args import ModelArgs, get_preset
+from model.hf import args_from_hf_config, load_hf
+from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
+from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from trainer.memory import return_cached_memory
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,85 @@ def build_policy(cfg, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def parallelize_config(cfg) -> ParallelizeConfig:
+    """The [parallelism] section as parallelize_qwen2's switches."""
+    par = cfg.parallelism
+    return ParallelizeConfig(
+        param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
+        reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
+        activation_checkpoint=par.activation_checkpoint,
+        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
+        compile=par.compile, float8=par.float8)
+
+
+def policy_args(cfg) -> ModelArgs:
+    """The policy's architecture: the checkpoint's config.json, or the preset."""
+    if cfg.model.hf_path:
+        with open(os.path.join(cfg.model.hf_path, "config.json")) as f:
+            return args_from_hf_config(json.load(f))
+    return get_preset(cfg.model.preset)
+
+
+@torch.no_grad()
+def copy_into_shards(model: torch.nn.Module, full_tensors) -> None:
+    """Copy (name, full tensor) pairs into `model`'s parameters, each rank keeping only its own part.
+
+    A sharded parameter (a DTensor: FSDP, TP or both) takes the slice its placements give this rank,
+    cut locally from the full tensor every rank holds (src_data_rank=None: no communication).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    for name, full in full_tensors:
+        param = params.pop(name)
+        if isinstance(param, DTensor):
+            part = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(part.to_local())
+        else:
+            param.copy_(full)
+    if params:
+        raise ValueError(f"no values for {len(params)} parameters, e.g. {sorted(params)[:3]}")
+
+
+def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module:
+    """The policy, parallelised, holding only this rank's shards on the device:
+
+        1. the module on the meta device (no memory anywhere);
+        2. parallelize_qwen2 (TP, AC, compile, FSDP) on the meta parameters;
+        3. to_empty: only this rank's shards are allocated (in host memory with cpu_offload);
+        4. the checkpoint (or the preset's seeded initialisation) read on the CPU and copied into the
+           shards, then dropped (`fill=False` skips it: a rehearsal needs no values).
+
+    Nothing full-size ever reaches the GPU, so an engine started afterwards sizes its KV pool from what
+    the trainer really keeps (SGLang sizes it from the memory free when it starts).
+    """
+    dtype = DTYPES[cfg.model.dtype]
+    with torch.device("meta"):
+        model = Qwen2(policy_args(cfg)).to(dtype)
+    model.attention_backend = cfg.model.attention_backend
+    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelize_config(cfg))
+    model.to_empty(device="cpu" if cfg.parallelism.cpu_offload else dist_env.device)
+    if fill:
+        source = build_policy(cfg, torch.device("cpu"))
+        copy_into_shards(model, ((name, p.detach()) for name, p in source.named_parameters()))
+        del source
+    return model
+
+
+def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = True):
+    """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
+    nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout
+    engine, which sizes its KV pool from the memory free when it starts.
+
+    start_engine(cfg, policy, device, max_prompt_length, dist_env) -> engine; default `build_engine`.
+    fill=False: the policy's values are not needed (a rehearsal).
+    """
+    policy = build_sharded_policy(cfg, dist_env, fill=fill)
+    return_cached_memory(dist_env)  # what the load cached is free memory for the engine
+    engine = (start_engine or build_engine)(cfg, policy, dist_env.device, cfg.data.max_prompt_length, dist_env)
+    return policy, engine
+
+
 def engine_group(tp_size: int, dist_env):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
     the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
@@ -102,17 +183,24 @@ def engine_group(tp_size: int, dist_env):
 
 
 def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_length: int, dist_env=None):
-    """The rollout engine. The torch engine gets its own copy of the (not yet parallelised) policy; an
-    SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
+    """The rollout engine, started after the policy is sharded. The torch engine gets its own full copy
+    of the policy's weights; an SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
-        engine_model = copy.deepcopy(policy)
-        return TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
-                           max_seq_len=max_prompt_length + max_new, device=device,
-                           dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
-                           cuda_graphs=cfg.rollout.cuda_graphs)
+        from rollout.weight_sync import sync_weights
+
+        # Its own full copy, filled from the (sharded) policy: every rank takes part in the gathers.
+        with torch.device("meta"):
+            engine_model = Qwen2(policy.args).to(DTYPES[cfg.rollout.dtype])
+        engine_model.to_empty(device=device)
+        engine = TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
+                             max_seq_len=max_prompt_length + max_new, device=device,
+                             dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
+                             cuda_graphs=cfg.rollout.cuda_graphs)
+        sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+        return engine
     from rollout.sglang_engine import SGLangEngine, context_length_for
 
     group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)

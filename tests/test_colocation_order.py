@@ -1,0 +1,101 @@
+"""Colocation order on a GPU: the engine starts after the policy is sharded, and the trainer's cached memory
+is handed back before the engine takes memory."""
+
+import os
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import train
+import trainer.scoring
+import trainer.setup
+from config import load_config
+from model.args import get_preset
+from model.qwen2 import build_model
+from tests.dist_utils import run_ranks
+from tests.planted_train import planted_score
+from tests.test_train_e2e import overrides
+from trainer.rehearsal import fake_dist_env, fake_job
+from trainer.setup import build_policy_and_engine, build_sharded_policy
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def test_the_engine_starts_when_the_policy_holds_only_its_shards():
+    """8 ranks (fake process group): at engine start every parameter is an FSDP shard on the device,
+    1/8 of the full tensor; nothing full-size was left on the device for the engine to size around."""
+    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.dp_shard=-1"])
+    seen = {}
+
+    def start_engine(cfg_, policy, device, max_prompt_length, dist_env):
+        seen["params"] = {name: (p.shape, p.to_local().shape if isinstance(p, DTensor) else None, p.device)
+                          for name, p in policy.named_parameters()}
+        return object()
+
+    with fake_job(8):
+        build_policy_and_engine(cfg, fake_dist_env(cfg, 8), start_engine=start_engine)
+    assert seen["params"]
+    for name, (full, local, device) in seen["params"].items():
+        assert local is not None, f"{name} is a full tensor when the engine starts"
+        assert local[0] == -(-full[0] // 8) and local[1:] == full[1:], name
+        assert device.type == "cpu", name  # materialised, not meta
+
+
+def _sharded_values(rank, world_size, layout):
+    from trainer.distributed import init_distributed
+
+    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"),
+                      ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout)
+    dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
+    policy = build_sharded_policy(cfg, dist_env)
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in policy.named_parameters()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [["parallelism.dp_shard=2"], ["parallelism.tp=2", "parallelism.dp_shard=1"]],
+                         ids=["fsdp2", "tp2"])
+def test_the_sharded_policy_holds_the_seeded_initialisation(layout):
+    expected = build_model(get_preset("tiny"), seed=0)
+    for values in run_ranks(_sharded_values, 2, layout):
+        assert values.keys() == dict(expected.named_parameters()).keys()
+        for name, value in values.items():
+            torch.testing.assert_close(value, expected.get_parameter(name), rtol=0, atol=0, msg=name)
+
+
+class RecordingEngine:
+    """Passes every call to the real engine and records the ones that take or give back memory."""
+
+    def __init__(self, engine, events):
+        self._engine, self._events = engine, events
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def resume_memory(self):
+        self._events.append("resume_memory")
+        return self._engine.resume_memory()
+
+    def release_memory(self):
+        self._events.append("release_memory")
+        return self._engine.release_memory()
+
+    def update_weights(self, bucket):
+        self._events.append("update_weights")
+        return self._engine.update_weights(bucket)
+
+
+def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monkeypatch):
+    events = []
+    build_engine = trainer.setup.build_engine
+    monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
+    for module in (train, trainer.setup):
+        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    assert train.main(overrides(str(tmp_path), steps=2)) == 0
+    assert events.count("release_memory") == 2
+    # After each release, the first call that takes memory back comes after a return of the cache.
+    for i, event in enumerate(events):
+        if event == "release_memory":
+            takes = next(j for j in range(i + 1, len(events)) if events[j] in ("update_weights", "resume_memory"))
+            assert "return" in events[i + 1:takes], events

@@ -1,0 +1,39 @@
+"""Hand the trainer's cached GPU memory back before the colocated engine takes memory.
+
+PyTorch's caching allocator keeps every block it ever used (the training peak: activations, gathered
+FSDP units, optimizer temporaries) reserved after the tensors are gone. The engine is another process:
+it cannot use those blocks, and SGLang maps its weights and KV pool back with `resume_memory_occupation`
+(and sizes its KV pool at start from the memory free then). So before the engine starts or resumes,
+every rank waits for its queued kernels, empties the cache, and all ranks agree (a barrier) that this
+is done: an engine spans the GPUs of several trainer ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_observers = []  # called after each return (the rehearsal's ledger records it)
+
+
+def return_cached_memory(dist_env) -> None:
+    """synchronize + empty_cache on this rank's GPU, then a barrier over all ranks."""
+    if dist_env.device.type == "cuda":
+        torch.cuda.synchronize(dist_env.device)
+        torch.cuda.empty_cache()
+    dist_env.barrier()
+    for observer in _observers:
+        observer()
+
+
+class observe_cache_returns:
+    """Context manager: call `fn()` after every return_cached_memory inside it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __enter__(self):
+        _observers.append(self.fn)
+        return self
+
+    def __exit__(self, *exc):
+        _observers.remove(self.fn)

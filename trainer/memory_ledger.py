@@ -1,0 +1,127 @@
+"""Per-GPU memory ledger of a colocated run, phase by phase: what the trainer, its allocator and the engine hold.
+
+For each phase, on one GPU:
+
+    total = trainer peak + allocator reserve + context + engine share   <=   GPU memory
+
+  trainer peak      tensors the trainer has allocated at the phase's peak, by part (parameters, gradients,
+                    optimizer state, gathered FSDP units, activations and temporaries); parts that live in
+                    host memory (cpu_offload) are listed but not counted;
+  allocator reserve memory the caching allocator keeps for the trainer beyond that peak: it holds on to
+                    the largest footprint since the last empty_cache(), and no other process (the engine)
+                    can use it;
+  context           the trainer process's CUDA context, communication buffers and fragmentation;
+  engine share      what the rollout engine holds on this GPU in that phase (its memory tags).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+GB = 1e9
+
+PARTS = ("params", "grads", "optimizer", "gathered", "activations")
+HOST_PARTS_WHEN_OFFLOADED = ("params", "grads", "optimizer")
+# PyTorch's memory trackers (torch.distributed._tools.mem_tracker / fsdp2_mem_tracker) name their
+# reference types; each maps to one part of the ledger.
+TRACKER_PARTS = {
+    "Sharded Param": "params", "Parameter": "params",
+    "Sharded Grad": "grads", "Gradient": "grads",
+    "OptState": "optimizer", "Optstate": "optimizer",
+    "Unsharded Param": "gathered", "Unsharded Grad": "gathered", "All Gather": "gathered",
+    "Reduce Scatter": "gathered",
+    "Activation": "activations", "Temp": "activations", "Inputs": "activations", "Buffer": "activations",
+    "Other": "activations",
+}
+
+
+def parts_from_tracker(snapshot: dict) -> dict[str, int]:
+    """Ledger parts (bytes) from one device's tracker snapshot {reference type: bytes, "Total": bytes}."""
+    parts = dict.fromkeys(PARTS, 0)
+    for ref, nbytes in snapshot.items():
+        if ref != "Total":
+            parts[TRACKER_PARTS.get(ref, "activations")] += int(nbytes)
+    return parts
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    trainer: dict[str, int]  # bytes on the GPU at the phase's peak, by part
+    host: int  # bytes of trainer state kept in host memory (cpu_offload), not counted
+    reserve: int
+    context: int
+    engine: int
+    note: str = ""
+
+    @property
+    def trainer_peak(self) -> int:
+        return sum(self.trainer.values())
+
+    @property
+    def total(self) -> int:
+        return self.trainer_peak + self.reserve + self.context + self.engine
+
+
+@dataclass
+class MemoryLedger:
+    gpu_bytes: int
+    context_bytes: int
+    offload: bool = False  # parameters, gradients and optimizer state live in host memory
+    rows: list[PhaseRow] = field(default_factory=list)
+    reserved: int = 0  # what the trainer's caching allocator holds now
+
+    def record(self, phase: str, parts: dict[str, int], engine_bytes: int, note: str = "",
+               host: int | None = None) -> PhaseRow:
+        """Add a phase whose trainer peak has these parts; the allocator's reserve grows to the peak.
+
+        host: bytes of `parts` that live in host memory; default: with offload, all parameters,
+        gradients and optimizer state."""
+        if host is None:
+            gpu = {k: (0 if self.offload and k in HOST_PARTS_WHEN_OFFLOADED else int(v)) for k, v in parts.items()}
+            host = sum(int(v) for k, v in parts.items() if self.offload and k in HOST_PARTS_WHEN_OFFLOADED)
+        else:
+            gpu = {k: int(v) for k, v in parts.items()}
+        peak = sum(gpu.values())
+        row = PhaseRow(phase, gpu, host, max(0, self.reserved - peak), self.context_bytes, int(engine_bytes), note)
+        self.reserved = max(self.reserved, peak)
+        self.rows.append(row)
+        return row
+
+    def gpu_bytes_of(self, allocated: dict[str, int]) -> int:
+        """The part of a (default-split) allocation that is on the GPU."""
+        return sum(v for k, v in allocated.items() if not (self.offload and k in HOST_PARTS_WHEN_OFFLOADED))
+
+    def empty_cache(self, allocated_on_gpu: int) -> None:
+        """torch.cuda.empty_cache(): the allocator keeps only what is allocated."""
+        self.reserved = allocated_on_gpu
+
+    def first_overflow(self) -> PhaseRow | None:
+        return next((row for row in self.rows if row.total > self.gpu_bytes), None)
+
+    def table(self) -> str:
+        head = (f"{'phase':<26}{'params':>8}{'grads':>8}{'optim':>8}{'gather':>8}{'activ':>8}{'trainer':>9}"
+                f"{'reserve':>9}{'context':>9}{'engine':>8}{'total':>8}  of {self.gpu_bytes / GB:.0f} GB")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            cells = "".join(f"{r.trainer[k] / GB:>8.1f}" for k in PARTS)
+            flag = "" if r.total <= self.gpu_bytes else f"  SHORT BY {(r.total - self.gpu_bytes) / GB:.1f} GB"
+            lines.append(f"{r.phase:<26}{cells}{r.trainer_peak / GB:>9.1f}{r.reserve / GB:>9.1f}"
+                         f"{r.context / GB:>9.1f}{r.engine / GB:>8.1f}{r.total / GB:>8.1f}{flag}"
+                         + (f"  ({r.note})" if r.note else ""))
+        if self.offload:
+            lines.append(f"host memory (cpu_offload): {max(r.host for r in self.rows) / GB:.1f} GB of sharded "
+                         "parameters, gradients and optimizer state per rank")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"gpu_gb": self.gpu_bytes / GB, "offload": self.offload,
+                "phases": [{"phase": r.phase, "total_gb": round(r.total / GB, 3),
+                            "trainer_gb": {k: round(v / GB, 3) for k, v in r.trainer.items()},
+                            "host_gb": round(r.host / GB, 3), "reserve_gb": round(r.reserve / GB, 3),
+                            "context_gb": round(r.context / GB, 3), "engine_gb": round(r.engine / GB, 3),
+                            "note": r.note} for r in self.rows]}
+
+    def json_line(self) -> str:
+        return json.dumps(self.to_dict())

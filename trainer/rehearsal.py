@@ -1,0 +1,428 @@
+"""A rehearsal of a whole run at full scale on one CPU: `python train.py --config X --rehearse`.
+
+This process plays rank 0 of an N-rank job (`[rehearse] world_size`) on PyTorch's fake process group
+(every collective returns at once) with fake tensors (FakeTensorMode: shapes, dtypes and sizes, no
+data), so a 32B policy on 8 or 128 ranks needs seconds to minutes and no memory. It runs train.py's
+phases in their real order, through the functions train.py itself calls:
+
+    load + shard, engine start    trainer/setup.py build_policy_and_engine (the engine is a stand-in
+                                  that holds memory by the engine's rules, rollout/sglang_memory.py)
+    rollout                       engine.resume_memory(): the engine holds everything
+    release                       engine.release_memory()
+    train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
+                                  training.micro_batch_tokens tokens (one sample, the longest case)
+    train: forward + backward     trainer/policy.py dapo_micro_batch_loss, backward
+    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, AdamW step, zero_grad
+    weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
+    resume                        engine.resume_memory() at the next step's start
+
+PyTorch's memory trackers (torch.distributed._tools: MemTracker for the build, FSDPMemTracker after it)
+measure the trainer's tensors of each phase at its peak; trainer/memory_ledger.py adds the allocator's
+reserve, the CUDA context and the engine's share and checks each phase against the GPU's memory.
+The fake device is the CPU (FSDP cannot run fake CUDA tensors without CUDA): with cpu_offload the
+ledger moves parameters, gradients and optimizer state to host memory instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+from model.args import ModelArgs, get_preset, num_params
+from trainer.memory_ledger import GB, PARTS, MemoryLedger, parts_from_tracker
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class RehearsalError(Exception):
+    """A phase does not fit: the message names the phase and the shortfall."""
+
+
+# ---------------------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class EngineShare:
+    """What a rollout engine holds on one GPU, by memory tag, and which tags it releases for training."""
+
+    tags: dict[str, int]
+    other: int
+    released_tags: tuple[str, ...]
+    kv_tokens: int
+    note: str = ""
+
+
+def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
+    """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
+    (rollout/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
+    from rollout.sglang_engine import RELEASED_TAGS, context_length_for
+    from rollout.sglang_memory import EngineMemoryError, plan_engine_memory
+
+    max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+    try:
+        plan = plan_engine_memory(args, tp_size=cfg.rollout.tp_size, dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
+                                  gpu_total_bytes=gpu_bytes, gpu_free_bytes_at_start=max(free_bytes, 0),
+                                  mem_fraction_static=cfg.rollout.mem_fraction_static,
+                                  context_length=context_length_for(cfg.data.max_prompt_length, max_new))
+    except EngineMemoryError as exc:
+        raise RehearsalError(f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
+                             f"{gpu_bytes / GB:.0f} GB when the engine starts)") from None
+    return EngineShare({"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
+                       plan.other, tuple(RELEASED_TAGS), plan.kv_tokens,
+                       f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens")
+
+
+def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
+    """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
+    max_batch_size slots x the longest sequence that it frees while the trainer runs."""
+    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
+    seq = cfg.data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+    kv = 2 * args.num_layers * cfg.rollout.max_batch_size * args.num_kv_heads * seq * args.head_dim * nbytes
+    logits = cfg.rollout.max_batch_size * args.vocab_size * 4  # one decode step's fp32 logits
+    slots = cfg.rollout.max_batch_size * seq
+    return EngineShare({"weights": num_params(args) * nbytes, "kv_cache": kv}, logits, ("kv_cache",), slots,
+                       f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens")
+
+
+class StandInEngine:
+    """The rollout engine as the memory it holds; the calls train.py makes change which tags it holds."""
+
+    def __init__(self, share: EngineShare, dtype: torch.dtype):
+        self.share, self.dtype = share, dtype
+        self.released: set[str] = set()
+
+    def held(self) -> int:
+        return self.share.other + sum(v for k, v in self.share.tags.items() if k not in self.released)
+
+    def release_memory(self) -> None:
+        self.released = set(self.share.released_tags)
+
+    def resume_memory(self) -> None:
+        self.released = set()
+
+    def update_weights(self, named_tensors) -> None:
+        self.released.discard("weights")  # the first bucket maps the weights back
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- the phases
+
+
+def _gpu_parts(tracker, kind: str) -> dict[str, int]:
+    """The tracker's snapshot of the device that plays the GPU (the CPU; meta tensors hold no memory)."""
+    snapshot = tracker.get_tracker_snapshot(kind)
+    return parts_from_tracker(next((s for d, s in snapshot.items() if d.type == "cpu"), {}))
+
+
+def rehearsal_args(cfg) -> ModelArgs:
+    if cfg.model.hf_path:
+        from trainer.setup import policy_args
+
+        return policy_args(cfg)
+    return get_preset(cfg.model.preset or cfg.rehearse.preset)
+
+
+def longest_micro_batch(cfg, device):
+    """The heaviest micro-batch the trainer meets: one sample filling training.micro_batch_tokens."""
+    from trainer.packing import PackItem, pack
+
+    prompt = min(cfg.data.max_prompt_length, cfg.training.micro_batch_tokens - 1)
+    response = cfg.training.micro_batch_tokens - prompt
+    mb = pack([PackItem([1] * prompt, [1] * response, advantage=1.0, rollout_logprobs=[-1.0] * response)])
+    # One document: plain causal attention (what FlexAttention's document mask costs for one sample).
+    return replace(mb.to(device), document_ids=None)
+
+
+def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> StandInEngine:
+    """train.py's phases in order on `dist_env` (fake or real ranks); each phase becomes a ledger row.
+
+    Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool).
+    """
+    from trainer.memory import observe_cache_returns
+
+    run = _Phases(cfg, dist_env, ledger)
+    # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
+    with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
+        run.build(fill)
+        return run.step()
+
+
+class _Phases:
+    """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
+    FSDPMemTracker (which knows FSDP's parameter states) from then on."""
+
+    def __init__(self, cfg, dist_env, ledger: MemoryLedger):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self.args = rehearsal_args(cfg)
+        self.cfg = replace(cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (
+            cfg.model.preset or cfg.rehearse.preset)))
+        self.dist_env, self.ledger = dist_env, ledger
+        self.build_tracker, self.tracker = MemTracker(), None
+        self.policy = self.engine = None
+
+    def allocated_on_gpu(self) -> int:
+        if self.tracker is not None:
+            return self.ledger.gpu_bytes_of(_gpu_parts(self.tracker, "current"))
+        # Until the engine starts, the build holds the sharded parameters: in host memory with cpu_offload.
+        return 0 if self.ledger.offload else sum(_gpu_parts(self.build_tracker, "current").values())
+
+    def built(self, kind, policy):
+        """(GPU parts, host bytes) of the build: it allocates parameters only. Sharded parameters are in
+        host memory with cpu_offload; unsharded ones are wherever the build put them: the device."""
+        total = sum(_gpu_parts(self.build_tracker, kind).values())
+        host = 0
+        if self.ledger.offload:
+            from torch.distributed.tensor import DTensor
+
+            host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
+        return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), host
+
+    def start_engine(self, cfg_, policy, device, max_prompt_length, dist_env_):
+        """build_policy_and_engine's engine: a stand-in sized from the memory free at this moment."""
+        from trainer.setup import DTYPES
+
+        cfg, ledger = self.cfg, self.ledger
+        peak, host = self.built("peak", policy)
+        ledger.record("load + shard", peak, 0, host=host)
+        now, host = self.built("current", policy)
+        free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
+        if cfg.rollout.engine == "sglang":
+            share = sglang_share(cfg, self.args, ledger.gpu_bytes, free)
+        else:
+            share = torch_engine_share(cfg, self.args)
+        engine = StandInEngine(share, DTYPES[cfg.rollout.dtype])
+        row = ledger.record("engine start", now, engine.held(), share.note, host=host)
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        if share.kv_tokens < longest:
+            raise RehearsalError(
+                f"phase 'engine start': the engine's KV pool holds {max(share.kv_tokens, 0):,} tokens, fewer than "
+                f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
+                f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)")
+        _restart(self.build_tracker)  # what follows the engine's start is a phase of its own
+        return engine
+
+    def build(self, fill: bool) -> None:
+        from trainer.setup import build_policy_and_engine
+
+        with self.build_tracker:
+            self.policy, self.engine = build_policy_and_engine(self.cfg, self.dist_env,
+                                                               start_engine=self.start_engine, fill=fill)
+        parts, host = self.built("peak", self.policy)
+        self.ledger.record("build done", parts, self.engine.held(), host=host)
+
+    def phase(self, name, fn, note=""):
+        self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
+        with self.tracker:
+            fn()
+        return self.ledger.record(name, _gpu_parts(self.tracker, "peak"), self.engine.held(), note)
+
+    def step(self) -> StandInEngine:
+        """One step of train.py's loop after the build (see the module docstring)."""
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        from model.logprob import DEFAULT_CHUNK
+        from parallel.grad_clip import clip_grad_norm_
+        from rollout.weight_sync import sync_weights
+        from trainer.memory import return_cached_memory
+        from trainer.policy import dapo_micro_batch_loss
+        from trainer.update import fill_old_logprobs
+
+        cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
+        opt, alg = cfg.optimizer, cfg.algorithm
+        # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
+        # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                      weight_decay=opt.weight_decay, foreach=not cfg.parallelism.cpu_offload)
+        self.tracker = FSDPMemTracker(policy, optimizer)
+        mb = longest_micro_batch(cfg, self.dist_env.device)
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
+
+        def train_micro_batch():
+            loss, _ = dapo_micro_batch_loss(
+                policy, mb, global_num_tokens=float(mb.targets.numel()), global_num_seqs=1.0,
+                global_num_groups=1.0, temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                clip_c=alg.clip_c, agg=alg.loss_agg, norm_len=cfg.rollout.max_response_length,
+                chunk_size=DEFAULT_CHUNK)
+            loss.backward()
+
+        def optimizer_step():
+            clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max(opt.grad_clip, 1e-6))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        phase("rollout", engine.resume_memory)
+        phase("release", engine.release_memory)
+        if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
+            ledger.empty_cache(self.allocated_on_gpu())
+        policy.train()
+        phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK), tokens)
+        phase("train: forward+backward", train_micro_batch, tokens)
+        phase("train: optimizer step", optimizer_step)
+        # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
+        return_cached_memory(self.dist_env)
+        phase("weight sync", lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+              f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB")
+        return_cached_memory(self.dist_env)
+        phase("resume", engine.resume_memory)
+        return engine
+
+
+def _restart(tracker) -> None:
+    """Start a new peak on a tracker that is running (it measures the peak since it was entered)."""
+    tracker.__exit__(None, None, None)
+    tracker.__enter__()
+
+
+# ---------------------------------------------------------------------------------------- the command
+
+
+@contextlib.contextmanager
+def fake_job(world_size: int):
+    """Rank 0 of a `world_size`-rank job on PyTorch's fake process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_fake_meshes()
+
+
+def _forget_fake_meshes() -> None:
+    """Drop DTensor's sharding caches: their specs hold the fake world's meshes, and a mesh compares equal
+    to any mesh of the same ranks, so a process forked later (a test's gloo ranks) would be handed a mesh
+    whose coordinate is rank 0's."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's cache
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+
+
+def fake_tensor_mode():
+    """FakeTensorMode in which plain tensors stay plain: an op whose tensor inputs are all real (the
+    micro-batch's token ids, a meta-device module's parameters) runs for real; everything else, and
+    every factory call off the meta device, is fake.
+
+    Why: train.py builds its modules on the meta device and then calls `to_empty`; a module whose meta
+    parameters were themselves fake cannot be moved (nn.Module._apply must swap a fake parameter in
+    place, and the fake mode holds weak references to it). And the trainer's input checks read a few
+    values of the (small, real) micro-batch, which a fake tensor cannot give.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+    from torch.utils._pytree import tree_leaves
+
+    meta = torch.device("meta")
+
+    def runs_for_real(args, kwargs) -> bool:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) for t in tensors):
+            return False
+        device = (kwargs or {}).get("device")
+        if device is not None and torch.device(device) == meta:
+            return True
+        if not tensors:
+            return False  # a factory call: what the run allocates
+        # Real inputs stay real, except where meta tensors are materialised on a device (to_empty).
+        return device is None or not any(t.is_meta for t in tensors)
+
+    class PlainStaysPlain(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if runs_for_real(args, kwargs):
+                with unset_fake_temporarily():
+                    return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return PlainStaysPlain(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def sharding_propagation_apart():
+    """Let DTensor's sharding propagation use a fake mode of its own.
+
+    It reuses the active fake mode when it finds one (torch.distributed.tensor._sharding_prop:
+    `detect_fake_mode() or FakeTensorMode()`); then the memory tracker, which counts the ops of the fake
+    mode it was entered under, also counts the global-shape tensors the propagation creates to infer
+    output shapes. That made an AdamW step look like ~27x the sharded parameters on 7B / 8 ranks
+    instead of the 2x state plus one foreach temporary that real tensors show.
+    """
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    detect = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        sharding_prop.detect_fake_mode = detect
+
+
+def fake_dist_env(cfg, world_size: int):
+    from parallel.dims import ParallelDims
+    from trainer.distributed import DistEnv
+
+    par = cfg.parallelism
+    dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
+    dims.build_mesh("cpu")  # outside fake mode: the mesh holds real rank tensors
+    return DistEnv(0, world_size, 0, torch.device("cpu"), dims)
+
+
+def rehearse(cfg) -> tuple[MemoryLedger, str | None]:
+    """The ledger of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, and the first failure
+    (None when every phase ran and fits)."""
+    from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
+
+    reh = cfg.rehearse
+    offload = cfg.parallelism.cpu_offload
+    # The fake device is the CPU, where FSDP refuses cpu_offload: the ledger moves the state instead.
+    run_cfg = replace(cfg, parallelism=replace(cfg.parallelism, cpu_offload=False, compile=False))
+    ledger = MemoryLedger(int(reh.gpu_memory_gb * GB), int(reh.context_gb * GB), offload=offload)
+    failure = None
+    with fake_job(reh.world_size):
+        dist_env = fake_dist_env(run_cfg, reh.world_size)
+        with fake_tensor_mode(), sharding_propagation_apart():
+            try:
+                run_phases(run_cfg, dist_env, ledger)
+            except RehearsalError as exc:
+                failure = str(exc)
+    if (row := ledger.first_overflow()) is not None:
+        short = (f"phase '{row.phase}' needs {row.total / GB:.1f} GB of {ledger.gpu_bytes / GB:.0f} GB per GPU: "
+                 f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short")
+        failure = short if failure is None or failure.startswith(f"phase '{row.phase}'") else f"{short}; {failure}"
+    return ledger, failure
+
+
+def main(cfg) -> int:
+    """Print the ledger's table and JSON line; 2 when a phase does not fit (naming it and the shortfall)."""
+    from config import ConfigError
+
+    reh = cfg.rehearse
+    if not (cfg.model.hf_path or cfg.model.preset or reh.preset):
+        raise ConfigError("the rehearsal needs an architecture: set model.hf_path, model.preset or rehearse.preset "
+                          "(e.g. --rehearse.preset=qwen2.5-32b)")
+    ledger, failure = rehearse(cfg)
+    par = cfg.parallelism
+    print(f"rehearsal: {cfg.job.name} as rank 0 of {reh.world_size} x {reh.gpu_memory_gb:g} GB "
+          f"(fsdp {par.dp_shard}, tp {par.tp}, cpu_offload {par.cpu_offload}, micro-batch "
+          f"{cfg.training.micro_batch_tokens:,} tokens, engine {cfg.rollout.engine} tp {cfg.rollout.tp_size}, "
+          f"mem_fraction_static {cfg.rollout.mem_fraction_static})")
+    print(ledger.table())
+    print(json.dumps({"rehearsal": ledger.to_dict(), "world_size": reh.world_size, "fits": failure is None,
+                      "failure": failure}))
+    if failure:
+        print(f"does not fit: {failure}", file=sys.stderr)
+        return 2
+    return 0
+
