@@ -233,7 +233,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_pat
     assert [(r["step"], "loss" in r) for r in first] == [(0, False), (1, True), (1, False)]
     before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
     files = _folder_state(tmp_path)
-    for name in ("build_policy", "load_datasets", "build_tokenizer"):
+    for name in ("build_policy_and_engine", "load_datasets", "build_tokenizer"):
         monkeypatch.setattr(train, name, lambda *a, **k: pytest.fail("a finished run built something"))
     caplog.clear()
     with caplog.at_level("INFO", logger="train"):
