@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model.args import ModelArgs, get_preset  # noqa: E402
-from model.hf_adapter import hf_config_from_args, to_hf_name  # noqa: E402
+from model.hf_adapter import hf_config_from_args, hf_state_dict  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
 from rollout.engine import SamplingParams  # noqa: E402
 from rollout.torch_engine import TorchEngine  # noqa: E402
@@ -52,10 +52,7 @@ def hf_model_from(model, args: ModelArgs):
     config.pop("model_type")
     config.pop("torch_dtype")
     hf = Qwen2ForCausalLM(Qwen2Config(**config, pad_token_id=0)).eval()
-    state = {to_hf_name(k): v for k, v in model.state_dict().items()}
-    if args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=True)
+    hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf
 
 

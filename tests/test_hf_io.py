@@ -17,6 +17,7 @@ from model.hf_adapter import (
     from_hf_name,
     hf_config_from_args,
     hf_shapes,
+    hf_state_dict,
     iter_hf_tensors,
     to_dtype,
     to_hf_name,
@@ -407,3 +408,14 @@ def test_dtype_table_names_and_refusals():
     for bad in ("fp8", torch.int8, None):
         with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16'\]"):
             to_dtype(bad)
+
+
+@pytest.mark.parametrize("kind", sorted(ARGS))
+def test_hf_state_dict_is_transformers_layout(kind):
+    ours, hf = build_model(ARGS[kind], seed=8), _hf_model(ARGS[kind])
+    state = hf_state_dict(ours)
+    assert sorted(state) == sorted(hf.state_dict())  # the tied head alias included
+    hf.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, ours(TOKENS), rtol=0, atol=1e-5)
+    assert state["lm_head.weight"].data_ptr() == ours.output_weight().data_ptr()  # no copies
