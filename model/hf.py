@@ -231,6 +231,13 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
                 os.remove(tmp)
         raise
 
+    _publish(path, written, total_bytes)
+    write_hf_config(path, args, dtype)
+
+
+def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """Give the temporary weight files (file, HF names in it) their final names, replacing an older
+    checkpoint's, and write the index when there is more than one."""
     n = len(written)
     final = [SINGLE_FILE] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
     remove_model_files(path, keep=final)
@@ -241,7 +248,6 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
                  "weight_map": {t: name for (_, names), name in zip(written, final) for t in names}}
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    write_hf_config(path, args, dtype)
 
 
 def remove_model_files(path: str, keep: list[str] = ()) -> None:

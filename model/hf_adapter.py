@@ -48,6 +48,8 @@ __all__ = [
     "hf_config_from_args",
     "read_hf_config",
     "write_hf_config",
+    "read_json",
+    "write_json",
     "shard_file_name",
     "is_model_file",
 ]
