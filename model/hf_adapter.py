@@ -162,7 +162,8 @@ def named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(source, Iterable):
         yield from source
     else:
-        raise TypeError(f"expected a module, a state dict or an iterable of (name, tensor), got {type(source).__name__}")
+        raise TypeError(f"expected a module, a state dict or an iterable of (name, tensor), "
+                        f"got {type(source).__name__}")
 
 
 def iter_hf_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
