@@ -5,7 +5,7 @@ Workload (DAPO rollout shape, scaled to a CPU): P prompts x G samples, N new tok
 same number of tokens). The model is a Qwen2.5-shaped decoder (GQA, qkv bias, SwiGLU, RoPE 1e6) with
 random weights, fp32: by default the `demo` preset that the CPU demo trains (4 layers, hidden 128,
 vocab 512, 1.0M parameters); `--preset small` is a larger one (see SMALL_ARGS). transformers gets
-the same weights (names mapped by model/hf.py) and left-padded prompts with `num_return_sequences=G`;
+the same weights (names mapped by model/hf_adapter.py) and left-padded prompts with `num_return_sequences=G`;
 the engine prefills each prompt once and shares it.
 
 Metric: output tokens per second of each, and the ratio engine / transformers (target >= 3x on a
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model.args import ModelArgs, get_preset  # noqa: E402
-from model.hf import hf_config_from_args, to_hf_name  # noqa: E402
+from model.hf_adapter import hf_config_from_args, hf_state_dict  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
 from rollout.engine import SamplingParams  # noqa: E402
 from rollout.torch_engine import TorchEngine  # noqa: E402
@@ -52,10 +52,7 @@ def hf_model_from(model, args: ModelArgs):
     config.pop("model_type")
     config.pop("torch_dtype")
     hf = Qwen2ForCausalLM(Qwen2Config(**config, pad_token_id=0)).eval()
-    state = {to_hf_name(k): v for k, v in model.state_dict().items()}
-    if args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=True)
+    hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf
 
 

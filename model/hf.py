@@ -1,17 +1,6 @@
-"""Hugging Face Qwen2 checkpoint import and export (config.json + safetensors).
+"""Hugging Face Qwen2 checkpoints on disk: load, save (config.json + safetensors) and complete an export.
 
-Our parameter names are HF `Qwen2ForCausalLM`'s without the `model.` prefix of the decoder body:
-
-    ours                                    HF
-    embed_tokens.weight                     model.embed_tokens.weight
-    layers.{i}.self_attn.q_proj.weight      model.layers.{i}.self_attn.q_proj.weight   (same for k, v, o, bias)
-    layers.{i}.mlp.gate_proj.weight         model.layers.{i}.mlp.gate_proj.weight      (same for up, down)
-    layers.{i}.input_layernorm.weight       model.layers.{i}.input_layernorm.weight    (and post_attention_)
-    norm.weight                             model.norm.weight
-    lm_head.weight                          lm_head.weight                             (untied models only)
-
-`_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no
-`lm_head.weight`: the output projection is the embedding matrix.
+Names, shapes, dtypes, config.json and file names come from the adapter, model/hf_adapter.py.
 
 `complete_hf_export` makes such a directory a checkpoint that generates as training did: the tokenizer
 files, config.json's BOS/EOS ids, and a generation_config.json that stops at the ids the policy ends its
@@ -26,193 +15,39 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from model.args import ModelArgs
+from model.hf_adapter import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    from_hf_name,
+    hf_shapes,
+    is_model_file,
+    named_tensors,
+    read_hf_config,
+    read_json,
+    shard_file_name,
+    to_hf_name,
+    write_hf_config,
+    write_json,
+)
 from model.qwen2 import Qwen2
 
-__all__ = [
-    "CheckpointError",
-    "to_hf_name",
-    "from_hf_name",
-    "args_from_hf_config",
-    "hf_config_from_args",
-    "load_hf",
-    "save_hf",
-    "iter_hf_tensors",
-    "complete_hf_export",
-]
+__all__ = ["CheckpointError", "load_hf", "save_hf", "remove_model_files", "complete_hf_export"]
 
-HF_ARCHITECTURE = "Qwen2ForCausalLM"
-HF_MODEL_TYPE = "qwen2"
-CONFIG_NAME = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or tensor set that does not match the model it is meant for."""
-
-
-# (our name, HF name); `{i}` stands for a layer index.
-_KEY_TABLE: tuple[tuple[str, str], ...] = (
-    ("embed_tokens.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.q_proj.bias"),
-    ("layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.self_attn.k_proj.bias", "model.layers.{i}.self_attn.k_proj.bias"),
-    ("layers.{i}.self_attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.self_attn.v_proj.bias", "model.layers.{i}.self_attn.v_proj.bias"),
-    ("layers.{i}.self_attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.post_attention_layernorm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-)
-
-
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + r"\Z")
-
-
-_OURS_TO_HF = [(_pattern(ours), hf) for ours, hf in _KEY_TABLE]
-_HF_TO_OURS = [(_pattern(hf), ours) for ours, hf in _KEY_TABLE]
-
-# Module wrappers that parallel/ may insert (activation checkpointing, per-block torch.compile, FSDP1)
-# add these path components to parameter names; they are not part of the checkpoint layout.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _translate(name: str, table, direction: str) -> str:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group("i")) if "i" in pattern.groupindex else template
-    raise KeyError(f"no {direction} mapping for parameter name {name!r}")
-
-
-def to_hf_name(name: str) -> str:
-    """Our parameter name -> HF Qwen2ForCausalLM's (wrapper path components are dropped first)."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return _translate(name, _OURS_TO_HF, "Qwen2 -> HF")
-
-
-def from_hf_name(hf_name: str) -> str:
-    """HF Qwen2ForCausalLM's parameter name -> ours."""
-    return _translate(hf_name, _HF_TO_OURS, "HF -> Qwen2")
-
-
-# ---------------------------------------------------------------------------------------------------
-# config.json
-# ---------------------------------------------------------------------------------------------------
-
-
-def _rope_theta(config: Mapping) -> float:
-    """RoPE base from a config written by transformers 4.x (`rope_theta`) or 5.x (`rope_parameters`)."""
-    scaling = config.get("rope_scaling")
-    params = config.get("rope_parameters") or {}
-    for source in (scaling or {}, params):
-        kind = source.get("rope_type", source.get("type", "default"))
-        if kind != "default":
-            raise CheckpointError(f"config.json asks for RoPE scaling type {kind!r}; only plain RoPE is supported")
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(config.get("rope_theta", 10000.0))
-
-
-def args_from_hf_config(config: Mapping) -> ModelArgs:
-    """ModelArgs from a HF Qwen2 `config.json` dict. Other architectures and unsupported options are refused."""
-    model_type = config.get("model_type")
-    if model_type != HF_MODEL_TYPE:
-        raise CheckpointError(f"config.json has model_type {model_type!r}; expected {HF_MODEL_TYPE!r}")
-    architectures = config.get("architectures")
-    if architectures is not None and list(architectures) != [HF_ARCHITECTURE]:
-        raise CheckpointError(f"config.json has architectures {list(architectures)}; expected [{HF_ARCHITECTURE!r}]")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if k not in config]
-    if missing:
-        raise CheckpointError(f"config.json lacks required keys: {', '.join(missing)}")
-    if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json has hidden_act {config['hidden_act']!r}; Qwen2 uses 'silu'")
-    if config.get("use_sliding_window", False):
-        raise CheckpointError("config.json enables use_sliding_window; only full attention is supported")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * heads != config["hidden_size"]:
-        raise CheckpointError(f"config.json head_dim {head_dim} x {heads} heads != hidden_size {config['hidden_size']}")
-    return ModelArgs(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,  # HF: absent means multi-head attention
-        intermediate_size=config["intermediate_size"],
-        rope_theta=_rope_theta(config),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),  # Qwen2Config's default
-        max_position_embeddings=config.get("max_position_embeddings", 32768),
-        init_std=float(config.get("initializer_range", 0.02)),
-    )
-
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def hf_config_from_args(args: ModelArgs, *, dtype: torch.dtype = torch.float32) -> dict:
-    """A complete Qwen2 `config.json` (the keys of the official Qwen2.5 files, plus transformers 5's
-    `rope_parameters` so both 4.x and 5.x read the RoPE base). `dtype` is the stored tensors' dtype."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported checkpoint dtype {dtype}; expected one of {list(_DTYPE_NAMES)}")
-    return {
-        "architectures": [HF_ARCHITECTURE],
-        "model_type": HF_MODEL_TYPE,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_position_embeddings,
-        "initializer_range": args.init_std,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": args.num_layers,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        # Token ids live with the tokenizer: `complete_hf_export` sets them; None fits any vocabulary.
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": _DTYPE_NAMES[dtype],
-    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found")
-    with open(path) as f:
-        return json.load(f)
 
 
 def _checkpoint_files(path: str) -> dict[str, list[str]]:
@@ -221,7 +56,7 @@ def _checkpoint_files(path: str) -> dict[str, list[str]]:
 
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path} has no 'weight_map'")
         files: dict[str, list[str]] = {}
@@ -260,10 +95,10 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
     """
     from safetensors import safe_open
 
-    args = args_from_hf_config(_read_json(os.path.join(path, CONFIG_NAME)))
+    args = read_hf_config(path)
     with torch.device("meta"):
         model = Qwen2(args)
-    want = {to_hf_name(n): p.shape for n, p in model.named_parameters()}
+    want = hf_shapes(args)
     files = _checkpoint_files(path)
 
     shapes, owner = {}, {}
@@ -308,28 +143,6 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
 # ---------------------------------------------------------------------------------------------------
 
 
-def iter_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, detached parameter) in module registration order: embedding, layers 0..N-1, norm, head.
-
-    The order is fixed by the model's structure, so a sender and a receiver of the stream agree on it.
-    Tensors are not copied.
-    """
-    for name, param in model.named_parameters():
-        yield to_hf_name(name), param.detach()
-
-
-def _tensor_stream(source) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(source, nn.Module):
-        for name, param in source.named_parameters():
-            yield name, param.detach()
-    elif isinstance(source, Mapping):
-        yield from source.items()
-    elif isinstance(source, Iterable):
-        yield from source
-    else:
-        raise TypeError(f"save_hf needs a module, a state dict or an iterator of (name, tensor), got {type(source).__name__}")
-
-
 def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
@@ -341,13 +154,6 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
-
-
-def _shard_name(i: int, n: int) -> str:
-    return f"model-{i:05d}-of-{n:05d}.safetensors"
-
-
-_OWN_FILES = re.compile(r"(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)\Z")
 
 
 def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
@@ -370,8 +176,7 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
         args = model_or_state_dict.args
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    with torch.device("meta"):
-        want = {to_hf_name(n): p.shape for n, p in Qwen2(args).named_parameters()}
+    want = hf_shapes(args)
 
     os.makedirs(path, exist_ok=True)
     written: list[tuple[str, list[str]]] = []  # (temporary file, HF names in it)
@@ -389,7 +194,7 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
         shard, shard_bytes = {}, 0
 
     try:
-        for name, tensor in _tensor_stream(model_or_state_dict):
+        for name, tensor in named_tensors(model_or_state_dict):
             try:
                 hf_name = to_hf_name(name)
             except KeyError:
@@ -426,11 +231,16 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
                 os.remove(tmp)
         raise
 
+    _publish(path, written, total_bytes)
+    write_hf_config(path, args, dtype)
+
+
+def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) -> None:
+    """Give the temporary weight files (file, HF names in it) their final names, replacing an older
+    checkpoint's, and write the index when there is more than one."""
     n = len(written)
-    final = [SINGLE_FILE] if n == 1 else [_shard_name(i + 1, n) for i in range(n)]
-    for stale in os.listdir(path):
-        if _OWN_FILES.match(stale) and stale not in final:
-            os.remove(os.path.join(path, stale))
+    final = [SINGLE_FILE] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
+    remove_model_files(path, keep=final)
     for (tmp, _), name in zip(written, final):
         os.replace(tmp, os.path.join(path, name))
     if n > 1:
@@ -438,19 +248,18 @@ def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
                  "weight_map": {t: name for (_, names), name in zip(written, final) for t in names}}
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(hf_config_from_args(args, dtype=dtype), f, indent=2)
+
+
+def remove_model_files(path: str, keep: list[str] = ()) -> None:
+    """Delete the weight files and index of an older checkpoint in `path` (all but `keep`); other files stay."""
+    for name in os.listdir(path):
+        if is_model_file(name) and name not in keep:
+            os.remove(os.path.join(path, name))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer and generation settings of an export
 # ---------------------------------------------------------------------------------------------------
-
-
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
-        f.write("\n")
 
 
 def _id_list(value) -> list[int]:
@@ -472,14 +281,14 @@ def complete_hf_export(path: str, tokenizer, model_source: str | None = None) ->
     """
     tokenizer.save(path)
     config_path = os.path.join(path, CONFIG_NAME)
-    config = _read_json(config_path)
+    config = read_json(config_path)
     config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
-    _write_json(config_path, config)
+    write_json(config_path, config)
 
     out = os.path.join(path, GENERATION_CONFIG_NAME)
     source = os.path.join(model_source, GENERATION_CONFIG_NAME) if model_source else None
     if source and os.path.isfile(source):
-        carried = _read_json(source)
+        carried = read_json(source)
         eos = _id_list(carried.get("eos_token_id"))
         missing = [i for i in tokenizer.stop_ids if i not in eos]
         if not missing:
@@ -487,7 +296,7 @@ def complete_hf_export(path: str, tokenizer, model_source: str | None = None) ->
                 shutil.copyfile(source, out)
             return
         carried["eos_token_id"] = eos + missing
-        _write_json(out, carried)
+        write_json(out, carried)
         return
-    _write_json(out, {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+    write_json(out, {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
                       "pad_token_id": tokenizer.pad_id})

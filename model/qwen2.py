@@ -2,7 +2,7 @@
 
 No torch.distributed import here: FSDP2, tensor parallelism, compile and activation checkpointing are
 applied from outside by `parallel/`. Submodule names follow Hugging Face's Qwen2 layout
-(`layers.N.self_attn.q_proj`, ...) so the checkpoint key map in `model/hf.py` is a short table.
+(`layers.N.self_attn.q_proj`, ...) so the checkpoint key map in `model/hf_adapter.py` is a short table.
 
 Attention is computed through an *attention context* built once per forward pass:
   - `CausalContext`: plain causal SDPA (unpacked rows);

@@ -11,4 +11,5 @@
     grad_clip.py             grad-norm clipping across FSDP/TP DTensor meshes
     checkpoint.py            atomic DCP checkpoints: model, optimizer, scheduler, train state; auto-resume
     hf_export.py             Hugging Face export from the sharded model
+    plain_names.py           parameter names without torch.compile / checkpoint_wrapper components
 """

@@ -15,9 +15,7 @@ Output files are `model-0000k-of-0000n.safetensors` plus `model.safetensors.inde
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 
 import torch
@@ -25,19 +23,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model.hf import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, hf_config_from_args, save_hf, to_hf_name
+from model.hf import DEFAULT_MAX_SHARD_BYTES, remove_model_files, save_hf
+from model.hf_adapter import iter_hf_tensors, write_hf_config
 from parallel.fsdp import reshard_gathered
+from parallel.plain_names import plain_named_parameters
 
-_MODEL_FILES = re.compile(r"(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)\Z")
 
-
-def _hf_state(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """{HF name: parameter (a DTensor shard when sharded)}, cast locally to `dtype`."""
-    state = {}
-    for name, param in model.named_parameters():
-        tensor = param.detach()
-        state[to_hf_name(name)] = tensor if dtype is None else tensor.to(dtype)
-    return state
+def _local_tensors(model: nn.Module, dtype: torch.dtype | None):
+    """(our name, local parameter: a DTensor shard when sharded), cast locally to `dtype`."""
+    for name, tensor in plain_named_parameters(model):
+        yield name, (tensor if dtype is None else tensor.to(dtype))
 
 
 def _file_index(state: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
@@ -57,7 +52,7 @@ def _export_dcp(model, path, dtype, max_shard_bytes):
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
-    state = _hf_state(model, dtype)
+    state = dict(iter_hf_tensors(_local_tensors(model, dtype)))
     mapping = _file_index(state, max_shard_bytes)
     sharded = os.path.join(path, "sharded")
     writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
@@ -68,11 +63,10 @@ def _export_dcp(model, path, dtype, max_shard_bytes):
 
 def _export_gather(model, path, dtype, max_shard_bytes):
     def full_tensors():
-        for name, param in model.named_parameters():
-            tensor = param.detach()
+        for name, tensor in _local_tensors(model, dtype):
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()  # a collective: every rank walks the same order
-            yield name, (tensor if dtype is None else tensor.to(dtype))
+            yield name, tensor
 
     if dist.get_rank() == 0:
         save_hf(full_tensors(), path, args=model.args, max_shard_bytes=max_shard_bytes)
@@ -93,14 +87,11 @@ def export_hf(model: nn.Module, path: str, *, dtype: torch.dtype | None = None,
         raise ValueError(f"export method must be 'dcp' or 'gather', got {method!r}")
     reshard_gathered(model)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        save_hf(((n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in model.named_parameters()),
-                path, args=model.args, max_shard_bytes=max_shard_bytes)
+        save_hf(_local_tensors(model, dtype), path, args=model.args, max_shard_bytes=max_shard_bytes)
         return
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
-        for name in os.listdir(path):
-            if _MODEL_FILES.match(name):
-                os.remove(os.path.join(path, name))
+        remove_model_files(path)
         shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
     dist.barrier()
     if method == "gather":
@@ -109,7 +100,5 @@ def export_hf(model: nn.Module, path: str, *, dtype: torch.dtype | None = None,
         _export_dcp(model, path, dtype, max_shard_bytes)
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(path, "sharded"))
-            stored = dtype or next(model.parameters()).dtype
-            with open(os.path.join(path, CONFIG_NAME), "w") as f:
-                json.dump(hf_config_from_args(model.args, dtype=stored), f, indent=2)
+            write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
     dist.barrier()

@@ -59,18 +59,16 @@ slowest generation (trainer/setup.py engine_group): non-leader ranks wait in it 
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import os
 from typing import Iterable
 
 import torch
 
+from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import Completion, SamplingParams, validate_prompts
 from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 SGLANG_VERSION = "0.5.21"
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FINISH_TYPES = ("stop", "length", "abort")
 # Released for training; the CUDA graphs stay: 0.5.21 would back them up to host and restore them every
 # step, for ~1 GB per GPU that training does not need (the rehearsal's ledger, bench/RESULTS.md).
@@ -176,18 +174,6 @@ def split_by_counts(items: list, counts: list[int]) -> list[list]:
     return parts
 
 
-def checkpoint_weights(model_path: str):
-    """(ModelArgs, {HF name: shape}) of a checkpoint's model, from its config.json alone (no tensors read)."""
-    from model.hf import args_from_hf_config, to_hf_name
-    from model.qwen2 import Qwen2
-
-    with open(os.path.join(model_path, "config.json")) as f:
-        args = args_from_hf_config(json.load(f))
-    with torch.device("meta"):
-        model = Qwen2(args)
-    return args, {to_hf_name(name): p.shape for name, p in model.named_parameters()}
-
-
 class SGLangEngine:
     """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
 
@@ -202,13 +188,11 @@ class SGLangEngine:
     def __init__(self, model_path: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.6,
                  dtype: torch.dtype | str = torch.bfloat16, seed: int = 0, context_length: int | None = None,
                  group=None, device: torch.device | str | None = None, **engine_kwargs):
-        if isinstance(dtype, str):  # config files name dtypes as strings
-            dtype = {name: d for d, name in _DTYPE_NAMES.items()}.get(dtype, dtype)
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype!r}")
+        dtype = to_dtype(dtype)  # config files name dtypes as strings
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-        self.args, self.weight_shapes = checkpoint_weights(model_path)
+        self.args = read_hf_config(model_path)
+        self.weight_shapes = hf_shapes(self.args)  # {HF name: shape}: what update_weights accepts
         self.dtype = dtype
         self.tp_size = tp_size
         self.context_length = context_length or self.args.max_position_embeddings
@@ -231,7 +215,7 @@ class SGLangEngine:
         self._session_open = False
         launch = dict(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
                       mem_fraction_static=mem_fraction_static, enable_memory_saver=True, skip_tokenizer_init=True,
-                      dtype=_DTYPE_NAMES[dtype], random_seed=seed, context_length=self.context_length, **engine_kwargs)
+                      dtype=dtype_name(dtype), random_seed=seed, context_length=self.context_length, **engine_kwargs)
 
         def start():
             self._engine = self._launch(**launch)

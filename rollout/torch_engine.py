@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from model.args import ModelArgs
-from model.hf import from_hf_name
+from model.hf_adapter import from_hf_name
 from rollout.engine import Completion, SamplingParams, validate_prompts
 from rollout.kv_cache import DecodeContext, KVCache, PrefillContext
 from rollout.sampling import sample

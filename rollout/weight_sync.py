@@ -30,7 +30,8 @@ import sys
 import torch
 from torch import nn
 
-from model.hf import to_hf_name
+from model.hf_adapter import iter_hf_tensors
+from parallel.plain_names import plain_named_parameters
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,14 +59,13 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
         reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
     bucket, size = [], 0
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            tensor = param.detach()
+        for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
             if device is not None:
                 tensor = tensor.to(device)  # before the gather, which runs where the shard is
             if dtype is not None and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             full = _full_tensor(tensor)
-            bucket.append((to_hf_name(name), full))
+            bucket.append((hf_name, full))
             size += full.numel() * full.element_size()
             if size >= bucket_bytes:
                 yield bucket

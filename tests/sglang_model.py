@@ -53,11 +53,11 @@ import pickle
 
 import torch
 
-from model.hf import from_hf_name, load_hf
+from model.hf import load_hf
+from model.hf_adapter import DTYPES, from_hf_name
 from rollout.sglang_memory import MEMORY_TAGS, EngineMemoryError, plan_engine_memory
 
 MIB = 1 << 20
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class FakeGPU:
@@ -161,11 +161,11 @@ class StrictSGLang:
         self.gpus = gpus if gpus is not None else [FakeGPU(80 << 30) for _ in range(self.tp_size)]
         if len(self.gpus) != self.tp_size:
             raise ValueError(f"{len(self.gpus)} GPUs for tp_size {self.tp_size}")
-        self.model = load_hf(launch["model_path"], dtype=getattr(torch, launch["dtype"]))
+        self.model = load_hf(launch["model_path"], dtype=DTYPES[launch["dtype"]])
         self.context_len = launch["context_length"]
         try:
             self.plan = plan_engine_memory(
-                self.model.args, tp_size=self.tp_size, dtype_bytes=_DTYPE_BYTES[launch["dtype"]],
+                self.model.args, tp_size=self.tp_size, dtype_bytes=DTYPES[launch["dtype"]].itemsize,
                 gpu_total_bytes=self.gpus[0].total, gpu_free_bytes_at_start=min(g.free for g in self.gpus),
                 mem_fraction_static=launch["mem_fraction_static"], context_length=self.context_len,
                 untagged_bytes=untagged_bytes, disable_cuda_graph=disable_cuda_graph)

@@ -8,14 +8,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.args import PRESETS, ModelArgs
-from model.hf import (
+from model.hf import load_hf, save_hf
+from model.hf_adapter import (
+    DTYPES,
     CheckpointError,
     args_from_hf_config,
+    dtype_name,
     from_hf_name,
     hf_config_from_args,
+    hf_shapes,
+    hf_state_dict,
     iter_hf_tensors,
-    load_hf,
-    save_hf,
+    to_dtype,
     to_hf_name,
 )
 from model.qwen2 import Qwen2, build_model
@@ -73,9 +77,6 @@ def test_name_table_examples_and_inverse():
     assert to_hf_name("norm.weight") == "model.norm.weight"
     assert to_hf_name("lm_head.weight") == "lm_head.weight"
     assert from_hf_name("model.layers.7.post_attention_layernorm.weight") == "layers.7.post_attention_layernorm.weight"
-    # Wrappers inserted by activation checkpointing / compile do not leak into checkpoint names.
-    assert to_hf_name("layers.3._checkpoint_wrapped_module.self_attn.k_proj.bias") == "model.layers.3.self_attn.k_proj.bias"
-    assert to_hf_name("layers.3._orig_mod.mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"
     model = Qwen2(ARGS["untied"])
     for name, _ in model.named_parameters():
         assert from_hf_name(to_hf_name(name)) == name
@@ -88,6 +89,9 @@ def test_unknown_names_raise_with_the_name():
         from_hf_name("model.layers.0.self_attn.rotary_emb.inv_freq")
     with pytest.raises(KeyError, match="'embed_tokens.weight'"):
         from_hf_name("embed_tokens.weight")  # HF names carry the model. prefix
+    # Wrapper path components are parallel/'s to remove (parallel/plain_names.py): here they are unknown names.
+    with pytest.raises(KeyError, match="layers.3._orig_mod.mlp.up_proj.weight"):
+        to_hf_name("layers.3._orig_mod.mlp.up_proj.weight")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -375,3 +379,43 @@ def test_a_source_generation_config_is_carried(tmp_path):
     path = _exported(tmp_path / "b", tokenizer, source=str(source))
     with open(os.path.join(path, "generation_config.json")) as f:
         assert json.load(f) == {"bos_token_id": 0, "eos_token_id": [0, 2], "max_new_tokens": 2048}
+
+
+def test_iter_hf_tensors_from_pairs_and_state_dicts():
+    model = build_model(ARGS["tied"], seed=6)
+    from_module = [(n, t.data_ptr()) for n, t in iter_hf_tensors(model)]
+    assert [(n, t.data_ptr()) for n, t in iter_hf_tensors(model.named_parameters())] == from_module
+    assert [n for n, _ in iter_hf_tensors(dict(model.named_parameters()))] == [n for n, _ in from_module]
+    with pytest.raises(TypeError, match="got int"):
+        next(iter_hf_tensors(3))
+
+
+@pytest.mark.parametrize("kind", sorted(ARGS))
+def test_hf_shapes_are_the_modules_in_module_order(kind):
+    model = Qwen2(ARGS[kind])
+    assert list(hf_shapes(ARGS[kind]).items()) == [(to_hf_name(n), p.shape) for n, p in model.named_parameters()]
+    assert ("lm_head.weight" in hf_shapes(ARGS[kind])) == (kind == "untied")
+    shapes = hf_shapes(ARGS[kind])
+    shapes.clear()  # a caller's copy: the cached table is not touched
+    assert len(hf_shapes(ARGS[kind])) == len(list(model.parameters()))
+
+
+def test_dtype_table_names_and_refusals():
+    assert {name: to_dtype(name) for name in DTYPES} == dict(DTYPES)
+    assert [dtype_name(d) for d in DTYPES.values()] == list(DTYPES)
+    assert to_dtype(torch.bfloat16) is torch.bfloat16 and dtype_name("float16") == "float16"
+    assert hf_config_from_args(ARGS["tied"], dtype=torch.bfloat16)["torch_dtype"] == "bfloat16"
+    for bad in ("fp8", torch.int8, None):
+        with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16'\]"):
+            to_dtype(bad)
+
+
+@pytest.mark.parametrize("kind", sorted(ARGS))
+def test_hf_state_dict_is_transformers_layout(kind):
+    ours, hf = build_model(ARGS[kind], seed=8), _hf_model(ARGS[kind])
+    state = hf_state_dict(ours)
+    assert sorted(state) == sorted(hf.state_dict())  # the tied head alias included
+    hf.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS).logits, ours(TOKENS), rtol=0, atol=1e-5)
+    assert state["lm_head.weight"].data_ptr() == ours.output_weight().data_ptr()  # no copies

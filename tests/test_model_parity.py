@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model.args import ModelArgs
-from model.hf import hf_config_from_args, to_hf_name
+from model.hf_adapter import hf_config_from_args, to_hf_name
 from model.logprob import token_logprobs
 from model.qwen2 import Qwen2
 

@@ -11,7 +11,8 @@ import torch
 
 from eval import evaluate
 from model.args import PRESETS, num_params
-from model.hf import save_hf, to_hf_name
+from model.hf import save_hf
+from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import (

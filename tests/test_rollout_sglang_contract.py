@@ -16,7 +16,8 @@ except Exception as e:  # ImportError, or a GPU-only dependency failing at impor
     pytest.skip(f"sglang's pure-Python pieces do not import here ({type(e).__name__}: {e})", allow_module_level=True)
 
 from model.args import PRESETS
-from model.hf import save_hf, to_hf_name
+from model.hf import save_hf
+from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.sglang_engine import SGLangEngine, check_sglang_version
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model.args import PRESETS
-from model.hf import hf_config_from_args, to_hf_name
+from model.hf_adapter import hf_config_from_args, hf_state_dict, to_hf_name
 from model.logprob import token_logprobs
 from model.qwen2 import build_model
 from rollout.engine import Engine, SamplingParams
@@ -32,10 +32,7 @@ def _hf_model(model):
     for key in ("architectures", "model_type", "torch_dtype"):
         config.pop(key)
     hf = Qwen2ForCausalLM(Qwen2Config(**config)).eval()
-    state = {to_hf_name(k): v for k, v in model.state_dict().items()}
-    if model.args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=True)
+    hf.load_state_dict(hf_state_dict(model), strict=True)
     return hf
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.args import PRESETS
-from model.hf import to_hf_name
+from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.torch_engine import TorchEngine
 from rollout.weight_sync import iter_weight_buckets, sync_weights

@@ -181,7 +181,7 @@ TRICKY_TEXTS = [
 def _as_checkpoint_dir(path, vocab_size):
     """Give a tokenizer directory the config.json of a Qwen2 checkpoint, as an export has."""
     from model.args import ModelArgs
-    from model.hf import hf_config_from_args
+    from model.hf_adapter import hf_config_from_args
 
     args = ModelArgs(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                      intermediate_size=48, tie_word_embeddings=True)
