@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
 import torch
 
 from model.args import ModelArgs, get_preset
-from model.hf import args_from_hf_config, load_hf
+from model.hf import load_hf
+from model.hf_adapter import DTYPES, read_hf_config
 from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
@@ -17,8 +17,6 @@ from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthe
 from trainer.memory import return_cached_memory
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _synthetic_rows(cfg, split: str) -> list[dict]:
@@ -97,8 +95,7 @@ def parallelize_config(cfg) -> ParallelizeConfig:
 def policy_args(cfg) -> ModelArgs:
     """The policy's architecture: the checkpoint's config.json, or the preset."""
     if cfg.model.hf_path:
-        with open(os.path.join(cfg.model.hf_path, "config.json")) as f:
-            return args_from_hf_config(json.load(f))
+        return read_hf_config(cfg.model.hf_path)
     return get_preset(cfg.model.preset)
 
 
