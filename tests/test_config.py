@@ -1,4 +1,4 @@
-"""config.py: TOML loading, `base` includes, command-line overrides with type conversion, and every error."""
+"""config/: TOML loading, `base` includes, command-line overrides with type conversion, and every error."""
 
 import dataclasses
 import inspect
@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import config
+from config.loader import coerce
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
 from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
 from trainer.machine import Machine
@@ -96,7 +97,7 @@ def test_overrides_convert_by_field_type_and_win_over_the_file(tmp_path):
 
 
 def test_union_fields_try_each_member_in_order():
-    convert = lambda text, tp: config._coerce(text, tp, "a.b", "command line", from_text=True)  # noqa: E731
+    convert = lambda text, tp: coerce(text, tp, "a.b", "command line", from_text=True)  # noqa: E731
     assert convert("5", int | str) == 5 and convert("five", int | str) == "five"
     assert convert("null", float | None) is None and convert("2.5", float | None) == 2.5
     assert convert("1,2,3", list[int]) == [1, 2, 3] and convert("", tuple[int, ...]) == ()
@@ -144,7 +145,7 @@ def test_parse_cli_config_dry_run_and_both_override_forms(tmp_path):
 
 def test_parse_cli_defaults_to_the_demo_config():
     cfg, args = parse_cli([])
-    assert os.path.samefile(args.config, os.path.join(os.path.dirname(config.__file__), "configs", "demo_cpu.toml"))
+    assert os.path.samefile(args.config, os.path.join(os.path.dirname(os.path.dirname(config.__file__)), "configs", "demo_cpu.toml"))
     assert args.dry_run is False and cfg.model.preset == "demo"
 
 
