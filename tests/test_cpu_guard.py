@@ -65,7 +65,7 @@ def checkpoint(tmp_path_factory):
     args = dataclasses.replace(get_preset("demo"), max_position_embeddings=32768)
     save_hf(build_model(args, seed=0), str(folder / "ckpt"))
     texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
-    train_bpe_tokenizer(texts, args.vocab_size, split_words=False).save(str(folder / "ckpt"))
+    train_bpe_tokenizer(texts, args.vocab_size).save(str(folder / "ckpt"))
     write_parquet_rows(rows, str(folder / "train.parquet"))
     return folder
 
