@@ -226,12 +226,15 @@ class EvalConfig:
     k: int = at_least(32, 1)  # samples per problem (avg@k, pass@k, maj@k)
     temperature: float = _sampling_temperature(1.0)  # evaluation sampling temperature
     top_p: float = _nucleus(0.7)  # evaluation nucleus mass
+    top_k: int = _top_k(-1)  # evaluation top-k; -1 = off
     greedy: bool = False  # one greedy sample per problem instead (needs k = 1)
     max_response_length: int | None = _optional_count(None, "the rollout's")  # None = rollout.max_response_length
     eval_size: int | None = _optional_count(None, "the whole set")  # problems evaluated; None = the whole set
+    pass_at: tuple[int, ...] = ()  # the j of the reported pass@j; () = 1 and k
 
     def rules(self) -> Iterator[Rule]:
         yield "k", not self.greedy or self.k == 1, "must be 1 with eval.greedy: greedy decoding has one answer"
+        yield "pass_at", all(1 <= j <= self.k for j in self.pass_at), f"each j must be in [1, eval.k = {self.k}]"
 
 
 @dataclass
