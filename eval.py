@@ -26,28 +26,26 @@ import logging
 import os
 import sys
 
-from config import DEFAULT_CONFIG, Config, ConfigError, load_config, split_overrides
+from config import Config, ConfigError, config_parser, parse_config_args
 from trainer.evaluation import evaluate, format_table, load_eval_set, params_from_config, write_report
+
+
+def _short_flags(args: argparse.Namespace) -> list[str]:
+    """The overrides the short flags stand for (--model also clears the recipe's random-init preset)."""
+    flags = [f"model.hf_path={args.model}", "model.preset="] if args.model is not None else []
+    flags += [f"data.eval_path={args.data}"] if args.data is not None else []
+    return flags + ([f"model.tokenizer_path={args.tokenizer}"] if args.tokenizer is not None else [])
 
 
 def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
     """The configuration (`--config`, then the short flags, then `--section.key=value`) and the flags."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        description="Evaluate a policy with avg@k / pass@k / maj@k.",
-        epilog="Any setting can be overridden after the file: --section.key=value or --section.key value, "
-               "e.g. --eval.k=32 --eval.greedy=true --rollout.max_batch_size=256 --data.synthetic_num_eval=50.")
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="TOML file (default: configs/demo_cpu.toml)")
+    parser = config_parser("Evaluate a policy with avg@k / pass@k / maj@k.",
+                           "--eval.k=32 --eval.greedy=true --rollout.max_batch_size=256 --data.synthetic_num_eval=50")
     parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory, or a run folder (its hf/ export)")
     parser.add_argument("--data", help="data.eval_path: a parquet file in the DAPO schema, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
     parser.add_argument("--json", help="also write the report to this file")
-    plain, overrides = split_overrides(argv)
-    args = parser.parse_args(plain)
-    flags = [f"model.hf_path={args.model}", "model.preset="] if args.model is not None else []
-    flags += [f"data.eval_path={args.data}"] if args.data is not None else []
-    flags += [f"model.tokenizer_path={args.tokenizer}"] if args.tokenizer is not None else []
-    return load_config(args.config, flags + overrides), args
+    return parse_config_args(parser, argv, _short_flags)
 
 
 def resolve_checkpoint(path: str) -> str:

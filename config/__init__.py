@@ -19,7 +19,7 @@ machine cannot run (a GPU recipe on a CPU: trainer/machine.py), before any data 
 """
 
 from config.checks import check_machine, check_runnable, evaluates
-from config.cli import DEFAULT_CONFIG, load_config, parse_cli
+from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
 from config.loader import ConfigError, field_types, sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
 from config.schema import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DType, EvalConfig, JobConfig,
@@ -32,6 +32,6 @@ FIELD_TYPES = field_types(Config)
 __all__ = [
     "DEFAULT_CONFIG", "FIELD_TYPES", "SECTIONS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError",
     "DataConfig", "DType", "EvalConfig", "JobConfig", "LossAgg", "MetricsConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelismConfig", "RolloutConfig", "TrainingConfig", "check_machine", "check_runnable", "config_to_dict",
-    "evaluates", "load_config", "parse_cli", "split_overrides", "validate",
+    "ParallelismConfig", "RolloutConfig", "TrainingConfig", "check_machine", "check_runnable", "config_parser",
+    "config_to_dict", "evaluates", "load_config", "parse_cli", "parse_config_args", "split_overrides", "validate",
 ]
