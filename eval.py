@@ -6,9 +6,10 @@
 The settings are train.py's: the same TOML file (default configs/demo_cpu.toml) and the same
 `--section.key=value` overrides. Evaluation reads [eval] (k, temperature, top_p, top_k, greedy,
 max_response_length, eval_size, pass_at), the engine's [rollout] settings, [data] (the prompt length,
-the synthetic task), algorithm.strict_box, job.seed (sampling) and metrics.progress. So a run is
-evaluated as it evaluated itself while training, and `--config configs/dapo_32b.toml` gives the
-paper's settings (avg@32 at temperature 1.0, top_p 0.7, responses of up to 20480 tokens).
+the synthetic task), algorithm.strict_box, job.seed (sampling) and metrics.progress. So a run's recipe
+evaluates its checkpoints with the settings of its own held-out evaluations, and
+`--config configs/dapo_32b.toml` gives the paper's (avg@32 at temperature 1.0, top_p 0.7, responses of up
+to 20480 tokens).
 
 The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory
 or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
@@ -49,13 +50,14 @@ def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """The HF checkpoint directory for --model: `path` itself, or a run folder's `hf/` export."""
+    """The HF checkpoint directory for --model: a run folder's `hf/` export, or `path` itself. The export is
+    looked for first: a run folder holds a config.json of its own (the run's configuration)."""
     if not path:
         raise ConfigError("model.hf_path is not set: pass --model DIR (an HF checkpoint directory or a run folder)")
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
     if os.path.isfile(os.path.join(path, "hf", "config.json")):
         return os.path.join(path, "hf")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
     raise FileNotFoundError(f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
                             "hf/ export (no hf/config.json)")
 

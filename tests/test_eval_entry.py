@@ -260,6 +260,7 @@ def checkpoint(tokenizer, tmp_path_factory):
     args = PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size, init_std=0.2)
     save_hf(build_model(args, seed=3), str(run / "hf"))
     tokenizer.save(str(run / "hf"))
+    (run / "config.json").write_text(json.dumps({"job": {"name": run.name}}))  # the run's own configuration
     return run
 
 
