@@ -41,7 +41,7 @@ def _short_flags(args: argparse.Namespace) -> list[str]:
 def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
     """The configuration (`--config`, then the short flags, then `--section.key=value`) and the flags."""
     parser = config_parser("Evaluate a policy with avg@k / pass@k / maj@k.",
-                           "--eval.k=32 --eval.greedy=true --rollout.max_batch_size=256 --data.synthetic_num_eval=50")
+                           "--eval.k=32 --eval.top_p=0.7 --rollout.max_batch_size=256 --data.synthetic_num_eval=50")
     parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory, or a run folder (its hf/ export)")
     parser.add_argument("--data", help="data.eval_path: a parquet file in the DAPO schema, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
