@@ -32,7 +32,7 @@ from parallel.checkpoint import CheckpointError, CheckpointManager
 from model.hf import complete_hf_export
 from parallel.hf_export import export_hf
 from rl.filter import DynamicBatchBuilder
-from eval import params_from_config
+from trainer.evaluation import params_from_config
 from observe.progress import Progress
 from rollout.engine import SamplingParams
 from rollout.weight_sync import sync_weights
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     def held_out(step):
         with progress(-(-len(eval_set) // dist.dp_size), f"eval at step {step}", "problems") as bar:
             return run_held_out_eval(engine, eval_set, tokenizer, eval_params, dist, run_path, step,
-                                     strict_box=alg.strict_box, progress=bar)
+                                     strict_box=alg.strict_box, progress=bar, pass_at=cfg.eval.pass_at)
 
     if cfg.eval.at_start and state["step"] == 0 and eval_set:
         scores = held_out(0)

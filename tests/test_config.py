@@ -1,4 +1,4 @@
-"""config.py: TOML loading, `base` includes, command-line overrides with type conversion, and every error."""
+"""config/: TOML loading, `base` includes, command-line overrides with type conversion, and every error."""
 
 import dataclasses
 import inspect
@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import config
+from config.loader import coerce
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
 from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
 from trainer.machine import Machine
@@ -96,7 +97,7 @@ def test_overrides_convert_by_field_type_and_win_over_the_file(tmp_path):
 
 
 def test_union_fields_try_each_member_in_order():
-    convert = lambda text, tp: config._coerce(text, tp, "a.b", "command line", from_text=True)  # noqa: E731
+    convert = lambda text, tp: coerce(text, tp, "a.b", "command line", from_text=True)  # noqa: E731
     assert convert("5", int | str) == 5 and convert("five", int | str) == "five"
     assert convert("null", float | None) is None and convert("2.5", float | None) == 2.5
     assert convert("1,2,3", list[int]) == [1, 2, 3] and convert("", tuple[int, ...]) == ()
@@ -144,7 +145,8 @@ def test_parse_cli_config_dry_run_and_both_override_forms(tmp_path):
 
 def test_parse_cli_defaults_to_the_demo_config():
     cfg, args = parse_cli([])
-    assert os.path.samefile(args.config, os.path.join(os.path.dirname(config.__file__), "configs", "demo_cpu.toml"))
+    root = os.path.dirname(os.path.dirname(config.__file__))
+    assert os.path.samefile(args.config, os.path.join(root, "configs", "demo_cpu.toml"))
     assert args.dry_run is False and cfg.model.preset == "demo"
 
 
@@ -318,6 +320,9 @@ def test_missing_file_and_bad_bases(tmp_path):
     (["data.synthetic_difficulty=1"], r"data\.synthetic_num_train = 2000 \(default\): must be <= 72: the train split "
                                       r"of difficulty 1 has no more distinct problems"),
     (["data.synthetic_num_eval=2000"], r"data\.synthetic_num_eval = 2000 \(command line\): must be <= 1800"),
+    (["eval.top_k=0"], r"eval\.top_k = 0 \(command line\): must be -1 \(off\) or >= 1"),
+    (["eval.k=4", "eval.pass_at=1,8"], r"eval\.pass_at = \(1, 8\) \(command line\): each j must be in "
+                                       r"\[1, eval\.k = 4\]"),
 ])
 def test_impossible_values_name_the_key_and_the_constraint(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -402,3 +407,52 @@ def test_check_runnable_reads_the_data_files_footers(tmp_path):
                                           f"data.eval_path={empty}"]), ONE_GPU)
     check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
                                       f"data.eval_path={rows}"]), ONE_GPU)
+
+
+# ------------------------------------------------------------------------------------------ the generic loader
+
+
+def test_the_loader_knows_nothing_of_the_project():
+    import ast
+
+    from config import loader
+
+    tree = ast.parse(inspect.getsource(loader))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported.isdisjoint({"config", "model", "rl", "rollout", "trainer", "parallel", "observe"}), imported
+
+
+def test_the_loader_serves_any_schema_with_bounds_beside_fields_and_rules_per_section(tmp_path):
+    from config.loader import at_least, load
+
+    @dataclasses.dataclass
+    class Shop:
+        items: int = at_least(1, 0)  # items on the shelf
+        shelves: int = at_least(1, 1)  # shelves
+
+        def rules(self):
+            yield "items", self.items <= 10 * self.shelves, f"must be <= 10 x shop.shelves = {10 * self.shelves}"
+
+    @dataclasses.dataclass
+    class Root:
+        shop: Shop = dataclasses.field(default_factory=Shop)
+
+        def rules(self):
+            yield "shop.shelves", self.shop.shelves < 100, "must be < 100"
+
+    path = write(tmp_path / "shop.toml", """
+        [shop]
+        shelves = 2
+    """)
+    assert load(Root, str(path), ["shop.items=20"]).shop == Shop(items=20, shelves=2)
+    with pytest.raises(ConfigError, match=r"shop\.items = 21 \(command line\): must be <= 10 x shop\.shelves = 20"):
+        load(Root, str(path), ["shop.items=21"])
+    empty = write(tmp_path / "empty.toml", "[shop]\nshelves = 0\n")
+    with pytest.raises(ConfigError, match=rf"shop\.shelves = 0 \({re.escape(str(empty))}\): must be >= 1"):
+        load(Root, str(empty))
+    with pytest.raises(ConfigError, match=r"shop\.shelves = 100 \(command line\): must be < 100"):
+        load(Root, None, ["shop.shelves=100"])
+    with pytest.raises(ConfigError, match=r"unknown key 'shop\.shelfs' \(command line\); did you mean 'shop\.shelves"):
+        load(Root, None, ["shop.shelfs=3"])

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import eval as evaluation
+import eval as eval_command
 import train
 from config import ConfigError, check_runnable, load_config
 from model.args import get_preset
@@ -304,7 +304,7 @@ def test_eval_refuses_an_unusable_data_file_in_one_line(kind, checkpoint, tmp_pa
     path, message = _bad_files(tmp_path / "data")[kind]
     capsys.readouterr()  # the parquet writer's progress bars
     with pytest.raises(SystemExit) as info:
-        evaluation.run_cli(["--model", str(checkpoint / "ckpt"), "--data", str(path), "--no-progress"])
+        eval_command.run_cli(["--model", str(checkpoint / "ckpt"), "--data", str(path), "--metrics.progress=false"])
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and err.startswith(f"eval.py: data error: {message}") and len(err.splitlines()) == 1
 
@@ -314,5 +314,5 @@ def test_the_scripts_end_a_data_problem_with_one_line_and_exit_code_2(checkpoint
     proc = run("train.py", "--config", "configs/demo_cpu.toml", "--model.preset=",
                f"--model.hf_path={checkpoint / 'ckpt'}", f"--data.train_path={path}", f"--job.run_dir={tmp_path}")
     assert (proc.returncode, proc.stderr.strip()) == (2, f"data error: {message}")
-    proc = run("eval.py", "--model", str(checkpoint / "ckpt"), "--data", str(path), "--no-progress")
+    proc = run("eval.py", "--model", str(checkpoint / "ckpt"), "--data", str(path), "--metrics.progress=false")
     assert (proc.returncode, proc.stderr.strip()) == (2, f"eval.py: data error: {message}")

@@ -1,4 +1,5 @@
-"""eval.py: planted accuracies through a fake engine come back exactly; the CLI runs end to end on CPU."""
+"""trainer/evaluation.py: planted accuracies through a fake engine come back exactly; eval.py, the command over it,
+takes train.py's configuration and runs end to end on CPU."""
 
 import io
 import itertools
@@ -12,8 +13,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-import eval as evaluation
-from eval import evaluate, flat_metrics, format_table
+import eval as eval_command
+import trainer.evaluation as evaluation
+from trainer.evaluation import evaluate, flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -258,6 +260,7 @@ def checkpoint(tokenizer, tmp_path_factory):
     args = PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size, init_std=0.2)
     save_hf(build_model(args, seed=3), str(run / "hf"))
     tokenizer.save(str(run / "hf"))
+    (run / "config.json").write_text(json.dumps({"job": {"name": run.name}}))  # the run's own configuration
     return run
 
 
@@ -291,11 +294,17 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
         sum(c.finish_reason == "length" for c in completions) / len(completions))
 
 
+# The demo recipe (eval.py's default --config) with prompts as long as the test tokenizer writes them (and, for
+# the recipe's training rules, micro-batches that hold them).
+LONG_PROMPTS = ["--data.max_prompt_length=1024", "--training.micro_batch_tokens=2048"]
+
+
 def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys, one_thread):
     out = tmp_path / "report.json"
-    argv = ["--model", str(checkpoint), "--data", "synthetic", "--synthetic-num", "4", "--k", "2",
-            "--max-new-tokens", "6", "--json", str(out), "--no-progress", "--max-batch-size", "4"]
-    report = evaluation.main(argv)
+    argv = ["--model", str(checkpoint), "--data", "synthetic", "--data.synthetic_num_eval=4", "--eval.k=2",
+            "--eval.top_p=0.7", "--eval.max_response_length=6", "--json", str(out), "--metrics.progress=false",
+            "--rollout.max_batch_size=4", "--eval.pass_at=2", *LONG_PROMPTS]
+    report = eval_command.main(argv)
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0].split()[:3] == ["source", "problems", "avg@2"]
     assert printed[2].split()[:2] == ["synthetic_arithmetic_l2", "4"]
@@ -304,30 +313,34 @@ def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys,
     assert report["model"] == str(checkpoint / "hf")
     assert report["overall"]["num_problems"] == 4 and report["overall"]["num_samples"] == 2
     assert 1 <= report["overall"]["response_length/mean"] <= 6
+    assert "pass@2" in report["overall"] and "pass@1" not in report["overall"]  # eval.pass_at
     assert report["sampling"] == {"n": 2, "temperature": 1.0, "top_p": 0.7, "top_k": -1, "max_new_tokens": 6,
                                   "strict_box": False}
 
 
 def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_path, capsys, one_thread):
-    argv = ["--model", str(checkpoint / "hf"), "--data", "synthetic", "--synthetic-num", "3", "--greedy", "--k", "1",
-            "--max-new-tokens", "5", "--no-progress"]
-    first, second = evaluation.main(argv), evaluation.main(argv)
+    argv = ["--model", str(checkpoint / "hf"), "--data", "synthetic", "--data.synthetic_num_eval=3",
+            "--eval.greedy=true", "--eval.k=1", "--eval.max_response_length=5", "--metrics.progress=false",
+            *LONG_PROMPTS]
+    first, second = eval_command.main(argv), eval_command.main(argv)
     for report in (first, second):
         report.pop("time_s")
     assert first == second and first["sampling"]["temperature"] == 0.0
     assert first["sampling"]["top_p"] == 1.0 and first["sampling"]["top_k"] == -1  # no filter shown that is unused
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        evaluation.main(["--model", str(tmp_path / "nowhere"), "--data", "synthetic"])
-    with pytest.raises(SystemExit):
-        evaluation.main(["--model", str(checkpoint), "--data", "synthetic", "--greedy", "--k", "4"])
-    assert "needs --k 1" in capsys.readouterr().err
+        eval_command.main(["--model", str(tmp_path / "nowhere"), "--data", "synthetic"])
+    with pytest.raises(SystemExit) as exit_info:
+        eval_command.run_cli(["--model", str(checkpoint), "--data", "synthetic", "--eval.greedy=true", "--eval.k=4"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "eval.k = 4 (command line): must be 1 with eval.greedy" in err
 
 
 def test_cli_subprocess(checkpoint, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "eval.py", "--model", str(checkpoint), "--data", "synthetic", "--synthetic-num", "2",
-         "--k", "2", "--max-new-tokens", "4", "--json", str(tmp_path / "r.json")],
+        [sys.executable, "eval.py", "--model", str(checkpoint), "--data", "synthetic", "--data.synthetic_num_eval", "2",
+         "--eval.k=2", "--eval.max_response_length=4", "--json", str(tmp_path / "r.json"), *LONG_PROMPTS],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -346,15 +359,48 @@ def test_script_exits_with_one_line_on_bad_input(tmp_path, monkeypatch, capsys):
 
 
 def test_params_from_config_follow_the_eval_section():
-    from config import Config
+    from config import Config, ConfigError, validate
 
     cfg = Config()
     params = evaluation.params_from_config(cfg, [0, 2], seed=5)
-    assert (params.n, params.temperature, params.top_p, params.max_new_tokens) == (32, 1.0, 0.7, 20480)
+    assert (params.n, params.temperature, params.top_p, params.top_k) == (32, 1.0, 0.7, -1)
+    assert params.max_new_tokens == 20480  # rollout.max_response_length
     assert params.stop_token_ids == (0, 2) and params.seed == 5
+    cfg.eval.top_k = 20
+    assert evaluation.params_from_config(cfg, [0]).top_k == 20
     cfg.eval.greedy, cfg.eval.k, cfg.eval.max_response_length = True, 1, 48
+    validate(cfg)
     params = evaluation.params_from_config(cfg, [0])
-    assert (params.n, params.temperature, params.top_p, params.max_new_tokens) == (1, 0.0, 1.0, 48)
-    cfg.eval.k = 4
-    with pytest.raises(ValueError, match="eval.k must be 1"):
-        evaluation.params_from_config(cfg, [0])
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.max_new_tokens) == (1, 0.0, 1.0, -1, 48)
+    cfg.eval.k = 4  # greedy decoding has one answer: the configuration refuses more samples
+    with pytest.raises(ConfigError, match="eval.k = 4: must be 1 with eval.greedy"):
+        validate(cfg)
+
+
+def test_eval_and_train_read_one_configuration(tmp_path):
+    import config
+
+    demo = os.path.join(ROOT, "configs", "demo_cpu.toml")
+    overrides = ["--eval.k=2", "--rollout.max_batch_size", "256", "--data.synthetic_num_eval=7"]
+    cfg, args = eval_command.parse_cli(["--config", demo, *overrides, "--json", "out.json"])
+    assert cfg == config.parse_cli(["--config", demo, *overrides])[0] and args.json == "out.json"
+    assert eval_command.parse_cli([])[0] == config.load_config(config.DEFAULT_CONFIG)  # the same default file
+    assert eval_command.parse_cli([])[0].rollout.max_batch_size == 512  # the recipe's, not a second default
+    # The short flags set one key each (--model also clears the recipe's random-init preset).
+    cfg, _ = eval_command.parse_cli(["--model", "runs/x", "--data", "aime.parquet", "--tokenizer", "tok"])
+    assert (cfg.model.hf_path, cfg.model.preset, cfg.data.eval_path, cfg.model.tokenizer_path) == \
+        ("runs/x", "", "aime.parquet", "tok")
+    with pytest.raises(config.ConfigError, match=r"unknown key 'eval\.kk' \(command line\); did you mean 'eval\.k'"):
+        eval_command.parse_cli(["--eval.kk=3"])
+
+
+def test_the_evaluation_library_does_not_import_the_command():
+    import ast
+    import glob
+
+    for path in glob.glob(os.path.join(ROOT, "trainer", "*.py")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert "eval" not in modules, path

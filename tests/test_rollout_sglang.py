@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from eval import evaluate
+from trainer.evaluation import evaluate
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name

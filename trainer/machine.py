@@ -47,7 +47,7 @@ class Fix:
 
     @property
     def flag(self) -> str:
-        """The command-line override that applies the fix (config.py parses it back to `runs`)."""
+        """The command-line override that applies the fix (config/loader.py parses it back to `runs`)."""
         text = str(self.runs).lower() if isinstance(self.runs, bool) else str(self.runs)
         return f"--{self.key}={text}"
 

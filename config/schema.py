@@ -1,0 +1,264 @@
+"""The run configuration's schema: one dataclass per TOML section, each field's bound beside it.
+
+Every key has a default here, so a file holds only what it changes (for the algorithm: the DAPO recipe,
+arXiv 2503.14476 Sec. 4.1 and verl's script). A section's `rules()` yields its cross-field rules as
+(key, holds, rule); `Config.rules()` those across sections. config/loader.py checks them in that order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from config.loader import Rule, above, at_least, bounded
+from model.args import PRESETS
+from rl.data import SYNTHETIC_LEVELS, synthetic_problem_limit
+
+DType = Literal["float32", "bfloat16"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                  "group-token-mean"]
+
+
+def _sampling_temperature(default: float):
+    return bounded(default, lambda v: v >= 0, "must be >= 0 (0 = greedy)")
+
+
+def _nucleus(default: float):
+    return bounded(default, lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+
+def _top_k(default: int):
+    return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
+
+
+def _folder_name(default: str):
+    return bounded(default, lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
+                   "must be a non-empty folder name without path separators")
+
+
+def _preset(default: str):
+    return bounded(default, lambda v: not v or v in PRESETS, f"unknown preset; known presets: {', '.join(PRESETS)}")
+
+
+def _share(default: float):
+    return bounded(default, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+
+
+def _fraction(default: float, note: str = ""):
+    return bounded(default, lambda v: 0 < v < 1, f"must be in (0, 1){note}")
+
+
+def _betas(default: tuple[float, float]):
+    return bounded(default, lambda v: all(0 <= b < 1 for b in v), "both betas must be in [0, 1)")
+
+
+def _degree_or_rest(default: int):
+    return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (all remaining ranks) or >= 1")
+
+
+def _optional_count(default: int | None, none_means: str):
+    return bounded(default, lambda v: v is None or v >= 1, f"must be >= 1 (or none: {none_means})")
+
+
+NO_KL = "must be 0: DAPO removes the KL penalty (Sec. 2.3) and this trainer keeps no reference model"
+
+
+@dataclass
+class JobConfig:
+    name: str = _folder_name("dapo")  # run name; the run's folder is run_dir/name
+    run_dir: str = bounded("runs", bool, "must not be empty")  # root folder holding one folder per run
+    seed: int = at_least(0, 0)  # seed for model initialisation and sampling
+    cpu_threads: int = at_least(0, 0, " (0 = torch's default)")  # intra-op threads of each process; 0 = torch's
+
+    @property
+    def run_path(self) -> str:
+        return os.path.join(self.run_dir, self.name)
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _preset("")  # a name from model/args.py PRESETS (random init); "" = use hf_path
+    hf_path: str = ""  # HF checkpoint directory (config.json + safetensors); "" = use preset
+    tokenizer_path: str = ""  # tokenizer.json directory; "" = hf_path's, or a BPE trained on the synthetic task
+    dtype: DType = "float32"  # dtype of trained parameters and optimizer state (compute: parallelism.param_dtype)
+    attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, SDPA on CPU
+
+    def rules(self) -> Iterator[Rule]:
+        yield "preset", not (self.preset and self.hf_path), \
+            f"set either model.preset or model.hf_path = {self.hf_path!r}, not both"
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "synthetic"  # parquet in the DAPO-Math-17k schema, or "synthetic" (built-in arithmetic)
+    eval_path: str = "synthetic"  # held-out set in the same schema (AIME 2024 in the paper), or "synthetic"
+    max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
+    prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
+    synthetic_difficulty: int = at_least(2, 1)  # level of the synthetic arithmetic task (rl/data.py SYNTHETIC_LEVELS)
+    synthetic_num_train: int = at_least(2000, 1)  # synthetic training problems
+    synthetic_num_eval: int = at_least(200, 1)  # synthetic held-out problems (disjoint from training)
+    synthetic_answer_share: float = _share(1.0)  # share of synthetic worked solutions ending in the "Answer:" line
+    shuffle: bool = True  # reshuffle the prompts every pass over the data
+    seed: int = at_least(0, 0)  # seed for shuffling and for generating the synthetic task
+
+    def rules(self) -> Iterator[Rule]:
+        splits = [split for split in ("train", "eval") if getattr(self, f"{split}_path") == "synthetic"]
+        if splits:
+            yield "synthetic_difficulty", self.synthetic_difficulty in SYNTHETIC_LEVELS, \
+                f"must be one of the synthetic task's levels {sorted(SYNTHETIC_LEVELS)}"
+        for split in splits:
+            most = synthetic_problem_limit(self.synthetic_difficulty, split)
+            yield f"synthetic_num_{split}", getattr(self, f"synthetic_num_{split}") <= most, \
+                f"must be <= {most}: the {split} split of difficulty {self.synthetic_difficulty} has no more " \
+                "distinct problems"
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["torch", "sglang"] = "torch"  # rollout/torch_engine.py or rollout/sglang_engine.py
+    n: int = at_least(16, 1)  # samples per prompt: the group size G
+    temperature: float = _sampling_temperature(1.0)  # sampling temperature (0 = greedy)
+    top_p: float = _nucleus(1.0)  # nucleus sampling mass, in (0, 1]
+    top_k: int = _top_k(-1)  # keep the k most likely tokens; -1 = off
+    max_response_length: int = at_least(20480, 1)  # L_max of Eq. 13: generation stops after this many tokens
+    gen_batch_multiplier: int = at_least(3, 1)  # with dynamic sampling, prompts per round = this x train_batch_size
+    tp_size: int = at_least(1, 1)  # tensor-parallel size of one engine instance
+    mem_fraction_static: float = _fraction(0.8)  # share of GPU memory the engine may hold (weights + KV cache)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # engine weights and activations
+    compile: bool = True  # torch.compile the torch engine's decode step
+    cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
+    weight_sync_bucket_mb: int = at_least(1024, 1)  # bucket size of the trainer -> engine weight copy
+    round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for the others' generation (gloo groups)
+    max_batch_size: int = at_least(512, 1)  # sequences the torch engine decodes at once
+
+
+@dataclass
+class AlgorithmConfig:
+    clip_low: float = _fraction(0.2, ": the lower clip bound is 1 - clip_low")  # eps_low of Eq. 10
+    clip_high: float = above(0.28, 0, ": the upper clip bound is 1 + clip_high")  # eps_high of Eq. 10 (clip-higher)
+    clip_c: float = above(10.0, 1, ": the dual-clip bound must lie above the clip range")  # dual clip c (A < 0)
+    loss_agg: LossAgg = "token-mean"  # loss aggregation; token-mean is DAPO's token-level loss (Sec. 3.3)
+    overlong_filter: bool = False  # give truncated samples loss mask 0 (Sec. 3.4)
+    overlong_penalty: bool = True  # add the soft overlong punishment of Eq. 13 to the reward
+    overlong_buffer: int = at_least(4096, 1)  # L_cache of Eq. 13, in tokens
+    overlong_penalty_factor: float = at_least(1.0, 0)  # penalty at and beyond L_max (Eq. 13 uses 1)
+    dynamic_sampling: bool = True  # keep only groups with 0 < #correct < G (Eq. 11)
+    filter_metric: Literal["acc", "score"] = "acc"  # what must vary within a kept group
+    max_num_gen_batches: int = at_least(10, 1)  # generation rounds per step before on_shortfall applies
+    on_shortfall: Literal["fill", "raise"] = "fill"  # batch not full after the last round: train on it, or stop
+    carry_over_max_staleness: int = at_least(1, 0)  # steps a surplus kept group may wait for the next batch (0 = drop)
+    adv_eps: float = above(1e-6, 0)  # eps of Eq. 9: A = (R - mean) / (std + eps)
+    norm_adv_by_std: bool = True  # divide advantages by the group std (false: Dr. GRPO)
+    truncated_is: bool = False  # weight tokens by min(pi_old / pi_rollout, cap) (truncated importance sampling)
+    truncated_is_cap: float = above(2.0, 0)  # cap of the truncated importance weight
+    strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
+    kl_coef: float = bounded(0.0, lambda v: v == 0, NO_KL)  # KL penalty: DAPO has none (Sec. 2.3), so only 0
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = above(1e-6, 0)  # AdamW learning rate, constant after warm-up
+    betas: tuple[float, float] = _betas((0.9, 0.999))  # AdamW (beta1, beta2)
+    eps: float = above(1e-8, 0)  # AdamW epsilon
+    weight_decay: float = at_least(0.1, 0)  # decoupled weight decay
+    warmup_steps: int = at_least(20, 0)  # linear warm-up, in rollout steps
+    grad_clip: float = at_least(1.0, 0)  # max global gradient norm; 0 = no clipping (the norm is still logged)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = at_least(100, 0)  # rollout steps (Algorithm 1 iterations)
+    train_batch_size: int = at_least(512, 1)  # prompts (groups) per step
+    mini_batch_size: int = at_least(32, 1)  # prompts per optimizer update: train_batch_size / this updates per epoch
+    micro_batch_tokens: int = at_least(22528, 1)  # token budget of one packed micro-batch (>= prompt + response)
+    ppo_epochs: int = at_least(1, 1)  # passes over each step's batch
+    sft_warmup_steps: int = at_least(0, 0)  # supervised steps on solved examples before DAPO (0 = none)
+    sft_lr: float = above(1e-4, 0)  # learning rate of the supervised warm-up
+    sft_batch_size: int = at_least(32, 1)  # examples per supervised step
+    max_nonfinite_steps: int = at_least(3, 1)  # abort after this many non-finite updates in a row
+
+    def rules(self) -> Iterator[Rule]:
+        yield "train_batch_size", self.train_batch_size % self.mini_batch_size == 0, \
+            f"must be divisible by training.mini_batch_size = {self.mini_batch_size} (whole mini-batches per step)"
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = at_least(1, 1)  # data-parallel replicas (HSDP outer dimension)
+    dp_shard: int = _degree_or_rest(-1)  # FSDP shard degree; -1 = all ranks left after dp_replicate and tp
+    tp: int = at_least(1, 1)  # tensor-parallel degree of the trainer
+    param_dtype: DType = "bfloat16"  # FSDP mixed precision: compute dtype of gathered parameters
+    reduce_dtype: DType = "float32"  # FSDP mixed precision: dtype of gradient reduce-scatter
+    reshard_after_forward: bool = True  # free gathered parameters after each block's forward
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
+    compile: bool = False  # torch.compile each transformer block
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"  # recompute activations in backward
+    ac_every_k_blocks: int = at_least(0, 0)  # "selective": 0 = per-operator policy, k >= 1 = every k-th block in full
+    float8: bool = False  # float8 linear layers through torchao (CUDA only)
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True  # write distributed checkpoints into the run folder
+    interval: int = at_least(25, 1)  # steps between checkpoints
+    warmup_interval: int = at_least(100, 0)  # supervised warm-up steps between warm-up checkpoints (0 = none)
+    keep_latest_k: int = at_least(2, 0)  # checkpoints kept (0 = all)
+    resume: bool = True  # resume from the newest complete checkpoint in the run folder
+    export_hf: bool = True  # write the final policy as an HF checkpoint
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = False  # also write TensorBoard event files
+    plot: bool = True  # draw the monitoring panel (PNG) at the end of the run
+    progress: bool = True  # progress bars on the console (plain lines when not a terminal)
+    peak_tflops: float = at_least(0.0, 0)  # per-device peak for "mfu"; 0 = the datasheet bf16 value of a known GPU
+    log_every: int = at_least(1, 1)  # steps between console lines (the JSONL gets every step)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = at_least(5, 0)  # steps between held-out evaluations (0 = only at start/end)
+    at_start: bool = True  # evaluate before the first step
+    at_end: bool = True  # evaluate after the last step
+    k: int = at_least(32, 1)  # samples per problem (avg@k, pass@k, maj@k)
+    temperature: float = _sampling_temperature(1.0)  # evaluation sampling temperature
+    top_p: float = _nucleus(0.7)  # evaluation nucleus mass
+    top_k: int = _top_k(-1)  # evaluation top-k; -1 = off
+    greedy: bool = False  # one greedy sample per problem instead (needs k = 1)
+    max_response_length: int | None = _optional_count(None, "the rollout's")  # None = rollout.max_response_length
+    eval_size: int | None = _optional_count(None, "the whole set")  # problems evaluated; None = the whole set
+    pass_at: tuple[int, ...] = ()  # the j of the reported pass@j; () = 1 and k
+
+    def rules(self) -> Iterator[Rule]:
+        yield "k", not self.greedy or self.k == 1, "must be 1 with eval.greedy: greedy decoding has one answer"
+        yield "pass_at", all(1 <= j <= self.k for j in self.pass_at), f"each j must be in [1, eval.k = {self.k}]"
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def rules(self) -> Iterator[Rule]:
+        """The rules that span sections."""
+        alg, ro = self.algorithm, self.rollout
+        yield "algorithm.overlong_buffer", not alg.overlong_penalty or alg.overlong_buffer <= ro.max_response_length, \
+            f"must be <= rollout.max_response_length = {ro.max_response_length} (Eq. 13 needs L_cache <= L_max)"
+        yield "rollout.n", not alg.dynamic_sampling or ro.n >= 2, \
+            "must be >= 2 with algorithm.dynamic_sampling: a group of one never has 0 < #correct < G"
+        longest = self.data.max_prompt_length + ro.max_response_length
+        yield "training.micro_batch_tokens", self.training.micro_batch_tokens >= longest, \
+            f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: " \
+            "a packed micro-batch must hold the longest sample"
