@@ -238,6 +238,14 @@ class EvalConfig:
 
 
 @dataclass
+class RehearseConfig:
+    world_size: int = at_least(8, 1)  # ranks (GPUs) of the rehearsed job (train.py --rehearse)
+    gpu_memory_gb: float = above(80.0, 0)  # memory of one GPU, GB (1e9 bytes)
+    preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
+    context_gb: float = at_least(1.0, 0)  # the trainer process's CUDA context, NCCL buffers and allocator slack, GB per GPU
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -250,6 +258,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
     def rules(self) -> Iterator[Rule]:
         """The rules that span sections."""
