@@ -118,6 +118,7 @@ class AlgorithmConfig:
     truncated_is_cap: float = 2.0  # cap of the truncated importance weight
     strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
     kl_coef: float = 0.0  # KL penalty: DAPO has none (Sec. 2.3), so only 0 is accepted
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"  # pi_old: trainer recompute, or engine log-probs (auto: torch engine, all fp32)
 
 
 @dataclass

@@ -68,6 +68,7 @@ def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_nu
         metrics["entropy_sum"] = (entropy.float() * valid).sum()
         metrics["token_prob_sum"] = (logp.detach().float().exp() * valid).sum()
         metrics["valid_tokens"] = valid.sum()
+        metrics["logp"] = logp.detach()  # [S, L]: at the step-start weights, pi_old itself (trainer/update.py)
     return loss, metrics
 
 
