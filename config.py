@@ -138,6 +138,7 @@ class TrainingConfig:
     mini_batch_size: int = 32  # prompts per optimizer update: train_batch_size / this updates per epoch
     micro_batch_tokens: int = 22528  # token budget of one packed micro-batch (>= longest prompt + response)
     ppo_epochs: int = 1  # passes over each step's batch
+    share_prompts: bool = True  # a group's samples share one prompt copy in a micro-batch (SDPA, tp = 1, no compile)
     sft_warmup_steps: int = 0  # supervised steps on solved examples before DAPO (0 = none)
     sft_lr: float = 1e-4  # learning rate of the supervised warm-up
     sft_batch_size: int = 32  # examples per supervised step

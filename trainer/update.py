@@ -87,6 +87,15 @@ def old_logprob_source(cfg) -> str:
     return "rollout" if cfg.rollout.engine == "torch" and fp32 else "recompute"
 
 
+def shares_prompts(cfg, dist_env, device) -> bool:
+    """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
+    and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
+    are per document; compiled blocks are not checked with it)."""
+    backend = cfg.model.attention_backend
+    sdpa = backend == "sdpa" or (backend == "auto" and torch.device(device).type != "cuda")
+    return cfg.training.share_prompts and sdpa and dist_env.dims.tp == 1 and not cfg.parallelism.compile
+
+
 @torch.no_grad()
 def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int,
                       source: str = "recompute") -> list[MicroBatch]:
@@ -123,7 +132,8 @@ class TrainPhase:
                                       overlong_filter=alg.overlong_filter, group_offset=group_offset, step=step)
         mini_batches = []
         for mini in split_into_mini_batches(items, num_updates):
-            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp) if mini else []
+            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp,
+                                     share_prompts=shares_prompts(cfg, self.dist, self.device)) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         chunk = DEFAULT_CHUNK
