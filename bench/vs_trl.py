@@ -25,9 +25,8 @@ run are left out and the median of the rest is reported. Prints a table and one 
 TRL is a benchmark-only requirement (see bench/requirements-bench.txt); install it in a separate
 virtual environment that sees this project's packages, then run the benchmark with that interpreter:
 
-    python -m venv /tmp/trl-venv
-    echo "$(python -c 'import site; print(site.getsitepackages()[0])')" \\
-        > /tmp/trl-venv/lib/python3.11/site-packages/project.pth
+    python -m venv /tmp/trl-venv                    # "python": the interpreter of this project's environment
+    python -c 'import site; print(site.getsitepackages()[0])' > /tmp/trl-venv/lib/python3.11/site-packages/project.pth
     /tmp/trl-venv/bin/pip install --no-deps -r bench/requirements-bench.txt
     /tmp/trl-venv/bin/python bench/vs_trl.py [--steps 4 --repeats 2 --sft-steps 200]
 """
@@ -204,7 +203,8 @@ def main() -> int:
         print(f"--steps ({opts.steps}) must exceed --warmup ({opts.warmup})", file=sys.stderr)
         return 2
     if (PROMPTS * GROUP // UPDATES) % opts.micro_samples:
-        print(f"--micro-samples must divide the mini-batch of {PROMPTS * GROUP // UPDATES} completions", file=sys.stderr)
+        print(f"--micro-samples must divide the mini-batch of {PROMPTS * GROUP // UPDATES} completions",
+              file=sys.stderr)
         return 2
     try:
         import trl  # noqa: F401  (imported here only to fail early with the install hint)
