@@ -207,11 +207,10 @@ def main() -> int:
               file=sys.stderr)
         return 2
     try:
-        import trl  # noqa: F401  (imported here only to fail early with the install hint)
+        import trl
     except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    import trl
 
     os.makedirs(opts.workdir, exist_ok=True)
     policy = prepare_policy(opts.workdir, opts.sft_steps)

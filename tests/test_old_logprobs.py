@@ -15,8 +15,8 @@ from rl.filter import ScoredGroup
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
 from trainer.scoring import Sample
-from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source
 from trainer.packing import pack_micro_batches
+from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source, pack_items_for_groups
 
 ARGS = PRESETS["tiny"]
 MAX_RESPONSE = 8
@@ -125,8 +125,6 @@ def test_carried_over_samples_and_inexact_log_probs_are_recomputed():
     for group in stale:
         for sample in group.payload:
             sample.rollout_logprobs = [-9.0] * len(sample.response_ids)  # an older policy's log-probs
-    from trainer.update import pack_items_for_groups
-
     items = [it for g in pack_items_for_groups(fresh + stale, adv_eps=1e-6, norm_by_std=True, overlong_filter=False,
                                                step=2) for it in g]
     micro_batches = pack_micro_batches(items, 32)
