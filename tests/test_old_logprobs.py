@@ -137,3 +137,31 @@ def test_carried_over_samples_and_inexact_log_probs_are_recomputed():
         else:
             assert not any(mb is r for r in recomputed)
             assert torch.equal(mb.old_logp, mb.rollout_logp)
+
+
+class _OtherRankNeedsOneMore(_OneProcess):
+    """As if another data-parallel rank had one more micro-batch to recompute in every mini-batch."""
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        return [v + 1 for v in values] if op == "max" else list(values)
+
+
+def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_most():
+    model = build_model(ARGS, seed=0)
+    groups = _engine_groups(model, num_groups=4)
+    calls = []
+    for dist_env in (_OneProcess(), _OtherRankNeedsOneMore()):
+        trained = copy.deepcopy(model)
+        forwards = []
+        trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))
+        optimizer = _RecordingAdamW(trained.parameters(), lr=1e-2)
+        TrainPhase(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env, torch.device("cpu")).run(1, groups)
+        calls.append(forwards.count(False))  # the no-grad forwards: old log-probs
+    assert calls == [0, 2]  # none needed here; one per mini-batch to keep in step with the other rank
+
+
+def test_padding_rows_need_no_old_log_probs():
+    from trainer.update import empty_micro_batch, needs_recompute
+
+    assert not needs_recompute(empty_micro_batch(), "rollout")
+    assert needs_recompute(empty_micro_batch(), "recompute")

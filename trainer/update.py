@@ -96,15 +96,29 @@ def shares_prompts(cfg, dist_env, device) -> bool:
     return cfg.training.share_prompts and sdpa and dist_env.dims.tp == 1 and not cfg.parallelism.compile
 
 
+def needs_recompute(mb: MicroBatch, source: str) -> bool:
+    """Whether pi_old of `mb` must come from the trainer: always with "recompute"; with "rollout" where a
+    loss token belongs to a carried-over sample (an older policy drew it) or lacks the engine's log-probs."""
+    if source != "rollout":
+        return True
+    if not bool((mb.mask > 0).any()):  # padding rows: no token needs pi_old
+        return False
+    return bool(mb.stale.any()) or any(it.rollout_logprobs is None for it in mb.items)
+
+
 @torch.no_grad()
 def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int,
-                      source: str = "recompute") -> list[MicroBatch]:
+                      source: str = "recompute", at_least: int = 0) -> list[MicroBatch]:
     """log pi_old of every response token, from the trainer before this step's first update; returns the
-    micro-batches it recomputed. With source "rollout" the engine's log-probs are taken instead, except in
-    micro-batches holding carried-over samples (an older policy drew them) or samples without them."""
+    micro-batches it recomputed. With source "rollout" the engine's log-probs are taken instead where they
+    are pi_old (`needs_recompute`). at_least: recompute at least this many micro-batches (those that need it
+    first): under FSDP every rank must run as many forwards as the others."""
+    order = sorted(range(len(micro_batches)), key=lambda i: not needs_recompute(micro_batches[i], source))
+    count = max(at_least, sum(needs_recompute(mb, source) for mb in micro_batches))
     recomputed = []
-    for mb in micro_batches:
-        if source == "rollout" and not bool(mb.stale.any()) and all(it.rollout_logprobs is not None for it in mb.items):
+    for position, i in enumerate(order):
+        mb = micro_batches[i]
+        if position >= count:
             mb.old_logp = mb.rollout_logp.float()
             continue
         logp, _ = micro_batch_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=False)
@@ -139,7 +153,11 @@ class TrainPhase:
         chunk = DEFAULT_CHUNK
         self.model.train()
         source = old_logprob_source(cfg)
-        recomputed = [fill_old_logprobs(self.model, mbs, temperature, chunk, source) for mbs in mini_batches]
+        # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
+        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
+        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
+        recomputed = [fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
+                      for mbs, m in zip(mini_batches, most)]
         # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
         # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
         measured = [(mb.old_logp, mb) for mbs in recomputed for mb in mbs]
