@@ -155,6 +155,8 @@ class AlgorithmConfig:
     truncated_is_cap: float = above(2.0, 0)  # cap of the truncated importance weight
     strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
     kl_coef: float = bounded(0.0, lambda v: v == 0, NO_KL)  # KL penalty: DAPO has none (Sec. 2.3), so only 0
+    # pi_old: the trainer's recompute, or the engine's log-probs (auto: the torch engine with everything in fp32)
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
 
 
 @dataclass
@@ -174,6 +176,7 @@ class TrainingConfig:
     mini_batch_size: int = at_least(32, 1)  # prompts per optimizer update: train_batch_size / this updates per epoch
     micro_batch_tokens: int = at_least(22528, 1)  # token budget of one packed micro-batch (>= prompt + response)
     ppo_epochs: int = at_least(1, 1)  # passes over each step's batch
+    share_prompts: bool = True  # a group's samples share one prompt copy in a micro-batch (SDPA, tp = 1, no compile)
     sft_warmup_steps: int = at_least(0, 0)  # supervised steps on solved examples before DAPO (0 = none)
     sft_lr: float = above(1e-4, 0)  # learning rate of the supervised warm-up
     sft_batch_size: int = at_least(32, 1)  # examples per supervised step

@@ -8,6 +8,12 @@ also carries the layout that maps its response tokens to an [S, L] grid:
     response token k of sample s (the token at row position p_s + P_s + k) is predicted by the hidden
     state at p_s + P_s + k - 1;  `predict_positions` lists those row positions in [S, L] order and
     `targets` the tokens they predict, `layout` [S, L] indexes them (-1 = padding of the grid).
+
+With `share_prompts`, the consecutive samples of one group hold their common prompt once:
+[prompt | response_1 | ... | response_G], each response at positions P..P+R_i-1; response token 0 of
+every sample is predicted by the prompt's last state, token k > 0 by the sample's own token k - 1.
+trainer/shared_prompt_attention.py attends such a row so that every sample sees exactly what it sees
+alone, and the linear layers run over P + sum R_i tokens instead of G P + sum R_i.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class MicroBatch:
     stale: torch.Tensor  # [S] bool: sampled by an earlier policy than the one being trained
     items: list[PackItem] = field(repr=False, default_factory=list)
     old_logp: torch.Tensor | None = None  # [S, L], filled by the trainer before the updates
+    prompt_segments: torch.Tensor | None = None  # shared prompts only: [G, 2] (start, length) of each prompt
+    response_segments: torch.Tensor | None = None  # shared prompts only: [S, 3] (start, length, prompt index)
 
     @property
     def num_samples(self) -> int:
@@ -60,8 +68,17 @@ class MicroBatch:
         moved = {name: getattr(self, name).to(device) for name in
                  ("tokens", "positions", "document_ids", "predict_positions", "targets", "layout", "mask",
                   "advantages", "rollout_logp", "group_ids", "group_tokens", "stale")}
-        old = self.old_logp.to(device) if self.old_logp is not None else None
-        return MicroBatch(**moved, items=self.items, old_logp=old)
+        optional = {name: getattr(self, name).to(device) if getattr(self, name) is not None else None
+                    for name in ("old_logp", "prompt_segments", "response_segments")}
+        return MicroBatch(**moved, items=self.items, **optional)
+
+    def attention_context(self):
+        """The model's attention context for a shared-prompt row; None: the model's own (per document)."""
+        if self.prompt_segments is None:
+            return None
+        from trainer.shared_prompt_attention import SharedPromptContext
+
+        return SharedPromptContext(self.prompt_segments, self.response_segments, self.tokens.shape[1])
 
     def grid(self, per_token: torch.Tensor) -> torch.Tensor:
         """Scatter a [N] per-response-token tensor into the [S, L] grid (0 in the padding)."""
@@ -96,22 +113,29 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     return [sorted(row) for row in rows]
 
 
-def pack(items: list[PackItem], pad_to_multiple: int = 1) -> MicroBatch:
+def prompt_runs(items: list[PackItem]) -> list[list[int]]:
+    """Indices of `items` in runs of consecutive samples of one group with the same prompt."""
+    runs: list[list[int]] = []
+    for i, it in enumerate(items):
+        if runs and it.group_id == items[runs[-1][0]].group_id and it.prompt_ids == items[runs[-1][0]].prompt_ids:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def pack(items: list[PackItem], pad_to_multiple: int = 1, share_prompts: bool = False) -> MicroBatch:
     """Concatenate `items` into one row and build the [S, L] response layout.
 
     pad_to_multiple: pad the row to a multiple of this many tokens (sequence parallelism shards the row
     over the tensor-parallel ranks); the padding is a document of its own and predicts nothing.
+    share_prompts: consecutive samples of one group share one copy of their prompt (see the module docstring).
     """
     if not items:
         raise ValueError("cannot pack an empty list of samples")
+    if share_prompts:
+        return _pack_shared(items, pad_to_multiple)
     tokens, positions, docs, predict, targets = [], [], [], [], []
-    lengths = [len(it.response_ids) for it in items]
-    width = max(1, max(lengths))
-    layout = torch.full((len(items), width), -1, dtype=torch.long)
-    mask = torch.zeros(len(items), width)
-    advantages = torch.zeros(len(items), width)
-    rollout_logp = torch.zeros(len(items), width)
-    offset = 0
     for s, it in enumerate(items):
         if not it.prompt_ids:
             raise ValueError(f"sample {s} has an empty prompt: its first response token has no predictor")
@@ -124,6 +148,58 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1) -> MicroBatch:
         first = start + len(it.prompt_ids) - 1
         predict.extend(range(first, first + n))
         targets.extend(it.response_ids)
+    padding = -len(tokens) % pad_to_multiple
+    tokens.extend([0] * padding)
+    positions.extend(range(padding))
+    docs.extend([len(items)] * padding)
+    return _micro_batch(items, tokens, positions, docs, predict, targets)
+
+
+def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
+    """`pack` with one copy of each run's prompt: [prompt | response_1 | ... | response_k] per run."""
+    tokens, positions, docs, predict, targets = [], [], [], [], []
+    prompt_segments, response_segments = [], []
+    for r, run in enumerate(prompt_runs(items)):
+        prompt = list(items[run[0]].prompt_ids)
+        if not prompt:
+            raise ValueError(f"sample {run[0]} has an empty prompt: its first response token has no predictor")
+        start, length = len(tokens), len(prompt)
+        prompt_segments.append((start, length))
+        tokens.extend(prompt)
+        positions.extend(range(length))
+        docs.extend([r] * length)
+        for s in run:
+            response = list(items[s].response_ids)
+            n, first = len(response), len(tokens)
+            response_segments.append((first, n, r))
+            tokens.extend(response)
+            positions.extend(range(length, length + n))
+            docs.extend([r] * n)
+            predict.extend(([start + length - 1] + list(range(first, first + n - 1)))[:n])
+            targets.extend(response)
+    padding = -len(tokens) % pad_to_multiple
+    if padding:  # a prompt of its own that no response reads
+        prompt_segments.append((len(tokens), padding))
+        docs.extend([len(prompt_segments) - 1] * padding)
+    tokens.extend([0] * padding)
+    positions.extend(range(padding))
+    mb = _micro_batch(items, tokens, positions, docs, predict, targets)
+    mb.prompt_segments = torch.tensor(prompt_segments, dtype=torch.long)
+    mb.response_segments = torch.tensor(response_segments, dtype=torch.long).reshape(-1, 3)
+    return mb
+
+
+def _micro_batch(items: list[PackItem], tokens, positions, docs, predict, targets) -> MicroBatch:
+    """The MicroBatch of a laid-out row: `predict` / `targets` hold the response tokens sample by sample,
+    in `items` order; this builds their [S, L] grid (layout, mask, advantages, rollout log-probs)."""
+    lengths = [len(it.response_ids) for it in items]
+    width = max(1, max(lengths))
+    layout = torch.full((len(items), width), -1, dtype=torch.long)
+    mask = torch.zeros(len(items), width)
+    advantages = torch.zeros(len(items), width)
+    rollout_logp = torch.zeros(len(items), width)
+    offset = 0
+    for s, (it, n) in enumerate(zip(items, lengths)):
         layout[s, :n] = torch.arange(offset, offset + n)
         mask[s, :n] = it.loss_weight
         advantages[s, :n] = it.advantage
@@ -132,10 +208,6 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1) -> MicroBatch:
                 raise ValueError(f"sample {s}: {len(it.rollout_logprobs)} rollout log-probs for {n} response tokens")
             rollout_logp[s, :n] = torch.tensor(it.rollout_logprobs, dtype=torch.float32)
         offset += n
-    padding = -len(tokens) % pad_to_multiple
-    tokens.extend([0] * padding)
-    positions.extend(range(padding))
-    docs.extend([len(items)] * padding)
     as_row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)
     return MicroBatch(
         tokens=as_row(tokens), positions=as_row(positions), document_ids=as_row(docs),
@@ -147,7 +219,26 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1) -> MicroBatch:
     )
 
 
-def pack_micro_batches(items: list[PackItem], token_budget: int, pad_to_multiple: int = 1) -> list[MicroBatch]:
-    """Pack a mini-batch's samples into as few budget-sized rows as first-fit decreasing finds."""
-    plan = plan_micro_batches([it.num_tokens for it in items], token_budget)
-    return [pack([items[i] for i in row], pad_to_multiple) for row in plan]
+def pack_micro_batches(items: list[PackItem], token_budget: int, pad_to_multiple: int = 1,
+                       share_prompts: bool = False) -> list[MicroBatch]:
+    """Pack a mini-batch's samples into as few budget-sized rows as first-fit decreasing finds.
+
+    share_prompts: the samples of one group share their prompt (`pack`); a group is split into several
+    runs, each with its own prompt copy, only where it does not fit one row.
+    """
+    if not share_prompts:
+        plan = plan_micro_batches([it.num_tokens for it in items], token_budget)
+        return [pack([items[i] for i in row], pad_to_multiple) for row in plan]
+    units: list[list[int]] = []  # runs of one prompt that fit the budget
+    for run in prompt_runs(items):
+        prompt = len(items[run[0]].prompt_ids)
+        for i in run:
+            need = len(items[i].response_ids)
+            if units and units[-1][0] in run and prompt + sum(len(items[j].response_ids) for j in units[-1]) + need \
+                    <= token_budget:
+                units[-1].append(i)
+            else:
+                units.append([i])
+    lengths = [len(items[u[0]].prompt_ids) + sum(len(items[i].response_ids) for i in u) for u in units]
+    plan = plan_micro_batches(lengths, token_budget)
+    return [pack([items[i] for u in row for i in units[u]], pad_to_multiple, share_prompts=True) for row in plan]

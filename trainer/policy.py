@@ -21,7 +21,7 @@ from trainer.packing import MicroBatch
 def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
                          with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) / T-tempered, and the entropy, on the micro-batch's [S, L] response grid."""
-    hidden = model(mb.tokens, mb.positions, mb.document_ids, return_hidden=True)
+    hidden = model(mb.tokens, mb.positions, mb.document_ids, context=mb.attention_context(), return_hidden=True)
     if isinstance(hidden, DTensor):  # sequence-parallel output of the final norm
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
     selected = hidden[0, mb.predict_positions]
@@ -68,6 +68,7 @@ def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_nu
         metrics["entropy_sum"] = (entropy.float() * valid).sum()
         metrics["token_prob_sum"] = (logp.detach().float().exp() * valid).sum()
         metrics["valid_tokens"] = valid.sum()
+        metrics["logp"] = logp.detach()  # [S, L]: at the step-start weights, pi_old itself (trainer/update.py)
     return loss, metrics
 
 

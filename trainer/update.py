@@ -51,6 +51,7 @@ def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong
     return out
 
 
+ROLLOUT_LOGP_TOLERANCE = 1e-3  # largest engine/trainer log-prob gap at which the engine's may serve as pi_old
 PADDING_GROUP = -1  # group id of the rows that only keep ranks in step
 
 
@@ -71,12 +72,59 @@ def split_into_mini_batches(group_items: list[list[PackItem]], num_updates: int)
     return [[it for items in group_items[a:b] for it in items] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def old_logprob_source(cfg) -> str:
+    """Where pi_old (Eq. 10's ratio denominator) comes from: "recompute" or "rollout".
+
+    The engine's log-probs of the sampled tokens are pi_old itself when the engine runs the trainer's own
+    model code on the weights of the step start in the same precision: the torch engine with the engine,
+    the trained parameters and the compute all in fp32 (they agree within 1e-5). SGLang's kernels and any
+    bf16 path give different numbers, so "auto" recomputes there.
+    """
+    choice = cfg.algorithm.old_logprobs
+    if choice != "auto":
+        return choice
+    fp32 = (cfg.rollout.dtype, cfg.model.dtype, cfg.parallelism.param_dtype) == ("float32",) * 3
+    return "rollout" if cfg.rollout.engine == "torch" and fp32 else "recompute"
+
+
+def shares_prompts(cfg, dist_env, device) -> bool:
+    """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
+    and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
+    are per document; compiled blocks are not checked with it)."""
+    backend = cfg.model.attention_backend
+    sdpa = backend == "sdpa" or (backend == "auto" and torch.device(device).type != "cuda")
+    return cfg.training.share_prompts and sdpa and dist_env.dims.tp == 1 and not cfg.parallelism.compile
+
+
+def needs_recompute(mb: MicroBatch, source: str) -> bool:
+    """Whether pi_old of `mb` must come from the trainer: always with "recompute"; with "rollout" where a
+    loss token belongs to a carried-over sample (an older policy drew it) or lacks the engine's log-probs."""
+    if source != "rollout":
+        return True
+    if not bool((mb.mask > 0).any()):  # padding rows: no token needs pi_old
+        return False
+    return bool(mb.stale.any()) or any(it.rollout_logprobs is None for it in mb.items)
+
+
 @torch.no_grad()
-def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int) -> None:
-    """log pi_old of every response token, from the trainer before this step's first update."""
-    for mb in micro_batches:
+def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int,
+                      source: str = "recompute", at_least: int = 0) -> list[MicroBatch]:
+    """log pi_old of every response token, from the trainer before this step's first update; returns the
+    micro-batches it recomputed. With source "rollout" the engine's log-probs are taken instead where they
+    are pi_old (`needs_recompute`). at_least: recompute at least this many micro-batches (those that need it
+    first): under FSDP every rank must run as many forwards as the others."""
+    order = sorted(range(len(micro_batches)), key=lambda i: not needs_recompute(micro_batches[i], source))
+    count = max(at_least, sum(needs_recompute(mb, source) for mb in micro_batches))
+    recomputed = []
+    for position, i in enumerate(order):
+        mb = micro_batches[i]
+        if position >= count:
+            mb.old_logp = mb.rollout_logp.float()
+            continue
         logp, _ = micro_batch_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=False)
         mb.old_logp = logp.float()
+        recomputed.append(mb)
+    return recomputed
 
 
 class TrainPhase:
@@ -98,18 +146,27 @@ class TrainPhase:
                                       overlong_filter=alg.overlong_filter, group_offset=group_offset, step=step)
         mini_batches = []
         for mini in split_into_mini_batches(items, num_updates):
-            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp) if mini else []
+            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp,
+                                     share_prompts=shares_prompts(cfg, self.dist, self.device)) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         chunk = DEFAULT_CHUNK
         self.model.train()
-        for mbs in mini_batches:
-            fill_old_logprobs(self.model, mbs, temperature, chunk)
-        mismatch = self._mismatch([mb for mbs in mini_batches for mb in mbs])
+        source = old_logprob_source(cfg)
+        # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
+        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
+        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
+        recomputed = [fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
+                      for mbs, m in zip(mini_batches, most)]
+        # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
+        # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
+        measured = [(mb.old_logp, mb) for mbs in recomputed for mb in mbs]
+        fresh_first = [mb for mb in mini_batches[0] if not any(mb is r for r in recomputed[0])] if mini_batches else []
 
         sums = dict.fromkeys(("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum",
                               "valid_tokens"), 0.0)
         grad_norms, skipped, updates = [], 0, 0
+        mismatch = None
         if progress is not None:
             progress.set_total(sum(len(mbs) for mbs in mini_batches) * cfg.training.ppo_epochs)
         for epoch in range(cfg.training.ppo_epochs):
@@ -132,6 +189,8 @@ class TrainPhase:
                         agg=alg.loss_agg, truncated_is=alg.truncated_is, is_cap=alg.truncated_is_cap,
                         norm_len=cfg.rollout.max_response_length, chunk_size=chunk)
                     loss.backward()
+                    if epoch == 0 and index == 0 and any(mb is m for m in fresh_first):
+                        measured.append((metrics["logp"], mb))
                     loss_total += loss.item()
                     n = float(metrics["num_tokens"])
                     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
@@ -144,11 +203,19 @@ class TrainPhase:
                     if progress is not None:
                         progress.update(1)
                 sums["loss"] += self.dist.all_reduce([loss_total])[0]
+                if epoch == 0 and index == 0:
+                    mismatch = self._mismatch(measured)
+                    if source == "rollout" and mismatch["mismatch/max_abs_logp"] > ROLLOUT_LOGP_TOLERANCE:
+                        log.warning("step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
+                                    "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'", step,
+                                    mismatch["mismatch/max_abs_logp"], alg.old_logprobs)
                 grad_norm = self._clip_and_step(step, index)
                 if grad_norm is None:
                     skipped += 1
                 else:
                     grad_norms.append(grad_norm)
+        if mismatch is None:  # the first mini-batch was not trained on: only recomputed log-probs measure it
+            mismatch = self._mismatch([(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
         if updates > skipped:
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
@@ -177,13 +244,14 @@ class TrainPhase:
             **mismatch,
         }
 
-    def _mismatch(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
-        """Engine vs trainer log-probs of the same tokens (rl/correction.py), over all ranks' tokens."""
+    def _mismatch(self, measured: list[tuple[torch.Tensor, MicroBatch]]) -> dict[str, float]:
+        """Engine vs trainer log-probs of the same tokens (rl/correction.py), over all ranks' tokens.
+        measured: (the trainer's log-probs at the step-start weights [S, L], their micro-batch) pairs."""
         sums = [0.0, 0.0, 0.0, 0.0]  # tokens, |delta| sum, k3 sum, |delta p| > 0.1 count
         worst = 0.0
-        for mb in micro_batches:
+        for trainer_logp, mb in measured:
             # Fresh samples only: carried-over ones differ by design (an older policy drew them).
-            m = mismatch_metrics(mb.old_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
+            m = mismatch_metrics(trainer_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
             n = float(m["mismatch_num_tokens"])
             sums[0] += n
             sums[1] += float(m["mismatch_abs_logp_mean"]) * n

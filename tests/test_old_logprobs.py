@@ -1,0 +1,167 @@
+"""algorithm.old_logprobs: the torch engine's fp32 log-probs serve as pi_old without changing the step, "auto"
+takes them only where they are exact, and carried-over samples are always recomputed."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from config import Config
+from model.args import PRESETS
+from model.qwen2 import build_model
+from rl.data import PromptExample
+from rl.filter import ScoredGroup
+from rollout.engine import SamplingParams
+from rollout.torch_engine import TorchEngine
+from trainer.scoring import Sample
+from trainer.packing import pack_micro_batches
+from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source, pack_items_for_groups
+
+ARGS = PRESETS["tiny"]
+MAX_RESPONSE = 8
+
+
+class _OneProcess:
+    dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
+    dims = types.SimpleNamespace(tp=1)
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        return list(values)
+
+
+class _RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps every update's gradients."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr, weight_decay=0.1)
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for p in self.param_groups[0]["params"]])
+        return super().step(closure)
+
+
+class _NoSchedule:
+    def step(self):
+        pass
+
+
+def _config(**overrides):
+    cfg = Config()
+    cfg.rollout.max_response_length = MAX_RESPONSE
+    cfg.training.train_batch_size, cfg.training.mini_batch_size = 4, 2  # two updates
+    cfg.training.micro_batch_tokens = 32
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+FP32_TORCH = dict(rollout__engine="torch", rollout__dtype="float32", model__dtype="float32",
+                  parallelism__param_dtype="float32")
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (FP32_TORCH, "rollout"),
+    (dict(FP32_TORCH, rollout__engine="sglang"), "recompute"),
+    (dict(FP32_TORCH, rollout__dtype="bfloat16"), "recompute"),
+    (dict(FP32_TORCH, parallelism__param_dtype="bfloat16"), "recompute"),
+    (dict(FP32_TORCH, model__dtype="bfloat16"), "recompute"),
+    ({}, "recompute"),  # the defaults: bf16 engine and compute
+    (dict(FP32_TORCH, algorithm__old_logprobs="recompute"), "recompute"),
+    (dict(FP32_TORCH, rollout__engine="sglang", algorithm__old_logprobs="rollout"), "rollout"),
+])
+def test_auto_takes_the_engine_log_probs_only_for_the_fp32_torch_engine(overrides, expected):
+    assert old_logprob_source(_config(**overrides)) == expected
+
+
+def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
+    """Groups sampled by a torch engine on a copy of `model`, with the engine's log-probs and made-up rewards."""
+    engine = TorchEngine(copy.deepcopy(model), max_batch_size=num_groups * group_size, max_seq_len=32, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    examples = [PromptExample(prompt_ids=torch.randint(1, ARGS.vocab_size, (3 + g,), generator=gen).tolist(),
+                              ground_truth="1", data_source="test", messages=[]) for g in range(num_groups)]
+    params = SamplingParams(max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=group_size, seed=seed,
+                            stop_token_ids=[5])
+    completions = engine.generate([e.prompt_ids for e in examples], params)
+    groups = []
+    for g, example in enumerate(examples):
+        samples = [Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason, (i + g) % 3 == 0,
+                          1.0 if (i + g) % 3 == 0 else -1.0, None, step)
+                   for i, c in enumerate(completions[g * group_size:(g + 1) * group_size])]
+        groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
+                                  score=tuple(s.score for s in samples)))
+    return groups
+
+
+def _train(model, groups, cfg):
+    model = copy.deepcopy(model)
+    optimizer = _RecordingAdamW(model.parameters(), lr=1e-2)
+    stats = TrainPhase(model, optimizer, _NoSchedule(), cfg, _OneProcess(), torch.device("cpu")).run(1, groups)
+    return stats, optimizer.grads
+
+
+def test_the_engine_log_probs_as_pi_old_leave_the_step_unchanged():
+    model = build_model(ARGS, seed=0)
+    groups = _engine_groups(model)
+    recompute = _train(model, groups, _config(**FP32_TORCH, algorithm__old_logprobs="recompute"))
+    rollout = _train(model, groups, _config(**FP32_TORCH))  # auto: the engine's log-probs
+    assert rollout[0]["updates"] == recompute[0]["updates"] == 2
+    for key in ("loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"):
+        assert rollout[0][key] == pytest.approx(recompute[0][key], abs=1e-5), key
+    for got, want in zip(rollout[1], recompute[1]):  # every update's gradients
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # The mismatch is still measured (on the first mini-batch's loss pass) and agrees with the recompute.
+    assert 0 <= rollout[0]["mismatch/max_abs_logp"] < 1e-5
+    assert 0 <= recompute[0]["mismatch/max_abs_logp"] < 1e-5
+
+
+def test_carried_over_samples_and_inexact_log_probs_are_recomputed():
+    model = build_model(ARGS, seed=0)
+    fresh = _engine_groups(model, num_groups=2, step=2)
+    stale = _engine_groups(model, num_groups=2, seed=1, step=1)  # drawn at step 1, trained at step 2
+    for group in stale:
+        for sample in group.payload:
+            sample.rollout_logprobs = [-9.0] * len(sample.response_ids)  # an older policy's log-probs
+    items = [it for g in pack_items_for_groups(fresh + stale, adv_eps=1e-6, norm_by_std=True, overlong_filter=False,
+                                               step=2) for it in g]
+    micro_batches = pack_micro_batches(items, 32)
+    assert any(mb.stale.any() for mb in micro_batches) and any(not mb.stale.any() for mb in micro_batches)
+    recomputed = fill_old_logprobs(model, micro_batches, 1.0, 256, source="rollout")
+    for mb in micro_batches:
+        if mb.stale.any():
+            assert any(mb is r for r in recomputed)
+            assert (mb.old_logp[mb.mask > 0] > -9.0).all()  # the current policy's, not the stored ones
+        else:
+            assert not any(mb is r for r in recomputed)
+            assert torch.equal(mb.old_logp, mb.rollout_logp)
+
+
+class _OtherRankNeedsOneMore(_OneProcess):
+    """As if another data-parallel rank had one more micro-batch to recompute in every mini-batch."""
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        return [v + 1 for v in values] if op == "max" else list(values)
+
+
+def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_most():
+    model = build_model(ARGS, seed=0)
+    groups = _engine_groups(model, num_groups=4)
+    calls = []
+    for dist_env in (_OneProcess(), _OtherRankNeedsOneMore()):
+        trained = copy.deepcopy(model)
+        forwards = []
+        trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))
+        optimizer = _RecordingAdamW(trained.parameters(), lr=1e-2)
+        TrainPhase(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env, torch.device("cpu")).run(1, groups)
+        calls.append(forwards.count(False))  # the no-grad forwards: old log-probs
+    assert calls == [0, 2]  # none needed here; one per mini-batch to keep in step with the other rank
+
+
+def test_padding_rows_need_no_old_log_probs():
+    from trainer.update import empty_micro_batch, needs_recompute
+
+    assert not needs_recompute(empty_micro_batch(), "rollout")
+    assert needs_recompute(empty_micro_batch(), "recompute")
