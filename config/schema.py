@@ -155,8 +155,7 @@ class AlgorithmConfig:
     truncated_is_cap: float = above(2.0, 0)  # cap of the truncated importance weight
     strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
     kl_coef: float = bounded(0.0, lambda v: v == 0, NO_KL)  # KL penalty: DAPO has none (Sec. 2.3), so only 0
-    # pi_old: the trainer's recompute, or the engine's log-probs (auto: the torch engine with everything in fp32)
-    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"  # pi_old source; auto = engine's if all fp32 torch
 
 
 @dataclass
