@@ -7,8 +7,8 @@
   a reference count per block. Block b holds the positions [i * block_size, (i + 1) * block_size) of
   every sequence whose block_table[i] == b.
 * `Scheduler`: a waiting queue and a running list (oldest first). `next_prefill` admits waiting
-  sequences while the running list has room (`max_running`), their blocks are free and the padded
-  prefill stays within `max_prefill_tokens`; `next_decode` gives every running sequence the block its
+  sequences while the running list has room (`max_running`), their blocks are free (beyond one spare
+  block per running sequence) and the padded prefill stays within `max_prefill_tokens`; `next_decode` gives every running sequence the block its
   next token needs, preempting the youngest running sequences when blocks run out.
 
 Prompt sharing: the n samples of a prompt admitted together are prefilled once. The prompt's FULL
@@ -111,6 +111,8 @@ class SchedulerStats:
     decode_steps: int = 0
     peak_running: int = 0
     running_sum: int = 0
+    saturated_steps: int = 0  # decode steps with sequences still waiting: the cache or batch is the limit
+    saturated_running_sum: int = 0
     prefills: int = 0
     preemptions: int = 0
 
@@ -118,15 +120,17 @@ class SchedulerStats:
     def mean_running(self) -> float:
         return self.running_sum / max(self.decode_steps, 1)
 
+    @property
+    def mean_running_saturated(self) -> float:
+        """Mean sequences in flight while others wait: how many the memory (or max_batch_size) admits."""
+        return self.saturated_running_sum / max(self.saturated_steps, 1)
+
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int, watermark: float = 0.01):
+    def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int):
         self.blocks = blocks
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
-        # Blocks kept free at admission (while others run) so that running sequences can grow a little
-        # before anything is preempted; vLLM uses the same 1% default.
-        self.watermark_blocks = int(watermark * blocks.num_blocks)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -165,8 +169,9 @@ class Scheduler:
 
     def _admissible_group(self, first: Sequence, num_tokens: int) -> list[Sequence]:
         """The longest run of waiting sequences starting at `first` that shares its prefill and fits."""
-        reserve = self.watermark_blocks if self.running else 0
-        free = self.blocks.num_free - reserve
+        # Admission leaves one free block per running sequence, so each can grow by a block before anything
+        # is preempted: admitting into the last free blocks would preempt the newcomers at once (recompute).
+        free = self.blocks.num_free - len(self.running)
         if self.blocks.blocks_for_prefill(num_tokens, 1) > free:
             return []
         group = [first]
@@ -198,6 +203,9 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.running_sum += len(self.running)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        if self.waiting:
+            self.stats.saturated_steps += 1
+            self.stats.saturated_running_sum += len(self.running)
         return list(self.running)
 
     def retire_finished(self) -> None:

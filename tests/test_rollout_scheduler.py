@@ -11,6 +11,13 @@ def _seqs(prompt_len, n, prompt_index=0, budget=100):
     return [Sequence(prompt_index, s, prompt, budget) for s in range(n)]
 
 
+def _run(scheduler, seqs):
+    """Put seqs in the running list, prefilled, whatever admission would allow (sets up a full cache)."""
+    for seq in seqs:
+        scheduler.blocks.allocate_prefill([seq], seq.num_tokens)
+    scheduler.running.extend(seqs)
+
+
 def test_samples_share_full_prompt_blocks_and_copy_the_partial_one():
     blocks = BlockManager(num_blocks=10, block_size=16)
     seqs = _seqs(37, 4)  # 2 full blocks + 5 tokens
@@ -42,13 +49,18 @@ def test_prompt_of_whole_blocks_is_shared_entirely_and_each_sample_appends_its_o
 
 def test_admission_is_bounded_by_free_blocks_not_slots():
     blocks = BlockManager(num_blocks=12, block_size=4)
-    scheduler = Scheduler(blocks, max_running=100, max_prefill_tokens=10_000, watermark=0.0)
+    scheduler = Scheduler(blocks, max_running=100, max_prefill_tokens=10_000)
     scheduler.add(_seqs(6, 8, prompt_index=0) + _seqs(6, 8, prompt_index=1))
     groups = scheduler.next_prefill()
-    # prompt 0: 1 shared block + 8 partial blocks = 9; prompt 1 then fits 1 shared + 2 partial.
-    assert [len(g) for g in groups] == [8, 2]
-    assert blocks.num_free == 0 and len(scheduler.running) == 10 and len(scheduler.waiting) == 6
+    # prompt 0: 1 shared block + 8 partial blocks = 9 of 12. Prompt 1 would need 2 more, and admission
+    # keeps one spare block per running sequence (8), so it waits although slots are plenty.
+    assert [len(g) for g in groups] == [8]
+    assert blocks.num_free == 3 and len(scheduler.running) == 8 and len(scheduler.waiting) == 8
     assert scheduler.next_prefill() == []
+    for seq in scheduler.running[:6]:
+        seq.finish_reason = "stop"
+    scheduler.retire_finished()  # 6 partial blocks back (the shared one stays with the other 2): 9 free
+    assert [len(g) for g in scheduler.next_prefill()] == [6]  # 9 - 2 spare = 7 = 1 shared + 6 partial
 
 
 def test_prefill_batch_stays_within_the_padded_token_budget():
@@ -65,11 +77,10 @@ def test_prefill_batch_stays_within_the_padded_token_budget():
 
 def test_decode_preempts_the_youngest_and_the_oldest_progresses():
     blocks = BlockManager(num_blocks=4, block_size=4)
-    scheduler = Scheduler(blocks, max_running=10, max_prefill_tokens=100, watermark=0.0)
+    scheduler = Scheduler(blocks, max_running=10, max_prefill_tokens=100)
     a, b, c = _seqs(4, 1, 0) + _seqs(4, 1, 1) + _seqs(4, 1, 2)
-    scheduler.add([a, b, c])
-    scheduler.next_prefill()
-    assert scheduler.running == [a, b, c] and blocks.num_free == 1
+    _run(scheduler, [a, b, c])
+    assert blocks.num_free == 1
     for s in (a, b, c):
         s.token_ids.append(7)  # position 4: each needs a second block, only one is free
     running = scheduler.next_decode()
@@ -80,16 +91,18 @@ def test_decode_preempts_the_youngest_and_the_oldest_progresses():
     # c comes back with its generated token once blocks free up: recomputed alone, 5 tokens -> 2 blocks.
     a.finish_reason = "stop"
     scheduler.retire_finished()
+    assert scheduler.next_prefill() == []  # 2 free blocks, one kept spare for b
+    b.finish_reason = "stop"
+    scheduler.retire_finished()
     assert [len(g) for g in scheduler.next_prefill()] == [1] and len(c.block_table) == 2
-    assert scheduler.running == [b, c]
+    assert scheduler.running == [c] and c.token_ids == [7]
 
 
 def test_a_sequence_preempts_itself_when_it_is_the_youngest():
     blocks = BlockManager(num_blocks=3, block_size=2)
-    scheduler = Scheduler(blocks, max_running=10, max_prefill_tokens=100, watermark=0.0)
+    scheduler = Scheduler(blocks, max_running=10, max_prefill_tokens=100)
     a, b = _seqs(3, 1, 0) + _seqs(2, 1, 1)
-    scheduler.add([a, b])
-    scheduler.next_prefill()
+    _run(scheduler, [a, b])
     assert blocks.num_free == 0
     a.token_ids.append(1)  # a: position 3, inside its second block
     b.token_ids.append(1)  # b: position 2 needs a second block, none is free, and b is the youngest
