@@ -94,7 +94,9 @@ class RolloutConfig:
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = 1024  # bucket size of the trainer -> engine weight copy
     round_timeout_s: int = 21600  # longest a rank waits for the others' generation (gloo control groups)
-    max_batch_size: int = 512  # sequences the torch engine decodes at once
+    max_batch_size: int = 512  # most sequences the torch engine decodes at once
+    block_size: int = 16  # torch engine: token positions per paged KV-cache block
+    kv_cache_blocks: int = 0  # torch engine KV memory, in blocks of block_size tokens; 0 = max_batch_size full sequences
 
 
 @dataclass
@@ -446,14 +448,14 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
                 "data.synthetic_num_eval", "rollout.n", "rollout.max_response_length",
                 "rollout.gen_batch_multiplier", "rollout.tp_size", "rollout.weight_sync_bucket_mb",
                 "rollout.round_timeout_s",
-                "rollout.max_batch_size", "algorithm.overlong_buffer", "algorithm.max_num_gen_batches",
+                "rollout.max_batch_size", "rollout.block_size", "algorithm.overlong_buffer", "algorithm.max_num_gen_batches",
                 "training.train_batch_size", "training.mini_batch_size", "training.micro_batch_tokens",
                 "training.ppo_epochs", "training.sft_batch_size", "training.max_nonfinite_steps",
                 "parallelism.dp_replicate", "parallelism.tp",
                 "checkpoint.interval", "metrics.log_every", "eval.k"):
         section, name = key.split(".")
         check(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1")
-    for key in ("data.seed", "algorithm.carry_over_max_staleness", "optimizer.weight_decay",
+    for key in ("data.seed", "rollout.kv_cache_blocks", "algorithm.carry_over_max_staleness", "optimizer.weight_decay",
                 "optimizer.warmup_steps", "optimizer.grad_clip", "training.steps", "training.sft_warmup_steps",
                 "metrics.peak_tflops",
                 "checkpoint.keep_latest_k", "eval.interval", "algorithm.overlong_penalty_factor",
@@ -470,6 +472,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         check(0 < s.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
     check(ro.top_k == -1 or ro.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1")
     check(0 < ro.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
+    engine_len = data.max_prompt_length + max(ro.max_response_length, ev.max_response_length or 0)
+    check(ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len, "rollout.kv_cache_blocks",
+          f"must be 0 (auto) or hold one full-length sequence: >= {-(-engine_len // max(ro.block_size, 1))} blocks "
+          f"of rollout.block_size = {ro.block_size} for data.max_prompt_length + the longest response = {engine_len}")
 
     check(0 < alg.clip_low < 1, "algorithm.clip_low", "must be in (0, 1): the lower clip bound is 1 - clip_low")
     check(alg.clip_high > 0, "algorithm.clip_high", "must be > 0: the upper clip bound is 1 + clip_high")

@@ -8,8 +8,9 @@
   every sequence whose block_table[i] == b.
 * `Scheduler`: a waiting queue and a running list (oldest first). `next_prefill` admits waiting
   sequences while the running list has room (`max_running`), their blocks are free (beyond one spare
-  block per running sequence) and the padded prefill stays within `max_prefill_tokens`; `next_decode` gives every running sequence the block its
-  next token needs, preempting the youngest running sequences when blocks run out.
+  block per running sequence) and the padded prefill stays within `max_prefill_tokens`; `next_decode`
+  gives every running sequence the block its next token needs, preempting the youngest running
+  sequences when blocks run out.
 
 Prompt sharing: the n samples of a prompt admitted together are prefilled once. The prompt's FULL
 blocks are shared by all of them (reference count n) and are read-only from then on; a partial last
