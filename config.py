@@ -97,6 +97,7 @@ class RolloutConfig:
     max_batch_size: int = 512  # most sequences the torch engine decodes at once
     block_size: int = 16  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = 0  # torch engine KV memory, in blocks of block_size tokens; 0 = max_batch_size full sequences
+    flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
 
 
 @dataclass
@@ -447,8 +448,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     for key in ("data.max_prompt_length", "data.synthetic_difficulty", "data.synthetic_num_train",
                 "data.synthetic_num_eval", "rollout.n", "rollout.max_response_length",
                 "rollout.gen_batch_multiplier", "rollout.tp_size", "rollout.weight_sync_bucket_mb",
-                "rollout.round_timeout_s",
-                "rollout.max_batch_size", "rollout.block_size", "algorithm.overlong_buffer", "algorithm.max_num_gen_batches",
+                "rollout.round_timeout_s", "rollout.block_size",
+                "rollout.max_batch_size", "algorithm.overlong_buffer", "algorithm.max_num_gen_batches",
                 "training.train_batch_size", "training.mini_batch_size", "training.micro_batch_tokens",
                 "training.ppo_epochs", "training.sft_batch_size", "training.max_nonfinite_steps",
                 "parallelism.dp_replicate", "parallelism.tp",

@@ -107,7 +107,7 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
                            max_seq_len=max_prompt_length + max_new, device=device,
                            dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
                            cuda_graphs=cfg.rollout.cuda_graphs, block_size=cfg.rollout.block_size,
-                           kv_cache_blocks=cfg.rollout.kv_cache_blocks or None)
+                           kv_cache_blocks=cfg.rollout.kv_cache_blocks or None, flex_decode=cfg.rollout.flex_decode)
     from rollout.sglang_engine import SGLangEngine, context_length_for
 
     group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)
