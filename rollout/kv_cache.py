@@ -76,10 +76,17 @@ class DecodeContext:
     """
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], positions: torch.Tensor,
-                 block_tables: torch.Tensor):
+                 block_tables: torch.Tensor, gather_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         # The per-layer buffers, not the cache object: a compiled decode step takes them as inputs, so
         # a cache re-allocated by release/resume_memory needs no recompilation.
         self.k_cache, self.v_cache = k_cache, v_cache
+        # Reused output buffers for the gathered keys and values (CPU): a fresh multi-MB tensor per layer
+        # and step comes from mmap and pays a page fault per 4 KiB on first touch, several times the copy.
+        self.gather_out = gather_out
+        if gather_out is not None:  # resize_ keeps the storage unless it has to grow
+            rows = (k_cache[0].shape[0], block_tables.numel(), k_cache[0].shape[2] * k_cache[0].shape[3])
+            for buffer in gather_out:
+                buffer.resize_(rows)
         block_size = k_cache[0].shape[2]
         b, width = block_tables.shape
         self.write_block = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
@@ -97,8 +104,15 @@ class DecodeContext:
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
         k_cache[:, self.write_block, self.write_offset] = k[:, :, 0].transpose(0, 1)
         v_cache[:, self.write_block, self.write_offset] = v[:, :, 0].transpose(0, 1)
-        keys = k_cache.index_select(1, self.flat_blocks).view(kv_heads, b, self.kv_len, d)
-        values = v_cache.index_select(1, self.flat_blocks).view(kv_heads, b, self.kv_len, d)
+        # Blocks viewed as rows of block_size * D: index_select copies whole rows (memcpy speed, ~3x faster
+        # on CPU than selecting along dim 1 of the 4-d tensor).
+        if self.gather_out is None:
+            keys = k_cache.flatten(2).index_select(1, self.flat_blocks)
+            values = v_cache.flatten(2).index_select(1, self.flat_blocks)
+        else:
+            keys = torch.index_select(k_cache.flatten(2), 1, self.flat_blocks, out=self.gather_out[0])
+            values = torch.index_select(v_cache.flatten(2), 1, self.flat_blocks, out=self.gather_out[1])
+        keys, values = keys.view(kv_heads, b, self.kv_len, d), values.view(kv_heads, b, self.kv_len, d)
         grouped_q = q.reshape(b, kv_heads, h // kv_heads, d).transpose(0, 1)
         scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).float()
         probs = scores.mul_(d ** -0.5).add_(self.bias).softmax(dim=-1).to(v.dtype)

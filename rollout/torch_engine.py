@@ -108,6 +108,9 @@ class TorchEngine:
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
         self._decode_context = DecodeContext
+        self._gather_out = None  # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        if not compile and self.device.type == "cpu":
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if flex_decode and self.device.type == "cuda":
             from rollout.paged_flex import FlexDecodeContext
 
@@ -129,6 +132,8 @@ class TorchEngine:
     def release_memory(self) -> None:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
         self._cache = None
+        if self._gather_out is not None:
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -194,7 +199,10 @@ class TorchEngine:
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                        k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
-        context = self._decode_context(k_cache, v_cache, positions, block_tables)
+        if self._gather_out is None:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables)
+        else:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
