@@ -251,6 +251,14 @@ class TorchEngine:
         positions = torch.tensor([seq.position for seq in running] + pad, device=self.device)
         return tokens, positions, torch.tensor(tables, device=self.device)
 
+    @staticmethod
+    def _sample_into(seqs: list[Sequence], logits: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator, stop: frozenset[int]) -> None:
+        """Sample one token per row of logits and append it (with its log-prob) to that row's sequence."""
+        tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, generator)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append(token, logprob, stop)
+
     # ---------------------------------------------------------------------------------------------
     # Generation
     # ---------------------------------------------------------------------------------------------
@@ -273,11 +281,6 @@ class TorchEngine:
         generator.manual_seed(seed)
         stop = frozenset(params.stop_token_ids)
 
-        def sample_into(seqs: list[Sequence], logits: torch.Tensor) -> None:
-            tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, generator)
-            for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-                seq.append(token, logprob, stop)
-
         seqs = [Sequence(p, s, prompt, min(params.max_new_tokens, self.max_seq_len - len(prompt)))
                 for p, prompt in enumerate(prompts) for s in range(params.n)]
         scheduler = Scheduler(BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size,
@@ -285,13 +288,14 @@ class TorchEngine:
         scheduler.add(seqs)
         while not scheduler.done():
             while groups := scheduler.next_prefill():
-                sample_into([seq for group in groups for seq in group], self._prefill_logits(groups))
+                prefilled = [seq for group in groups for seq in group]
+                self._sample_into(prefilled, self._prefill_logits(groups), params, generator, stop)
                 scheduler.retire_finished()
             running = scheduler.next_decode()
             if not running:
                 continue  # everything was preempted or retired: admit again
             logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
-            sample_into(running, logits[: len(running)])
+            self._sample_into(running, logits[: len(running)], params, generator, stop)
             scheduler.retire_finished()
         self.stats = scheduler.stats
         return [Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)

@@ -9,6 +9,7 @@ import rollout.paged_flex as paged_flex
 from rollout.kv_cache import DecodeContext
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile:UserWarning")
 @pytest.mark.parametrize("kernel", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_flex_block_mask_attends_exactly_like_the_gathered_blocks(monkeypatch, kernel):
     if kernel == "eager":  # flex_attention's reference implementation; "compiled" is inductor's CPU kernel
