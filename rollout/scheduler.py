@@ -26,11 +26,14 @@ cache alone always progresses (the oldest is never preempted for a younger one),
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 
 
 @dataclass(eq=False)
 class Sequence:
+    """One sample of one prompt: what it generated so far, where its k/v live, and why it ended."""
+
     prompt_index: int
     sample_index: int
     prompt: list[int]
@@ -128,6 +131,8 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Waiting queue and running list of one generate call; see the module docstring for the rules."""
+
     def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int):
         self.blocks = blocks
         self.max_running = max_running
@@ -179,7 +184,7 @@ class Scheduler:
         if first.token_ids:  # a preempted sequence is recomputed alone
             return group
         room = self.max_running - len(self.running)
-        for seq in list(self.waiting)[1:room]:
+        for seq in itertools.islice(self.waiting, 1, room):
             if seq.prompt_index != first.prompt_index or seq.token_ids:
                 break
             if self.blocks.blocks_for_prefill(num_tokens, len(group) + 1) > free:
