@@ -131,7 +131,10 @@ class RolloutConfig:
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = at_least(1024, 1)  # bucket size of the trainer -> engine weight copy
     round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for the others' generation (gloo groups)
-    max_batch_size: int = at_least(512, 1)  # sequences the torch engine decodes at once
+    max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
+    block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
+    kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
+    flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
 
 
 @dataclass
@@ -273,3 +276,7 @@ class Config:
         yield "training.micro_batch_tokens", self.training.micro_batch_tokens >= longest, \
             f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: " \
             "a packed micro-batch must hold the longest sample"
+        engine_len = self.data.max_prompt_length + max(ro.max_response_length, self.eval.max_response_length or 0)
+        yield "rollout.kv_cache_blocks", ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len, \
+            f"must be 0 (auto) or hold one full-length sequence: >= {-(-engine_len // max(ro.block_size, 1))} blocks " \
+            f"of rollout.block_size = {ro.block_size} for data.max_prompt_length + the longest response = {engine_len}"

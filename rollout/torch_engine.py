@@ -1,29 +1,36 @@
-"""The embedded rollout engine: this repo's Qwen2 with a preallocated KV cache, on CPU or GPU.
+"""The embedded rollout engine: this repo's Qwen2 with a paged KV cache, on CPU or GPU.
 
-How a `generate` call runs (continuous batching over a fixed pool of cache slots):
-  1. The prompts are expanded into requests (prompt 0 sample 0..n-1, prompt 1 sample 0..n-1, ...).
-  2. While there are free slots and waiting requests, the next requests are admitted: their distinct
-     prompts are prefilled once (right-padded batch, `PrefillContext`) and each prompt's k/v is written
-     into the slots of all its samples, so n samples share one prefill. The first token of every
-     request is sampled from the prefill logits at its prompt's last position.
-  3. One decode step feeds every occupied slot its last token at its own position (`DecodeContext`),
-     samples the next token, and retires requests that sampled a stop token ("stop") or reached their
-     token budget ("length"). Freed slots are refilled at the next step.
+How a `generate` call runs (continuous batching over KV blocks; rollout/scheduler.py holds the state):
+  1. The prompts are expanded into sequences (prompt 0 sample 0..n-1, prompt 1 sample 0..n-1, ...),
+     all waiting.
+  2. Waiting sequences are admitted while blocks are free (`kv_cache_blocks` of `block_size` positions)
+     and fewer than `max_batch_size` run: the samples of a prompt admitted together are prefilled once
+     (right-padded batch of at most `max_prefill_tokens` padded tokens, `PrefillContext`) and share
+     the prompt's full blocks; each gets its own copy of a partial last block. The first token of every
+     sequence is sampled from the prefill logits at its prompt's last position.
+  3. One decode step feeds every running sequence its last token at its own position (`DecodeContext`
+     over its block table), samples the next token, and retires sequences that sampled a stop token
+     ("stop") or reached their token budget ("length"); their blocks return to the free list. When a
+     running sequence needs a new block and none is free, the youngest running sequences are preempted
+     and later recomputed (prefill of prompt + generated tokens), which leaves their outputs unchanged.
 Both phases call the model's own forward with `context=...`, so the engine never duplicates its math.
 
-Sampling and log-probs follow rollout/sampling.py; the budget of a request is
+Sampling and log-probs follow rollout/sampling.py; the budget of a sequence is
 min(max_new_tokens, max_seq_len - len(prompt)), so prompt + completion always fits the context.
+Sampling draws one uniform per sampled row in batch order, so a fixed seed reproduces the samples for
+fixed engine settings (a different block budget or batch size changes which rows share a step).
 
 With `compile=True` the decode step runs under torch.compile: with dynamic shapes on CPU (batch and
-cache length vary between steps), and on CUDA with static shapes (all slots; the cache length rounded
-up to a multiple of max_seq_len / 8) under mode="reduce-overhead", so each of at most 8 shapes
-is compiled and captured as a CUDA graph once (8 is torch.compile's default recompile limit).
+block-table width vary between steps), and on CUDA with static shapes (max_batch_size rows; the block
+table width rounded up to a multiple of 1/8 of a full-length sequence's blocks) under
+mode="reduce-overhead", so each of at most 8 shapes is compiled and captured as a CUDA graph once (8 is
+torch.compile's default recompile limit). `flex_decode=True` on CUDA attends with FlexAttention over
+the block pool instead of gathering the blocks (rollout/paged_flex.py).
 This engine is not tensor-parallel: every rank that runs it holds a full copy of the model.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Iterable
 
 import torch
@@ -32,25 +39,32 @@ import torch.nn.functional as F
 from model.args import ModelArgs
 from model.hf_adapter import from_hf_name
 from rollout.engine import Completion, SamplingParams, validate_prompts
-from rollout.kv_cache import DecodeContext, KVCache, PrefillContext
+from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
+from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
 
 
 class TorchEngine:
     """Rollout engine around a `model.qwen2.Qwen2` that it owns (hand it a copy, not the trainer's).
 
-    max_batch_size: KV-cache slots, i.e. requests decoded together.
+    max_batch_size: most sequences decoded together.
     max_seq_len: longest prompt + completion, in tokens (<= the model's max_position_embeddings).
+    block_size: token positions per KV block.
+    kv_cache_blocks: KV blocks (the engine's KV memory: kv_cache_blocks * block_size *
+        `PagedKVCache.bytes_per_token`); None = max_batch_size full-length sequences' worth.
+        At least one full-length sequence's blocks.
     device / dtype: move the model there once at construction (default: where it already is).
     compile: compile the decode step with torch.compile.
     cuda_graphs: with compile on CUDA, replay the decode step as CUDA graphs (mode "reduce-overhead").
+    flex_decode: on CUDA, decode attention with FlexAttention over the block pool (rollout/paged_flex.py).
     seed: seeds calls whose SamplingParams.seed is None (call k uses seed + k).
-    max_prefill_tokens: padded prompt tokens per prefill forward (bounds prefill activation memory).
+    max_prefill_tokens: padded tokens per prefill forward (bounds prefill activation memory).
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_seq_len: int,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 compile: bool = False, seed: int = 0, max_prefill_tokens: int = 16384, cuda_graphs: bool = True):
+                 compile: bool = False, seed: int = 0, max_prefill_tokens: int = 16384, cuda_graphs: bool = True,
+                 block_size: int = 16, kv_cache_blocks: int | None = None, flex_decode: bool = False):
         args = getattr(model, "args", None)
         if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
             raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
@@ -63,6 +77,16 @@ class TorchEngine:
             )
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.blocks_per_seq = -(-max_seq_len // block_size)
+        if kv_cache_blocks is None:
+            kv_cache_blocks = max_batch_size * self.blocks_per_seq
+        if kv_cache_blocks < self.blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
+                f"tokens; it needs at least {self.blocks_per_seq} blocks of {block_size}"
+            )
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
@@ -74,12 +98,23 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.block_size = block_size
+        self.kv_cache_blocks = kv_cache_blocks
         self.seed = seed
+        self.stats = SchedulerStats()  # of the last generate call
         self._calls = 0
         self._params = dict(model.named_parameters())
-        self._cache: KVCache | None = None
+        self._cache: PagedKVCache | None = None
         self._static_shapes = compile and self.device.type == "cuda"
-        self._kv_bucket = -(-max_seq_len // 8)
+        self._width_bucket = -(-self.blocks_per_seq // 8)
+        self._decode_context = DecodeContext
+        self._gather_out = None  # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        if not compile and self.device.type == "cpu":
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
+        if flex_decode and self.device.type == "cuda":
+            from rollout.paged_flex import FlexDecodeContext
+
+            self._decode_context = FlexDecodeContext
         if compile:
             if self._static_shapes:
                 self._decode = torch.compile(self._decode_logits, dynamic=False,
@@ -97,6 +132,8 @@ class TorchEngine:
     def release_memory(self) -> None:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
         self._cache = None
+        if self._gather_out is not None:
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -104,8 +141,8 @@ class TorchEngine:
         """Allocate the KV cache again (a no-op if it is allocated)."""
         if self._cache is None:
             a = self.args
-            self._cache = KVCache(a.num_layers, self.max_batch_size, a.num_kv_heads, self.max_seq_len,
-                                  a.head_dim, self.device, self.dtype)
+            self._cache = PagedKVCache(a.num_layers, self.kv_cache_blocks, self.block_size, a.num_kv_heads,
+                                       a.head_dim, self.device, self.dtype)
             if self._static_shapes:
                 # CUDA graphs may only mutate inputs at fixed addresses; a resumed cache is re-recorded once.
                 for t in self._cache.k + self._cache.v:
@@ -159,27 +196,68 @@ class TorchEngine:
         # Only the positions we sample from get projected to the vocabulary (not the whole prompt).
         return F.linear(hidden, self.model.output_weight()).float()
 
-    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                        k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
-        """tokens, positions [B] -> next-token logits [B, V] (fp32), k/v appended to the cache."""
-        context = DecodeContext(k_cache, v_cache, positions, kv_len)
+        """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
+        if self._gather_out is None:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables)
+        else:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
-    def _prefill_logits(self, prompts: list[list[int]], slot_ids: list[int], row_of_slot: list[int]) -> torch.Tensor:
-        """Prefill distinct prompts into their slots; returns the last-position logits per slot [S, V]."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        t = int(lengths.max())
-        tokens = torch.zeros(len(prompts), t, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    def _prefill_logits(self, groups: list[list[Sequence]]) -> torch.Tensor:
+        """Prefill each group's token list once into its sequences' blocks; returns the last-position
+        logits per sequence [sum of group sizes, V], in group order."""
+        rows = [group[0].all_tokens() for group in groups]
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         tokens = tokens.to(self.device)
-        positions = torch.arange(t, device=self.device).expand(len(prompts), -1)
-        row_index = torch.tensor(row_of_slot, device=self.device)
-        context = PrefillContext(self._cache, torch.tensor(slot_ids, device=self.device), row_index)
+        positions = torch.arange(tokens.shape[1], device=self.device).expand(len(rows), -1)
+        writes = [self._prefill_writes(i, group) for i, group in enumerate(groups)]
+        src_row, src_pos, dst_block, dst_offset = (torch.cat(parts).to(self.device) for parts in zip(*writes))
+        context = PrefillContext(self._cache, src_row, src_pos, dst_block, dst_offset)
         hidden = self.model(tokens, positions, context=context, return_hidden=True)
-        last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
-        return self._logits(last)[row_index]
+        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
+        row_of_seq = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
+        return self._logits(last)[row_of_seq]
+
+    def _prefill_writes(self, row: int, group: list[Sequence]):
+        """(src_row, src_pos, dst_block, dst_offset) of one group: the shared full blocks once, from the
+        first sequence's table, then the partial last block once per sequence."""
+        n = group[0].num_tokens
+        full = n - n % self.block_size
+        pos = [torch.arange(full)] + [torch.arange(full, n) for _ in group if full < n]
+        blocks = [torch.tensor(group[0].block_table[: full // self.block_size]).repeat_interleave(self.block_size)]
+        blocks += [torch.full((n - full,), seq.block_table[-1]) for seq in group if full < n]
+        pos, blocks = torch.cat(pos), torch.cat(blocks).long()
+        return torch.full_like(pos, row), pos, blocks, pos % self.block_size
+
+    def _decode_batch(self, running: list[Sequence]):
+        """Decode inputs: last tokens, positions and block tables padded with the scratch block; on the
+        static-shape (CUDA graph) path also padded to max_batch_size rows and a bucketed width."""
+        width = max(len(seq.block_table) for seq in running)
+        rows = len(running)
+        if self._static_shapes:
+            width = min(self.blocks_per_seq, -(-width // self._width_bucket) * self._width_bucket)
+            rows = self.max_batch_size
+        scratch = self._cache.scratch_block
+        tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in running]
+        tables += [[scratch] * width] * (rows - len(running))
+        pad = [0] * (rows - len(running))
+        tokens = torch.tensor([seq.token_ids[-1] for seq in running] + pad, device=self.device)
+        positions = torch.tensor([seq.position for seq in running] + pad, device=self.device)
+        return tokens, positions, torch.tensor(tables, device=self.device)
+
+    @staticmethod
+    def _sample_into(seqs: list[Sequence], logits: torch.Tensor, params: SamplingParams,
+                     generator: torch.Generator, stop: frozenset[int]) -> None:
+        """Sample one token per row of logits and append it (with its log-prob) to that row's sequence."""
+        tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, generator)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append(token, logprob, stop)
 
     # ---------------------------------------------------------------------------------------------
     # Generation
@@ -203,84 +281,22 @@ class TorchEngine:
         generator.manual_seed(seed)
         stop = frozenset(params.stop_token_ids)
 
-        requests = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
-        budget = [min(params.max_new_tokens, self.max_seq_len - len(prompts[p])) for p, _ in requests]
-        out_tokens: list[list[int]] = [[] for _ in requests]
-        out_logprobs: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * len(requests)
-
-        num_slots = self.max_batch_size if self._static_shapes else min(self.max_batch_size, len(requests))
-        slot_request = [-1] * num_slots
-        slot_position = [0] * num_slots  # where the slot's next input token goes
-        slot_token = [0] * num_slots  # the slot's next input token
-        waiting = collections.deque(range(len(requests)))
-
-        def record(slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-            for slot, token, logprob in zip(slots, tokens.tolist(), logprobs.tolist()):
-                r = slot_request[slot]
-                out_tokens[r].append(token)
-                out_logprobs[r].append(logprob)
-                if token in stop:
-                    finish[r] = "stop"
-                elif len(out_tokens[r]) >= budget[r]:
-                    finish[r] = "length"
-                else:
-                    slot_token[slot] = token
-                    slot_position[slot] += 1
-                    continue
-                slot_request[slot] = -1
-
-        while True:
-            free = [s for s in range(num_slots) if slot_request[s] < 0]
-            if waiting and free:
-                admitted = [(slot, waiting.popleft()) for slot in free[: len(waiting)]]
-                for chunk in self._prefill_chunks(admitted, requests, prompts):
-                    distinct = list(dict.fromkeys(requests[r][0] for _, r in chunk))
-                    row = {p: i for i, p in enumerate(distinct)}
-                    slots = [slot for slot, _ in chunk]
-                    for slot, r in chunk:
-                        slot_request[slot] = r
-                        slot_position[slot] = len(prompts[requests[r][0]]) - 1
-                    logits = self._prefill_logits([prompts[p] for p in distinct], slots,
-                                                  [row[requests[r][0]] for _, r in chunk])
-                    record(slots, *sample(logits, params.temperature, params.top_k, params.top_p, generator))
-            active = [s for s in range(num_slots) if slot_request[s] >= 0]
-            if not active:
-                if waiting:
-                    continue
-                break
-            batch = num_slots if self._static_shapes else active[-1] + 1
-            kv_len = max(slot_position[s] for s in active) + 1
-            if self._static_shapes:
-                kv_len = min(self.max_seq_len, -(-kv_len // self._kv_bucket) * self._kv_bucket)
-            # Idle slots below `batch` compute on a dummy token at position 0; their output is ignored.
-            occupied = [slot_request[s] >= 0 for s in range(batch)]
-            tokens = torch.tensor([slot_token[s] if occupied[s] else 0 for s in range(batch)], device=self.device)
-            positions = torch.tensor([slot_position[s] if occupied[s] else 0 for s in range(batch)], device=self.device)
-            logits = self._decode(tokens, positions, kv_len, self._cache.k, self._cache.v)
-            next_tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, generator)
-            index = torch.tensor(active, device=self.device)
-            record(active, next_tokens[index], logprobs[index])
-
-        return [Completion(p, s, out_tokens[r], out_logprobs[r], finish[r]) for r, (p, s) in enumerate(requests)]
-
-    def _prefill_chunks(self, admitted, requests, prompts):
-        """Split admitted (slot, request) pairs into prefills of <= max_prefill_tokens padded tokens.
-
-        Requests arrive prompt-major, so a prompt's samples are adjacent and land in the same chunk
-        unless the chunk boundary falls between them (then that prompt is prefilled twice).
-        """
-        chunk, distinct, longest = [], set(), 0
-        for slot, r in admitted:
-            p = requests[r][0]
-            if p not in distinct:
-                new_longest = max(longest, len(prompts[p]))
-                if chunk and new_longest * (len(distinct) + 1) > self.max_prefill_tokens:
-                    yield chunk
-                    chunk, distinct, new_longest = [], set(), len(prompts[p])
-                distinct.add(p)
-                longest = new_longest
-            chunk.append((slot, r))
-        if chunk:
-            yield chunk
-
+        seqs = [Sequence(p, s, prompt, min(params.max_new_tokens, self.max_seq_len - len(prompt)))
+                for p, prompt in enumerate(prompts) for s in range(params.n)]
+        scheduler = Scheduler(BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size,
+                              self.max_prefill_tokens)
+        scheduler.add(seqs)
+        while not scheduler.done():
+            while groups := scheduler.next_prefill():
+                prefilled = [seq for group in groups for seq in group]
+                self._sample_into(prefilled, self._prefill_logits(groups), params, generator, stop)
+                scheduler.retire_finished()
+            running = scheduler.next_decode()
+            if not running:
+                continue  # everything was preempted or retired: admit again
+            logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
+            self._sample_into(running, logits[: len(running)], params, generator, stop)
+            scheduler.retire_finished()
+        self.stats = scheduler.stats
+        return [Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
+                for seq in seqs]

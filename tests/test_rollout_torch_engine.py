@@ -77,6 +77,62 @@ def test_logprobs_match_the_trainer(temperature, top_p, top_k):
         torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-5)
 
 
+def _hf_greedy(hf, prompt, new_tokens):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_n_samples_share_prompt_blocks_and_match_transformers():
+    """13-token prompt, blocks of 4: 3 full prompt blocks shared by the 3 samples plus one own block each
+    is 6 blocks; unshared copies would need 12. With 6 blocks all three run together, never preempted."""
+    prompt = PROMPTS[3]
+    engine = _engine(seed=3, max_seq_len=16, block_size=4, kv_cache_blocks=6)
+    completions = engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0, n=3))
+    assert engine.stats.peak_running == 3 and engine.stats.preemptions == 0
+    want = _hf_greedy(_hf_model(build_model(ARGS, seed=3)), prompt, 3)
+    assert [c.token_ids for c in completions] == [want] * 3
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_with_shared_blocks_matches_transformers_for_every_sample(block_size):
+    engine = _engine(seed=3, block_size=block_size)
+    hf = _hf_model(build_model(ARGS, seed=3))
+    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, n=3))
+    for c in completions:
+        assert c.token_ids == _hf_greedy(hf, PROMPTS[c.prompt_index], 12), (c.prompt_index, c.sample_index)
+
+
+def test_preemption_leaves_greedy_outputs_and_logprobs_unchanged():
+    """A block budget of one full-length sequence plus one block forces preemption and recompute."""
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, n=2)
+    tight = _engine(seed=16, max_seq_len=32, block_size=4, kv_cache_blocks=9)
+    roomy = _engine(seed=16, max_seq_len=32, block_size=4)
+    preempted, free = tight.generate(PROMPTS, params), roomy.generate(PROMPTS, params)
+    assert tight.stats.preemptions > 0 and roomy.stats.preemptions == 0
+    hf = _hf_model(build_model(ARGS, seed=16))
+    reference = build_model(ARGS, seed=16)
+    for c, f in zip(preempted, free):
+        assert c.token_ids == f.token_ids == _hf_greedy(hf, PROMPTS[c.prompt_index], 14)
+        want = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-5)
+
+
+def test_sampled_logprobs_match_the_trainer_after_preemption():
+    engine = _engine(seed=17, max_seq_len=32, block_size=4, kv_cache_blocks=10)
+    reference = build_model(ARGS, seed=17)
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, n=3, seed=2)
+    completions = engine.generate(PROMPTS, params)
+    assert engine.stats.preemptions > 0
+    for c in completions:
+        assert c.finish_reason == "length" and len(c.token_ids) == min(16, 32 - len(PROMPTS[c.prompt_index]))
+        want = _trainer_logprobs(reference, PROMPTS[c.prompt_index], c.token_ids, 0.9)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-5)
+    again = _engine(seed=17, max_seq_len=32, block_size=4, kv_cache_blocks=10).generate(PROMPTS, params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # seeded: reproducible
+
+
 def test_samples_stay_inside_top_k_and_nucleus_of_the_true_distribution():
     engine = _engine(seed=2)
     reference = build_model(ARGS, seed=2)
@@ -163,6 +219,10 @@ def test_bad_input_is_refused():
         engine.generate([[1]], {"max_new_tokens": 4})
     with pytest.raises(ValueError, match="max_seq_len"):
         _engine(max_seq_len=ARGS.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="kv_cache_blocks = 3 cannot hold one sequence of max_seq_len = 16"):
+        _engine(max_seq_len=16, block_size=4, kv_cache_blocks=3)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        _engine(block_size=0)
 
 
 def test_release_and_resume_memory():

@@ -195,7 +195,8 @@ def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_
         engine = TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
                              max_seq_len=max_prompt_length + max_new, device=device,
                              dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
-                             cuda_graphs=cfg.rollout.cuda_graphs)
+                             cuda_graphs=cfg.rollout.cuda_graphs, block_size=cfg.rollout.block_size,
+                             kv_cache_blocks=cfg.rollout.kv_cache_blocks or None, flex_decode=cfg.rollout.flex_decode)
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         return engine
     from rollout.sglang_engine import SGLangEngine, context_length_for
