@@ -124,8 +124,10 @@ def vocab_parallel_token_logprobs(
             f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(f"targets must lie in [0, {vocab}), got range [{int(targets.min())}, {int(targets.max())}]")
+    if targets.numel():
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one device sync for both bounds
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}), got range [{lo}, {hi}]")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if chunk_size <= 0:

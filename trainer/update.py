@@ -191,15 +191,16 @@ class TrainPhase:
                     loss.backward()
                     if epoch == 0 and index == 0 and any(mb is m for m in fresh_first):
                         measured.append((metrics["logp"], mb))
-                    loss_total += loss.item()
+                    loss_value = loss.item()  # the micro-batch's one host sync for its loss
+                    loss_total += loss_value
                     n = float(metrics["num_tokens"])
                     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                         sums[key] += float(metrics[key]) * n
                     for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
                         sums[key] += float(metrics[key])
-                    if not math.isfinite(loss.item()):
+                    if not math.isfinite(loss_value):
                         log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
-                                    step, loss.item(), index, micro_index)
+                                    step, loss_value, index, micro_index)
                     if progress is not None:
                         progress.update(1)
                 sums["loss"] += self.dist.all_reduce([loss_total])[0]
