@@ -448,3 +448,25 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
         f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
         f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
         f"the run folder aside) or remove {tmp_path}/run/checkpoints")
+
+
+def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handlers(tmp_path, monkeypatch,
+                                                                                     signal_handlers):
+    shutdowns = []
+    real_shutdown = TorchEngine.shutdown
+
+    def counting_shutdown(self):
+        shutdowns.append(self)
+        return real_shutdown(self)
+
+    def score(solution, ground_truth, strict_box=False):
+        raise KeyError("broken scorer (simulated)")
+
+    monkeypatch.setattr(TorchEngine, "shutdown", counting_shutdown)
+    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with pytest.raises(RuntimeError, match=r"broken scorer \(simulated\)'. Checkpoint of step 0 saved"):
+        train.main(overrides(str(tmp_path), steps=2, **{"algorithm.dynamic_sampling": False}))
+    assert len(shutdowns) == 1
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert not torch.distributed.is_initialized()
