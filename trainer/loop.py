@@ -170,7 +170,7 @@ class Trainer:
             log.info("resumed from step %d", self.state.step)
             self.sync_weights()
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
-        self.metrics = MetricsWriter(p.run_path, self.cfg, rank=self.dist.rank,
+        self.metrics = MetricsWriter(p.run_path, self.cfg.metrics, rank=self.dist.rank,
                                      resumed_step=self.state.step if self.state.step > 0 else -1)
         # A first SIGTERM / SIGINT asks for a checkpoint at the next phase boundary, from here to the end.
         self.stop = GracefulStop().install()
@@ -232,10 +232,11 @@ class Trainer:
         self.state.step = step
         self.state.tokens += int(train_stats["train_tokens"])
         self.state.nonfinite_in_a_row = p.phase.nonfinite_in_a_row
-        row = rollout_metrics(groups, filter_stats, train_stats, self.dist, self.cfg)
+        row = rollout_metrics(groups, filter_stats, train_stats, self.dist, group_size=self.cfg.rollout.n)
         row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
                     "time/train": train_seconds})
-        row.update(training_mfu(p.policy.args, groups, self.cfg, train_seconds, self.dist))
+        row.update(training_mfu(p.policy.args, groups, train_seconds, self.dist,
+                                ppo_epochs=self.cfg.training.ppo_epochs, metrics=self.cfg.metrics))
         self.stop_after_nonfinite_updates(step, row, step_start)
 
         sync_start = time.perf_counter()

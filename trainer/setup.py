@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,11 @@ from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_cha
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from trainer.memory import return_cached_memory
+
+if TYPE_CHECKING:
+    from config import Config
+    from rollout.engine import Engine
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +151,8 @@ def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module
     return model
 
 
-def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = True):
+def build_policy_and_engine(cfg: Config, dist_env: DistEnv, *, start_engine=None,
+                            fill: bool = True) -> tuple[torch.nn.Module, Engine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout
     engine, which sizes its KV pool from the memory free when it starts.

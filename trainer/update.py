@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,10 @@ from rl.correction import mismatch_metrics
 from rl.reward import overlong_filter_mask
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
+
+if TYPE_CHECKING:
+    from config import Config
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +135,9 @@ def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float
 class TrainPhase:
     """Holds what the updates need across steps: model, optimizer, scheduler and the settings."""
 
-    def __init__(self, model, optimizer, scheduler, cfg, dist_env, device):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Config, dist_env: DistEnv,
+                 device: torch.device):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.dist, self.device = cfg, dist_env, device
         self.nonfinite_in_a_row = 0
