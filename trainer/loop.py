@@ -219,26 +219,17 @@ class Trainer:
         p, step_start = self.parts, time.perf_counter()
         # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
         before_step = loop_position(p.sampler, p.builder)
+        # Lines 3-8: generate, score and filter groups until the batch is full.
         return_cached_memory(self.dist)  # the engine takes its memory back: the trainer's cached blocks first
         p.engine.resume_memory()
-        groups, filter_stats, rollout_seconds = self.rollouts(step, before_step)
+        groups, filter_stats, seconds = self.rollouts(step, before_step)
         p.engine.release_memory()  # colocated: the KV cache makes room for training activations
         self.stop_if_requested(before_step)
-
-        train_start = time.perf_counter()
-        with self.progress(None, f"step {step} train", "micro-batches") as bar:
-            train_stats = p.phase.run(step, groups, progress=bar)
-        train_seconds = time.perf_counter() - train_start
-        self.state.step = step
-        self.state.tokens += int(train_stats["train_tokens"])
-        self.state.nonfinite_in_a_row = p.phase.nonfinite_in_a_row
-        row = rollout_metrics(groups, filter_stats, train_stats, self.dist, group_size=self.cfg.rollout.n)
-        row.update({"time/generate": rollout_seconds["generate"], "time/score": rollout_seconds["score"],
-                    "time/train": train_seconds})
-        row.update(training_mfu(p.policy.args, groups, train_seconds, self.dist,
-                                ppo_epochs=self.cfg.training.ppo_epochs, metrics=self.cfg.metrics))
+        # Lines 9-12: advantages, then the DAPO loss over each mini-batch and an AdamW step.
+        train_stats, seconds["train"] = self.train(step, groups)
+        row = self.step_row(groups, filter_stats, train_stats, seconds)
         self.stop_after_nonfinite_updates(step, row, step_start)
-
+        # The new policy into the engine for the next step's rollouts.
         sync_start = time.perf_counter()
         return_cached_memory(self.dist)  # the first bucket maps the engine's weights back
         self.sync_weights()
@@ -246,6 +237,25 @@ class Trainer:
         row["time/step"] = time.perf_counter() - step_start
         row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
         self.after_step(step, row)
+
+    def train(self, step: int, groups) -> tuple[dict[str, float], float]:
+        """The step's updates on this rank's `groups`; (training metrics, seconds). The step is then done."""
+        train_start = time.perf_counter()
+        with self.progress(None, f"step {step} train", "micro-batches") as bar:
+            train_stats = self.parts.phase.run(step, groups, progress=bar)
+        train_seconds = time.perf_counter() - train_start
+        self.state.step = step
+        self.state.tokens += int(train_stats["train_tokens"])
+        self.state.nonfinite_in_a_row = self.parts.phase.nonfinite_in_a_row
+        return train_stats, train_seconds
+
+    def step_row(self, groups, filter_stats: dict, train_stats: dict, seconds: dict[str, float]) -> dict:
+        """The step's metrics row so far: rollout and training statistics, phase times, MFU."""
+        row = rollout_metrics(groups, filter_stats, train_stats, self.dist, group_size=self.cfg.rollout.n)
+        row.update({f"time/{phase}": seconds[phase] for phase in ("generate", "score", "train")})
+        row.update(training_mfu(self.parts.policy.args, groups, seconds["train"], self.dist,
+                                ppo_epochs=self.cfg.training.ppo_epochs, metrics=self.cfg.metrics))
+        return row
 
     def rollouts(self, step: int, before_step: dict):
         """Generation rounds until the batch is full; a failure checkpoints the step before and stops."""
