@@ -126,7 +126,7 @@ def copy_into_shards(model: torch.nn.Module, full_tensors) -> None:
         raise ValueError(f"no values for {len(params)} parameters, e.g. {sorted(params)[:3]}")
 
 
-def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module:
+def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -> torch.nn.Module:
     """The policy, parallelised, holding only this rank's shards on the device:
 
         1. the module on the meta device (no memory anywhere);
@@ -166,7 +166,7 @@ def build_policy_and_engine(cfg: Config, dist_env: DistEnv, *, start_engine=None
     return policy, engine
 
 
-def engine_group(tp_size: int, dist_env):
+def engine_group(tp_size: int, dist_env: DistEnv):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
     the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
     control group (trainer/distributed.py): its ranks wait in it while the leader generates."""
@@ -186,7 +186,8 @@ def engine_group(tp_size: int, dist_env):
     return mine, dist_env.local_rank - dist_env.local_rank % tp_size
 
 
-def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_length: int, dist_env=None):
+def build_engine(cfg: Config, policy: torch.nn.Module, device: torch.device, max_prompt_length: int,
+                 dist_env: DistEnv | None = None) -> Engine:
     """The rollout engine, started after the policy is sharded. The torch engine gets its own full copy
     of the policy's weights; an SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)

@@ -66,7 +66,7 @@ def empty_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
     return pack([PackItem([0], [0], loss_weight=0.0, group_id=PADDING_GROUP)], pad_to_multiple)
 
 
-def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env) -> list[MicroBatch]:
+def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env: DistEnv) -> list[MicroBatch]:
     most = int(dist_env.all_reduce([float(len(micro_batches))], op="max")[0])
     pad = dist_env.dims.tp
     return micro_batches + [empty_micro_batch(pad) for _ in range(most - len(micro_batches))]
@@ -78,7 +78,7 @@ def split_into_mini_batches(group_items: list[list[PackItem]], num_updates: int)
     return [[it for items in group_items[a:b] for it in items] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def old_logprob_source(cfg) -> str:
+def old_logprob_source(cfg: Config) -> str:
     """Where pi_old (Eq. 10's ratio denominator) comes from: "recompute" or "rollout".
 
     The engine's log-probs of the sampled tokens are pi_old itself when the engine runs the trainer's own
@@ -93,7 +93,7 @@ def old_logprob_source(cfg) -> str:
     return "rollout" if cfg.rollout.engine == "torch" and fp32 else "recompute"
 
 
-def shares_prompts(cfg, dist_env, device) -> bool:
+def shares_prompts(cfg: Config, dist_env: DistEnv, device: torch.device) -> bool:
     """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
     and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
     are per document; compiled blocks are not checked with it)."""
