@@ -61,6 +61,28 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
+def _check_slice_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int,
+                        temperature: float, chunk_size: int, with_entropy: bool, entropy_grad: bool) -> None:
+    """Refuse inputs the vocabulary-parallel kernel cannot compute on, with the shape or value at fault."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight slice must be [vocab/tp, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if targets.numel():
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one device sync for both bounds
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}), got range [{lo}, {hi}]")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if entropy_grad and not with_entropy:
+        raise ValueError("entropy_grad=True needs with_entropy=True")
+
+
 def vocab_parallel_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -117,21 +139,7 @@ def vocab_parallel_token_logprobs(
         return token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
                               with_entropy=with_entropy, entropy_grad=entropy_grad)
 
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight slice must be [vocab/tp, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(f"targets must lie in [0, {vocab}), got range [{int(targets.min())}, {int(targets.max())}]")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if entropy_grad and not with_entropy:
-        raise ValueError("entropy_grad=True needs with_entropy=True")
+    _check_slice_inputs(hidden, weight, targets, vocab, temperature, chunk_size, with_entropy, entropy_grad)
 
     rank = dist.get_rank(tp_group)
     logp, entropy = _VocabParallelTokenLogprobs.apply(

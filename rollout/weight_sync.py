@@ -32,6 +32,7 @@ from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
 from parallel.plain_names import plain_named_parameters
+from rollout.engine import Engine
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
         yield bucket
 
 
-def sync_weights(trainer_model: nn.Module, engine, *, bucket_bytes: int = 1 << 30,
+def sync_weights(trainer_model: nn.Module, engine: Engine | None, *, bucket_bytes: int = 1 << 30,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> int:
     """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
 

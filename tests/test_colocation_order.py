@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import train
+import trainer.loop
 import trainer.scoring
 import trainer.setup
 from config import load_config
@@ -89,7 +90,7 @@ def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monk
     events = []
     build_engine = trainer.setup.build_engine
     monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (train, trainer.setup):
+    for module in (trainer.loop, trainer.setup):
         monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     assert train.main(overrides(str(tmp_path), steps=2)) == 0

@@ -89,6 +89,14 @@ def _worker(rank, world_size):
         vocab_parallel_token_logprobs(hidden, distribute_tensor(weight, mesh, [Shard(1)]), targets)
     except ValueError as e:
         out["wrong placement"] = str(e)
+    # Token ids outside the vocabulary: refused with the range found.
+    bad = targets.clone()
+    bad.view(-1)[0] = V
+    try:
+        vocab_parallel_token_logprobs(hidden, weight[rank * rows:(rank + 1) * rows], bad, group)
+        out["out of range"] = None
+    except ValueError as e:
+        out["out of range"] = str(e)
     return out
 
 
@@ -121,3 +129,10 @@ def test_rejects_weight_not_sharded_on_vocabulary(sharded_results):
     for results in sharded_results:
         message = results["wrong placement"]
         assert message is not None and "sharded on dim 0" in message, message
+
+
+def test_rejects_targets_outside_the_vocabulary(sharded_results):
+    for results in sharded_results:
+        message = results["out of range"]
+        assert message is not None and f"must lie in [0, {V}), got range [" in message, message
+        assert message.endswith(f", {V}]"), message

@@ -3,7 +3,6 @@ kept/* metrics the batch trained on; a step whose groups were all dropped still 
 
 import contextlib
 import math
-import types
 
 import pytest
 
@@ -54,8 +53,7 @@ def _row(engine, train_batch_size, max_rounds):
     with pytest.warns(RuntimeWarning, match="dynamic sampling kept") if train_batch_size > 1 else contextlib.nullcontext():
         groups, stats, _ = collect_batch(1, builder, engine, PromptSampler(examples, shuffle=False), 2, params,
                                          _AnswerTokenizer(), reward, _OneProcess())
-    cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(n=4))
-    return groups, rollout_metrics(groups, stats, {}, _OneProcess(), cfg)
+    return groups, rollout_metrics(groups, stats, {}, _OneProcess(), group_size=4)
 
 
 def test_all_samples_and_kept_batch_are_logged_under_their_own_names():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train
+import trainer.loop
 import trainer.scoring
 from model.args import get_preset
 from model.hf import load_hf
@@ -99,7 +100,7 @@ def test_dry_run_prints_the_resolved_config_without_building_a_model(config, cap
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run must not touch a model")
 
-    monkeypatch.setattr(train, "build_policy_and_engine", refuse)
+    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", refuse)
     assert train.main(["--config", os.path.join(CONFIGS, config), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert set(resolved) >= {"model", "rollout", "algorithm", "training", "parallelism"}

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import train
+import trainer.loop
 import trainer.policy
 import trainer.scoring
+import trainer.update
 from parallel.checkpoint import CheckpointManager
 from rollout.torch_engine import TorchEngine
 from tests.planted_train import planted_score
@@ -90,7 +92,7 @@ def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, m
 
 def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path, monkeypatch):
     steps_trained = []
-    real_run = train.TrainPhase.run
+    real_run = trainer.update.TrainPhase.run
 
     def counting_run(self, step, groups, **kwargs):
         steps_trained.append(step)
@@ -101,7 +103,7 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
             return {"score": 1.0, "acc": True, "pred": None}
         return planted_score(solution, ground_truth)
 
-    monkeypatch.setattr(train.TrainPhase, "run", counting_run)
+    monkeypatch.setattr(trainer.update.TrainPhase, "run", counting_run)
     monkeypatch.setattr(trainer.scoring, "compute_score", score)
     argv = overrides(str(tmp_path), steps=4, **{"algorithm.on_shortfall": "raise", "checkpoint.interval": 100})
     with pytest.raises(RuntimeError, match=r"could not fill the batch of step 3 in \d+ generation rounds .*"
@@ -171,7 +173,7 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
         train.main(argv)
     tokenizer_dir = str(tmp_path / "tokenizer")
     train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
-    monkeypatch.setattr(train, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
+    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
     with pytest.raises(ConfigError, match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
                                           r"prompts of data.train_path = '.*train.parquet' has one"):
         train.main(argv + [f"--model.tokenizer_path={tokenizer_dir}"])
@@ -207,7 +209,7 @@ def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch
         def __exit__(self, *exc):
             pass
 
-    monkeypatch.setattr(train, "Progress", Recording)
+    monkeypatch.setattr(trainer.loop, "Progress", Recording)
     train.main(overrides(str(tmp_path), steps=1, **{"training.sft_warmup_steps": 2, "eval.at_start": True}))
     seen = [(p.desc, p.unit, p.n, p.total) for p in phases]
     assert seen[0] == ("warm-up", "steps", 2, 2)
@@ -234,7 +236,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_pat
     before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
     files = _folder_state(tmp_path)
     for name in ("build_policy_and_engine", "load_datasets", "build_tokenizer"):
-        monkeypatch.setattr(train, name, lambda *a, **k: pytest.fail("a finished run built something"))
+        monkeypatch.setattr(trainer.loop, name, lambda *a, **k: pytest.fail("a finished run built something"))
     caplog.clear()
     with caplog.at_level("INFO", logger="train"):
         assert train.main(argv) == 0
@@ -303,14 +305,14 @@ def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkey
     from trainer.signals import StopRequested
 
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    real_eval = train.run_held_out_eval
+    real_eval = trainer.loop.run_held_out_eval
 
     def eval_then_sigterm(*args, **kwargs):
         result = real_eval(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives during the final phase
         return result
 
-    monkeypatch.setattr(train, "run_held_out_eval", eval_then_sigterm)
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", eval_then_sigterm)
     argv = overrides(str(tmp_path), steps=2, **{"eval.at_end": True, "checkpoint.interval": 100})
     with pytest.raises(StopRequested, match="stopped by SIGTERM after step 2"):
         train.main(argv)
@@ -446,3 +448,25 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
         f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
         f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
         f"the run folder aside) or remove {tmp_path}/run/checkpoints")
+
+
+def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handlers(tmp_path, monkeypatch,
+                                                                                     signal_handlers):
+    shutdowns = []
+    real_shutdown = TorchEngine.shutdown
+
+    def counting_shutdown(self):
+        shutdowns.append(self)
+        return real_shutdown(self)
+
+    def score(solution, ground_truth, strict_box=False):
+        raise KeyError("broken scorer (simulated)")
+
+    monkeypatch.setattr(TorchEngine, "shutdown", counting_shutdown)
+    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with pytest.raises(RuntimeError, match=r"broken scorer \(simulated\)'. Checkpoint of step 0 saved"):
+        train.main(overrides(str(tmp_path), steps=2, **{"algorithm.dynamic_sampling": False}))
+    assert len(shutdowns) == 1
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert not torch.distributed.is_initialized()

@@ -260,3 +260,27 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
     assert stats["train_tokens"] == sum(len(s.response_ids) for g in groups for s in g.payload)
     assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_each_micro_batch_loss_is_read_to_the_host_once(monkeypatch):
+    """The loss value crosses to the host once per micro-batch (a device sync each time on a GPU)."""
+    import trainer.update
+
+    losses, reads = [], []
+    real_loss, real_item = trainer.update.dapo_micro_batch_loss, torch.Tensor.item
+
+    def recording_loss(*args, **kwargs):
+        loss, metrics = real_loss(*args, **kwargs)
+        losses.append(loss)
+        return loss, metrics
+
+    def counting_item(self):
+        if any(self is loss for loss in losses):
+            reads.append(self)
+        return real_item(self)
+
+    monkeypatch.setattr(trainer.update, "dapo_micro_batch_loss", recording_loss)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    _, _, stats = _train(_groups(4), _config(training__train_batch_size=4, training__mini_batch_size=2))
+    assert len(losses) > 2 and math.isfinite(stats["loss"])
+    assert len(reads) == len(losses)

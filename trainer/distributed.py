@@ -103,7 +103,10 @@ def init_distributed(dp_replicate: int, dp_shard: int, tp: int,
     return DistEnv(rank, world_size, local_rank, device, dims, control, control_timeout_s)
 
 
-def shutdown_distributed():
+def shutdown_distributed(clean: bool = True):
+    """Leave the process group. clean: every rank got here (after a failure a peer may never arrive, so no
+    barrier then)."""
     if dist.is_initialized():
-        dist.barrier()  # no rank tears the group down while a peer still uses it
+        if clean:
+            dist.barrier()  # no rank tears the group down while a peer still uses it
         dist.destroy_process_group()

@@ -15,13 +15,19 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
-from rollout.engine import Completion, SamplingParams
+from rollout.engine import Completion, Engine, SamplingParams
 from trainer.scoring import check_completions, rule_score
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+    from rl.data import PromptExample
+    from trainer.distributed import DistEnv
 
 
 def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, strict_box: bool = False,
@@ -225,7 +231,8 @@ def _gather_over_dp(results: list, group) -> list:
     return [r for part in everyone for r in part]
 
 
-def run_held_out_eval(engine, examples, tokenizer, params, dist_env, run_path: str, step: int, *,
+def run_held_out_eval(engine: Engine, examples: Sequence[PromptExample], tokenizer: Tokenizer,
+                      params: SamplingParams, dist_env: DistEnv, run_path: str, step: int, *,
                       strict_box: bool = False, progress=None, pass_at: Sequence[int] = ()) -> dict[str, float]:
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 

@@ -10,12 +10,17 @@ is done: an engine spans the GPUs of several trainer ranks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from trainer.distributed import DistEnv
 
 _observers = []  # called after each return (the rehearsal's ledger records it)
 
 
-def return_cached_memory(dist_env) -> None:
+def return_cached_memory(dist_env: DistEnv) -> None:
     """synchronize + empty_cache on this rank's GPU, then a barrier over all ranks."""
     if dist_env.device.type == "cuda":
         torch.cuda.synchronize(dist_env.device)

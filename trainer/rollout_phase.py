@@ -10,15 +10,21 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from typing import TYPE_CHECKING
 
+from rl.data import PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import SamplingParams
+from rollout.engine import Engine, SamplingParams
 from trainer.scoring import EngineFailure, RewardSettings, score_groups
 from trainer.step_metrics import add_totals, sample_totals
 
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+    from trainer.distributed import DistEnv
 
-def generate_round(engine, sampler, prompts_per_round: int, params: SamplingParams, tokenizer,
-                   reward: RewardSettings, step: int = 0, retries: int = 1):
+
+def generate_round(engine: Engine, sampler: PromptSampler, prompts_per_round: int, params: SamplingParams,
+                   tokenizer: Tokenizer, reward: RewardSettings, step: int = 0, retries: int = 1):
     """Draw this rank's prompts, generate params.n samples each, score them into groups.
 
     Returns (groups, seconds generating, seconds scoring).
@@ -59,8 +65,9 @@ class BatchShortfall(RolloutError):
 _ROUND_OK, _ROUND_ENGINE_FAILED, _ROUND_FAILED = 0.0, 1.0, 2.0
 
 
-def collect_batch(step: int, builder: DynamicBatchBuilder, engine, sampler, prompts_per_round: int,
-                  params: SamplingParams, tokenizer, reward: RewardSettings, dist_env, progress=None):
+def collect_batch(step: int, builder: DynamicBatchBuilder, engine: Engine, sampler: PromptSampler,
+                  prompts_per_round: int, params: SamplingParams, tokenizer: Tokenizer, reward: RewardSettings,
+                  dist_env: DistEnv, progress=None):
     """Run generation rounds until every rank's builder is full or the round limit is reached.
 
     Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}); diagnostics are

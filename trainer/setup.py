@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,11 @@ from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_cha
 from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from trainer.memory import return_cached_memory
+
+if TYPE_CHECKING:
+    from config import Config
+    from rollout.engine import Engine
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +126,7 @@ def copy_into_shards(model: torch.nn.Module, full_tensors) -> None:
         raise ValueError(f"no values for {len(params)} parameters, e.g. {sorted(params)[:3]}")
 
 
-def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module:
+def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -> torch.nn.Module:
     """The policy, parallelised, holding only this rank's shards on the device:
 
         1. the module on the meta device (no memory anywhere);
@@ -145,7 +151,8 @@ def build_sharded_policy(cfg, dist_env, *, fill: bool = True) -> torch.nn.Module
     return model
 
 
-def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = True):
+def build_policy_and_engine(cfg: Config, dist_env: DistEnv, *, start_engine=None,
+                            fill: bool = True) -> tuple[torch.nn.Module, Engine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout
     engine, which sizes its KV pool from the memory free when it starts.
@@ -159,7 +166,7 @@ def build_policy_and_engine(cfg, dist_env, *, start_engine=None, fill: bool = Tr
     return policy, engine
 
 
-def engine_group(tp_size: int, dist_env):
+def engine_group(tp_size: int, dist_env: DistEnv):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
     the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
     control group (trainer/distributed.py): its ranks wait in it while the leader generates."""
@@ -179,7 +186,8 @@ def engine_group(tp_size: int, dist_env):
     return mine, dist_env.local_rank - dist_env.local_rank % tp_size
 
 
-def build_engine(cfg, policy: torch.nn.Module, device: torch.device, max_prompt_length: int, dist_env=None):
+def build_engine(cfg: Config, policy: torch.nn.Module, device: torch.device, max_prompt_length: int,
+                 dist_env: DistEnv | None = None) -> Engine:
     """The rollout engine, started after the policy is sharded. The torch engine gets its own full copy
     of the policy's weights; an SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,12 @@ from trainer.packing import PackItem, pack_micro_batches
 from trainer.policy import sft_micro_batch_loss
 from trainer.signals import StopRequested
 from trainer.update import equalise_micro_batch_count
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+    from rl.data import PromptExample
+    from trainer.distributed import DistEnv
+    from trainer.signals import GracefulStop
 
 log = logging.getLogger("train")
 
@@ -83,10 +90,11 @@ class SFTWarmup:
         return total
 
 
-def sft_warmup(model, examples, tokenizer, *, steps: int, batch_size: int, lr: float, micro_batch_tokens: int,
-               dist_env, device, seed: int = 0, weight_decay: float = 0.0, log_every: int = 50,
-               on_log=None, progress=None, checkpoints: CheckpointManager | None = None, resume: bool = True,
-               interval: int = 0, stop=None) -> list[float]:
+def sft_warmup(model: torch.nn.Module, examples: list[PromptExample], tokenizer: Tokenizer, *, steps: int,
+               batch_size: int, lr: float, micro_batch_tokens: int, dist_env: DistEnv, device: torch.device,
+               seed: int = 0, weight_decay: float = 0.0, log_every: int = 50, on_log=None, progress=None,
+               checkpoints: CheckpointManager | None = None, resume: bool = True, interval: int = 0,
+               stop: GracefulStop | None = None) -> list[float]:
     """Run the warm-up to `steps` AdamW steps of teacher forcing; returns the loss curve of the steps run here.
 
     progress: an observe.progress.Progress advanced once per step (None: no display).

@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger("train")
 
@@ -47,7 +51,7 @@ class GracefulStop:
         log.warning("%s received: finishing the current phase, then saving a checkpoint (send it again to exit "
                     "at once)", name)
 
-    def requested(self, dist_env) -> bool:
+    def requested(self, dist_env: DistEnv) -> bool:
         """True on every rank if any rank received a signal (ranks must stop at the same boundary)."""
         local = 1.0 if self.signal_name is not None else 0.0
         anyone = dist_env.all_reduce([local], op="max", group="world")[0] > 0

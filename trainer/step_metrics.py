@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
-from model.args import training_flops
+from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
 from observe.plot import plot_run
+
+if TYPE_CHECKING:
+    import torch
+
+    from config import MetricsConfig
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger("train")
 
@@ -41,7 +48,8 @@ def _sample_means(sums: list[float], longest: float, prefix: str) -> dict[str, f
             f"{prefix}response_length/clip_ratio": mean(truncated)}
 
 
-def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg) -> dict[str, float]:
+def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env: DistEnv, *,
+                    group_size: int) -> dict[str, float]:
     """Reward, accuracy, lengths and group shares of the step, reduced over data-parallel ranks.
 
     reward/*, acc/mean and response_length/* describe every sample generated in the step's rounds (the
@@ -66,7 +74,7 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
         "groups/all_correct_share": shares["share_all_correct"],
         "groups/all_wrong_share": shares["share_all_wrong"],
         "gen/rounds": filter_stats["rounds"],
-        "gen/samples_per_kept_sample": (pre["samples_generated"] / (pre["groups_kept"] * cfg.rollout.n)
+        "gen/samples_per_kept_sample": (pre["samples_generated"] / (pre["groups_kept"] * group_size)
                                         if pre["groups_kept"] else math.nan),
         "groups/in_batch": dist_env.all_reduce([float(len(groups))])[0],
     })
@@ -84,10 +92,10 @@ def rollout_metrics(groups, filter_stats: dict, train_stats: dict, dist_env, cfg
 DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
-def peak_tflops(cfg, device) -> float | None:
+def peak_tflops(metrics: MetricsConfig, device: torch.device) -> float | None:
     """metrics.peak_tflops, else the datasheet value of a known GPU, else None."""
-    if cfg.metrics.peak_tflops > 0:
-        return cfg.metrics.peak_tflops
+    if metrics.peak_tflops > 0:
+        return metrics.peak_tflops
     if device.type != "cuda":
         return None
     import torch
@@ -96,17 +104,18 @@ def peak_tflops(cfg, device) -> float | None:
     return next((tflops for key, tflops in DATASHEET_BF16_TFLOPS.items() if key in name), None)
 
 
-def training_mfu(args, groups, cfg, seconds: float, dist_env) -> dict[str, float]:
+def training_mfu(args: ModelArgs, groups, seconds: float, dist_env: DistEnv, *, ppo_epochs: int,
+                 metrics: MetricsConfig) -> dict[str, float]:
     """{"mfu": ...}: model FLOPs of the training phase over (seconds x devices x peak); {} when the peak is
     unknown (CPU). FLOPs: the old-log-prob forward (1/3 of forward + backward) plus ppo_epochs forward +
     backward passes over every trained sequence (model.args.training_flops)."""
-    peak = peak_tflops(cfg, dist_env.device)
+    peak = peak_tflops(metrics, dist_env.device)
     if peak is None or seconds <= 0:
         return {}
     samples = [s for g in groups for s in g.payload]
     lengths = [len(s.example.prompt_ids) + len(s.response_ids) for s in samples]
     head_tokens = sum(len(s.response_ids) for s in samples)  # only response tokens reach the output head
-    flops = training_flops(args, [lengths], head_tokens) * (cfg.training.ppo_epochs + 1 / 3)
+    flops = training_flops(args, [lengths], head_tokens) * (ppo_epochs + 1 / 3)
     # Every rank trains its own sequences; tensor-parallel peers share the same ones.
     total = dist_env.all_reduce([flops])[0]
     return {"mfu": total / (seconds * dist_env.world_size * peak * 1e12)}
@@ -115,15 +124,15 @@ def training_mfu(args, groups, cfg, seconds: float, dist_env) -> dict[str, float
 class MetricsWriter:
     """metrics.jsonl (+ TensorBoard) through observe.MetricsLogger, a console line per step, the plot."""
 
-    def __init__(self, run_path: str, cfg, *, rank: int, resumed_step: int = 0):
-        self.run_path, self.cfg, self.rank = run_path, cfg, rank
+    def __init__(self, run_path: str, metrics: MetricsConfig, *, rank: int, resumed_step: int = 0):
+        self.run_path, self.log_every, self.rank = run_path, max(metrics.log_every, 1), rank
         # Lines (and TensorBoard events) past the resumed checkpoint belong to steps that will be run again.
-        self.logger = MetricsLogger(run_path, tensorboard=cfg.metrics.tensorboard, rank=rank,
+        self.logger = MetricsLogger(run_path, tensorboard=metrics.tensorboard, rank=rank,
                                     resume_after=resumed_step)
 
     def write(self, step: int, row: dict) -> None:
         self.logger.log(step, row)
-        if self.rank == 0 and "reward/mean" in row and step % max(self.cfg.metrics.log_every, 1) == 0:
+        if self.rank == 0 and "reward/mean" in row and step % self.log_every == 0:
             log.info("step %d | reward %.3f | acc %.3f | kept %.2f | len %.1f | entropy %.3f | clip %.3f | %.1fs",
                      step, row["reward/mean"], row["acc/mean"], row["groups/kept_share"],
                      row["response_length/mean"], row["entropy"], row["pg_clipfrac"], row["time/step"])

@@ -12,8 +12,10 @@ with an empty one (loss mask 0), which changes no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +26,10 @@ from rl.correction import mismatch_metrics
 from rl.reward import overlong_filter_mask
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
+
+if TYPE_CHECKING:
+    from config import Config
+    from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ def empty_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
     return pack([PackItem([0], [0], loss_weight=0.0, group_id=PADDING_GROUP)], pad_to_multiple)
 
 
-def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env) -> list[MicroBatch]:
+def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env: DistEnv) -> list[MicroBatch]:
     most = int(dist_env.all_reduce([float(len(micro_batches))], op="max")[0])
     pad = dist_env.dims.tp
     return micro_batches + [empty_micro_batch(pad) for _ in range(most - len(micro_batches))]
@@ -72,7 +78,7 @@ def split_into_mini_batches(group_items: list[list[PackItem]], num_updates: int)
     return [[it for items in group_items[a:b] for it in items] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def old_logprob_source(cfg) -> str:
+def old_logprob_source(cfg: Config) -> str:
     """Where pi_old (Eq. 10's ratio denominator) comes from: "recompute" or "rollout".
 
     The engine's log-probs of the sampled tokens are pi_old itself when the engine runs the trainer's own
@@ -87,7 +93,7 @@ def old_logprob_source(cfg) -> str:
     return "rollout" if cfg.rollout.engine == "torch" and fp32 else "recompute"
 
 
-def shares_prompts(cfg, dist_env, device) -> bool:
+def shares_prompts(cfg: Config, dist_env: DistEnv, device: torch.device) -> bool:
     """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
     and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
     are per document; compiled blocks are not checked with it)."""
@@ -127,10 +133,25 @@ def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float
     return recomputed
 
 
+@dataclasses.dataclass
+class _StepTotals:
+    """What a step's updates add up: token-weighted metric sums, grad norms, update counts, the mismatch."""
+
+    measured: list  # (trainer log-probs at the step-start weights, micro-batch) pairs for the mismatch
+    sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
+        ("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens"), 0.0))
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    skipped: int = 0
+    updates: int = 0
+    mismatch: dict[str, float] | None = None
+
+
 class TrainPhase:
     """Holds what the updates need across steps: model, optimizer, scheduler and the settings."""
 
-    def __init__(self, model, optimizer, scheduler, cfg, dist_env, device):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Config, dist_env: DistEnv,
+                 device: torch.device):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.dist, self.device = cfg, dist_env, device
         self.nonfinite_in_a_row = 0
@@ -139,6 +160,43 @@ class TrainPhase:
         """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
         training metrics (reduced over ranks). progress: an observe.progress.Progress, set to the number
         of micro-batches to run and advanced after each (None: no display)."""
+        cfg = self.cfg
+        mini_batches = self._mini_batches(step, groups)
+        self.model.train()
+        source = old_logprob_source(cfg)
+        # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
+        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
+        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
+        recomputed = [fill_old_logprobs(self.model, mbs, self.temperature, DEFAULT_CHUNK, source, at_least=int(m))
+                      for mbs, m in zip(mini_batches, most)]
+        # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
+        # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
+        totals = _StepTotals(measured=[(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
+        fresh_first = [mb for mb in mini_batches[0] if not any(mb is r for r in recomputed[0])] if mini_batches else []
+        if progress is not None:
+            progress.set_total(sum(len(mbs) for mbs in mini_batches) * cfg.training.ppo_epochs)
+        for epoch in range(cfg.training.ppo_epochs):
+            for index, mbs in enumerate(mini_batches):
+                first = epoch == 0 and index == 0
+                self._update(step, index, mbs, totals, fresh_first if first else [], source, first, progress)
+        if totals.mismatch is None:  # the first mini-batch was not trained on: only recomputed log-probs measure it
+            totals.mismatch = self._mismatch([(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
+        if totals.updates > totals.skipped:
+            # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
+            # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
+            # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
+            # up warm-up either; the schedule's position is checkpointed with it.
+            self.scheduler.step()
+        return self._summary(totals, lr)
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature the log-probs are taken at (1 for greedy rollouts)."""
+        return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+
+    def _mini_batches(self, step: int, groups) -> list[list[MicroBatch]]:
+        """This rank's groups as packed micro-batches per mini-batch, on the device, as many on every rank."""
         cfg, alg = self.cfg, self.cfg.algorithm
         num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
@@ -149,99 +207,81 @@ class TrainPhase:
             mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp,
                                      share_prompts=shares_prompts(cfg, self.dist, self.device)) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        chunk = DEFAULT_CHUNK
-        self.model.train()
-        source = old_logprob_source(cfg)
-        # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
-        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
-        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
-        recomputed = [fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
-                      for mbs, m in zip(mini_batches, most)]
-        # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
-        # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
-        measured = [(mb.old_logp, mb) for mbs in recomputed for mb in mbs]
-        fresh_first = [mb for mb in mini_batches[0] if not any(mb is r for r in recomputed[0])] if mini_batches else []
+        return mini_batches
 
-        sums = dict.fromkeys(("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum",
-                              "valid_tokens"), 0.0)
-        grad_norms, skipped, updates = [], 0, 0
-        mismatch = None
-        if progress is not None:
-            progress.set_total(sum(len(mbs) for mbs in mini_batches) * cfg.training.ppo_epochs)
-        for epoch in range(cfg.training.ppo_epochs):
-            for index, mbs in enumerate(mini_batches):
-                tokens, seqs, groups_here = self._local_counts(mbs)
-                g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
-                if g_seqs == 0:
-                    # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
-                    # left it empty, or overlong filtering masked every sample. No update, and nothing that
-                    # would enter the logged loss or grad norm as a zero.
-                    if progress is not None:
-                        progress.update(len(mbs))
-                    continue
-                updates += 1
-                loss_total = 0.0
-                for micro_index, mb in enumerate(mbs):
-                    loss, metrics = dapo_micro_batch_loss(
-                        self.model, mb, global_num_tokens=g_tokens, global_num_seqs=g_seqs, global_num_groups=g_groups,
-                        temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
-                        agg=alg.loss_agg, truncated_is=alg.truncated_is, is_cap=alg.truncated_is_cap,
-                        norm_len=cfg.rollout.max_response_length, chunk_size=chunk)
-                    loss.backward()
-                    if epoch == 0 and index == 0 and any(mb is m for m in fresh_first):
-                        measured.append((metrics["logp"], mb))
-                    loss_total += loss.item()
-                    n = float(metrics["num_tokens"])
-                    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                        sums[key] += float(metrics[key]) * n
-                    for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
-                        sums[key] += float(metrics[key])
-                    if not math.isfinite(loss.item()):
-                        log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
-                                    step, loss.item(), index, micro_index)
-                    if progress is not None:
-                        progress.update(1)
-                sums["loss"] += self.dist.all_reduce([loss_total])[0]
-                if epoch == 0 and index == 0:
-                    mismatch = self._mismatch(measured)
-                    if source == "rollout" and mismatch["mismatch/max_abs_logp"] > ROLLOUT_LOGP_TOLERANCE:
-                        log.warning("step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
-                                    "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'", step,
-                                    mismatch["mismatch/max_abs_logp"], alg.old_logprobs)
-                grad_norm = self._clip_and_step(step, index)
-                if grad_norm is None:
-                    skipped += 1
-                else:
-                    grad_norms.append(grad_norm)
-        if mismatch is None:  # the first mini-batch was not trained on: only recomputed log-probs measure it
-            mismatch = self._mismatch([(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
-        if updates > skipped:
-            # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
-            # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
-            # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
-            # up warm-up either; the schedule's position is checkpointed with it.
-            self.scheduler.step()
+    def _update(self, step: int, index: int, mbs: list[MicroBatch], totals: _StepTotals, fresh: list[MicroBatch],
+                source: str, first: bool, progress) -> None:
+        """One mini-batch: the DAPO loss over its micro-batches (global counts), then clip and AdamW step.
+        fresh: micro-batches whose loss pass measures the engine/trainer mismatch (first: the step's first)."""
+        alg = self.cfg.algorithm
+        tokens, seqs, groups_here = self._local_counts(mbs)
+        g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
+        if g_seqs == 0:
+            # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
+            # left it empty, or overlong filtering masked every sample. No update, and nothing that
+            # would enter the logged loss or grad norm as a zero.
+            if progress is not None:
+                progress.update(len(mbs))
+            return
+        totals.updates += 1
+        loss_total = 0.0
+        for micro_index, mb in enumerate(mbs):
+            loss, metrics = dapo_micro_batch_loss(
+                self.model, mb, global_num_tokens=g_tokens, global_num_seqs=g_seqs, global_num_groups=g_groups,
+                temperature=self.temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
+                agg=alg.loss_agg, truncated_is=alg.truncated_is, is_cap=alg.truncated_is_cap,
+                norm_len=self.cfg.rollout.max_response_length, chunk_size=DEFAULT_CHUNK)
+            loss.backward()
+            if any(mb is m for m in fresh):
+                totals.measured.append((metrics["logp"], mb))
+            loss_value = loss.item()  # the micro-batch's one host sync for its loss
+            loss_total += loss_value
+            n = float(metrics["num_tokens"])
+            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                totals.sums[key] += float(metrics[key]) * n
+            for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
+                totals.sums[key] += float(metrics[key])
+            if not math.isfinite(loss_value):
+                log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
+                            step, loss_value, index, micro_index)
+            if progress is not None:
+                progress.update(1)
+        totals.sums["loss"] += self.dist.all_reduce([loss_total])[0]
+        if first:
+            totals.mismatch = self._mismatch(totals.measured)
+            if source == "rollout" and totals.mismatch["mismatch/max_abs_logp"] > ROLLOUT_LOGP_TOLERANCE:
+                log.warning("step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
+                            "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'", step,
+                            totals.mismatch["mismatch/max_abs_logp"], alg.old_logprobs)
+        grad_norm = self._clip_and_step(step, index)
+        if grad_norm is None:
+            totals.skipped += 1
+        else:
+            totals.grad_norms.append(grad_norm)
+
+    def _summary(self, totals: _StepTotals, lr: float) -> dict[str, float]:
+        """The step's training metrics: token-weighted means over every rank, per-update means."""
         # Every rank contributed its token-weighted sums; "loss" is already reduced.
+        sums = dict(totals.sums)
         loss_sum = sums.pop("loss")
-        totals = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
-        totals["loss"] = loss_sum
-        tokens = totals.pop("valid_tokens")
+        reduced = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
+        reduced["loss"] = loss_sum
+        tokens = reduced.pop("valid_tokens")
         per_token = (lambda x: x / tokens) if tokens else (lambda x: math.nan)  # NaN: no token was trained on
+        updates, grad_norms = totals.updates, totals.grad_norms
         return {
-            "loss": totals["loss"] / updates if updates else math.nan,
-            "pg_clipfrac": per_token(totals["pg_clipfrac"]),
-            "pg_clipfrac_lower": per_token(totals["pg_clipfrac_lower"]),
-            "ppo_kl": per_token(totals["ppo_kl"]),
-            "entropy": per_token(totals["entropy_sum"]),
-            "token_prob/mean": per_token(totals["token_prob_sum"]),
+            "loss": reduced["loss"] / updates if updates else math.nan,
+            "pg_clipfrac": per_token(reduced["pg_clipfrac"]),
+            "pg_clipfrac_lower": per_token(reduced["pg_clipfrac_lower"]),
+            "ppo_kl": per_token(reduced["ppo_kl"]),
+            "entropy": per_token(reduced["entropy_sum"]),
+            "token_prob/mean": per_token(reduced["token_prob_sum"]),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-            "updates_skipped_nonfinite": skipped,
+            "updates_skipped_nonfinite": totals.skipped,
             "updates": updates,
             "lr": lr,
-            "train_tokens": tokens / cfg.training.ppo_epochs,
-            **mismatch,
+            "train_tokens": tokens / self.cfg.training.ppo_epochs,
+            **totals.mismatch,
         }
 
     def _mismatch(self, measured: list[tuple[torch.Tensor, MicroBatch]]) -> dict[str, float]:
