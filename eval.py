@@ -40,8 +40,10 @@ def _short_flags(args: argparse.Namespace) -> list[str]:
 
 def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
     """The configuration (`--config`, then the short flags, then `--section.key=value`) and the flags."""
-    parser = config_parser("Evaluate a policy with avg@k / pass@k / maj@k.",
-                           "--eval.k=32 --eval.top_p=0.7 --rollout.max_batch_size=256 --data.synthetic_num_eval=50")
+    parser = config_parser(
+        "Evaluate a policy with avg@k / pass@k / maj@k.",
+        "--eval.k=32 --eval.top_p=0.7 --rollout.max_batch_size=256 --data.synthetic_num_eval=50",
+    )
     parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory, or a run folder (its hf/ export)")
     parser.add_argument("--data", help="data.eval_path: a parquet file in the DAPO schema, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
@@ -58,8 +60,10 @@ def resolve_checkpoint(path: str) -> str:
         return os.path.join(path, "hf")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise FileNotFoundError(f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
-                            "hf/ export (no hf/config.json)")
+    raise FileNotFoundError(
+        f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
+        "hf/ export (no hf/config.json)"
+    )
 
 
 def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
@@ -69,8 +73,11 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     for candidate in dict.fromkeys((model_dir, model_arg)):
         if os.path.isfile(os.path.join(candidate, "tokenizer.json")):
             return candidate
-    raise FileNotFoundError(f"no tokenizer.json in {model_dir}" + (f" or {model_arg}" if model_arg != model_dir else "")
-                            + "; pass --tokenizer DIR")
+    raise FileNotFoundError(
+        f"no tokenizer.json in {model_dir}"
+        + (f" or {model_arg}" if model_arg != model_dir else "")
+        + "; pass --tokenizer DIR"
+    )
 
 
 def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_tokens: int):
@@ -82,8 +89,9 @@ def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_token
     if ro.engine == "sglang":
         from rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_dir, tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static,
-                            dtype=ro.dtype, seed=cfg.job.seed)
+        return SGLangEngine(
+            model_dir, tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static, dtype=ro.dtype, seed=cfg.job.seed
+        )
     from model.hf import load_hf
     from rollout.torch_engine import TorchEngine
     from trainer.setup import DTYPES
@@ -92,11 +100,21 @@ def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_token
     # The engine never needs more context than the longest prompt plus the response budget.
     max_seq_len = min(model.args.max_position_embeddings, longest_prompt + max_new_tokens)
     if max_seq_len < longest_prompt + max_new_tokens:
-        print(f"warning: the model's context of {max_seq_len} tokens leaves the longest prompt "
-              f"{max_seq_len - longest_prompt} of the {max_new_tokens} new tokens asked for; longer responses "
-              f"end with finish reason 'length'", file=sys.stderr)
-    return TorchEngine(model, max_batch_size=ro.max_batch_size, max_seq_len=max_seq_len, device=device,
-                       compile=ro.compile, seed=cfg.job.seed, cuda_graphs=ro.cuda_graphs)
+        print(
+            f"warning: the model's context of {max_seq_len} tokens leaves the longest prompt "
+            f"{max_seq_len - longest_prompt} of the {max_new_tokens} new tokens asked for; longer responses "
+            f"end with finish reason 'length'",
+            file=sys.stderr,
+        )
+    return TorchEngine(
+        model,
+        max_batch_size=ro.max_batch_size,
+        max_seq_len=max_seq_len,
+        device=device,
+        compile=ro.compile,
+        seed=cfg.job.seed,
+        cuda_graphs=ro.cuda_graphs,
+    )
 
 
 def main(argv=None) -> dict:
@@ -113,8 +131,16 @@ def main(argv=None) -> dict:
     per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
     engine = build_engine(cfg, model_dir, max((len(e.prompt_ids) for e in examples), default=0), params.max_new_tokens)
     try:
-        report = evaluate(engine, examples, tokenizer, params, strict_box=cfg.algorithm.strict_box,
-                          progress=cfg.metrics.progress, pass_at=cfg.eval.pass_at, prompts_per_call=per_call)
+        report = evaluate(
+            engine,
+            examples,
+            tokenizer,
+            params,
+            strict_box=cfg.algorithm.strict_box,
+            progress=cfg.metrics.progress,
+            pass_at=cfg.eval.pass_at,
+            prompts_per_call=per_call,
+        )
     finally:
         engine.shutdown()
     report["model"] = os.path.abspath(model_dir)

@@ -51,15 +51,22 @@ def main(argv=None) -> int:
         return 0
     check_runnable(cfg)
 
-    dist = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp,
-                            control_timeout_s=cfg.rollout.round_timeout_s)
+    dist = init_distributed(
+        cfg.parallelism.dp_replicate,
+        cfg.parallelism.dp_shard,
+        cfg.parallelism.tp,
+        control_timeout_s=cfg.rollout.round_timeout_s,
+    )
     trainer, finished = None, False
     try:
         torch.manual_seed(cfg.job.seed)
         if cfg.job.cpu_threads:
             torch.set_num_threads(cfg.job.cpu_threads)
-        report = (finished_run_report(cfg.job.run_dir, cfg.job.name, cfg.training.steps)
-                  if cfg.checkpoint.resume and not cli.fresh else None)
+        report = (
+            finished_run_report(cfg.job.run_dir, cfg.job.name, cfg.training.steps)
+            if cfg.checkpoint.resume and not cli.fresh
+            else None
+        )
         if report is not None:  # rerunning a finished run: its result, and nothing else
             for line in report if dist.is_main else ():
                 log.info(line)

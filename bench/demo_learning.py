@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     if "--run-dir" in argv:
         i = argv.index("--run-dir")
         run_dir = argv[i + 1]
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     command = [sys.executable, "train.py", "--config", "configs/demo_cpu.toml", f"--job.run_dir={run_dir}", *argv]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -40,9 +40,19 @@ def main(argv=None) -> int:
     gain = found["after"] - found["before"]
     print(f"{'held-out before DAPO':>22} {'after DAPO':>12} {'gain (points)':>14} {'wall time':>11}")
     print(f"{found['before']:>21.1f}% {found['after']:>11.1f}% {gain:>14.1f} {wall:>10.1f}s")
-    print(json.dumps({"bench": "demo_learning", "before": found["before"], "after": found["after"],
-                      "gain_points": round(gain, 1), "wall_s": round(wall, 1), "run_dir": run_dir,
-                      "meets_target": gain >= 15.0 and wall <= 600}))
+    print(
+        json.dumps(
+            {
+                "bench": "demo_learning",
+                "before": found["before"],
+                "after": found["after"],
+                "gain_points": round(gain, 1),
+                "wall_s": round(wall, 1),
+                "run_dir": run_dir,
+                "meets_target": gain >= 15.0 and wall <= 600,
+            }
+        )
+    )
     return 0
 
 

@@ -84,15 +84,37 @@ def worker(opts) -> dict:
             peaks.append(_status_kib("VmHWM") * 1024 - before)
         del logp, entropy
     grads_bytes = (hidden.numel() + weight.numel()) * 4
-    return {"variant": opts.worker, "chunk": opts.chunk if opts.worker != "naive" else None,
-            "time_s": min(times), "times_s": times, "peak_extra_bytes": max(peaks), "grads_bytes": grads_bytes,
-            "entropy_mean": entropy_mean, "threads": torch.get_num_threads()}
+    return {
+        "variant": opts.worker,
+        "chunk": opts.chunk if opts.worker != "naive" else None,
+        "time_s": min(times),
+        "times_s": times,
+        "peak_extra_bytes": max(peaks),
+        "grads_bytes": grads_bytes,
+        "entropy_mean": entropy_mean,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_variant(opts, variant: str, chunk: int | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--tokens", str(opts.tokens),
-           "--vocab", str(opts.vocab), "--hidden", str(opts.hidden), "--reps", str(opts.reps),
-           "--device", opts.device, "--temperature", str(opts.temperature)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--tokens",
+        str(opts.tokens),
+        "--vocab",
+        str(opts.vocab),
+        "--hidden",
+        str(opts.hidden),
+        "--reps",
+        str(opts.reps),
+        "--device",
+        opts.device,
+        "--temperature",
+        str(opts.temperature),
+    ]
     if chunk is not None:
         cmd += ["--chunk", str(chunk)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -119,29 +141,52 @@ def main(argv=None):
 
     chunks = [int(c) for c in opts.chunk_sizes.split(",") if c]
     logits_bytes = opts.tokens * opts.vocab * 4
-    print(f"log-prob + entropy + backward: {opts.tokens} tokens, vocab {opts.vocab}, hidden {opts.hidden}, fp32, "
-          f"{opts.device}; one full fp32 logits tensor = {logits_bytes / MIB:.0f} MiB")
+    print(
+        f"log-prob + entropy + backward: {opts.tokens} tokens, vocab {opts.vocab}, hidden {opts.hidden}, fp32, "
+        f"{opts.device}; one full fp32 logits tensor = {logits_bytes / MIB:.0f} MiB"
+    )
     naive = run_variant(opts, "naive", None)
     results = [naive] + [run_variant(opts, "chunked", c) for c in chunks]
 
-    print(f"{'variant':<16}{'peak extra MiB':>16}{'w/o grads MiB':>15}{'time s':>10}{'mem ratio':>11}{'time ratio':>12}")
+    print(
+        f"{'variant':<16}{'peak extra MiB':>16}{'w/o grads MiB':>15}{'time s':>10}{'mem ratio':>11}{'time ratio':>12}"
+    )
     by_chunk = {}
     for r in results:
         name = "naive" if r["variant"] == "naive" else f"chunked@{r['chunk']}"
         mem_ratio = r["peak_extra_bytes"] / naive["peak_extra_bytes"]
         time_ratio = r["time_s"] / naive["time_s"]
         if r["variant"] != "naive":
-            by_chunk[r["chunk"]] = {"memory_ratio": round(mem_ratio, 4), "time_ratio": round(time_ratio, 4),
-                                    "peak_extra_mib": round(r["peak_extra_bytes"] / MIB, 1), "time_s": round(r["time_s"], 3)}
-        print(f"{name:<16}{r['peak_extra_bytes'] / MIB:>16.0f}{(r['peak_extra_bytes'] - r['grads_bytes']) / MIB:>15.0f}"
-              f"{r['time_s']:>10.2f}{mem_ratio:>11.3f}{time_ratio:>12.3f}")
+            by_chunk[r["chunk"]] = {
+                "memory_ratio": round(mem_ratio, 4),
+                "time_ratio": round(time_ratio, 4),
+                "peak_extra_mib": round(r["peak_extra_bytes"] / MIB, 1),
+                "time_s": round(r["time_s"], 3),
+            }
+        print(
+            f"{name:<16}{r['peak_extra_bytes'] / MIB:>16.0f}{(r['peak_extra_bytes'] - r['grads_bytes']) / MIB:>15.0f}"
+            f"{r['time_s']:>10.2f}{mem_ratio:>11.3f}{time_ratio:>12.3f}"
+        )
     drift = max(abs(r["entropy_mean"] - naive["entropy_mean"]) for r in results)
     print(f"mean entropy agrees across variants to {drift:.1e}")
     head = by_chunk[chunks[0]]
-    print(json.dumps({"bench": "logprob_memory", "tokens": opts.tokens, "vocab": opts.vocab, "hidden": opts.hidden,
-                      "device": opts.device, "chunk_size": chunks[0], "memory_ratio": head["memory_ratio"],
-                      "time_ratio": head["time_ratio"], "naive_peak_extra_mib": round(naive["peak_extra_bytes"] / MIB, 1),
-                      "naive_time_s": round(naive["time_s"], 3), "by_chunk": by_chunk}))
+    print(
+        json.dumps(
+            {
+                "bench": "logprob_memory",
+                "tokens": opts.tokens,
+                "vocab": opts.vocab,
+                "hidden": opts.hidden,
+                "device": opts.device,
+                "chunk_size": chunks[0],
+                "memory_ratio": head["memory_ratio"],
+                "time_ratio": head["time_ratio"],
+                "naive_peak_extra_mib": round(naive["peak_extra_bytes"] / MIB, 1),
+                "naive_time_s": round(naive["time_s"], 3),
+                "by_chunk": by_chunk,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,16 @@ from rollout.torch_engine import TorchEngine  # noqa: E402
 
 # Qwen2.5-0.5B's proportions (head_dim 64, 7 query heads per kv head, SwiGLU 5.4x hidden, tied head)
 # at a CPU-friendly size: 4 layers, hidden 448, vocab 8192 -> 18.6M parameters.
-SMALL_ARGS = ModelArgs(vocab_size=8192, hidden_size=448, num_layers=4, num_heads=7, num_kv_heads=1,
-                       intermediate_size=2432, tie_word_embeddings=True, max_position_embeddings=1024)
+SMALL_ARGS = ModelArgs(
+    vocab_size=8192,
+    hidden_size=448,
+    num_layers=4,
+    num_heads=7,
+    num_kv_heads=1,
+    intermediate_size=2432,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 
 
 def bench_args(preset: str) -> ModelArgs:
@@ -62,13 +70,23 @@ def run_hf(hf, prompts, samples, new_tokens, seed):
     ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as transformers wants for batched generation
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
     torch.manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
-    out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                      num_return_sequences=samples, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                      pad_token_id=0, eos_token_id=None)
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_return_sequences=samples,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     produced = (out.shape[1] - longest) * out.shape[0]
     return produced, elapsed, cpu
@@ -105,8 +123,12 @@ def main():
 
     model = build_model(args, seed=opts.seed)
     hf = hf_model_from(model, args)
-    engine = TorchEngine(model, max_batch_size=opts.prompts * opts.samples,
-                         max_seq_len=opts.max_prompt + opts.new_tokens, compile=opts.compile)
+    engine = TorchEngine(
+        model,
+        max_batch_size=opts.prompts * opts.samples,
+        max_seq_len=opts.max_prompt + opts.new_tokens,
+        compile=opts.compile,
+    )
     # Warm-up, untimed: allocator, and with --compile the compilation (batch and length are dynamic).
     run_engine(engine, prompts[:4], 2, 8, opts.seed)
     run_hf(hf, prompts[:2], 2, 8, opts.seed)
@@ -123,23 +145,38 @@ def main():
     eng_wall, eng_cpu = min(r[1] for r in eng_runs), min(r[2] for r in eng_runs)
 
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {opts.preset} (Qwen2.5-shaped), {args.num_layers} layers, hidden {args.hidden_size}, "
-          f"heads {args.num_heads}/{args.num_kv_heads} kv, vocab {args.vocab_size}, {n_params / 1e6:.1f}M params, "
-          f"fp32, {torch.get_num_threads()} thread(s)")
-    print(f"workload: {opts.prompts} prompts ({opts.min_prompt}-{opts.max_prompt} tokens) x {opts.samples} samples "
-          f"x {opts.new_tokens} new tokens, temperature 1.0; best of {opts.repeats}")
+    print(
+        f"model: {opts.preset} (Qwen2.5-shaped), {args.num_layers} layers, hidden {args.hidden_size}, "
+        f"heads {args.num_heads}/{args.num_kv_heads} kv, vocab {args.vocab_size}, {n_params / 1e6:.1f}M params, "
+        f"fp32, {torch.get_num_threads()} thread(s)"
+    )
+    print(
+        f"workload: {opts.prompts} prompts ({opts.min_prompt}-{opts.max_prompt} tokens) x {opts.samples} samples "
+        f"x {opts.new_tokens} new tokens, temperature 1.0; best of {opts.repeats}"
+    )
     print(f"{'engine':<28}{'tokens':>9}{'wall s':>9}{'tokens/s':>11}{'cpu s':>9}{'tokens/cpu-s':>14}")
     name = "TorchEngine" + (" (compiled)" if opts.compile else "")
     for label, wall, cpu in (("transformers generate", hf_wall, hf_cpu), (name, eng_wall, eng_cpu)):
         print(f"{label:<28}{expected:>9}{wall:>9.2f}{expected / wall:>11.1f}{cpu:>9.2f}{expected / cpu:>14.1f}")
     print(f"ratio (engine / transformers): {hf_wall / eng_wall:.2f}x tokens/s, {hf_cpu / eng_cpu:.2f}x tokens/cpu-s")
-    print(json.dumps({
-        "bench": "rollout_throughput", "preset": opts.preset, "params": n_params, "prompts": opts.prompts,
-        "samples": opts.samples, "new_tokens": opts.new_tokens, "threads": torch.get_num_threads(),
-        "compile": opts.compile, "hf_tokens_per_s": round(expected / hf_wall, 1),
-        "engine_tokens_per_s": round(expected / eng_wall, 1), "ratio": round(hf_wall / eng_wall, 3),
-        "ratio_cpu_time": round(hf_cpu / eng_cpu, 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "rollout_throughput",
+                "preset": opts.preset,
+                "params": n_params,
+                "prompts": opts.prompts,
+                "samples": opts.samples,
+                "new_tokens": opts.new_tokens,
+                "threads": torch.get_num_threads(),
+                "compile": opts.compile,
+                "hf_tokens_per_s": round(expected / hf_wall, 1),
+                "engine_tokens_per_s": round(expected / eng_wall, 1),
+                "ratio": round(hf_wall / eng_wall, 3),
+                "ratio_cpu_time": round(hf_cpu / eng_cpu, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

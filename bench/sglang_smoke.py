@@ -33,8 +33,17 @@ from rollout.weight_sync import sync_weights  # noqa: E402
 
 # head_dim 64 as in Qwen2.5 (GPU attention kernels expect a standard head size); a wide init makes the
 # random model's distributions peaked, so greedy outputs visibly depend on the weights.
-SMOKE_ARGS = ModelArgs(vocab_size=2048, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=704, tie_word_embeddings=False, max_position_embeddings=1024, init_std=0.1)
+SMOKE_ARGS = ModelArgs(
+    vocab_size=2048,
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=704,
+    tie_word_embeddings=False,
+    max_position_embeddings=1024,
+    init_std=0.1,
+)
 
 
 def _trainer_logprobs(model, prompts, completions, temperature):
@@ -48,9 +57,14 @@ def _trainer_logprobs(model, prompts, completions, temperature):
                 out.append(torch.empty(0))
                 continue
             seq = torch.tensor([prompt + c.token_ids], device=weight.device)
-            hidden = model(seq, return_hidden=True)[0, len(prompt) - 1: -1]
-            logp, _ = token_logprobs(hidden, weight, torch.tensor(c.token_ids, device=weight.device),
-                                     temperature=temperature, with_entropy=False)
+            hidden = model(seq, return_hidden=True)[0, len(prompt) - 1 : -1]
+            logp, _ = token_logprobs(
+                hidden,
+                weight,
+                torch.tensor(c.token_ids, device=weight.device),
+                temperature=temperature,
+                with_entropy=False,
+            )
             out.append(logp.cpu())
     return out
 
@@ -70,12 +84,15 @@ def run_smoke(workdir: str, tp_size: int = 1) -> dict:
     save_hf(old, path)
     reference_old = load_hf(path, dtype=torch.float32, device="cuda")
 
-    engine = SGLangEngine(path, tp_size=tp_size, mem_fraction_static=0.3, dtype=torch.bfloat16, seed=0,
-                          context_length=512)
+    engine = SGLangEngine(
+        path, tp_size=tp_size, mem_fraction_static=0.3, dtype=torch.bfloat16, seed=0, context_length=512
+    )
     try:
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, SMOKE_ARGS.vocab_size, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(4, 40, (8,), generator=gen)]
+        prompts = [
+            torch.randint(0, SMOKE_ARGS.vocab_size, (int(n),), generator=gen).tolist()
+            for n in torch.randint(4, 40, (8,), generator=gen)
+        ]
         sampled = SamplingParams(max_new_tokens=32, temperature=1.0, n=2)
         greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
 

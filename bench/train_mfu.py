@@ -39,12 +39,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from model.args import ModelArgs, get_preset, training_flops  # noqa: E402
-from trainer.step_metrics import DATASHEET_BF16_TFLOPS as DATASHEET_BF16_TFLOPS_BY_GPU  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.grad_clip import clip_grad_norm_  # noqa: E402
 from parallel.logprob import vocab_parallel_token_logprobs  # noqa: E402
 from parallel.parallelize import parallelize_qwen2  # noqa: E402
+from trainer.step_metrics import DATASHEET_BF16_TFLOPS as DATASHEET_BF16_TFLOPS_BY_GPU  # noqa: E402
 
 DATASHEET_BF16_TFLOPS = DATASHEET_BF16_TFLOPS_BY_GPU["H200"]  # H100/H200 SXM dense bf16 (989)
 
@@ -53,8 +53,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma-separated model presets")
     p.add_argument("--compile", choices=("both", "on", "off"), default="both")
-    p.add_argument("--ac", choices=("both", "none", "full", "selective"), default="both",
-                   help="activation checkpointing; 'both' = none and full")
+    p.add_argument(
+        "--ac",
+        choices=("both", "none", "full", "selective"),
+        default="both",
+        help="activation checkpointing; 'both' = none and full",
+    )
     p.add_argument("--row-tokens", type=int, default=4096, help="tokens per packed row (one micro-batch)")
     p.add_argument("--rows-per-step", type=int, default=4, help="micro-batches accumulated per optimizer step")
     p.add_argument("--min-doc", type=int, default=256)
@@ -121,8 +125,16 @@ def packed_rows(n_rows: int, row_tokens: int, vocab: int, min_doc: int, max_doc:
         mask = torch.ones(1, row_tokens)
         ends = torch.tensor(lengths).cumsum(0) - 1
         mask[0, ends] = 0.0  # a document's last token has no next token in its document
-        rows.append({"tokens": tokens, "positions": positions, "document_ids": docs, "targets": tokens.roll(-1, 1),
-                     "mask": mask, "advantages": torch.randn(1, row_tokens, generator=gen)})
+        rows.append(
+            {
+                "tokens": tokens,
+                "positions": positions,
+                "document_ids": docs,
+                "targets": tokens.roll(-1, 1),
+                "mask": mask,
+                "advantages": torch.randn(1, row_tokens, generator=gen),
+            }
+        )
         doc_lengths.append(lengths)
     return rows, doc_lengths
 
@@ -137,13 +149,21 @@ def run_config(args: ModelArgs, device: torch.device, world: int, compile_: bool
     mesh = dims.build_mesh(device.type)
     model = build_model(args, device=device, dtype=torch.float32, seed=0)
     param_dtype = torch.float32 if smoke else torch.bfloat16
-    parallelize_qwen2(model, mesh, dims, param_dtype=param_dtype, reduce_dtype=torch.float32,
-                      activation_checkpoint=ac, compile=compile_,
-                      compile_backend="aot_eager" if smoke else "inductor")
+    parallelize_qwen2(
+        model,
+        mesh,
+        dims,
+        param_dtype=param_dtype,
+        reduce_dtype=torch.float32,
+        activation_checkpoint=ac,
+        compile=compile_,
+        compile_backend="aot_eager" if smoke else "inductor",
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1, foreach=True)
     gen = torch.Generator().manual_seed(1234 + dist.get_rank())
-    rows, doc_lengths = packed_rows(opts.rows_per_step, opts.row_tokens, args.vocab_size, opts.min_doc,
-                                    opts.max_doc, gen)
+    rows, doc_lengths = packed_rows(
+        opts.rows_per_step, opts.row_tokens, args.vocab_size, opts.min_doc, opts.max_doc, gen
+    )
     rows = [{k: v.to(device) for k, v in row.items()} for row in rows]
     global_tokens = sum(row["mask"].sum() for row in rows).reshape(1)
     dist.all_reduce(global_tokens)
@@ -170,7 +190,9 @@ def run_config(args: ModelArgs, device: torch.device, world: int, compile_: bool
     seconds = (time.perf_counter() - start) / opts.steps
     flops = training_flops(args, doc_lengths)  # this rank's rows
     result = {
-        "compile": compile_, "ac": ac, "step_s": round(seconds, 4),
+        "compile": compile_,
+        "ac": ac,
+        "step_s": round(seconds, 4),
         "tokens_per_s_per_device": round(opts.rows_per_step * opts.row_tokens / seconds, 1),
         "model_tflops_per_device": round(flops / seconds / 1e12, 2),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
@@ -190,8 +212,11 @@ def main(argv=None):
     opts = parse_args(argv)
     smoke = opts.smoke_cpu
     if not torch.cuda.is_available() and not smoke:
-        print("bench/train_mfu.py measures GPU training throughput and MFU; no CUDA device is available here. "
-              "Run it on a GPU machine (use --smoke-cpu only to check the code path on a tiny model).", file=sys.stderr)
+        print(
+            "bench/train_mfu.py measures GPU training throughput and MFU; no CUDA device is available here. "
+            "Run it on a GPU machine (use --smoke-cpu only to check the code path on a tiny model).",
+            file=sys.stderr,
+        )
         return 2
     device_type = "cpu" if smoke else "cuda"
     rank, world = init_distributed(device_type)
@@ -224,18 +249,31 @@ def main(argv=None):
                     print(f"done {shape} compile={compile_} ac={ac}: {r}", flush=True)
 
     if rank == 0:
-        print(f"\n{device_name} x {world}; measured bf16 matmul (8192^3): {peak:.1f} TFLOP/s; "
-              f"rows of {opts.row_tokens} tokens, {opts.rows_per_step} per step\n")
-        header = (f"{'shape':<14}{'compile':>8}{'ac':>6}{'step s':>9}{'tok/s/dev':>12}{'TFLOP/s':>9}{'MFU':>8}"
-                  f"{'MFU ds':>8}{'mem GiB':>9}")
+        print(
+            f"\n{device_name} x {world}; measured bf16 matmul (8192^3): {peak:.1f} TFLOP/s; "
+            f"rows of {opts.row_tokens} tokens, {opts.rows_per_step} per step\n"
+        )
+        header = (
+            f"{'shape':<14}{'compile':>8}{'ac':>6}{'step s':>9}{'tok/s/dev':>12}{'TFLOP/s':>9}{'MFU':>8}"
+            f"{'MFU ds':>8}{'mem GiB':>9}"
+        )
         print(header)
         print("-" * len(header))
         for r in results:
-            print(f"{r['shape']:<14}{str(r['compile']):>8}{r['ac']:>6}{r['step_s']:>9.3f}"
-                  f"{r['tokens_per_s_per_device']:>12.0f}{r['model_tflops_per_device']:>9.1f}"
-                  f"{r['mfu_vs_measured']:>8.1%}{r['mfu_vs_datasheet']:>8.1%}{(r['peak_mem_gib'] or 0):>9.1f}")
-        summary = {"bench": "train_mfu", "device": device_name, "world_size": world, "matmul_tflops": round(peak, 1),
-                   "row_tokens": opts.row_tokens, "rows_per_step": opts.rows_per_step, "results": results}
+            print(
+                f"{r['shape']:<14}{str(r['compile']):>8}{r['ac']:>6}{r['step_s']:>9.3f}"
+                f"{r['tokens_per_s_per_device']:>12.0f}{r['model_tflops_per_device']:>9.1f}"
+                f"{r['mfu_vs_measured']:>8.1%}{r['mfu_vs_datasheet']:>8.1%}{(r['peak_mem_gib'] or 0):>9.1f}"
+            )
+        summary = {
+            "bench": "train_mfu",
+            "device": device_name,
+            "world_size": world,
+            "matmul_tflops": round(peak, 1),
+            "row_tokens": opts.row_tokens,
+            "rows_per_step": opts.rows_per_step,
+            "results": results,
+        }
         print(json.dumps(summary))
     dist.destroy_process_group()
     return 0

@@ -56,11 +56,22 @@ def build(policy: str, micro_batch_tokens: int, extra: list[str]):
     from trainer.scoring import RewardSettings
     from trainer.setup import build_engine, build_policy, build_tokenizer, load_datasets
 
-    cfg = load_config(os.path.join(ROOT, "configs", "demo_cpu.toml"), [
-        "model.preset=", f"model.hf_path={policy}", "training.sft_warmup_steps=0", "algorithm.dynamic_sampling=false",
-        f"training.train_batch_size={PROMPTS}", f"training.mini_batch_size={PROMPTS // UPDATES}",
-        f"training.micro_batch_tokens={micro_batch_tokens}", f"rollout.n={GROUP}",
-        f"rollout.max_response_length={MAX_RESPONSE}", f"algorithm.overlong_buffer={OVERLONG_BUFFER}", *extra])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "demo_cpu.toml"),
+        [
+            "model.preset=",
+            f"model.hf_path={policy}",
+            "training.sft_warmup_steps=0",
+            "algorithm.dynamic_sampling=false",
+            f"training.train_batch_size={PROMPTS}",
+            f"training.mini_batch_size={PROMPTS // UPDATES}",
+            f"training.micro_batch_tokens={micro_batch_tokens}",
+            f"rollout.n={GROUP}",
+            f"rollout.max_response_length={MAX_RESPONSE}",
+            f"algorithm.overlong_buffer={OVERLONG_BUFFER}",
+            *extra,
+        ],
+    )
     torch.manual_seed(0)
     dist = init_distributed(1, -1, 1)
     tokenizer = build_tokenizer(cfg, policy, is_main=True, barrier=lambda: None)
@@ -68,8 +79,9 @@ def build(policy: str, micro_batch_tokens: int, extra: list[str]):
     model = build_policy(cfg, dist.device)
     engine = build_engine(cfg, model, dist.device, cfg.data.max_prompt_length, dist)
     builder = DynamicBatchBuilder(PROMPTS, 1, on_shortfall="fill", max_staleness=0, enabled=False, metric="acc")
-    params = SamplingParams(max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=GROUP,
-                            stop_token_ids=tokenizer.stop_ids, seed=0)
+    params = SamplingParams(
+        max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=GROUP, stop_token_ids=tokenizer.stop_ids, seed=0
+    )
     reward = RewardSettings(MAX_RESPONSE, True, OVERLONG_BUFFER, 1.0, False)
     sampler = PromptSampler(train_set, seed=0, shuffle=True, dp_rank=0, dp_size=1)
     groups, _, _ = collect_batch(1, builder, engine, sampler, PROMPTS, params, tokenizer, reward, dist)
@@ -99,9 +111,12 @@ def profile_variant(cfg, dist, model, groups, extra: list[str], repeats: int) ->
         profiler.disable()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         table = pstats.Stats(profiler).stats
-        pieces = {label: sum(v[3] for (path, _, fn), v in table.items()
-                             if fn == name and path.replace(os.sep, "/").endswith(where))
-                  for label, name, where in PIECES}
+        pieces = {
+            label: sum(
+                v[3] for (path, _, fn), v in table.items() if fn == name and path.replace(os.sep, "/").endswith(where)
+            )
+            for label, name, where in PIECES
+        }
         if attempt:
             runs.append({"cpu_s": cpu, "wall_s": wall, "pieces": pieces, "loss": stats["loss"]})
     model.load_state_dict(start_state)
@@ -121,9 +136,11 @@ def main() -> int:
     cfg, dist, model, groups = build(policy, opts.micro_batch_tokens, [])
     tokens = sum(len(s.response_ids) for g in groups for s in g.payload)
     results = {name: profile_variant(cfg, dist, model, groups, extra, opts.repeats) for name, extra in VARIANTS.items()}
-    print(f"training phase of one step: {PROMPTS} prompts x {GROUP} samples ({tokens} response tokens), "
-          f"{UPDATES} updates, micro-batches of <= {opts.micro_batch_tokens} tokens, 1 thread; CPU seconds, "
-          f"fastest of {opts.repeats}")
+    print(
+        f"training phase of one step: {PROMPTS} prompts x {GROUP} samples ({tokens} response tokens), "
+        f"{UPDATES} updates, micro-batches of <= {opts.micro_batch_tokens} tokens, 1 thread; CPU seconds, "
+        f"fastest of {opts.repeats}"
+    )
     names = list(results)
     print(f"{'piece':<36}" + "".join(f"{n:>20}" for n in names))
     for label, _, _ in PIECES:
@@ -133,10 +150,24 @@ def main() -> int:
     print(f"{'loss':<36}" + "".join(f"{results[n]['loss']:>20.6f}" for n in names))
     base = results[names[0]]["cpu_s"]
     print(f"{'speed-up over before (CPU time)':<36}" + "".join(f"{base / results[n]['cpu_s']:>19.2f}x" for n in names))
-    print(json.dumps({"bench": "train_phase_profile", "micro_batch_tokens": opts.micro_batch_tokens,
-                      "response_tokens": tokens, "variants": {
-                          n: {"cpu_s": round(r["cpu_s"], 3), "wall_s": round(r["wall_s"], 3), "loss": r["loss"],
-                              "pieces": {k: round(v, 3) for k, v in r["pieces"].items()}} for n, r in results.items()}}))
+    print(
+        json.dumps(
+            {
+                "bench": "train_phase_profile",
+                "micro_batch_tokens": opts.micro_batch_tokens,
+                "response_tokens": tokens,
+                "variants": {
+                    n: {
+                        "cpu_s": round(r["cpu_s"], 3),
+                        "wall_s": round(r["wall_s"], 3),
+                        "loss": r["loss"],
+                        "pieces": {k: round(v, 3) for k, v in r["pieces"].items()},
+                    }
+                    for n, r in results.items()
+                },
+            }
+        )
+    )
     return 0
 
 

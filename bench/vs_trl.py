@@ -47,14 +47,17 @@ sys.path.insert(0, ROOT)
 PROMPTS, GROUP, UPDATES = 64, 8, 2
 MAX_PROMPT, MAX_RESPONSE, OVERLONG_BUFFER = 64, 32, 8
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-4, 0.1, 1.0
-INSTALL_HINT = ("TRL is not installed in this interpreter: it is a benchmark-only requirement. Create a separate "
-                "venv that sees this project's packages and run the benchmark with it (see this file's docstring): "
-                "pip install --no-deps -r bench/requirements-bench.txt")
+INSTALL_HINT = (
+    "TRL is not installed in this interpreter: it is a benchmark-only requirement. Create a separate "
+    "venv that sees this project's packages and run the benchmark with it (see this file's docstring): "
+    "pip install --no-deps -r bench/requirements-bench.txt"
+)
 
 
 def run_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                PYTHONWARNINGS="ignore")
+    return dict(
+        os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore"
+    )
 
 
 def prepare_policy(workdir: str, sft_steps: int) -> str:
@@ -63,17 +66,28 @@ def prepare_policy(workdir: str, sft_steps: int) -> str:
     if os.path.isfile(os.path.join(policy, "generation_config.json")):
         return policy
     run_dir = os.path.join(workdir, "prepare")
-    command = [sys.executable, "train.py", "--config", "configs/demo_cpu.toml", "--training.steps=0",
-               f"--training.sft_warmup_steps={sft_steps}", "--eval.at_start=false", "--eval.at_end=false",
-               "--metrics.progress=false", "--metrics.plot=false", "--checkpoint.enabled=false",
-               f"--job.run_dir={run_dir}"]
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/demo_cpu.toml",
+        "--training.steps=0",
+        f"--training.sft_warmup_steps={sft_steps}",
+        "--eval.at_start=false",
+        "--eval.at_end=false",
+        "--metrics.progress=false",
+        "--metrics.plot=false",
+        "--checkpoint.enabled=false",
+        f"--job.run_dir={run_dir}",
+    ]
     done = subprocess.run(command, cwd=ROOT, env=run_env(), capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise SystemExit(f"preparing the warmed-up policy failed (exit {done.returncode})")
     os.replace(os.path.join(run_dir, "demo-cpu", "hf"), policy)
-    from model.tokenizer import Tokenizer
     from transformers import GenerationConfig
+
+    from model.tokenizer import Tokenizer
 
     # transformers' generate stops at these ids (as the torch engine stops at the tokenizer's stop ids).
     stop_ids = Tokenizer.from_dir(policy).stop_ids
@@ -82,17 +96,36 @@ def prepare_policy(workdir: str, sft_steps: int) -> str:
 
 
 def our_overrides(policy: str, run_dir: str, steps: int, micro_samples: int) -> list[str]:
-    return ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={policy}",
-            f"--training.steps={steps}", "--training.sft_warmup_steps=0", "--algorithm.dynamic_sampling=false",
-            f"--training.train_batch_size={PROMPTS}", f"--training.mini_batch_size={PROMPTS // UPDATES}",
-            f"--training.micro_batch_tokens={micro_samples * (MAX_PROMPT + MAX_RESPONSE)}",
-            f"--rollout.n={GROUP}", f"--rollout.max_response_length={MAX_RESPONSE}",
-            f"--data.max_prompt_length={MAX_PROMPT}", f"--algorithm.overlong_buffer={OVERLONG_BUFFER}",
-            f"--optimizer.lr={LR}", "--optimizer.warmup_steps=1", f"--optimizer.weight_decay={WEIGHT_DECAY}",
-            f"--optimizer.grad_clip={GRAD_CLIP}", "--job.cpu_threads=1",
-            "--eval.at_start=false", "--eval.at_end=false", "--eval.interval=0", "--checkpoint.enabled=false",
-            "--checkpoint.export_hf=false", "--metrics.progress=false", "--metrics.plot=false",
-            f"--job.run_dir={run_dir}", "--job.name=ours"]
+    return [
+        "--config",
+        "configs/demo_cpu.toml",
+        "--model.preset=",
+        f"--model.hf_path={policy}",
+        f"--training.steps={steps}",
+        "--training.sft_warmup_steps=0",
+        "--algorithm.dynamic_sampling=false",
+        f"--training.train_batch_size={PROMPTS}",
+        f"--training.mini_batch_size={PROMPTS // UPDATES}",
+        f"--training.micro_batch_tokens={micro_samples * (MAX_PROMPT + MAX_RESPONSE)}",
+        f"--rollout.n={GROUP}",
+        f"--rollout.max_response_length={MAX_RESPONSE}",
+        f"--data.max_prompt_length={MAX_PROMPT}",
+        f"--algorithm.overlong_buffer={OVERLONG_BUFFER}",
+        f"--optimizer.lr={LR}",
+        "--optimizer.warmup_steps=1",
+        f"--optimizer.weight_decay={WEIGHT_DECAY}",
+        f"--optimizer.grad_clip={GRAD_CLIP}",
+        "--job.cpu_threads=1",
+        "--eval.at_start=false",
+        "--eval.at_end=false",
+        "--eval.interval=0",
+        "--checkpoint.enabled=false",
+        "--checkpoint.export_hf=false",
+        "--metrics.progress=false",
+        "--metrics.plot=false",
+        f"--job.run_dir={run_dir}",
+        "--job.name=ours",
+    ]
 
 
 def run_ours(policy: str, workdir: str, steps: int, micro_samples: int, index: int, extra: list[str]) -> list[dict]:
@@ -127,21 +160,26 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
     from datasets import Dataset
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-
     from trl import GRPOConfig, GRPOTrainer
+
     from config import load_config
     from model.tokenizer import Tokenizer
     from rl.reward import compute_score, overlong_penalty
     from trainer.setup import load_datasets
 
     ours = Tokenizer.from_dir(policy)
-    cfg = load_config(os.path.join(ROOT, "configs", "demo_cpu.toml"),
-                      ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "demo_cpu.toml"),
+        ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"],
+    )
     train_set, _ = load_datasets(cfg, ours)
     # The tokenizers object itself: AutoTokenizer rebuilds this BPE (merges across words) with a different
     # pre-tokenization in transformers 5.24 and would give TRL other prompt tokens than ours.
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=RawTokenizer.from_file(os.path.join(policy, "tokenizer.json")),
-                                        eos_token=ours.eos_token, pad_token=ours.pad_token)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=RawTokenizer.from_file(os.path.join(policy, "tokenizer.json")),
+        eos_token=ours.eos_token,
+        pad_token=ours.pad_token,
+    )
     rows = [{"prompt": ours.decode(e.prompt_ids), "ground_truth": e.ground_truth} for e in train_set]
     for e, row in list(zip(train_set, rows))[:32]:  # TRL tokenizes the text: it must give our prompt tokens
         if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != e.prompt_ids:
@@ -149,8 +187,10 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
 
     def reward(completions, completion_ids, ground_truth, **_):
         """Rule reward (+1 / -1) plus the soft overlong punishment, as trainer/scoring.py computes them."""
-        return [compute_score(text, truth)["score"] + overlong_penalty(len(ids), MAX_RESPONSE, OVERLONG_BUFFER)
-                for text, ids, truth in zip(completions, completion_ids, ground_truth)]
+        return [
+            compute_score(text, truth)["score"] + overlong_penalty(len(ids), MAX_RESPONSE, OVERLONG_BUFFER)
+            for text, ids, truth in zip(completions, completion_ids, ground_truth)
+        ]
 
     marks: dict[int, tuple[float, float]] = {}
 
@@ -164,23 +204,57 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
     rollout_batch = PROMPTS * GROUP
     ga = max(1, (rollout_batch // UPDATES) // micro_samples)
     args = GRPOConfig(
-        output_dir=os.path.join(os.path.dirname(out), "trl-out"), use_cpu=True, bf16=False, fp16=False, seed=0,
-        per_device_train_batch_size=micro_samples, gradient_accumulation_steps=ga, steps_per_generation=ga * UPDATES,
-        num_generations=GROUP, max_completion_length=MAX_RESPONSE, temperature=1.0, top_p=1.0, top_k=0,
-        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, mask_truncated_completions=True,
-        learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=GRAD_CLIP, lr_scheduler_type="constant",
-        max_steps=steps * UPDATES, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, log_completions=False)
+        output_dir=os.path.join(os.path.dirname(out), "trl-out"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        seed=0,
+        per_device_train_batch_size=micro_samples,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=ga * UPDATES,
+        num_generations=GROUP,
+        max_completion_length=MAX_RESPONSE,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.0,
+        mask_truncated_completions=True,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=GRAD_CLIP,
+        lr_scheduler_type="constant",
+        max_steps=steps * UPDATES,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     result = []
     for step in range(1, steps + 1):
         first, last = UPDATES * (step - 1) + 1, UPDATES * step
-        result.append({"step": step, "time/step": marks[last][1] - marks[first][0],
-                       "reward/mean": float(logs[step - 1]["reward"]) if len(logs) >= step else None})
+        result.append(
+            {
+                "step": step,
+                "time/step": marks[last][1] - marks[first][0],
+                "reward/mean": float(logs[step - 1]["reward"]) if len(logs) >= step else None,
+            }
+        )
     with open(out, "w") as f:
         json.dump(result, f)
 
@@ -194,8 +268,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each run left out (default 1)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating (default 2)")
     parser.add_argument("--sft-steps", type=int, default=200, help="supervised warm-up steps of the policy")
-    parser.add_argument("--micro-samples", type=int, default=256,
-                        help="completions per micro-batch on both sides (default 256: a whole mini-batch)")
+    parser.add_argument(
+        "--micro-samples",
+        type=int,
+        default=256,
+        help="completions per micro-batch on both sides (default 256: a whole mini-batch)",
+    )
     parser.add_argument("--workdir", default="/tmp/vs_trl", help="policy and run folders (the policy is reused)")
     parser.add_argument("--ours-extra", default="", help="extra train.py overrides for our side, space-separated")
     opts = parser.parse_args()
@@ -203,8 +281,9 @@ def main() -> int:
         print(f"--steps ({opts.steps}) must exceed --warmup ({opts.warmup})", file=sys.stderr)
         return 2
     if (PROMPTS * GROUP // UPDATES) % opts.micro_samples:
-        print(f"--micro-samples must divide the mini-batch of {PROMPTS * GROUP // UPDATES} completions",
-              file=sys.stderr)
+        print(
+            f"--micro-samples must divide the mini-batch of {PROMPTS * GROUP // UPDATES} completions", file=sys.stderr
+        )
         return 2
     try:
         import trl
@@ -223,26 +302,46 @@ def main() -> int:
                 rows = run_ours(policy, opts.workdir, opts.steps, opts.micro_samples, index, opts.ours_extra.split())
             else:
                 rows = run_trl(policy, opts.workdir, opts.steps, opts.micro_samples, index)
-            times[side] += [r["time/step"] for r in rows[opts.warmup:]]
+            times[side] += [r["time/step"] for r in rows[opts.warmup :]]
             rewards[side].append([round(r["reward/mean"], 3) for r in rows])
-            print(f"run {index + 1}/{opts.repeats} {side}: step times "
-                  f"{', '.join(format(r['time/step'], '.2f') for r in rows)} s", flush=True)
+            print(
+                f"run {index + 1}/{opts.repeats} {side}: step times "
+                f"{', '.join(format(r['time/step'], '.2f') for r in rows)} s",
+                flush=True,
+            )
     ours, theirs = statistics.median(times["ours"]), statistics.median(times["trl"])
     load = os.getloadavg()[0]
-    print(f"\n{PROMPTS} prompts x {GROUP} samples, <= {MAX_RESPONSE} new tokens, {UPDATES} updates per step, "
-          f"{opts.micro_samples} completions per micro-batch, 1 torch thread; median of {len(times['ours'])} steps "
-          f"per side; load average {load:.1f} at the end; {time.perf_counter() - start:.0f} s in all")
+    print(
+        f"\n{PROMPTS} prompts x {GROUP} samples, <= {MAX_RESPONSE} new tokens, {UPDATES} updates per step, "
+        f"{opts.micro_samples} completions per micro-batch, 1 torch thread; median of {len(times['ours'])} steps "
+        f"per side; load average {load:.1f} at the end; {time.perf_counter() - start:.0f} s in all"
+    )
     print(f"{'side':<32}{'median s/step':>15}{'min':>8}{'max':>8}")
     for label, key in (("this project (train.py)", "ours"), (f"TRL {trl.__version__} GRPOTrainer", "trl")):
         print(f"{label:<32}{statistics.median(times[key]):>15.2f}{min(times[key]):>8.2f}{max(times[key]):>8.2f}")
     print(f"ratio (TRL / ours): {theirs / ours:.2f}x")
-    print(json.dumps({"bench": "vs_trl", "trl_version": trl.__version__, "prompts": PROMPTS, "group": GROUP,
-                      "updates": UPDATES, "micro_samples": opts.micro_samples, "sft_steps": opts.sft_steps,
-                      "ours_s_per_step": round(ours, 3), "trl_s_per_step": round(theirs, 3),
-                      "ratio": round(theirs / ours, 3), "ours_steps": [round(t, 3) for t in times["ours"]],
-                      "trl_steps": [round(t, 3) for t in times["trl"]], "ours_reward": rewards["ours"],
-                      "trl_reward": rewards["trl"], "load_average": round(load, 1),
-                      "ours_extra": opts.ours_extra}))
+    print(
+        json.dumps(
+            {
+                "bench": "vs_trl",
+                "trl_version": trl.__version__,
+                "prompts": PROMPTS,
+                "group": GROUP,
+                "updates": UPDATES,
+                "micro_samples": opts.micro_samples,
+                "sft_steps": opts.sft_steps,
+                "ours_s_per_step": round(ours, 3),
+                "trl_s_per_step": round(theirs, 3),
+                "ratio": round(theirs / ours, 3),
+                "ours_steps": [round(t, 3) for t in times["ours"]],
+                "trl_steps": [round(t, 3) for t in times["trl"]],
+                "ours_reward": rewards["ours"],
+                "trl_reward": rewards["trl"],
+                "load_average": round(load, 1),
+                "ours_extra": opts.ours_extra,
+            }
+        )
+    )
     return 0
 
 

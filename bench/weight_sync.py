@@ -64,14 +64,27 @@ def main():
         assert torch.equal(p, q)
 
     t_copy, t_sync = min(copy_times), min(sync_times)
-    print(f"model: {opts.preset}, {total / 2**20:.0f} MiB fp32 in {len(list(trainer.parameters()))} tensors; "
-          f"buckets of {opts.bucket_mb} MiB; best of {opts.repeats}; {torch.get_num_threads()} threads")
+    print(
+        f"model: {opts.preset}, {total / 2**20:.0f} MiB fp32 in {len(list(trainer.parameters()))} tensors; "
+        f"buckets of {opts.bucket_mb} MiB; best of {opts.repeats}; {torch.get_num_threads()} threads"
+    )
     print(f"{'method':<34}{'seconds':>10}{'GiB/s':>10}")
     print(f"{'plain copy_ (baseline)':<34}{t_copy:>10.3f}{total / t_copy / 2**30:>10.2f}")
     print(f"{'sync_weights -> TorchEngine':<34}{t_sync:>10.3f}{total / t_sync / 2**30:>10.2f}")
     print(f"ratio (sync / copy_): {t_sync / t_copy:.2f}x")
-    print(json.dumps({"bench": "weight_sync", "preset": opts.preset, "bytes": total, "bucket_mb": opts.bucket_mb,
-                      "copy_s": round(t_copy, 4), "sync_s": round(t_sync, 4), "ratio": round(t_sync / t_copy, 3)}))
+    print(
+        json.dumps(
+            {
+                "bench": "weight_sync",
+                "preset": opts.preset,
+                "bytes": total,
+                "bucket_mb": opts.bucket_mb,
+                "copy_s": round(t_copy, 4),
+                "sync_s": round(t_sync, 4),
+                "ratio": round(t_sync / t_copy, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

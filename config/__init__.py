@@ -22,16 +22,53 @@ from config.checks import check_machine, check_runnable, evaluates
 from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
 from config.loader import ConfigError, field_types, sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
-from config.schema import (AlgorithmConfig, CheckpointConfig, Config, DataConfig, DType, EvalConfig, JobConfig,
-                           LossAgg, MetricsConfig, ModelConfig, OptimizerConfig, ParallelismConfig, RolloutConfig,
-                           TrainingConfig)
+from config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DType,
+    EvalConfig,
+    JobConfig,
+    LossAgg,
+    MetricsConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelismConfig,
+    RolloutConfig,
+    TrainingConfig,
+)
 
 SECTIONS: dict[str, type] = sections(Config)
 FIELD_TYPES = field_types(Config)
 
 __all__ = [
-    "DEFAULT_CONFIG", "FIELD_TYPES", "SECTIONS", "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "DType", "EvalConfig", "JobConfig", "LossAgg", "MetricsConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelismConfig", "RolloutConfig", "TrainingConfig", "check_machine", "check_runnable", "config_parser",
-    "config_to_dict", "evaluates", "load_config", "parse_cli", "parse_config_args", "split_overrides", "validate",
+    "DEFAULT_CONFIG",
+    "FIELD_TYPES",
+    "SECTIONS",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DType",
+    "EvalConfig",
+    "JobConfig",
+    "LossAgg",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "RolloutConfig",
+    "TrainingConfig",
+    "check_machine",
+    "check_runnable",
+    "config_parser",
+    "config_to_dict",
+    "evaluates",
+    "load_config",
+    "parse_cli",
+    "parse_config_args",
+    "split_overrides",
+    "validate",
 ]

@@ -47,40 +47,56 @@ def check_runnable(cfg: Config, machine=None) -> None:
     check_machine(cfg, machine)
     model, data = cfg.model, cfg.data
     if not model.preset and not model.hf_path:
-        raise ConfigError("model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "
-                          f"--model.hf_path=/ckpt/Qwen2.5-32B), or model.preset to one of {', '.join(PRESETS)}")
+        raise ConfigError(
+            "model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "
+            f"--model.hf_path=/ckpt/Qwen2.5-32B), or model.preset to one of {', '.join(PRESETS)}"
+        )
     max_positions = None
     if model.hf_path:
         config_json = os.path.join(model.hf_path, "config.json")
         if not os.path.isfile(config_json):
-            raise ConfigError(f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
-                              "set model.hf_path to a Qwen2.5 checkpoint directory")
+            raise ConfigError(
+                f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
+                "set model.hf_path to a Qwen2.5 checkpoint directory"
+            )
         with open(config_json) as f:
             max_positions = json.load(f).get("max_position_embeddings")
     else:
         max_positions = PRESETS[model.preset].max_position_embeddings
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
-        raise ConfigError(f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
-                          "folder holding tokenizer.json, or leave it empty")
+        raise ConfigError(
+            f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
+            "folder holding tokenizer.json, or leave it empty"
+        )
     for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
         path = getattr(data, key)
         if not path and key == "eval_path" and not evaluates(cfg):
             continue  # no evaluation configured: no held-out set needed
         if not path:
-            also = " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)" \
-                if key == "eval_path" else ""
-            raise ConfigError(f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, "
-                              f"or to 'synthetic'{also}")
+            also = (
+                " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)"
+                if key == "eval_path"
+                else ""
+            )
+            raise ConfigError(
+                f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
+            )
         if path != "synthetic" and not os.path.isfile(path):
-            raise ConfigError(f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
-                              f"{what} schema, or to 'synthetic'")
+            raise ConfigError(
+                f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
+                f"{what} schema, or to 'synthetic'"
+            )
     if data.train_path != "synthetic" and not (model.tokenizer_path or model.hf_path):
-        raise ConfigError(f"model.tokenizer_path is not set: data.train_path = {data.train_path!r} needs the "
-                          "tokenizer of model.hf_path or model.tokenizer_path (only the synthetic task trains its own)")
+        raise ConfigError(
+            f"model.tokenizer_path is not set: data.train_path = {data.train_path!r} needs the "
+            "tokenizer of model.hf_path or model.tokenizer_path (only the synthetic task trains its own)"
+        )
     longest = data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     if max_positions is not None and longest > max_positions:
-        raise ConfigError(f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "
-                          f"max_position_embeddings = {max_positions}")
+        raise ConfigError(
+            f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "
+            f"max_position_embeddings = {max_positions}"
+        )
     for path in (data.train_path, data.eval_path):
         if path and path != "synthetic":
             check_parquet_file(path, SCHEMA_COLUMNS)

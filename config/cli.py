@@ -23,13 +23,17 @@ def config_parser(description: str, example: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=description,
         epilog=f"Any setting can be overridden after the file: --section.key=value or --section.key value, "
-               f"e.g. {example}.")
+        f"e.g. {example}.",
+    )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="TOML file (default: configs/demo_cpu.toml)")
     return parser
 
 
-def parse_config_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
-                      flags: Callable[[argparse.Namespace], list[str]] = lambda args: []):
+def parse_config_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    flags: Callable[[argparse.Namespace], list[str]] = lambda args: [],
+):
     """(configuration, parsed flags) of a command line: the `--config` file, then the overrides that
     `flags(args)` makes of short flags, then the `--section.key=value` overrides (kept in args.overrides)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -42,9 +46,14 @@ def parse_config_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
 def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """train.py: `--config PATH`, `--dry-run`, `--fresh` and any number of `--section.key=value` /
     `--section.key value`."""
-    parser = config_parser("DAPO training (Algorithm 1 of arXiv 2503.14476).",
-                           "--training.steps=10 --rollout.engine torch --optimizer.betas=0.9,0.95")
+    parser = config_parser(
+        "DAPO training (Algorithm 1 of arXiv 2503.14476).",
+        "--training.steps=10 --rollout.engine torch --optimizer.betas=0.9,0.95",
+    )
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config as JSON, exit")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start the run over: move an existing run folder aside (to <name>.old-<n>) first")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start the run over: move an existing run folder aside (to <name>.old-<n>) first",
+    )
     return parse_config_args(parser, argv)

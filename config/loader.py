@@ -179,13 +179,16 @@ class _Schema:
         if not section:  # a bare key at the top of a file, outside any [section] table
             guess = [f"{s}.{key}" for s in self.sections if key in self.types[s]]
             hint = f"; did you mean '{guess[0]}' (under [{guess[0].split('.')[0]}])?" if guess else ""
-            return ConfigError(f"unknown top-level key '{key}' ({source}): only 'base' and [section] tables "
-                               f"are allowed{hint}")
+            return ConfigError(
+                f"unknown top-level key '{key}' ({source}): only 'base' and [section] tables are allowed{hint}"
+            )
         # A key of another section first (`lr` under [training]), then the closest spelling in this section.
-        guess = ([f"{s}.{key}" for s in self.sections if key in self.types[s]]
-                 or [f"{section}.{g}" for g in difflib.get_close_matches(key, self.types[section], n=1)])
-        hint = (f"did you mean '{guess[0]}'?" if guess
-                else f"valid keys of [{section}]: {', '.join(self.types[section])}")
+        guess = [f"{s}.{key}" for s in self.sections if key in self.types[s]] or [
+            f"{section}.{g}" for g in difflib.get_close_matches(key, self.types[section], n=1)
+        ]
+        hint = (
+            f"did you mean '{guess[0]}'?" if guess else f"valid keys of [{section}]: {', '.join(self.types[section])}"
+        )
         return ConfigError(f"unknown key '{section}.{key}' ({source}); {hint}")
 
     def type_of(self, section: str, key: str, source: str):
@@ -279,8 +282,10 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def to_dict(cfg) -> dict[str, dict[str, Any]]:
     """{section: {key: value}} with tuples as lists: JSON-serialisable."""
-    return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
-            for name in sections(type(cfg))}
+    return {
+        name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
+        for name in sections(type(cfg))
+    }
 
 
 # ---------------------------------------------------------------------------------------- validation

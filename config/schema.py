@@ -17,8 +17,9 @@ from model.args import PRESETS
 from rl.data import SYNTHETIC_LEVELS, synthetic_problem_limit
 
 DType = Literal["float32", "bfloat16"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                  "group-token-mean"]
+LossAgg = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "group-token-mean"
+]
 
 
 def _sampling_temperature(default: float):
@@ -34,8 +35,11 @@ def _top_k(default: int):
 
 
 def _folder_name(default: str):
-    return bounded(default, lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
-                   "must be a non-empty folder name without path separators")
+    return bounded(
+        default,
+        lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
+        "must be a non-empty folder name without path separators",
+    )
 
 
 def _preset(default: str):
@@ -86,8 +90,11 @@ class ModelConfig:
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, SDPA on CPU
 
     def rules(self) -> Iterator[Rule]:
-        yield "preset", not (self.preset and self.hf_path), \
-            f"set either model.preset or model.hf_path = {self.hf_path!r}, not both"
+        yield (
+            "preset",
+            not (self.preset and self.hf_path),
+            f"set either model.preset or model.hf_path = {self.hf_path!r}, not both",
+        )
 
 
 @dataclass
@@ -106,13 +113,19 @@ class DataConfig:
     def rules(self) -> Iterator[Rule]:
         splits = [split for split in ("train", "eval") if getattr(self, f"{split}_path") == "synthetic"]
         if splits:
-            yield "synthetic_difficulty", self.synthetic_difficulty in SYNTHETIC_LEVELS, \
-                f"must be one of the synthetic task's levels {sorted(SYNTHETIC_LEVELS)}"
+            yield (
+                "synthetic_difficulty",
+                self.synthetic_difficulty in SYNTHETIC_LEVELS,
+                f"must be one of the synthetic task's levels {sorted(SYNTHETIC_LEVELS)}",
+            )
         for split in splits:
             most = synthetic_problem_limit(self.synthetic_difficulty, split)
-            yield f"synthetic_num_{split}", getattr(self, f"synthetic_num_{split}") <= most, \
-                f"must be <= {most}: the {split} split of difficulty {self.synthetic_difficulty} has no more " \
-                "distinct problems"
+            yield (
+                f"synthetic_num_{split}",
+                getattr(self, f"synthetic_num_{split}") <= most,
+                f"must be <= {most}: the {split} split of difficulty {self.synthetic_difficulty} has no more "
+                "distinct problems",
+            )
 
 
 @dataclass
@@ -185,8 +198,11 @@ class TrainingConfig:
     max_nonfinite_steps: int = at_least(3, 1)  # abort after this many non-finite updates in a row
 
     def rules(self) -> Iterator[Rule]:
-        yield "train_batch_size", self.train_batch_size % self.mini_batch_size == 0, \
-            f"must be divisible by training.mini_batch_size = {self.mini_batch_size} (whole mini-batches per step)"
+        yield (
+            "train_batch_size",
+            self.train_batch_size % self.mini_batch_size == 0,
+            f"must be divisible by training.mini_batch_size = {self.mini_batch_size} (whole mini-batches per step)",
+        )
 
 
 @dataclass
@@ -247,7 +263,9 @@ class RehearseConfig:
     world_size: int = at_least(8, 1)  # ranks (GPUs) of the rehearsed job (train.py --rehearse)
     gpu_memory_gb: float = above(80.0, 0)  # memory of one GPU, GB (1e9 bytes)
     preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
-    context_gb: float = at_least(1.0, 0)  # the trainer process's CUDA context, NCCL buffers and allocator slack, GB per GPU
+    context_gb: float = at_least(
+        1.0, 0
+    )  # the trainer process's CUDA context, NCCL buffers and allocator slack, GB per GPU
 
 
 @dataclass
@@ -268,15 +286,27 @@ class Config:
     def rules(self) -> Iterator[Rule]:
         """The rules that span sections."""
         alg, ro = self.algorithm, self.rollout
-        yield "algorithm.overlong_buffer", not alg.overlong_penalty or alg.overlong_buffer <= ro.max_response_length, \
-            f"must be <= rollout.max_response_length = {ro.max_response_length} (Eq. 13 needs L_cache <= L_max)"
-        yield "rollout.n", not alg.dynamic_sampling or ro.n >= 2, \
-            "must be >= 2 with algorithm.dynamic_sampling: a group of one never has 0 < #correct < G"
+        yield (
+            "algorithm.overlong_buffer",
+            not alg.overlong_penalty or alg.overlong_buffer <= ro.max_response_length,
+            f"must be <= rollout.max_response_length = {ro.max_response_length} (Eq. 13 needs L_cache <= L_max)",
+        )
+        yield (
+            "rollout.n",
+            not alg.dynamic_sampling or ro.n >= 2,
+            "must be >= 2 with algorithm.dynamic_sampling: a group of one never has 0 < #correct < G",
+        )
         longest = self.data.max_prompt_length + ro.max_response_length
-        yield "training.micro_batch_tokens", self.training.micro_batch_tokens >= longest, \
-            f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: " \
-            "a packed micro-batch must hold the longest sample"
+        yield (
+            "training.micro_batch_tokens",
+            self.training.micro_batch_tokens >= longest,
+            f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: "
+            "a packed micro-batch must hold the longest sample",
+        )
         engine_len = self.data.max_prompt_length + max(ro.max_response_length, self.eval.max_response_length or 0)
-        yield "rollout.kv_cache_blocks", ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len, \
-            f"must be 0 (auto) or hold one full-length sequence: >= {-(-engine_len // max(ro.block_size, 1))} blocks " \
-            f"of rollout.block_size = {ro.block_size} for data.max_prompt_length + the longest response = {engine_len}"
+        yield (
+            "rollout.kv_cache_blocks",
+            ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len,
+            f"must be 0 (auto) or hold one full-length sequence: >= {-(-engine_len // max(ro.block_size, 1))} blocks "
+            f"of rollout.block_size = {ro.block_size} for data.max_prompt_length + the longest response = {engine_len}",
+        )

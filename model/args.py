@@ -40,7 +40,7 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def replace(self, **changes) -> "ModelArgs":
+    def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
@@ -68,12 +68,36 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen2.5-32b": ModelArgs(152064, 5120, 64, 40, 8, 27648, 1e6, 1e-5, False, 131072),
     "qwen2.5-72b": ModelArgs(152064, 8192, 80, 64, 8, 29568, 1e6, 1e-5, False, 131072),
     # Tiny shapes with Qwen2.5's structure (GQA, qkv bias, SwiGLU) for tests and the CPU demo.
-    "tiny": ModelArgs(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=128, tie_word_embeddings=False, max_position_embeddings=1024),
-    "tiny-tied": ModelArgs(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                           intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=1024),
-    "demo": ModelArgs(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                      intermediate_size=384, tie_word_embeddings=True, max_position_embeddings=512),
+    "tiny": ModelArgs(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    ),
+    "tiny-tied": ModelArgs(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    ),
+    "demo": ModelArgs(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
 }
 
 # Published total sizes (Qwen2.5 model cards), used to check the presets.
@@ -108,5 +132,8 @@ def training_flops(args: ModelArgs, doc_lengths: list[list[int]], head_tokens: i
     tokens = sum(sum(row) for row in doc_lengths)
     head_tokens = tokens if head_tokens is None else head_tokens
     attended_keys = sum(n * (n + 1) // 2 for row in doc_lengths for n in row)
-    return (6 * args.num_layers * block_linear * tokens + 6 * args.vocab_size * h * head_tokens
-            + 12 * args.num_layers * h * attended_keys)
+    return (
+        6 * args.num_layers * block_linear * tokens
+        + 6 * args.vocab_size * h * head_tokens
+        + 12 * args.num_layers * h * attended_keys
+    )

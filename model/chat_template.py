@@ -48,8 +48,12 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render_template(template: str, messages: Sequence[Mapping], add_generation_prompt: bool = True,
-                    special_tokens: Mapping[str, str | None] | None = None) -> str:
+def render_template(
+    template: str,
+    messages: Sequence[Mapping],
+    add_generation_prompt: bool = True,
+    special_tokens: Mapping[str, str | None] | None = None,
+) -> str:
     """Render a jinja chat template for `messages` as transformers' `apply_chat_template(tokenize=False)` does.
 
     special_tokens: {"bos_token": ..., "eos_token": ...}; entries that are None are not passed (transformers
@@ -57,8 +61,9 @@ def render_template(template: str, messages: Sequence[Mapping], add_generation_p
     """
     tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return _compile(template).render(messages=plain, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **tokens)
+    return _compile(template).render(
+        messages=plain, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens
+    )
 
 
 def template_from_config(value, where: str) -> str | None:
@@ -70,8 +75,10 @@ def template_from_config(value, where: str) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, Mapping)}
         if isinstance(named.get("default"), str):
             return named["default"]
-    raise ValueError(f"{where}: chat_template must be a string or a list of {{'name', 'template'}} entries with "
-                     f"a 'default' one, got {type(value).__name__}")
+    raise ValueError(
+        f"{where}: chat_template must be a string or a list of {{'name', 'template'}} entries with "
+        f"a 'default' one, got {type(value).__name__}"
+    )
 
 
 # The built-in rendering (model/tokenizer.py's `render_chat`) as a template. Whitespace control ("{%-"/"-%}")

@@ -80,8 +80,10 @@ def _mismatch_report(where: str, missing, unexpected, misshaped) -> str:
     if unexpected:
         parts.append(f"  unexpected tensors ({len(unexpected)}): {sorted(unexpected)}")
     if misshaped:
-        parts.append(f"  wrong shapes ({len(misshaped)}): " + ", ".join(
-            f"{n} is {tuple(got)} but the model needs {tuple(want)}" for n, got, want in sorted(misshaped)))
+        parts.append(
+            f"  wrong shapes ({len(misshaped)}): "
+            + ", ".join(f"{n} is {tuple(got)} but the model needs {tuple(want)}" for n, got, want in sorted(misshaped))
+        )
     return "\n".join(parts)
 
 
@@ -130,8 +132,10 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
         with safe_open(owner["lm_head.weight"], framework="pt", device=str(device)) as f:
             head = f.get_tensor("lm_head.weight").to(dtype)
         if not torch.equal(head, state["embed_tokens.weight"]):
-            raise CheckpointError(f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
-                                  "lm_head.weight that differs from model.embed_tokens.weight")
+            raise CheckpointError(
+                f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
+                "lm_head.weight that differs from model.embed_tokens.weight"
+            )
         del head
     # assign=True makes the loaded tensors the parameters themselves: no second copy is allocated.
     model.load_state_dict(state, strict=True, assign=True)
@@ -156,8 +160,9 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def save_hf(model_or_state_dict, path: str, args: ModelArgs | None = None,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def save_hf(
+    model_or_state_dict, path: str, args: ModelArgs | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
     """Write config.json + safetensors that `transformers.Qwen2ForCausalLM.from_pretrained` loads.
 
     `model_or_state_dict` is our Qwen2 module, a state dict with our names, or an iterator of
@@ -244,8 +249,10 @@ def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) 
     for (tmp, _), name in zip(written, final):
         os.replace(tmp, os.path.join(path, name))
     if n > 1:
-        index = {"metadata": {"total_size": total_bytes},
-                 "weight_map": {t: name for (_, names), name in zip(written, final) for t in names}}
+        index = {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": {t: name for (_, names), name in zip(written, final) for t in names},
+        }
         with open(os.path.join(path, INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
 
@@ -298,5 +305,7 @@ def complete_hf_export(path: str, tokenizer, model_source: str | None = None) ->
         carried["eos_token_id"] = eos + missing
         write_json(out, carried)
         return
-    write_json(out, {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
-                      "pad_token_id": tokenizer.pad_id})
+    write_json(
+        out,
+        {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids), "pad_token_id": tokenizer.pad_id},
+    )

@@ -162,8 +162,9 @@ def named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
     elif isinstance(source, Iterable):
         yield from source
     else:
-        raise TypeError(f"expected a module, a state dict or an iterable of (name, tensor), "
-                        f"got {type(source).__name__}")
+        raise TypeError(
+            f"expected a module, a state dict or an iterable of (name, tensor), got {type(source).__name__}"
+        )
 
 
 def iter_hf_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
@@ -211,8 +212,11 @@ def args_from_hf_config(config: Mapping) -> ModelArgs:
     architectures = config.get("architectures")
     if architectures is not None and list(architectures) != [HF_ARCHITECTURE]:
         raise CheckpointError(f"config.json has architectures {list(architectures)}; expected [{HF_ARCHITECTURE!r}]")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if k not in config]
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        if k not in config
+    ]
     if missing:
         raise CheckpointError(f"config.json lacks required keys: {', '.join(missing)}")
     if config.get("hidden_act", "silu") != "silu":

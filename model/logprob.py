@@ -5,7 +5,8 @@ For hidden states h_n, output head W [V, H], temperature T and target ids y_n:
     z_n      = W h_n / T                                  (logits, upcast to fp32)
     lse_n    = log sum_v exp(z_nv)
     logp_n   = z_{n, y_n} - lse_n                         (log pi(y_n | context): the log-probs in Eq. 10's ratio r)
-    H_n      = lse_n - sum_v p_nv z_nv,  p_nv = exp(z_nv - lse_n)   (policy entropy, the quantity of the paper's Fig. 2b)
+    H_n      = lse_n - sum_v p_nv z_nv,  p_nv = exp(z_nv - lse_n)
+               (policy entropy, the quantity of the paper's Fig. 2b)
 
 The full [tokens, V] logits never exist: tokens are processed `chunk_size` at a time in forward, and
 backward recomputes each chunk's logits from (h, W), so the extra memory in both passes is O(chunk x V)
@@ -39,6 +40,7 @@ __all__ = ["token_logprobs", "naive_token_logprobs"]
 # 7% of the naive peak memory at 256 tokens per chunk (13% at 1024) and no loss of speed.
 DEFAULT_CHUNK = 256
 
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics are kept in fp32, or fp64 when the inputs already are."""
     return torch.promote_types(dtype, torch.float32)
@@ -53,8 +55,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return logits
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, row_max: torch.Tensor,
-                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, row_max: torch.Tensor, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Sums over this chunk's (slice of the) vocabulary, shifted by `row_max` for stability.
 
     logits [C, V'] fp32 (overwritten), targets [C] column index in this slice or -1 if not in it,
@@ -74,8 +77,9 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, row_max: torch.Ten
     return sum_exp, sum_exp_z, target_z
 
 
-def _finish_stats(row_max: torch.Tensor, sum_exp: torch.Tensor, sum_exp_z: torch.Tensor | None,
-                  target_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _finish_stats(
+    row_max: torch.Tensor, sum_exp: torch.Tensor, sum_exp_z: torch.Tensor | None, target_z: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(logp, entropy, lse) from whole-vocabulary sums: logp = (z_y - m) - log S,
     H = log S - sum exp(z - m)(z - m) / S, lse = m + log S."""
     log_sum = sum_exp.log()
@@ -83,8 +87,14 @@ def _finish_stats(row_max: torch.Tensor, sum_exp: torch.Tensor, sum_exp_z: torch
     return target_z - log_sum, entropy, row_max + log_sum
 
 
-def _chunk_grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
-                       entropy: torch.Tensor | None = None, grad_entropy: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_grad_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    entropy: torch.Tensor | None = None,
+    grad_entropy: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dL/dz for one chunk, computed in place in `logits` [C, V'] fp32 (z already divided by T).
 
     dL/dz_v = g_lp (1[v = y] - p_v) - g_H p_v (log p_v + H) = g_lp 1[v = y] - p_v (g_lp + g_H (log p_v + H)).
@@ -127,14 +137,24 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden, grad_weight = chunked_backward(
-            hidden, weight, targets, lse, grad_logp, entropy if ctx.entropy_grad else None,
-            grad_entropy if ctx.entropy_grad else None, ctx.temperature, ctx.chunk_size,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            hidden,
+            weight,
+            targets,
+            lse,
+            grad_logp,
+            entropy if ctx.entropy_grad else None,
+            grad_entropy if ctx.entropy_grad else None,
+            ctx.temperature,
+            ctx.chunk_size,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+        )
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def chunked_forward(hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool,
-                    reduce_max=None, reduce_sum=None):
+def chunked_forward(
+    hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool, reduce_max=None, reduce_sum=None
+):
     """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk.
 
     Shared by this module and the vocabulary-parallel version (parallel/logprob.py), which passes
@@ -164,22 +184,39 @@ def chunked_forward(hidden, weight, targets, temperature: float, chunk_size: int
     return logp, lse, entropy
 
 
-def chunked_backward(hidden, weight, targets, lse, grad_logp, entropy, grad_entropy, temperature: float,
-                     chunk_size: int, need_hidden: bool, need_weight: bool):
+def chunked_backward(
+    hidden,
+    weight,
+    targets,
+    lse,
+    grad_logp,
+    entropy,
+    grad_entropy,
+    temperature: float,
+    chunk_size: int,
+    need_hidden: bool,
+    need_weight: bool,
+):
     """Gradients of the chunked log-probs (and entropy, when `entropy` is given) with respect to `hidden`
     and `weight`, recomputing each chunk's logits: shared by this module and the vocabulary-parallel
     version (parallel/logprob.py), whose `targets` are slice-local (-1: not in this slice)."""
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
-    grad_weight = torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_weight else None
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_weight else None
+    )
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
         h = hidden[start:end]
         logits = _chunk_logits(h, weight, temperature)
         grad_z = _chunk_grad_logits(
-            logits, targets[start:end], lse[start:end], grad_logp[start:end],
+            logits,
+            targets[start:end],
+            lse[start:end],
+            grad_logp[start:end],
             entropy[start:end] if entropy is not None else None,
-            grad_entropy[start:end] if entropy is not None else None)
+            grad_entropy[start:end] if entropy is not None else None,
+        )
         del logits
         if temperature != 1.0:
             grad_z.mul_(1.0 / temperature)  # z = (h W^T) / T
@@ -202,7 +239,9 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be [vocab, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
     if hidden.shape[:-1] != targets.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}"
+        )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     if targets.dtype not in (torch.int64, torch.int32):
@@ -219,13 +258,21 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy
         raise ValueError("entropy_grad=True needs with_entropy=True")
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                   temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = True,
-                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(hidden @ weight.T / temperature)[target] and the distribution's entropy, chunked.
 
     hidden [..., H] (any leading shape), weight [V, H] (`model.output_weight()`), targets [...] ids.
-    Returns (logp [...], entropy [...] or None), both fp32 (fp64 for fp64 inputs). Gradients flow to `hidden` and `weight`;
+    Returns (logp [...], entropy [...] or None), both fp32 (fp64 for fp64 inputs).
+    Gradients flow to `hidden` and `weight`;
     the entropy is detached unless `entropy_grad` (then its gradient flows too, e.g. for an entropy
     bonus). Peak extra memory is about two fp32 [chunk_size, V] buffers in either pass.
     """
@@ -234,13 +281,21 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
     logp, entropy = _ChunkedTokenLogprobs.apply(
-        flat_h, weight, flat_t, float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad))
+        flat_h, weight, flat_t, float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad)
+    )
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)
 
 
-def naive_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         temperature: float = 1.0, chunk_size: int | None = None, with_entropy: bool = True,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def naive_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference for `token_logprobs`: materialises the full fp32 logits and lets autograd differentiate.
     `chunk_size` is accepted for signature compatibility and ignored."""
     _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)

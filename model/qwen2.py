@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [B, T, head_dim] for integer positions [B, T], in fp32 (HF rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim)
+    )
     freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
@@ -239,7 +241,10 @@ class Qwen2(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
-        """Initialise in place (after `to_empty` from the meta device): N(0, init_std) weights, zero biases, unit norms."""
+        """Initialize in place (after `to_empty` from the meta device).
+
+        N(0, init_std) weights, zero biases, unit norms.
+        """
         gen = None
         if seed is not None:
             gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -285,8 +290,9 @@ class Qwen2(nn.Module):
         return F.linear(h, self.output_weight()) if self.lm_head is None else self.lm_head(h)
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = None) -> Qwen2:
+def build_model(
+    args: ModelArgs, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seed: int | None = None
+) -> Qwen2:
     """Construct on the meta device, materialise on `device`, then initialise (no double allocation)."""
     with torch.device("meta"):
         model = Qwen2(args)

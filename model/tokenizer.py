@@ -40,8 +40,15 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from model.chat_template import qwen25_template, render_template, template_from_config
 
-__all__ = ["Tokenizer", "train_bpe_tokenizer", "render_chat", "qwen2_pipeline", "QWEN25_DEFAULT_SYSTEM",
-           "CHAT_TEMPLATE_JINJA", "CHAT_ROLES"]
+__all__ = [
+    "Tokenizer",
+    "train_bpe_tokenizer",
+    "render_chat",
+    "qwen2_pipeline",
+    "QWEN25_DEFAULT_SYSTEM",
+    "CHAT_TEMPLATE_JINJA",
+    "CHAT_ROLES",
+]
 
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -50,14 +57,23 @@ CHAT_TEMPLATE_JINJA = qwen25_template(QWEN25_DEFAULT_SYSTEM)
 
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer and Qwen2.5's tokenizer.json): contractions,
 # letter runs with one leading non-letter, single digits, punctuation runs, newlines, other whitespace.
-QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                     r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 # What a Hugging Face tokenizer directory may hold; `save` copies those present (and the extra templates).
-TOKENIZER_FILES = ("tokenizer.json", CONFIG_FILE, "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                   "merges.txt", TEMPLATE_FILE)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    CONFIG_FILE,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    TEMPLATE_FILE,
+)
 EXTRA_TEMPLATES_DIR = "additional_chat_templates"
 
 
@@ -65,10 +81,12 @@ def qwen2_pipeline(tokenizer: _HFTokenizer) -> _HFTokenizer:
     """Give `tokenizer` (a BPE) the normalizer, pre-tokenizer and decoder that transformers' Qwen2Tokenizer
     builds: NFC, Split(QWEN2_SPLIT_REGEX, isolated) + ByteLevel(no prefix space, no regex), ByteLevel."""
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -103,9 +121,17 @@ class Tokenizer:
     source_dir: the directory the tokenizer was loaded from; `save` copies its files unchanged.
     """
 
-    def __init__(self, tokenizer: _HFTokenizer, eos_token: str = ENDOFTEXT, pad_token: str | None = None,
-                 default_system: str | None = QWEN25_DEFAULT_SYSTEM, *, bos_token: str | None = None,
-                 chat_template: str | None = None, source_dir: str | None = None):
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        eos_token: str = ENDOFTEXT,
+        pad_token: str | None = None,
+        default_system: str | None = QWEN25_DEFAULT_SYSTEM,
+        *,
+        bos_token: str | None = None,
+        chat_template: str | None = None,
+        source_dir: str | None = None,
+    ):
         self._tok = tokenizer
         self.default_system = default_system
         self.eos_token = eos_token
@@ -120,7 +146,7 @@ class Tokenizer:
     # -- loading and saving -------------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str, default_system: str | None = QWEN25_DEFAULT_SYSTEM) -> "Tokenizer":
+    def from_dir(cls, path: str, default_system: str | None = QWEN25_DEFAULT_SYSTEM) -> Tokenizer:
         """Load `tokenizer.json`, and `tokenizer_config.json` / `chat_template.jinja` if present."""
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
@@ -134,9 +160,15 @@ class Tokenizer:
                 template = f.read()
         else:
             template = template_from_config(config.get("chat_template"), config_path)
-        return cls(tokenizer, eos_token=_token_content(config.get("eos_token")) or ENDOFTEXT,
-                   pad_token=_token_content(config.get("pad_token")), default_system=default_system,
-                   bos_token=_token_content(config.get("bos_token")), chat_template=template, source_dir=path)
+        return cls(
+            tokenizer,
+            eos_token=_token_content(config.get("eos_token")) or ENDOFTEXT,
+            pad_token=_token_content(config.get("pad_token")),
+            default_system=default_system,
+            bos_token=_token_content(config.get("bos_token")),
+            chat_template=template,
+            source_dir=path,
+        )
 
     def save(self, path: str) -> None:
         """Write a tokenizer directory that `transformers.AutoTokenizer` loads as this tokenizer.
@@ -160,9 +192,17 @@ class Tokenizer:
         if self.source_dir is not None:
             return  # saving onto the directory it came from: nothing to change
         self._tok.save(os.path.join(path, "tokenizer.json"))
-        added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
-                          "single_word": t.single_word, "special": t.special}
-                 for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
+        added = {
+            str(i): {
+                "content": t.content,
+                "lstrip": t.lstrip,
+                "normalized": t.normalized,
+                "rstrip": t.rstrip,
+                "single_word": t.single_word,
+                "special": t.special,
+            }
+            for i, t in sorted(self._tok.get_added_tokens_decoder().items())
+        }
         config = {
             # Where transformers honours the class (no model_type that overrides it), tokenizer.json is
             # used as it is; for a qwen2 checkpoint, the rebuilt Qwen2Tokenizer has the same pipeline.
@@ -190,17 +230,30 @@ class Tokenizer:
         changes no id), the decoder's type, and the BPE model's options."""
         ours = _without_offsets(json.loads(self._tok.to_str()))
         want = _without_offsets(json.loads(qwen2_pipeline(_HFTokenizer(models.BPE())).to_str()))
-        problems = [f"the {part} is {json.dumps(ours.get(part))} instead of {json.dumps(want[part])}"
-                    for part in ("normalizer", "pre_tokenizer") if ours.get(part) != want[part]]
+        problems = [
+            f"the {part} is {json.dumps(ours.get(part))} instead of {json.dumps(want[part])}"
+            for part in ("normalizer", "pre_tokenizer")
+            if ours.get(part) != want[part]
+        ]
         decoder = (ours.get("decoder") or {}).get("type")
         if decoder != "ByteLevel":
             problems.append(f"the decoder is {decoder} instead of ByteLevel")
         model = ours.get("model", {})
         if model.get("type") != "BPE":
             problems.append(f"the model is {model.get('type')} instead of BPE")
-        problems += [f"the BPE model sets {key} = {model[key]!r}"
-                     for key in ("byte_fallback", "fuse_unk", "ignore_merges", "continuing_subword_prefix",
-                                 "end_of_word_suffix", "dropout", "unk_token") if model.get(key)]
+        problems += [
+            f"the BPE model sets {key} = {model[key]!r}"
+            for key in (
+                "byte_fallback",
+                "fuse_unk",
+                "ignore_merges",
+                "continuing_subword_prefix",
+                "end_of_word_suffix",
+                "dropout",
+                "unk_token",
+            )
+            if model.get(key)
+        ]
         return "; ".join(problems) or None
 
     # -- ids ----------------------------------------------------------------------------------------
@@ -265,8 +318,9 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
-def render_chat(messages: Sequence[Mapping], default_system: str | None = QWEN25_DEFAULT_SYSTEM,
-                add_generation_prompt: bool = True) -> str:
+def render_chat(
+    messages: Sequence[Mapping], default_system: str | None = QWEN25_DEFAULT_SYSTEM, add_generation_prompt: bool = True
+) -> str:
     """Qwen2.5 ChatML rendering without a tokenizer (used to build a tokenizer's training text)."""
     _check_messages(messages)
     parts = []
@@ -294,9 +348,13 @@ def _check_messages(messages) -> None:
             raise ValueError(f"message {i} content must be text, got {type(m['content']).__name__}")
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int,
-                        special_tokens: Sequence[str] = (ENDOFTEXT, IM_START, IM_END),
-                        default_system: str | None = QWEN25_DEFAULT_SYSTEM, phrases: Sequence[str] = ()) -> Tokenizer:
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    special_tokens: Sequence[str] = (ENDOFTEXT, IM_START, IM_END),
+    default_system: str | None = QWEN25_DEFAULT_SYSTEM,
+    phrases: Sequence[str] = (),
+) -> Tokenizer:
     """Train a byte-level BPE on `texts` with at most `vocab_size` tokens (special tokens and phrases included).
 
     The pipeline is Qwen2's (`qwen2_pipeline`), so transformers rebuilds the tokenizer exactly: every digit
@@ -313,8 +371,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int,
         raise ValueError("train_bpe_tokenizer needs at least one special token (the first is EOS)")
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(special_tokens) + len(phrases)
     if vocab_size < minimum:
-        raise ValueError(f"vocab_size {vocab_size} is below {minimum}: the 256 byte symbols plus "
-                         f"{len(special_tokens)} special tokens and {len(phrases)} phrases")
+        raise ValueError(
+            f"vocab_size {vocab_size} is below {minimum}: the 256 byte symbols plus "
+            f"{len(special_tokens)} special tokens and {len(phrases)} phrases"
+        )
     tokenizer = qwen2_pipeline(_HFTokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(phrases),

@@ -95,7 +95,7 @@ class MetricsLogger:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:

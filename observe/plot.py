@@ -43,24 +43,43 @@ class PanelSpec:
 
 
 PANELS: tuple[PanelSpec, ...] = (
-    PanelSpec("Response length", (Series("response_length/mean", "mean"),
-                                  Series("response_length/max", "max", ":"),
-                                  Series("response_length/clip_ratio", "truncated share", "--", secondary=True)),
-              ylabel="tokens"),
-    PanelSpec("Reward (score)", (Series("reward/mean", "all samples"),
-                                 Series("kept/reward/mean", "kept groups", "--"))),
-    PanelSpec("Training accuracy", (Series("acc/mean", "all samples"), Series("kept/acc/mean", "kept groups", "--")),
-              unit_interval=True),
+    PanelSpec(
+        "Response length",
+        (
+            Series("response_length/mean", "mean"),
+            Series("response_length/max", "max", ":"),
+            Series("response_length/clip_ratio", "truncated share", "--", secondary=True),
+        ),
+        ylabel="tokens",
+    ),
+    PanelSpec(
+        "Reward (score)", (Series("reward/mean", "all samples"), Series("kept/reward/mean", "kept groups", "--"))
+    ),
+    PanelSpec(
+        "Training accuracy",
+        (Series("acc/mean", "all samples"), Series("kept/acc/mean", "kept groups", "--")),
+        unit_interval=True,
+    ),
     PanelSpec("Entropy", (Series("entropy", "mean token entropy"),), ylabel="nats"),
     PanelSpec("Mean token probability", (Series("token_prob/mean", "mean probability"),)),
     PanelSpec("Held-out accuracy", (Series("eval/avg_at_k", "avg@k"),), unit_interval=True, markers=True),
-    PanelSpec("Dynamic sampling: group shares", (Series("groups/kept_share", "kept"),
-                                                  Series("groups/all_correct_share", "all correct", "--"),
-                                                  Series("groups/all_wrong_share", "all wrong", ":")),
-              unit_interval=True),
-    PanelSpec("Clip fractions", (Series("pg_clipfrac", "clip active (pg_clipfrac)"),
-                                 Series("pg_clipfrac_lower", "dual clip active, A<0 (pg_clipfrac_lower)", "--")),
-              ylabel="share of tokens"),
+    PanelSpec(
+        "Dynamic sampling: group shares",
+        (
+            Series("groups/kept_share", "kept"),
+            Series("groups/all_correct_share", "all correct", "--"),
+            Series("groups/all_wrong_share", "all wrong", ":"),
+        ),
+        unit_interval=True,
+    ),
+    PanelSpec(
+        "Clip fractions",
+        (
+            Series("pg_clipfrac", "clip active (pg_clipfrac)"),
+            Series("pg_clipfrac_lower", "dual clip active, A<0 (pg_clipfrac_lower)", "--"),
+        ),
+        ylabel="share of tokens",
+    ),
 )
 
 
@@ -80,7 +99,6 @@ def build_figure(rows: list[dict], title: str = ""):
 
     matplotlib.use("Agg")  # files only, no display needed
     from matplotlib.figure import Figure
-
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
@@ -118,13 +136,22 @@ def _draw_panel(ax, spec: PanelSpec, rows: list[dict]) -> bool:
             target = twin
         marker = "o" if spec.markers or len(steps) <= 20 else None
         color = "gray" if series.secondary else f"C{i}"
-        (line,) = target.plot(steps, values, series.style, marker=marker, markersize=3.5, color=color,
-                              linewidth=1.6, label=series.label)
+        (line,) = target.plot(
+            steps, values, series.style, marker=marker, markersize=3.5, color=color, linewidth=1.6, label=series.label
+        )
         drawn.append(line)
     missing = [s.key for s in spec.series if not series_points(rows, s.key)[0]]
     if not drawn:
-        ax.text(0.5, 0.5, "not in metrics.jsonl:\n" + "\n".join(missing), transform=ax.transAxes,
-                ha="center", va="center", fontsize=10, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "not in metrics.jsonl:\n" + "\n".join(missing),
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=10,
+            color="gray",
+        )
         ax.set_xticks([])
         ax.set_yticks([])
         ax.set_ylabel("")

@@ -34,9 +34,18 @@ class Progress:
     clock: time source in seconds (injectable for tests).
     """
 
-    def __init__(self, total: int | None = None, desc: str = "", *, unit: str = "it", enabled: bool = True,
-                 file=None, leave: bool = True, plain_interval: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        total: int | None = None,
+        desc: str = "",
+        *,
+        unit: str = "it",
+        enabled: bool = True,
+        file=None,
+        leave: bool = True,
+        plain_interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if total is not None and total < 0:
             raise ValueError(f"Progress total must be >= 0 or None, got {total}")
         if plain_interval <= 0:
@@ -54,8 +63,9 @@ class Progress:
         self._bar = None
         self._start = self._last_line = clock()
         if enabled and _is_terminal(self.file):
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, leave=leave,
-                             dynamic_ncols=True, mininterval=0.5)
+            self._bar = tqdm(
+                total=total, desc=desc, unit=unit, file=self.file, leave=leave, dynamic_ncols=True, mininterval=0.5
+            )
 
     @property
     def plain(self) -> bool:
@@ -102,7 +112,7 @@ class Progress:
         elif self.leave or self.lines_printed:
             self._print_line()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

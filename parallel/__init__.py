@@ -1,15 +1,15 @@
 """Parallelism applied from outside the model, torchtitan style.
 
-    dims.py                  ParallelDims: dp_replicate x dp_shard x tp, validation, the device mesh
-    tensor_parallel.py       the TP (+ sequence parallel) plan for Qwen2, as data
-    logprob.py               vocabulary-parallel token log-prob / entropy (no gathered logits)
-    fsdp.py                  FSDP2 units, mixed precision, gradient SUM over dp ranks
-    activation_checkpoint.py none / full / selective (per op or every k-th block), in place
-    compile.py               torch.compile per block, in place
-    float8.py                torchao float8 linears (CUDA only)
-    parallelize.py           parallelize_qwen2: TP -> float8 -> AC -> compile -> FSDP
-    grad_clip.py             grad-norm clipping across FSDP/TP DTensor meshes
-    checkpoint.py            atomic DCP checkpoints: model, optimizer, scheduler, train state; auto-resume
-    hf_export.py             Hugging Face export from the sharded model
-    plain_names.py           parameter names without torch.compile / checkpoint_wrapper components
+dims.py                  ParallelDims: dp_replicate x dp_shard x tp, validation, the device mesh
+tensor_parallel.py       the TP (+ sequence parallel) plan for Qwen2, as data
+logprob.py               vocabulary-parallel token log-prob / entropy (no gathered logits)
+fsdp.py                  FSDP2 units, mixed precision, gradient SUM over dp ranks
+activation_checkpoint.py none / full / selective (per op or every k-th block), in place
+compile.py               torch.compile per block, in place
+float8.py                torchao float8 linears (CUDA only)
+parallelize.py           parallelize_qwen2: TP -> float8 -> AC -> compile -> FSDP
+grad_clip.py             grad-norm clipping across FSDP/TP DTensor meshes
+checkpoint.py            atomic DCP checkpoints: model, optimizer, scheduler, train state; auto-resume
+hf_export.py             Hugging Face export from the sharded model
+plain_names.py           parameter names without torch.compile / checkpoint_wrapper components
 """

@@ -79,7 +79,8 @@ def apply_ac(model: nn.Module, mode: str = "none", *, selective: str = "op") -> 
             every = 0
         if every < 1:
             raise ValueError(
-                f"selective activation checkpointing takes 'op' or a positive block interval, got {selective!r}")
+                f"selective activation checkpointing takes 'op' or a positive block interval, got {selective!r}"
+            )
     for layer_id, block in model.layers.items():
         if mode == "full":
             _checkpoint_forward(block)
@@ -89,4 +90,3 @@ def apply_ac(model: nn.Module, mode: str = "none", *, selective: str = "op") -> 
         else:
             _checkpoint_forward(block, context_fn=_selective_context)
     return model
-

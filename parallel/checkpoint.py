@@ -93,8 +93,13 @@ def _rng_state() -> dict:
         import numpy as np
 
         algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-        state["numpy"] = (algorithm, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                          float(cached_gaussian))
+        state["numpy"] = (
+            algorithm,
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached_gaussian),
+        )
     except ImportError:
         pass
     return state
@@ -205,8 +210,14 @@ class CheckpointManager:
 
     # ---- save ---------------------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             lr_scheduler=None, train_state: dict[str, Any] | None = None) -> str:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+        train_state: dict[str, Any] | None = None,
+    ) -> str:
         """Write checkpoint `step` atomically on every rank; returns its folder.
 
         train_state: this rank's values as plain data (parallel/plain_state.py: str-keyed dicts, lists,
@@ -240,8 +251,12 @@ class CheckpointManager:
         _barrier()
 
         if _rank() == 0:
-            manifest = {"step": step, "world_size": _world_size(), "optimizer": with_optimizer,
-                        "files": _list_files(tmp)}
+            manifest = {
+                "step": step,
+                "world_size": _world_size(),
+                "optimizer": with_optimizer,
+                "files": _list_files(tmp),
+            }
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -260,7 +275,7 @@ class CheckpointManager:
 
     def _prune(self, keep_step: int) -> None:
         if self.keep:  # 0: keep every checkpoint
-            for step in self.complete_steps()[:-self.keep]:
+            for step in self.complete_steps()[: -self.keep]:
                 shutil.rmtree(self.step_path(step), ignore_errors=True)
         for name in os.listdir(self.folder):  # folders of interrupted saves
             if name.endswith(".tmp") and name != f"step-{keep_step:08d}.tmp":
@@ -296,7 +311,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{legacy} is a pickle written by an older version of this trainer; it is not loaded, because "
                     f"unpickling a file can run any code in it. Start the run over (train.py --fresh moves the run "
-                    f"folder aside) or remove {self.folder}")
+                    f"folder aside) or remove {self.folder}"
+                )
             raise CheckpointError(f"{json_file} is missing from checkpoint {path}; remove that checkpoint folder")
         try:
             extra = load_plain(json_file, tensor_file)
@@ -306,8 +322,9 @@ class CheckpointManager:
             raise CheckpointError(f"{json_file} is not a train state written by this trainer; remove checkpoint {path}")
         return extra, own
 
-    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             lr_scheduler=None) -> dict[str, Any]:
+    def load(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None
+    ) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler; return the saved train state.
 
@@ -316,16 +333,21 @@ class CheckpointManager:
         path = self.step_path(step)
         extra, own = self._read_train_state(path)
         if not own:
-            warnings.warn(f"{path} was saved by fewer ranks; rank {_rank()} resumes with rank 0's train state "
-                          "and keeps its current RNG states", stacklevel=2)
+            warnings.warn(
+                f"{path} was saved by fewer ranks; rank {_rank()} resumes with rank 0's train state "
+                "and keeps its current RNG states",
+                stacklevel=2,
+            )
         fresh_optimizer = None
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
                 # Saved before the first update: the optimizer starts fresh.
                 fresh_optimizer, optimizer = optimizer, None
         if optimizer is not None and extra.get("optimizer_param_groups") is None:
-            raise CheckpointError(f"{path} has optimizer state but no optimizer_param_groups in its train state; "
-                                  f"remove that checkpoint folder")
+            raise CheckpointError(
+                f"{path} has optimizer state but no optimizer_param_groups in its train state; "
+                f"remove that checkpoint folder"
+            )
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             load_tensors(tensors, path, no_dist=not dist.is_initialized())
@@ -336,8 +358,9 @@ class CheckpointManager:
             set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state)
 
         if extra["world_size"] != _world_size():
-            warnings.warn(f"{path} was saved with {extra['world_size']} ranks, resuming with {_world_size()}",
-                          stacklevel=2)
+            warnings.warn(
+                f"{path} was saved with {extra['world_size']} ranks, resuming with {_world_size()}", stacklevel=2
+            )
         if own:
             _set_rng_state(extra["rng"])
         if lr_scheduler is not None and extra["lr_scheduler"] is not None:
@@ -349,8 +372,9 @@ class CheckpointManager:
                     group["lr"] = lr
         return extra["train_state"]
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               lr_scheduler=None) -> dict[str, Any] | None:
+    def resume(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None
+    ) -> dict[str, Any] | None:
         """Load the newest intact checkpoint, if any; returns its train state or None (fresh start)."""
         step = self.latest_valid_step(set_aside_damaged=True)
         if step is None:

@@ -49,7 +49,8 @@ class ParallelDims:
                 raise ValueError(f"ParallelDims.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ValueError(
-                f"ParallelDims.dp_shard must be a positive integer or -1 (use the rest), got {self.dp_shard!r}")
+                f"ParallelDims.dp_shard must be a positive integer or -1 (use the rest), got {self.dp_shard!r}"
+            )
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.tp
             if self.world_size % rest:

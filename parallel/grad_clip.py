@@ -31,7 +31,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
         key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
         groups.setdefault(key, []).append(p.grad)
     group_norms = []
-    for mesh, grads in groups.items():
+    for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=None)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -42,8 +42,9 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> torch.Tensor:
     """Scale all gradients so their total norm is at most `max_norm`; returns the norm before clipping."""
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)

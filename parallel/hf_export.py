@@ -75,8 +75,14 @@ def _export_gather(model, path, dtype, max_shard_bytes):
             pass
 
 
-def export_hf(model: nn.Module, path: str, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, method: str = "dcp") -> None:
+def export_hf(
+    model: nn.Module,
+    path: str,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    method: str = "dcp",
+) -> None:
     """Write `model` (plain, FSDP- and/or TP-sharded) as a HF Qwen2 checkpoint into `path`; call on every rank.
 
     dtype: cast the stored tensors (e.g. torch.bfloat16); default: the parameters' dtype. Older model files

@@ -34,14 +34,31 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
     """(hidden [N, H] full, weight slice [V/tp, H], targets [N] global ids) -> (logp [N], entropy [N] or empty)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_offset, tp_group, temperature, chunk_size, with_entropy,
-                entropy_grad, reduce_hidden_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        vocab_offset,
+        tp_group,
+        temperature,
+        chunk_size,
+        with_entropy,
+        entropy_grad,
+        reduce_hidden_grad,
+    ):
         local = targets - vocab_offset
         local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
         logp, lse, entropy = chunked_forward(
-            hidden, weight, local, temperature, chunk_size, with_entropy,
+            hidden,
+            weight,
+            local,
+            temperature,
+            chunk_size,
+            with_entropy,
             reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group),
-            reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=tp_group))
+            reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=tp_group),
+        )
         ctx.save_for_backward(hidden, weight, local, lse, entropy if entropy_grad else None)
         ctx.tp_group, ctx.temperature, ctx.chunk_size = tp_group, temperature, chunk_size
         ctx.entropy_grad, ctx.reduce_hidden_grad = entropy_grad, reduce_hidden_grad
@@ -54,21 +71,40 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         hidden, weight, local, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden, grad_weight = chunked_backward(
-            hidden, weight, local, lse, grad_logp, entropy if ctx.entropy_grad else None,
-            grad_entropy if ctx.entropy_grad else None, ctx.temperature, ctx.chunk_size, need_h, need_w)
+            hidden,
+            weight,
+            local,
+            lse,
+            grad_logp,
+            entropy if ctx.entropy_grad else None,
+            grad_entropy if ctx.entropy_grad else None,
+            ctx.temperature,
+            ctx.chunk_size,
+            need_h,
+            need_w,
+        )
         if need_h and ctx.reduce_hidden_grad:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
-def _check_slice_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int,
-                        temperature: float, chunk_size: int, with_entropy: bool, entropy_grad: bool) -> None:
+def _check_slice_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> None:
     """Refuse inputs the vocabulary-parallel kernel cannot compute on, with the shape or value at fault."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight slice must be [vocab/tp, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}"
+        )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     if targets.numel():
@@ -136,15 +172,30 @@ def vocab_parallel_token_logprobs(
         hidden = hidden.redistribute(placements=[Replicate()] * ndim).to_local(grad_placements=[Partial()] * ndim)
         reduce_hidden_grad = False
     if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
-                              with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return token_logprobs(
+            hidden,
+            weight,
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
 
     _check_slice_inputs(hidden, weight, targets, vocab, temperature, chunk_size, with_entropy, entropy_grad)
 
     rank = dist.get_rank(tp_group)
     logp, entropy = _VocabParallelTokenLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), rank * weight.shape[0], tp_group,
-        float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad), reduce_hidden_grad,
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1).long(),
+        rank * weight.shape[0],
+        tp_group,
+        float(temperature),
+        int(chunk_size),
+        bool(with_entropy),
+        bool(entropy_grad),
+        reduce_hidden_grad,
     )
     lead = targets.shape
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)

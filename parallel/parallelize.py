@@ -41,8 +41,9 @@ class ParallelizeConfig:
     float8: bool = False
 
 
-def parallelize_qwen2(model: nn.Module, mesh, dims: ParallelDims, config: ParallelizeConfig | None = None,
-                      **overrides) -> nn.Module:
+def parallelize_qwen2(
+    model: nn.Module, mesh, dims: ParallelDims, config: ParallelizeConfig | None = None, **overrides
+) -> nn.Module:
     """Parallelise `model` in place over `mesh` (from `dims.build_mesh`) and return it.
 
     `config` fields may also be passed as keyword arguments (`compile=True`, ...). FSDP wraps the model when

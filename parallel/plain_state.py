@@ -44,12 +44,16 @@ def encode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
             if not isinstance(key, str):
                 raise PlainStateError(f"{where}: dict key {key!r} is a {type(key).__name__}; plain data needs str keys")
         if len(value) == 1 and next(iter(value)) in (_TUPLE, _TENSOR):
-            raise PlainStateError(f"{where}: a dict whose only key is {next(iter(value))!r} would read back as "
-                                  f"another type; rename the key")
+            raise PlainStateError(
+                f"{where}: a dict whose only key is {next(iter(value))!r} would read back as "
+                f"another type; rename the key"
+            )
         return {key: encode(v, tensors, f"{where}.{key}") for key, v in value.items()}
-    raise PlainStateError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} is not plain data "
-                          f"(None, bool, int, float, str, list, tuple, str-keyed dict, torch.Tensor); convert it "
-                          f"before saving")
+    raise PlainStateError(
+        f"{where}: a {type(value).__module__}.{type(value).__qualname__} is not plain data "
+        f"(None, bool, int, float, str, list, tuple, str-keyed dict, torch.Tensor); convert it "
+        f"before saving"
+    )
 
 
 def decode(value, tensors: dict[str, torch.Tensor], where: str = "state"):

@@ -36,14 +36,25 @@ class UnsafeCheckpointError(CheckpointError):
 
 # Everything a DCP index refers to (measured: pickletools over indexes of sharded and single-process saves).
 _METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # looks a layout up by name, e.g. "torch.strided"
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -62,7 +73,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
             f"{self.path} refers to {module}.{name}, which a checkpoint's index never holds; it was not loaded "
-            f"(reading it could run code). Remove this checkpoint folder unless you trust whoever wrote it")
+            f"(reading it could run code). Remove this checkpoint folder unless you trust whoever wrote it"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -79,10 +91,16 @@ class SafeFileSystemReader(FileSystemReader):
             raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index")
         for info in (metadata.storage_data or {}).values():
             relative = getattr(info, "relative_path", None)
-            if (not isinstance(relative, str) or not relative or os.path.isabs(relative)
-                    or relative != os.path.basename(relative) or relative in (".", "..")):
-                raise UnsafeCheckpointError(f"{path} names the storage file {relative!r}, outside the checkpoint "
-                                            f"folder; it was not loaded")
+            if (
+                not isinstance(relative, str)
+                or not relative
+                or os.path.isabs(relative)
+                or relative != os.path.basename(relative)
+                or relative in (".", "..")
+            ):
+                raise UnsafeCheckpointError(
+                    f"{path} names the storage file {relative!r}, outside the checkpoint folder; it was not loaded"
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -96,7 +114,8 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         raise UnsafeCheckpointError(
             f"the checkpoint stores {read_item.dest_index.fqn!r} as a pickled object, which this project never "
             f"writes; it was not loaded (reading it could run code). Remove this checkpoint folder unless you "
-            f"trust whoever wrote it")
+            f"trust whoever wrote it"
+        )
 
 
 def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None:
@@ -110,10 +129,15 @@ def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None
     if pickled:
         raise UnsafeCheckpointError(
             f"{checkpoint_id} stores {pickled[0]!r} as a pickled object, which this project never writes; it was "
-            f"not loaded (reading it could run code). Remove this checkpoint folder unless you trust whoever wrote it")
+            f"not loaded (reading it could run code). Remove this checkpoint folder unless you trust whoever wrote it"
+        )
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(checkpoint_id), planner=TensorsOnlyLoadPlanner(),
-                 no_dist=no_dist)
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(checkpoint_id),
+            planner=TensorsOnlyLoadPlanner(),
+            no_dist=no_dist,
+        )
     except CheckpointException as exc:
         refused = [error for error, _ in exc.failures.values() if isinstance(error, CheckpointError)]
         if refused:

@@ -73,7 +73,8 @@ def _check_sequence_divisible(tp: int):
         if tokens.dim() == 2 and tokens.shape[1] % tp:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} is not divisible by the tensor-parallel size {tp}: "
-                f"sequence parallelism splits every row evenly over the tp ranks; pad or pack rows to a multiple of {tp}"
+                "sequence parallelism splits every row evenly over the tp ranks; "
+                f"pad or pack rows to a multiple of {tp}"
             )
 
     return hook
@@ -94,4 +95,3 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     parallelize_module(model, tp_mesh, plan)
     model.register_forward_pre_hook(_check_sequence_divisible(tp), with_kwargs=True)
     return model
-

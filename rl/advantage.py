@@ -69,9 +69,7 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
     return advantages[:, None] * mask.to(advantages.dtype)
 
 
-def _group_index(
-    n: int, group_size: int | None, group_ids, device: torch.device
-) -> tuple[torch.Tensor, int]:
+def _group_index(n: int, group_size: int | None, group_ids, device: torch.device) -> tuple[torch.Tensor, int]:
     """Group number in [0, num_groups) of every sample, and num_groups."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("group_advantages: give exactly one of group_size and group_ids")

@@ -51,9 +51,11 @@ class LoadStats:
     first_problem: str | None = None
 
     def summary(self, path: str, kept: int) -> str:
-        return (f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
-                f"{self.missing_fields} rows missing fields skipped, {self.truncated} left-truncated, "
-                f"{self.dropped_too_long} dropped as too long)")
+        return (
+            f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
+            f"{self.missing_fields} rows missing fields skipped, {self.truncated} left-truncated, "
+            f"{self.dropped_too_long} dropped as too long)"
+        )
 
 
 # The columns a prompt file must have (the rest of the schema is optional).
@@ -80,8 +82,9 @@ def _row_problem(row: dict) -> str | None:
     return None
 
 
-def rows_to_examples(rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left",
-                     source_name: str = "<rows>") -> tuple[list[PromptExample], LoadStats]:
+def rows_to_examples(
+    rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", source_name: str = "<rows>"
+) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
 
     Duplicates are rows whose prompt messages are identical (the official DAPO-Math-17k file repeats each
@@ -114,22 +117,28 @@ def rows_to_examples(rows, tokenizer, *, max_prompt_length: int, overflow: str =
             if overflow == "drop":
                 stats.dropped_too_long += 1
                 if stats.first_problem is None:
-                    stats.first_problem = f"row {row_number}: prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}"
+                    stats.first_problem = (
+                        f"row {row_number}: prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}"
+                    )
                 continue
             ids = ids[-max_prompt_length:]
             stats.truncated += 1
         extra = row.get("extra_info") or {}
-        examples.append(PromptExample(
-            prompt_ids=ids,
-            ground_truth=str(row["reward_model"]["ground_truth"]),
-            data_source=str(row.get("data_source") or "unknown"),
-            messages=messages,
-            solution=extra.get("solution") if isinstance(extra, dict) else None,
-            index=len(examples),
-        ))
+        examples.append(
+            PromptExample(
+                prompt_ids=ids,
+                ground_truth=str(row["reward_model"]["ground_truth"]),
+                data_source=str(row.get("data_source") or "unknown"),
+                messages=messages,
+                solution=extra.get("solution") if isinstance(extra, dict) else None,
+                index=len(examples),
+            )
+        )
     if not examples:
-        raise DataError(f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
-                        f"{stats.first_problem or 'the file is empty'}")
+        raise DataError(
+            f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
+            f"{stats.first_problem or 'the file is empty'}"
+        )
     log.info(stats.summary(source_name, len(examples)))
     return examples, stats
 
@@ -156,8 +165,10 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
         raise DataError(f"{path}: the parquet file has no rows (columns: {', '.join(columns) or 'none'})")
     missing = [c for c in required_columns if c not in columns]
     if missing:
-        raise DataError(f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
-                        f"a prompt file needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema")
+        raise DataError(
+            f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
+            f"a prompt file needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema"
+        )
 
 
 def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
@@ -177,12 +188,14 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
     return table.to_pylist()
 
 
-def load_prompts(path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left",
-                 repeat: int = 1) -> list[PromptExample]:
+def load_prompts(
+    path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
+) -> list[PromptExample]:
     """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
     rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
-    examples, _ = rows_to_examples(rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow,
-                                   source_name=path)
+    examples, _ = rows_to_examples(
+        rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
+    )
     return [e for e in examples for _ in range(repeat)]
 
 
@@ -226,8 +239,15 @@ def synthetic_problem_limit(difficulty: int, split: str, eval_share: float = 0.2
     return int(0.9 * len(operators) * limit * limit * (eval_share if split == "eval" else 1 - eval_share))
 
 
-def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "train", seed: int = 0,
-                              eval_share: float = 0.2, answer_line_share: float = 1.0) -> list[dict]:
+def synthetic_arithmetic_rows(
+    num: int,
+    *,
+    difficulty: int = 2,
+    split: str = "train",
+    seed: int = 0,
+    eval_share: float = 0.2,
+    answer_line_share: float = 1.0,
+) -> list[dict]:
     """`num` distinct arithmetic problems of one split, as DAPO-schema rows with worked solutions.
 
     The problem `a op b` with `a, b` drawn from [0, range) is asked inside DAPO's prompt template; the
@@ -256,14 +276,18 @@ def synthetic_arithmetic_rows(num: int, *, difficulty: int = 2, split: str = "tr
         seen.add(text)
         value = a + b if op == "+" else a - b if op == "-" else a * b
         answer_line = style_rng.random() < answer_line_share
-        solution = f"{text} = {value}\nAnswer: {value}" if answer_line else f"{text} = {value}, so the result is {value}."
-        rows.append({
-            "data_source": f"synthetic_arithmetic_l{difficulty}",
-            "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
-            "ability": "MATH",
-            "reward_model": {"style": "rule", "ground_truth": str(value)},
-            "extra_info": {"index": len(rows), "split": split, "solution": solution},
-        })
+        solution = (
+            f"{text} = {value}\nAnswer: {value}" if answer_line else f"{text} = {value}, so the result is {value}."
+        )
+        rows.append(
+            {
+                "data_source": f"synthetic_arithmetic_l{difficulty}",
+                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
+                "ability": "MATH",
+                "reward_model": {"style": "rule", "ground_truth": str(value)},
+                "extra_info": {"index": len(rows), "split": split, "solution": solution},
+            }
+        )
     return rows
 
 
@@ -313,10 +337,10 @@ class PromptSampler:
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._order = self._epoch_order(self.epoch)
             take = min(global_batch_size - len(picked), len(self._order) - self.cursor)
-            picked.extend(self._order[self.cursor:self.cursor + take])
+            picked.extend(self._order[self.cursor : self.cursor + take])
             self.cursor += take
         share = global_batch_size // self.dp_size
-        mine = picked[self.dp_rank * share:(self.dp_rank + 1) * share]
+        mine = picked[self.dp_rank * share : (self.dp_rank + 1) * share]
         return [self.examples[i] for i in mine]
 
     def state_dict(self) -> dict:
@@ -324,7 +348,9 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_examples"] != len(self.examples) or state["seed"] != self.seed:
-            raise ValueError(f"data position was saved for {state['num_examples']} prompts with seed {state['seed']}; "
-                             f"this run has {len(self.examples)} prompts with seed {self.seed}")
+            raise ValueError(
+                f"data position was saved for {state['num_examples']} prompts with seed {state['seed']}; "
+                f"this run has {len(self.examples)} prompts with seed {self.seed}"
+            )
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._epoch_order(self.epoch)

@@ -67,9 +67,7 @@ class ScoredGroup:
     def __post_init__(self):
         acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
         if len(acc) == 0 or len(acc) != len(score):
-            raise ValueError(
-                f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}"
-            )
+            raise ValueError(f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}")
         if any(a not in (0, 1) for a in acc):
             raise ValueError(f"ScoredGroup: acc values must be bool or 0/1, got {acc!r:.80}")
         if not all(math.isfinite(s) for s in score):

@@ -127,8 +127,15 @@ def policy_loss(
     per_token = torch.where(valid, per_token, 0.0)
 
     loss = _aggregate(
-        per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens,
-        global_num_groups, norm_len,
+        per_token,
+        valid,
+        agg,
+        global_num_tokens,
+        global_num_seqs,
+        group_ids,
+        group_num_tokens,
+        global_num_groups,
+        norm_len,
     )
     with torch.no_grad():
         num_tokens = valid.sum()
@@ -144,8 +151,9 @@ def policy_loss(
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def _aggregate(per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens,
-               global_num_groups, norm_len) -> torch.Tensor:
+def _aggregate(
+    per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len
+) -> torch.Tensor:
     """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring)."""
     row_sum = per_token.sum(dim=-1)
     row_tokens = valid.sum(dim=-1).to(per_token.dtype)

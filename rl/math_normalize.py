@@ -38,13 +38,49 @@ SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
 
 # Deleted wherever they occur, in this order ("\\text{}^2" must go before "\\text{}").
 _UNIT_WORDS = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units",
-    "\\ldots", "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm",
-    "pounds", "meters", "meals", "edges", "students", "childrentickets", "multiples",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
 )
 _LATEX_NOISE = (
-    "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
-    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 REMOVED_EXPRESSIONS: tuple[str, ...] = _UNIT_WORDS + _LATEX_NOISE
 
@@ -127,7 +163,7 @@ def unwrap_boxed_to_last_brace(text: str) -> str:
 
 
 def brace_frac_shorthand(text: str) -> str:
-    """"frac" + a + b -> "frac{a}{b}" when a is not "{" (b: any character but a newline).
+    """ "frac" + a + b -> "frac{a}{b}" when a is not "{" (b: any character but a newline).
 
     Same result as `re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", text)`.
     """
@@ -145,7 +181,7 @@ def brace_frac_shorthand(text: str) -> str:
 
 
 def brace_sqrt_shorthand(text: str) -> str:
-    """"sqrt" + a -> "sqrt{a}" when a is not "{". Same result as `re.sub(r"(sqrt)([^{])", "sqrt{\\2}", text)`."""
+    """ "sqrt" + a -> "sqrt{a}" when a is not "{". Same result as `re.sub(r"(sqrt)([^{])", "sqrt{\\2}", text)`."""
     pieces, pos, n = [], 0, len(text)
     while (start := text.find("sqrt", pos)) >= 0:
         a = start + 4

@@ -109,8 +109,7 @@ def overlong_filter_mask(loss_mask: torch.Tensor, finish_reasons: Sequence[str])
         raise ValueError(f"overlong_filter_mask: loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
     if isinstance(finish_reasons, str) or len(finish_reasons) != loss_mask.shape[0]:
         raise ValueError(
-            f"overlong_filter_mask: need one finish reason per row ({loss_mask.shape[0]}), "
-            f"got {finish_reasons!r:.80}"
+            f"overlong_filter_mask: need one finish reason per row ({loss_mask.shape[0]}), got {finish_reasons!r:.80}"
         )
     if not all(isinstance(reason, str) for reason in finish_reasons):
         raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(finish_reasons)!r:.80}")

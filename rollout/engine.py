@@ -17,8 +17,9 @@ Conventions shared by every engine:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -85,9 +86,7 @@ class Completion:
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError(
-                f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs"
-            )
+            raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
         if self.finish_reason not in ("stop", "length", "abort"):
             raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
 

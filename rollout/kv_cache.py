@@ -21,8 +21,16 @@ import torch.nn.functional as F
 class PagedKVCache:
     """k/v buffers of `num_blocks` blocks of `block_size` token positions (plus one scratch block)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -75,8 +83,14 @@ class DecodeContext:
     per kv head and sequence, and multiplies the gathered [H_kv, B, D, L] directly.
     """
 
-    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], positions: torch.Tensor,
-                 block_tables: torch.Tensor, gather_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        gather_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         # The per-layer buffers, not the cache object: a compiled decode step takes them as inputs, so
         # a cache re-allocated by release/resume_memory needs no recompilation.
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -115,6 +129,6 @@ class DecodeContext:
         keys, values = keys.view(kv_heads, b, self.kv_len, d), values.view(kv_heads, b, self.kv_len, d)
         grouped_q = q.reshape(b, kv_heads, h // kv_heads, d).transpose(0, 1)
         scores = torch.matmul(grouped_q, keys.transpose(-1, -2)).float()
-        probs = scores.mul_(d ** -0.5).add_(self.bias).softmax(dim=-1).to(v.dtype)
+        probs = scores.mul_(d**-0.5).add_(self.bias).softmax(dim=-1).to(v.dtype)
         out = torch.matmul(probs, values)  # [H_kv, B, G, D]
         return out.transpose(0, 1).reshape(b, h, 1, d)

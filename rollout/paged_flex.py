@@ -23,8 +23,13 @@ from model.qwen2 import compiled_flex_attention
 class FlexDecodeContext:
     """Same interface as rollout.kv_cache.DecodeContext: one new token per sequence, paged k/v."""
 
-    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], positions: torch.Tensor,
-                 block_tables: torch.Tensor):
+    def __init__(
+        self,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+    ):
         from torch.nn.attention.flex_attention import BlockMask
 
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -49,8 +54,13 @@ class FlexDecodeContext:
         indices = torch.zeros(b, 1, 1, pool_blocks, dtype=torch.int32, device=positions.device)
         indices[:, 0, 0, :width] = block_tables
         self.block_mask = BlockMask.from_kv_blocks(
-            num_blocks, indices, BLOCK_SIZE=(1, block_size),
-            mask_mod=visible, seq_lengths=(1, pool_blocks * block_size), compute_q_blocks=False)
+            num_blocks,
+            indices,
+            BLOCK_SIZE=(1, block_size),
+            mask_mod=visible,
+            seq_lengths=(1, pool_blocks * block_size),
+            compute_q_blocks=False,
+        )
         self._flex = compiled_flex_attention()
 
     def attend(self, layer_id: int, q, k, v):

@@ -168,8 +168,10 @@ class Scheduler:
             longest = max(longest, num_tokens)
         if not groups and not self.running and self.waiting:
             # Cannot happen while the cache holds one full-length sequence (the engine checks that).
-            raise RuntimeError(f"the KV cache ({self.blocks.num_blocks} blocks) cannot admit a sequence of "
-                               f"{self.waiting[0].num_tokens} tokens with nothing running")
+            raise RuntimeError(
+                f"the KV cache ({self.blocks.num_blocks} blocks) cannot admit a sequence of "
+                f"{self.waiting[0].num_tokens} tokens with nothing running"
+            )
         self.stats.prefills += bool(groups)
         return groups
 

@@ -59,7 +59,7 @@ slowest generation (trainer/setup.py engine_group): non-leader ranks wait in it 
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -125,8 +125,10 @@ def sglang_request_params(params: SamplingParams, prompt_lengths: list[int], con
     min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
     (as in the torch engine) instead of SGLang refusing the whole batch (it raises when prompt length +
     max_new_tokens exceeds the context)."""
-    return [sglang_sampling_params(params, min(params.max_new_tokens, context_length - NEW_TOKEN_MARGIN - length))
-            for length in prompt_lengths]
+    return [
+        sglang_sampling_params(params, min(params.max_new_tokens, context_length - NEW_TOKEN_MARGIN - length))
+        for length in prompt_lengths
+    ]
 
 
 def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completion]:
@@ -169,7 +171,7 @@ def split_by_counts(items: list, counts: list[int]) -> list[list]:
         raise ValueError(f"cannot split {len(items)} items into parts of {counts}")
     parts, start = [], 0
     for c in counts:
-        parts.append(items[start:start + c])
+        parts.append(items[start : start + c])
         start += c
     return parts
 
@@ -185,9 +187,20 @@ class SGLangEngine:
     on the leader is raised on every rank.
     """
 
-    def __init__(self, model_path: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction_static: float = 0.6,
-                 dtype: torch.dtype | str = torch.bfloat16, seed: int = 0, context_length: int | None = None,
-                 group=None, device: torch.device | str | None = None, **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
+        mem_fraction_static: float = 0.6,
+        dtype: torch.dtype | str = torch.bfloat16,
+        seed: int = 0,
+        context_length: int | None = None,
+        group=None,
+        device: torch.device | str | None = None,
+        **engine_kwargs,
+    ):
         dtype = to_dtype(dtype)  # config files name dtypes as strings
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -202,8 +215,9 @@ class SGLangEngine:
             import torch.distributed as dist
 
             if dist.get_world_size(group) != tp_size:
-                raise ValueError(f"group has {dist.get_world_size(group)} ranks; "
-                                 f"it needs one per SGLang TP rank ({tp_size})")
+                raise ValueError(
+                    f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})"
+                )
             self._leader = dist.get_global_rank(group, 0)
             self.is_leader = dist.get_rank(group) == 0
         else:
@@ -213,9 +227,18 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._pushed: set[str] = set()
         self._session_open = False
-        launch = dict(model_path=model_path, tp_size=tp_size, base_gpu_id=base_gpu_id,
-                      mem_fraction_static=mem_fraction_static, enable_memory_saver=True, skip_tokenizer_init=True,
-                      dtype=dtype_name(dtype), random_seed=seed, context_length=self.context_length, **engine_kwargs)
+        launch = dict(
+            model_path=model_path,
+            tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
+            mem_fraction_static=mem_fraction_static,
+            enable_memory_saver=True,
+            skip_tokenizer_init=True,
+            dtype=dtype_name(dtype),
+            random_seed=seed,
+            context_length=self.context_length,
+            **engine_kwargs,
+        )
 
         def start():
             self._engine = self._launch(**launch)
@@ -332,14 +355,18 @@ class SGLangEngine:
                 raise ValueError(f"update_weights: weight {name!r} appears twice in one bucket")
             seen.add(name)
             if tensor.shape != self.weight_shapes[name]:
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is "
-                                 f"{tuple(self.weight_shapes[name])}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is "
+                    f"{tuple(self.weight_shapes[name])}"
+                )
             if tensor.dtype != self.dtype:
                 raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
             if self.device is not None and tensor.device.type != self.device.type:
-                raise ValueError(f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
-                                 f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
-                                 "gathering (rollout.weight_sync.sync_weights does, with device=)")
+                raise ValueError(
+                    f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
+                    f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
+                    "gathering (rollout.weight_sync.sync_weights does, with device=)"
+                )
         if not bucket:
             return
         # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
@@ -354,8 +381,12 @@ class SGLangEngine:
             if not self._session_open:
                 self._check("begin_weight_update", self._engine.begin_weight_update())
                 self._session_open = True
-            self._check("update_weights_from_tensor", self._engine.update_weights_from_tensor(
-                named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False))
+            self._check(
+                "update_weights_from_tensor",
+                self._engine.update_weights_from_tensor(
+                    named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False
+                ),
+            )
             self._pushed.update(seen)
 
         try:
@@ -366,6 +397,7 @@ class SGLangEngine:
 
     def release_memory(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
+
         def release():
             self._end_session()
             self._engine.release_memory_occupation(tags=list(RELEASED_TAGS))
@@ -399,14 +431,18 @@ class SGLangEngine:
             return [[] for _ in rank_prompts]
         requests = [p for p in flat for _ in range(params.n)]
         outputs = self._engine.generate(
-            input_ids=requests, return_logprob=True,
-            sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length))
+            input_ids=requests,
+            return_logprob=True,
+            sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length),
+        )
         completions = completions_from_sglang(outputs, len(flat), params.n)
         aborted = [i for i, c in enumerate(completions) if c.finish_reason == "abort"]
         if aborted:
             reason = (outputs[aborted[0]].get("meta_info") or {}).get("finish_reason")
-            raise RuntimeError(f"SGLang aborted {len(aborted)} of {len(completions)} requests (first: {reason}); "
-                               "every rank of the engine group sees this failure")
+            raise RuntimeError(
+                f"SGLang aborted {len(aborted)} of {len(completions)} requests (first: {reason}); "
+                "every rank of the engine group sees this failure"
+            )
         parts, offset = [], 0
         for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
             for c in part:  # prompt indices count from 0 on every rank

@@ -27,8 +27,8 @@ is the one that applies.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from model.args import ModelArgs
 
@@ -49,11 +49,11 @@ DEFAULT_UNTAGGED_BYTES = 1 * GIB
 class EngineMemoryPlan:
     """Bytes one GPU gives to the engine, by SGLang memory tag (see the module docstring)."""
 
-    weights: int      # bytes per GPU: this TP rank's weight shard
-    kv_cache: int     # bytes per GPU: the KV pool (token_to_kv and req_to_token, both tagged kv_cache)
-    cuda_graph: int   # bytes per GPU held by captured CUDA graphs (estimate, see cuda_graph_bytes)
-    other: int        # bytes per GPU no memory tag releases (estimate: CUDA context, communicators)
-    kv_tokens: int    # tokens the KV pool holds
+    weights: int  # bytes per GPU: this TP rank's weight shard
+    kv_cache: int  # bytes per GPU: the KV pool (token_to_kv and req_to_token, both tagged kv_cache)
+    cuda_graph: int  # bytes per GPU held by captured CUDA graphs (estimate, see cuda_graph_bytes)
+    other: int  # bytes per GPU no memory tag releases (estimate: CUDA context, communicators)
+    kv_tokens: int  # tokens the KV pool holds
 
     def held(self, released: Iterable[str] = ()) -> int:
         """Bytes per GPU the engine holds with these memory tags released (release_memory_occupation)."""
@@ -79,8 +79,10 @@ def weight_bytes_per_rank(args: ModelArgs, tp_size: int, dtype_bytes: int) -> in
     """
     h, d = args.hidden_size, args.head_dim
     if args.num_heads % tp_size or args.intermediate_size % tp_size:
-        raise ValueError(f"tp_size {tp_size} must divide num_heads ({args.num_heads}) and intermediate_size "
-                         f"({args.intermediate_size}), as SGLang's parallel linear layers require")
+        raise ValueError(
+            f"tp_size {tp_size} must divide num_heads ({args.num_heads}) and intermediate_size "
+            f"({args.intermediate_size}), as SGLang's parallel linear layers require"
+        )
     vocab_rows = -(-args.vocab_size // VOCAB_PADDING) * VOCAB_PADDING // tp_size
     q_heads, kv_heads = args.num_heads // tp_size, max(1, args.num_kv_heads // tp_size)
     qkv = (q_heads + 2 * kv_heads) * d * (h + 1)  # weights and biases
@@ -129,11 +131,22 @@ def max_running_requests(kv_tokens: int, context_length: int, requested: int | N
     return min(estimated, kv_tokens // 2)
 
 
-def plan_engine_memory(args: ModelArgs, *, tp_size: int, dtype_bytes: int, gpu_total_bytes: int,
-                       gpu_free_bytes_at_start: int, mem_fraction_static: float, context_length: int | None = None,
-                       kv_dtype_bytes: int | None = None, page_size: int = 1, disable_cuda_graph: bool = False,
-                       cuda_graph_max_bs: int | None = None, max_running_requests_cap: int | None = None,
-                       untagged_bytes: int = DEFAULT_UNTAGGED_BYTES) -> EngineMemoryPlan:
+def plan_engine_memory(
+    args: ModelArgs,
+    *,
+    tp_size: int,
+    dtype_bytes: int,
+    gpu_total_bytes: int,
+    gpu_free_bytes_at_start: int,
+    mem_fraction_static: float,
+    context_length: int | None = None,
+    kv_dtype_bytes: int | None = None,
+    page_size: int = 1,
+    disable_cuda_graph: bool = False,
+    cuda_graph_max_bs: int | None = None,
+    max_running_requests_cap: int | None = None,
+    untagged_bytes: int = DEFAULT_UNTAGGED_BYTES,
+) -> EngineMemoryPlan:
     """The engine's memory per GPU, by SGLang 0.5.21's rule (module docstring).
 
     gpu_free_bytes_at_start: free memory (torch.cuda.mem_get_info) on the engine's GPUs when it starts,
@@ -146,8 +159,9 @@ def plan_engine_memory(args: ModelArgs, *, tp_size: int, dtype_bytes: int, gpu_t
     if not 0.0 < mem_fraction_static < 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     if gpu_free_bytes_at_start > gpu_total_bytes:
-        raise ValueError(f"gpu_free_bytes_at_start ({gpu_free_bytes_at_start}) exceeds gpu_total_bytes "
-                         f"({gpu_total_bytes})")
+        raise ValueError(
+            f"gpu_free_bytes_at_start ({gpu_free_bytes_at_start}) exceeds gpu_total_bytes ({gpu_total_bytes})"
+        )
     if page_size < 1 or tp_size < 1 or dtype_bytes < 1:
         raise ValueError("page_size, tp_size and dtype_bytes must be >= 1")
     context_length = context_length or args.max_position_embeddings
@@ -162,16 +176,23 @@ def plan_engine_memory(args: ModelArgs, *, tp_size: int, dtype_bytes: int, gpu_t
             f"the KV cache when {gpu_free_bytes_at_start / GIB:.2f} GiB are free at engine start under "
             f"mem_fraction_static={mem_fraction_static} (it needs > {minimum:.3f}); free trainer memory before "
             "the engine starts, or raise rollout.mem_fraction_static "
-            "(sglang srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes)")
+            "(sglang srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes)"
+        )
     cell = kv_cell_bytes(args, tp_size, kv_dtype_bytes or dtype_bytes)
     tokens = int(rest) // cell // page_size * page_size
     if tokens <= 0:
         raise EngineMemoryError(
             f"SGLang would refuse to start: {rest / GIB:.3f} GiB for the KV cache hold no page of {page_size} "
             f"tokens ({cell} bytes each); raise rollout.mem_fraction_static "
-            "(sglang srt/model_executor/pool_configurator.py MemoryPoolConfig.__post_init__: Not enough memory)")
+            "(sglang srt/model_executor/pool_configurator.py MemoryPoolConfig.__post_init__: Not enough memory)"
+        )
     requests = max_running_requests(tokens, context_length, max_running_requests_cap)
     req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
     graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size, cuda_graph_max_bs)
-    return EngineMemoryPlan(weights=weights, kv_cache=tokens * cell + req_to_token, cuda_graph=graphs,
-                            other=untagged_bytes, kv_tokens=tokens)
+    return EngineMemoryPlan(
+        weights=weights,
+        kv_cache=tokens * cell + req_to_token,
+        cuda_graph=graphs,
+        other=untagged_bytes,
+        kv_tokens=tokens,
+    )

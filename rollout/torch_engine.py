@@ -31,7 +31,7 @@ This engine is not tensor-parallel: every rank that runs it holds a full copy of
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +61,22 @@ class TorchEngine:
     max_prefill_tokens: padded tokens per prefill forward (bounds prefill activation memory).
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_seq_len: int,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 compile: bool = False, seed: int = 0, max_prefill_tokens: int = 16384, cuda_graphs: bool = True,
-                 block_size: int = 16, kv_cache_blocks: int | None = None, flex_decode: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+        seed: int = 0,
+        max_prefill_tokens: int = 16384,
+        cuda_graphs: bool = True,
+        block_size: int = 16,
+        kv_cache_blocks: int | None = None,
+        flex_decode: bool = False,
+    ):
         args = getattr(model, "args", None)
         if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
             raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
@@ -117,8 +129,9 @@ class TorchEngine:
             self._decode_context = FlexDecodeContext
         if compile:
             if self._static_shapes:
-                self._decode = torch.compile(self._decode_logits, dynamic=False,
-                                             mode="reduce-overhead" if cuda_graphs else "default")
+                self._decode = torch.compile(
+                    self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
+                )
             else:
                 self._decode = torch.compile(self._decode_logits, dynamic=True)
         else:
@@ -141,8 +154,9 @@ class TorchEngine:
         """Allocate the KV cache again (a no-op if it is allocated)."""
         if self._cache is None:
             a = self.args
-            self._cache = PagedKVCache(a.num_layers, self.kv_cache_blocks, self.block_size, a.num_kv_heads,
-                                       a.head_dim, self.device, self.dtype)
+            self._cache = PagedKVCache(
+                a.num_layers, self.kv_cache_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.device, self.dtype
+            )
             if self._static_shapes:
                 # CUDA graphs may only mutate inputs at fixed addresses; a resumed cache is re-recorded once.
                 for t in self._cache.k + self._cache.v:
@@ -180,8 +194,9 @@ class TorchEngine:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"update_weights: {hf_name!r} is a {type(tensor).__name__}, not a tensor")
             if tensor.shape != param.shape:
-                raise ValueError(f"update_weights: {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the engine's is {tuple(param.shape)}")
+                raise ValueError(
+                    f"update_weights: {hf_name!r} has shape {tuple(tensor.shape)}, the engine's is {tuple(param.shape)}"
+                )
             if tensor.dtype != param.dtype:
                 raise ValueError(f"update_weights: {hf_name!r} has dtype {tensor.dtype}, the engine's is {param.dtype}")
             targets.append((param, tensor))
@@ -196,8 +211,14 @@ class TorchEngine:
         # Only the positions we sample from get projected to the vocabulary (not the whole prompt).
         return F.linear(hidden, self.model.output_weight()).float()
 
-    def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                       k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+    def _decode_logits(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
         if self._gather_out is None:
             context = self._decode_context(k_cache, v_cache, positions, block_tables)
@@ -252,8 +273,13 @@ class TorchEngine:
         return tokens, positions, torch.tensor(tables, device=self.device)
 
     @staticmethod
-    def _sample_into(seqs: list[Sequence], logits: torch.Tensor, params: SamplingParams,
-                     generator: torch.Generator, stop: frozenset[int]) -> None:
+    def _sample_into(
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stop: frozenset[int],
+    ) -> None:
         """Sample one token per row of logits and append it (with its log-prob) to that row's sequence."""
         tokens, logprobs = sample(logits, params.temperature, params.top_k, params.top_p, generator)
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
@@ -281,10 +307,14 @@ class TorchEngine:
         generator.manual_seed(seed)
         stop = frozenset(params.stop_token_ids)
 
-        seqs = [Sequence(p, s, prompt, min(params.max_new_tokens, self.max_seq_len - len(prompt)))
-                for p, prompt in enumerate(prompts) for s in range(params.n)]
-        scheduler = Scheduler(BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size,
-                              self.max_prefill_tokens)
+        seqs = [
+            Sequence(p, s, prompt, min(params.max_new_tokens, self.max_seq_len - len(prompt)))
+            for p, prompt in enumerate(prompts)
+            for s in range(params.n)
+        ]
+        scheduler = Scheduler(
+            BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size, self.max_prefill_tokens
+        )
         scheduler.add(seqs)
         while not scheduler.done():
             while groups := scheduler.next_prefill():
@@ -298,5 +328,7 @@ class TorchEngine:
             self._sample_into(running, logits[: len(running)], params, generator, stop)
             scheduler.retire_finished()
         self.stats = scheduler.stats
-        return [Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
-                for seq in seqs]
+        return [
+            Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
+            for seq in seqs
+        ]

@@ -18,7 +18,8 @@ bucket of its own). The engine copies each bucket into its existing weights (no 
 Who calls it: every rank of the trainer, because gathering a DTensor is a collective that all ranks of
 its mesh must enter, in the same order (the loop order is the module's, identical on every rank).
 Where the engine lives: pass `engine=None` and the engines' `dtype` on ranks that hold no engine; they
-still take part in the gathers, which must move the same bytes on every rank. With the torch engine every rank holds its own full copy, so every rank passes its engine.
+still take part in the gathers, which must move the same bytes on every rank. With the torch engine every rank
+holds its own full copy, so every rank passes its engine.
 With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
 `update_weights` gathers the ranks' buckets to the engine's leader.
 """
@@ -45,8 +46,13 @@ def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None):
+def iter_weight_buckets(
+    model: nn.Module,
+    *,
+    bucket_bytes: int = 1 << 30,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+):
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
 
     A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
@@ -75,8 +81,14 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 1 << 30, dtype:
         yield bucket
 
 
-def sync_weights(trainer_model: nn.Module, engine: Engine | None, *, bucket_bytes: int = 1 << 30,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> int:
+def sync_weights(
+    trainer_model: nn.Module,
+    engine: Engine | None,
+    *,
+    bucket_bytes: int = 1 << 30,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> int:
     """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
 
     dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it). Required with
@@ -87,8 +99,10 @@ def sync_weights(trainer_model: nn.Module, engine: Engine | None, *, bucket_byte
     """
     if dtype is None:
         if engine is None:
-            raise ValueError("sync_weights on a rank without an engine needs dtype=<the engines' weight dtype>: "
-                             "every rank casts before gathering, and the gathers must move the same bytes")
+            raise ValueError(
+                "sync_weights on a rank without an engine needs dtype=<the engines' weight dtype>: "
+                "every rank casts before gathering, and the gathers must move the same bytes"
+            )
         dtype = getattr(engine, "dtype", None)
     if device is None:
         device = getattr(engine, "device", None)

@@ -17,14 +17,14 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # Imported here so forked ranks inherit them instead of each importing them again.
 import torch._dynamo  # noqa: F401  (imported lazily by meta-device initialisation: seconds per rank)
+import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
+import torch.multiprocessing as mp
 
 
 def _rank_main(fn, rank, world_size, store_path, results, args, kwargs):
@@ -76,8 +76,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(collected))
                 # A rank killed by a signal (an abort inside a collective) never reports: say so at once.
-                dead = [f"rank {r} exited with code {procs[r].exitcode} before reporting"
-                        for r in missing if procs[r].exitcode is not None]
+                dead = [
+                    f"rank {r} exited with code {procs[r].exitcode} before reporting"
+                    for r in missing
+                    if procs[r].exitcode is not None
+                ]
                 if dead and results.empty():
                     errors.extend(dead)
                 elif time.monotonic() > deadline:

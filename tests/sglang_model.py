@@ -64,7 +64,7 @@ class FakeGPU:
     """One GPU's bytes: what the trainer holds (tensors and allocator cache), what sent CUDA IPC blocks
     keep in torch's limbo, and what the engine holds."""
 
-    in_this_process: list["FakeGPU"] = []
+    in_this_process: list[FakeGPU] = []
 
     def __init__(self, total: int, trainer: int = 0):
         self.total, self.trainer, self.limbo, self.engine = total, trainer, 0, 0
@@ -110,8 +110,17 @@ def flatten_bucket(bucket, gpu: FakeGPU | None = None):
     parts, metadata, start = [], [], 0
     for name, tensor in bucket:
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        metadata.append({"name": name, "shape": tuple(tensor.shape), "dtype": tensor.dtype, "start_idx": start,
-                         "end_idx": start + raw.numel(), "numel": tensor.numel(), "device": str(tensor.device)})
+        metadata.append(
+            {
+                "name": name,
+                "shape": tuple(tensor.shape),
+                "dtype": tensor.dtype,
+                "start_idx": start,
+                "end_idx": start + raw.numel(),
+                "numel": tensor.numel(),
+                "device": str(tensor.device),
+            }
+        )
         parts.append(raw)
         start += raw.numel()
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
@@ -128,22 +137,31 @@ def _deserialize(entry):
         entry = base64.b64decode(entry, validate=True)
     elif not isinstance(entry, (bytes, bytearray, memoryview)):
         # srt/utils/common.py normalize_serialized_named_tensor_payload
-        raise TypeError("serialized_named_tensors entries must be base64 strings or bytes-like payloads, "
-                        f"got {type(entry).__name__}")
+        raise TypeError(
+            "serialized_named_tensors entries must be base64 strings or bytes-like payloads, "
+            f"got {type(entry).__name__}"
+        )
     return pickle.loads(bytes(entry))
 
 
 def _reconstruct(payload):
     flat = payload["flattened_tensor"]
-    return [(m["name"], flat[m["start_idx"]:m["end_idx"]].view(m["dtype"]).view(m["shape"]))
-            for m in payload["metadata"]]
+    return [
+        (m["name"], flat[m["start_idx"] : m["end_idx"]].view(m["dtype"]).view(m["shape"])) for m in payload["metadata"]
+    ]
 
 
 def _output(ids, logprobs, reason, prompt_len, rid):
-    return {"output_ids": list(ids),
-            "meta_info": {"id": rid, "finish_reason": reason, "prompt_tokens": prompt_len,
-                          "completion_tokens": len(ids),
-                          "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, ids)]}}
+    return {
+        "output_ids": list(ids),
+        "meta_info": {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids),
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(logprobs, ids)],
+        },
+    }
 
 
 class StrictSGLang:
@@ -165,10 +183,16 @@ class StrictSGLang:
         self.context_len = launch["context_length"]
         try:
             self.plan = plan_engine_memory(
-                self.model.args, tp_size=self.tp_size, dtype_bytes=DTYPES[launch["dtype"]].itemsize,
-                gpu_total_bytes=self.gpus[0].total, gpu_free_bytes_at_start=min(g.free for g in self.gpus),
-                mem_fraction_static=launch["mem_fraction_static"], context_length=self.context_len,
-                untagged_bytes=untagged_bytes, disable_cuda_graph=disable_cuda_graph)
+                self.model.args,
+                tp_size=self.tp_size,
+                dtype_bytes=DTYPES[launch["dtype"]].itemsize,
+                gpu_total_bytes=self.gpus[0].total,
+                gpu_free_bytes_at_start=min(g.free for g in self.gpus),
+                mem_fraction_static=launch["mem_fraction_static"],
+                context_length=self.context_len,
+                untagged_bytes=untagged_bytes,
+                disable_cuda_graph=disable_cuda_graph,
+            )
         except EngineMemoryError as e:
             raise ValueError(str(e)) from None  # KVCacheConfigurator._profile_available_bytes raises ValueError
         self.offload_tags: set[str] = set()
@@ -226,9 +250,12 @@ class StrictSGLang:
         need = self.plan.held(set(MEMORY_TAGS) - set(tags)) - self.plan.other
         for rank, gpu in enumerate(self.gpus):
             if gpu.free < need:
-                self._die(RuntimeError(
-                    f"CUDA out of memory: TP rank {rank} maps {need} bytes back ({tags}) with {gpu.free} free "
-                    f"(trainer {gpu.trainer}, IPC limbo {gpu.limbo})"))
+                self._die(
+                    RuntimeError(
+                        f"CUDA out of memory: TP rank {rank} maps {need} bytes back ({tags}) with {gpu.free} free "
+                        f"(trainer {gpu.trainer}, IPC limbo {gpu.limbo})"
+                    )
+                )
         self._hold()
 
     def flush_cache(self, record=True):
@@ -258,14 +285,19 @@ class StrictSGLang:
         self._alive("update")
         assert load_format == "flattened_bucket", load_format
         if self.session is None:
-            return False, ("update_weights_from_tensor must run between begin_weight_update() and "
-                           "end_weight_update()")
+            return False, ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
         if len(named_tensors) < self.tp_size:
-            self._die(IndexError(f"TP rank {len(named_tensors)} has no payload: {len(named_tensors)} for "
-                                 f"{self.tp_size} ranks (deserialize_own_rank)"))
+            self._die(
+                IndexError(
+                    f"TP rank {len(named_tensors)} has no payload: {len(named_tensors)} for "
+                    f"{self.tp_size} ranks (deserialize_own_rank)"
+                )
+            )
         if len(named_tensors) > self.tp_size:
-            raise AssertionError(f"{len(named_tensors)} payloads for {self.tp_size} TP ranks: the extra ones are "
-                                 "never opened, so their CUDA IPC references are never released")
+            raise AssertionError(
+                f"{len(named_tensors)} payloads for {self.tp_size} TP ranks: the extra ones are "
+                "never opened, so their CUDA IPC references are never released"
+            )
         decoded = [_deserialize(entry) for entry in named_tensors]
         serials = [serial for serial, _ in decoded]
         if len(set(serials)) != len(serials) or self.opened & set(serials):
@@ -305,18 +337,22 @@ class StrictSGLang:
             raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
         for prompt, sp in zip(input_ids, sampling_params):
             if len(prompt) >= self.context_len:
-                raise ValueError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                                 f"({self.context_len} tokens).")
+                raise ValueError(
+                    f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                    f"({self.context_len} tokens)."
+                )
             if len(prompt) + sp["max_new_tokens"] > self.context_len:
-                raise ValueError("Requested token count exceeds the model's maximum context length of "
-                                 f"{self.context_len} tokens.")
+                raise ValueError(
+                    f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens."
+                )
         if self.offload_tags & {"kv_cache", "weights"}:
             self._die(RuntimeError("CUDA error: an illegal memory access (generate with released memory)"))
         if n > 1:
             self.serial_prefix_requests += len(input_ids)
             if len(input_ids) > 128:
-                self.warnings.append("Sending a single large batch with parallel sampling (n > 1) has not been "
-                                     "well optimized.")
+                self.warnings.append(
+                    "Sending a single large batch with parallel sampling (n > 1) has not been well optimized."
+                )
         self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
         max_input = min(self.context_len - 1, self.plan.kv_tokens - 1) - 5
         call, self.generate_calls = self.generate_calls, self.generate_calls + 1
@@ -328,13 +364,18 @@ class StrictSGLang:
                 seen[key] = copy + 1
                 rid = f"{call}-{request}"
                 if (call, request) in self.abort or len(prompt) >= max_input:
-                    reason = {"type": "abort", "message": f"request {rid} aborted", "status_code": 400,
-                              "err_type": None}
+                    reason = {
+                        "type": "abort",
+                        "message": f"request {rid} aborted",
+                        "status_code": 400,
+                        "err_type": None,
+                    }
                     outputs.append(_output([], [], reason, len(prompt), rid))
                 else:
                     ids = [len(prompt) % 256, copy % 256][: sp["max_new_tokens"]]
-                    outputs.append(_output(ids, [-1.0, -2.0][: len(ids)], {"type": "length", "length": len(ids)},
-                                           len(prompt), rid))
+                    outputs.append(
+                        _output(ids, [-1.0, -2.0][: len(ids)], {"type": "length", "length": len(ids)}, len(prompt), rid)
+                    )
                 request += 1
         return outputs[0] if single and n == 1 else outputs
 

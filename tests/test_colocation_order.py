@@ -30,8 +30,10 @@ def test_the_engine_starts_when_the_policy_holds_only_its_shards():
     seen = {}
 
     def start_engine(cfg_, policy, device, max_prompt_length, dist_env):
-        seen["params"] = {name: (p.shape, p.to_local().shape if isinstance(p, DTensor) else None, p.device)
-                          for name, p in policy.named_parameters()}
+        seen["params"] = {
+            name: (p.shape, p.to_local().shape if isinstance(p, DTensor) else None, p.device)
+            for name, p in policy.named_parameters()
+        }
         return object()
 
     with fake_job(8):
@@ -46,16 +48,18 @@ def test_the_engine_starts_when_the_policy_holds_only_its_shards():
 def _sharded_values(rank, world_size, layout):
     from trainer.distributed import init_distributed
 
-    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"),
-                      ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout)
+    cfg = load_config(
+        os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout
+    )
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
     policy = build_sharded_policy(cfg, dist_env)
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in policy.named_parameters()}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [["parallelism.dp_shard=2"], ["parallelism.tp=2", "parallelism.dp_shard=1"]],
-                         ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout", [["parallelism.dp_shard=2"], ["parallelism.tp=2", "parallelism.dp_shard=1"]], ids=["fsdp2", "tp2"]
+)
 def test_the_sharded_policy_holds_the_seeded_initialisation(layout):
     expected = build_model(get_preset("tiny"), seed=0)
     for values in run_ranks(_sharded_values, 2, layout):
@@ -99,4 +103,4 @@ def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monk
     for i, event in enumerate(events):
         if event == "release_memory":
             takes = next(j for j in range(i + 1, len(events)) if events[j] in ("update_weights", "resume_memory"))
-            assert "return" in events[i + 1:takes], events
+            assert "return" in events[i + 1 : takes], events

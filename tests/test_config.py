@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 import config
-from config.loader import coerce
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
+from config.loader import coerce
 from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
 from trainer.machine import Machine
 
@@ -53,7 +53,9 @@ def test_every_field_has_a_default_and_a_one_line_comment():
 
 
 def test_toml_values_are_applied_and_typed(tmp_path):
-    path = write(tmp_path / "run.toml", """
+    path = write(
+        tmp_path / "run.toml",
+        """
         [job]
         name = "x"
         [algorithm]
@@ -62,7 +64,8 @@ def test_toml_values_are_applied_and_typed(tmp_path):
         dynamic_sampling = false
         [optimizer]
         betas = [0.9, 0.95]   # a TOML array becomes the tuple of the field
-    """)
+    """,
+    )
     cfg = load_config(path)
     assert cfg.job.name == "x" and cfg.job.run_path == os.path.join("runs", "x")
     assert cfg.algorithm.clip_c == 3.0 and type(cfg.algorithm.clip_c) is float
@@ -73,20 +76,23 @@ def test_toml_values_are_applied_and_typed(tmp_path):
 
 def test_overrides_convert_by_field_type_and_win_over_the_file(tmp_path):
     path = write(tmp_path / "run.toml", "[training]\nsteps = 5\n[algorithm]\nclip_high = 0.3\n")
-    cfg = load_config(path, [
-        "training.steps=7",                  # int, beats the file
-        "--algorithm.overlong_filter=true",  # a leading -- is accepted here too
-        "checkpoint.resume=0",               # bool from 0/1
-        "metrics.plot=FALSE",
-        "optimizer.betas=0.8,0.9",           # tuple from a comma list
-        "optimizer.lr=3e-5",                 # float
-        "parallelism.dp_shard=-1",           # negative int
-        "rollout.engine=sglang",             # Literal
-        "eval.eval_size=10",                 # Optional[int]
-        "model.hf_path=",                    # empty string
-        "job.name=123",                      # a str field keeps digits as text
-        "training.steps=9",                  # the last override wins
-    ])
+    cfg = load_config(
+        path,
+        [
+            "training.steps=7",  # int, beats the file
+            "--algorithm.overlong_filter=true",  # a leading -- is accepted here too
+            "checkpoint.resume=0",  # bool from 0/1
+            "metrics.plot=FALSE",
+            "optimizer.betas=0.8,0.9",  # tuple from a comma list
+            "optimizer.lr=3e-5",  # float
+            "parallelism.dp_shard=-1",  # negative int
+            "rollout.engine=sglang",  # Literal
+            "eval.eval_size=10",  # Optional[int]
+            "model.hf_path=",  # empty string
+            "job.name=123",  # a str field keeps digits as text
+            "training.steps=9",  # the last override wins
+        ],
+    )
     assert cfg.training.steps == 9 and cfg.algorithm.clip_high == 0.3
     assert cfg.algorithm.overlong_filter is True and cfg.checkpoint.resume is False and cfg.metrics.plot is False
     assert cfg.optimizer.betas == (0.8, 0.9) and cfg.optimizer.lr == 3e-5
@@ -136,8 +142,18 @@ def test_config_to_dict_is_json_and_round_trips_through_overrides():
 
 def test_parse_cli_config_dry_run_and_both_override_forms(tmp_path):
     path = write(tmp_path / "run.toml", "[training]\nsteps = 5\n")
-    cfg, args = parse_cli(["--config", path, "--dry-run", "--training.steps", "11",
-                           "--parallelism.dp_shard", "-1", "--algorithm.clip_high=0.3"])
+    cfg, args = parse_cli(
+        [
+            "--config",
+            path,
+            "--dry-run",
+            "--training.steps",
+            "11",
+            "--parallelism.dp_shard",
+            "-1",
+            "--algorithm.clip_high=0.3",
+        ]
+    )
     assert args.config == path and args.dry_run is True
     assert args.overrides == ["training.steps=11", "parallelism.dp_shard=-1", "algorithm.clip_high=0.3"]
     assert cfg.training.steps == 11 and cfg.parallelism.dp_shard == -1 and cfg.algorithm.clip_high == 0.3
@@ -155,8 +171,9 @@ def test_parse_cli_errors():
         parse_cli(["--training.steps"])
     with pytest.raises(ConfigError, match="needs a value"):
         parse_cli(["--training.steps", "--dry-run"])
-    with pytest.raises(ConfigError,
-                       match=r"unknown key 'training\.stpes' \(command line\); did you mean 'training\.steps'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'training\.stpes' \(command line\); did you mean 'training\.steps'"
+    ):
         parse_cli(["--training.stpes=3"])
     with pytest.raises(SystemExit):  # flags that are not settings are argparse's to refuse
         parse_cli(["--no-such-flag"])
@@ -167,15 +184,19 @@ def test_parse_cli_errors():
 
 def test_unknown_section_names_it_the_file_and_the_closest_section(tmp_path):
     path = write(tmp_path / "bad.toml", "[algorthm]\nclip_low = 0.2\n")
-    with pytest.raises(ConfigError,
-                       match=rf"unknown section \[algorthm\] \({re.escape(path)}\); did you mean \[algorithm\]"):
+    with pytest.raises(
+        ConfigError, match=rf"unknown section \[algorthm\] \({re.escape(path)}\); did you mean \[algorithm\]"
+    ):
         load_config(path)
 
 
 def test_unknown_key_names_it_the_file_and_the_closest_key(tmp_path):
     path = write(tmp_path / "bad.toml", "[algorithm]\nclip_hihg = 0.3\n")
-    with pytest.raises(ConfigError, match=rf"unknown key 'algorithm\.clip_hihg' \({re.escape(path)}\); "
-                                          r"did you mean 'algorithm\.clip_high'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"unknown key 'algorithm\.clip_hihg' \({re.escape(path)}\); "
+        r"did you mean 'algorithm\.clip_high'\?",
+    ):
         load_config(path)
 
 
@@ -189,8 +210,9 @@ def test_key_in_the_wrong_section_points_to_the_right_one(tmp_path):
 
 
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
-    with pytest.raises(ConfigError,
-                       match=r"unknown key 'job\.zzz' \(command line\); valid keys of \[job\]: name, run_dir, seed"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'job\.zzz' \(command line\); valid keys of \[job\]: name, run_dir, seed"
+    ):
         load_config(None, ["job.zzz=1"])
     with pytest.raises(ConfigError, match=r"unknown section \[zzz\] \(command line\); valid sections: job, model"):
         load_config(None, ["zzz.a=1"])
@@ -205,43 +227,59 @@ def test_malformed_override(item):
 # ------------------------------------------------------------------------------------------ errors: types
 
 
-@pytest.mark.parametrize("line, message", [
-    ('[training]\nsteps = "ten"', r"training\.steps = 'ten' \(FILE\): wrong type; training\.steps expects an int"),
-    ("[training]\nsteps = 1.5", r"training\.steps = 1\.5 \(FILE\): wrong type; training\.steps expects an int"),
-    ("[training]\nsteps = true", r"training\.steps = True \(FILE\): wrong type; training\.steps expects an int"),
-    ("[algorithm]\noverlong_filter = 1", r"algorithm\.overlong_filter = 1 \(FILE\): wrong type; .* expects a bool"),
-    ('[optimizer]\nlr = "1e-6"', r"optimizer\.lr = '1e-6' \(FILE\): wrong type; optimizer\.lr expects a number"),
-    ("[optimizer]\nlr = nan", r"optimizer\.lr = nan \(FILE\): wrong type; optimizer\.lr expects a finite number"),
-    ("[optimizer]\nbetas = [0.9]", r"optimizer\.betas = \[0\.9\] \(FILE\): wrong type; .* expects a list of 2 values"),
-    ("[model]\nhf_path = 3", r"model\.hf_path = 3 \(FILE\): wrong type; model\.hf_path expects a string"),
-    ('[rollout]\nengine = "vllm"',
-     r"rollout\.engine = 'vllm' \(FILE\): unknown value; expected one of 'torch', 'sglang'"),
-    ("[eval]\neval_size = 2.5", r"eval\.eval_size = 2\.5 \(FILE\): wrong type; eval\.eval_size expects an int or none"),
-    ("[training]\nsteps = {a = 1}", r"training\.steps = \{'a': 1\} \(FILE\): wrong type"),
-    ("training = 3", r"FILE: 'training' must be a table \(\[training\]\)"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('[training]\nsteps = "ten"', r"training\.steps = 'ten' \(FILE\): wrong type; training\.steps expects an int"),
+        ("[training]\nsteps = 1.5", r"training\.steps = 1\.5 \(FILE\): wrong type; training\.steps expects an int"),
+        ("[training]\nsteps = true", r"training\.steps = True \(FILE\): wrong type; training\.steps expects an int"),
+        ("[algorithm]\noverlong_filter = 1", r"algorithm\.overlong_filter = 1 \(FILE\): wrong type; .* expects a bool"),
+        ('[optimizer]\nlr = "1e-6"', r"optimizer\.lr = '1e-6' \(FILE\): wrong type; optimizer\.lr expects a number"),
+        ("[optimizer]\nlr = nan", r"optimizer\.lr = nan \(FILE\): wrong type; optimizer\.lr expects a finite number"),
+        (
+            "[optimizer]\nbetas = [0.9]",
+            r"optimizer\.betas = \[0\.9\] \(FILE\): wrong type; .* expects a list of 2 values",
+        ),
+        ("[model]\nhf_path = 3", r"model\.hf_path = 3 \(FILE\): wrong type; model\.hf_path expects a string"),
+        (
+            '[rollout]\nengine = "vllm"',
+            r"rollout\.engine = 'vllm' \(FILE\): unknown value; expected one of 'torch', 'sglang'",
+        ),
+        (
+            "[eval]\neval_size = 2.5",
+            r"eval\.eval_size = 2\.5 \(FILE\): wrong type; eval\.eval_size expects an int or none",
+        ),
+        ("[training]\nsteps = {a = 1}", r"training\.steps = \{'a': 1\} \(FILE\): wrong type"),
+        ("training = 3", r"FILE: 'training' must be a table \(\[training\]\)"),
+    ],
+)
 def test_wrong_type_in_a_file_names_key_file_and_expected_type(tmp_path, line, message):
     path = write(tmp_path / "bad.toml", line + "\n")
     with pytest.raises(ConfigError, match=message.replace("FILE", re.escape(path))):
         load_config(path)
 
 
-@pytest.mark.parametrize("item, message", [
-    ("training.steps=ten", r"training\.steps = 'ten' \(command line\): wrong type; training\.steps expects an int"),
-    ("checkpoint.resume=yes", r"checkpoint\.resume = 'yes' \(command line\): wrong type; .* expects a bool"),
-    ("optimizer.betas=0.9", r"optimizer\.betas = '0\.9' \(command line\): wrong type; .* a list of 2 values"),
-    ("optimizer.betas=[0.9, x]", r"optimizer\.betas = '\[0\.9, x\]' \(command line\): wrong type"),
-    ("optimizer.lr=inf", r"optimizer\.lr = 'inf' \(command line\): wrong type; .* a finite number"),
-    ("algorithm.loss_agg=mean",
-     r"algorithm\.loss_agg = 'mean' \(command line\): unknown value; expected one of 'token-mean'"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("training.steps=ten", r"training\.steps = 'ten' \(command line\): wrong type; training\.steps expects an int"),
+        ("checkpoint.resume=yes", r"checkpoint\.resume = 'yes' \(command line\): wrong type; .* expects a bool"),
+        ("optimizer.betas=0.9", r"optimizer\.betas = '0\.9' \(command line\): wrong type; .* a list of 2 values"),
+        ("optimizer.betas=[0.9, x]", r"optimizer\.betas = '\[0\.9, x\]' \(command line\): wrong type"),
+        ("optimizer.lr=inf", r"optimizer\.lr = 'inf' \(command line\): wrong type; .* a finite number"),
+        (
+            "algorithm.loss_agg=mean",
+            r"algorithm\.loss_agg = 'mean' \(command line\): unknown value; expected one of 'token-mean'",
+        ),
+    ],
+)
 def test_wrong_type_on_the_command_line(item, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [item])
 
 
 def test_toml_syntax_error_names_the_file_and_line(tmp_path):
-    path = write(tmp_path / "broken.toml", "[job]\nname = \"x\"\nseed = = 3\n")
+    path = write(tmp_path / "broken.toml", '[job]\nname = "x"\nseed = = 3\n')
     with pytest.raises(ConfigError, match=rf"{re.escape(path)}: invalid TOML: .*line 3"):
         load_config(path)
 
@@ -266,64 +304,84 @@ def test_missing_file_and_bad_bases(tmp_path):
 # ------------------------------------------------------------------------------------------ errors: values
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.max_prompt_length=0"], r"data\.max_prompt_length = 0 \(command line\): must be >= 1"),
-    (["rollout.max_response_length=-5"], r"rollout\.max_response_length = -5 \(command line\): must be >= 1"),
-    (["training.train_batch_size=0"], r"training\.train_batch_size = 0 .*must be >= 1"),
-    (["training.micro_batch_tokens=-1"], r"training\.micro_batch_tokens = -1 .*must be >= 1"),
-    (["rollout.n=0"], r"rollout\.n = 0 .*must be >= 1"),
-    (["eval.k=0"], r"eval\.k = 0 .*must be >= 1"),
-    (["training.steps=-1"], r"training\.steps = -1 .*must be >= 0"),
-    (["optimizer.lr=0"], r"optimizer\.lr = 0\.0 .*must be > 0"),
-    (["optimizer.weight_decay=-0.1"], r"optimizer\.weight_decay = -0\.1 .*must be >= 0"),
-    (["algorithm.clip_low=0"], r"algorithm\.clip_low = 0\.0 .*must be in \(0, 1\)"),
-    (["algorithm.clip_low=1"], r"algorithm\.clip_low = 1\.0 .*must be in \(0, 1\)"),
-    (["algorithm.clip_high=0"], r"algorithm\.clip_high = 0\.0 .*must be > 0"),
-    (["algorithm.clip_high=-0.1"], r"algorithm\.clip_high = -0\.1 .*must be > 0"),
-    (["algorithm.clip_c=1"], r"algorithm\.clip_c = 1\.0 .*must be > 1"),
-    (["training.mini_batch_size=48"],
-     r"training\.train_batch_size = 512 \(default\): must be divisible by training\.mini_batch_size = 48"),
-    (["rollout.max_response_length=1000", "training.micro_batch_tokens=4000"],
-     r"algorithm\.overlong_buffer = 4096 \(default\): must be <= rollout\.max_response_length = 1000"),
-    (["rollout.temperature=-0.5"], r"rollout\.temperature = -0\.5 .*must be >= 0"),
-    (["eval.temperature=-1"], r"eval\.temperature = -1\.0 .*must be >= 0"),
-    (["rollout.top_p=0"], r"rollout\.top_p = 0\.0 .*must be in \(0, 1\]"),
-    (["rollout.top_p=1.01"], r"rollout\.top_p = 1\.01 .*must be in \(0, 1\]"),
-    (["eval.top_p=2"], r"eval\.top_p = 2\.0 .*must be in \(0, 1\]"),
-    (["rollout.top_k=0"], r"rollout\.top_k = 0 .*must be -1 \(off\) or >= 1"),
-    (["rollout.mem_fraction_static=1"], r"rollout\.mem_fraction_static = 1\.0 .*must be in \(0, 1\)"),
-    (["algorithm.kl_coef=0.001"], r"algorithm\.kl_coef = 0\.001 \(command line\): must be 0: DAPO removes the KL"),
-    (["rollout.n=1"], r"rollout\.n = 1 .*must be >= 2 with algorithm\.dynamic_sampling"),
-    (["training.micro_batch_tokens=4096"],
-     r"training\.micro_batch_tokens = 4096 .*"
-     r"must be >= data\.max_prompt_length \+ rollout\.max_response_length = 22528"),
-    (["model.preset=qwen9"], r"model\.preset = 'qwen9' .*unknown preset; known presets: qwen2\.5-0\.5b"),
-    (["model.preset=tiny", "model.hf_path=/ckpt"],
-     r"model\.preset = 'tiny' .*set either model\.preset or model\.hf_path"),
-    (["parallelism.dp_shard=0"], r"parallelism\.dp_shard = 0 .*must be -1 \(all remaining ranks\) or >= 1"),
-    (["parallelism.tp=0"], r"parallelism\.tp = 0 .*must be >= 1"),
-    (["optimizer.betas=0.9,1.0"], r"optimizer\.betas = \(0\.9, 1\.0\) .*both betas must be in \[0, 1\)"),
-    (["eval.greedy=true"], r"eval\.k = 32 \(default\): must be 1 with eval\.greedy"),
-    (["eval.eval_size=0"], r"eval\.eval_size = 0 .*must be >= 1 \(or none"),
-    (["eval.max_response_length=0"], r"eval\.max_response_length = 0 .*must be >= 1"),
-    (["job.name=a/b"], r"job\.name = 'a/b' .*without path separators"),
-    (["job.name="], r"job\.name = '' .*non-empty folder name"),
-    (["algorithm.adv_eps=0"], r"algorithm\.adv_eps = 0\.0 .*must be > 0"),
-    (["algorithm.overlong_penalty_factor=-1"], r"algorithm\.overlong_penalty_factor = -1\.0 .*must be >= 0"),
-    (["algorithm.max_num_gen_batches=0"], r"algorithm\.max_num_gen_batches = 0 .*must be >= 1"),
-    (["parallelism.ac_every_k_blocks=-1"], r"parallelism\.ac_every_k_blocks = -1 .*must be >= 0"),
-    (["training.ppo_epochs=0"], r"training\.ppo_epochs = 0 .*must be >= 1"),
-    (["algorithm.carry_over_max_staleness=-1"], r"algorithm\.carry_over_max_staleness = -1 .*must be >= 0"),
-    (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be > 0"),
-    (["data.synthetic_difficulty=7"], r"data\.synthetic_difficulty = 7 .*must be one of the synthetic task's levels "
-                                      r"\[1, 2, 3, 4, 5\]"),
-    (["data.synthetic_difficulty=1"], r"data\.synthetic_num_train = 2000 \(default\): must be <= 72: the train split "
-                                      r"of difficulty 1 has no more distinct problems"),
-    (["data.synthetic_num_eval=2000"], r"data\.synthetic_num_eval = 2000 \(command line\): must be <= 1800"),
-    (["eval.top_k=0"], r"eval\.top_k = 0 \(command line\): must be -1 \(off\) or >= 1"),
-    (["eval.k=4", "eval.pass_at=1,8"], r"eval\.pass_at = \(1, 8\) \(command line\): each j must be in "
-                                       r"\[1, eval\.k = 4\]"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.max_prompt_length=0"], r"data\.max_prompt_length = 0 \(command line\): must be >= 1"),
+        (["rollout.max_response_length=-5"], r"rollout\.max_response_length = -5 \(command line\): must be >= 1"),
+        (["training.train_batch_size=0"], r"training\.train_batch_size = 0 .*must be >= 1"),
+        (["training.micro_batch_tokens=-1"], r"training\.micro_batch_tokens = -1 .*must be >= 1"),
+        (["rollout.n=0"], r"rollout\.n = 0 .*must be >= 1"),
+        (["eval.k=0"], r"eval\.k = 0 .*must be >= 1"),
+        (["training.steps=-1"], r"training\.steps = -1 .*must be >= 0"),
+        (["optimizer.lr=0"], r"optimizer\.lr = 0\.0 .*must be > 0"),
+        (["optimizer.weight_decay=-0.1"], r"optimizer\.weight_decay = -0\.1 .*must be >= 0"),
+        (["algorithm.clip_low=0"], r"algorithm\.clip_low = 0\.0 .*must be in \(0, 1\)"),
+        (["algorithm.clip_low=1"], r"algorithm\.clip_low = 1\.0 .*must be in \(0, 1\)"),
+        (["algorithm.clip_high=0"], r"algorithm\.clip_high = 0\.0 .*must be > 0"),
+        (["algorithm.clip_high=-0.1"], r"algorithm\.clip_high = -0\.1 .*must be > 0"),
+        (["algorithm.clip_c=1"], r"algorithm\.clip_c = 1\.0 .*must be > 1"),
+        (
+            ["training.mini_batch_size=48"],
+            r"training\.train_batch_size = 512 \(default\): must be divisible by training\.mini_batch_size = 48",
+        ),
+        (
+            ["rollout.max_response_length=1000", "training.micro_batch_tokens=4000"],
+            r"algorithm\.overlong_buffer = 4096 \(default\): must be <= rollout\.max_response_length = 1000",
+        ),
+        (["rollout.temperature=-0.5"], r"rollout\.temperature = -0\.5 .*must be >= 0"),
+        (["eval.temperature=-1"], r"eval\.temperature = -1\.0 .*must be >= 0"),
+        (["rollout.top_p=0"], r"rollout\.top_p = 0\.0 .*must be in \(0, 1\]"),
+        (["rollout.top_p=1.01"], r"rollout\.top_p = 1\.01 .*must be in \(0, 1\]"),
+        (["eval.top_p=2"], r"eval\.top_p = 2\.0 .*must be in \(0, 1\]"),
+        (["rollout.top_k=0"], r"rollout\.top_k = 0 .*must be -1 \(off\) or >= 1"),
+        (["rollout.mem_fraction_static=1"], r"rollout\.mem_fraction_static = 1\.0 .*must be in \(0, 1\)"),
+        (["algorithm.kl_coef=0.001"], r"algorithm\.kl_coef = 0\.001 \(command line\): must be 0: DAPO removes the KL"),
+        (["rollout.n=1"], r"rollout\.n = 1 .*must be >= 2 with algorithm\.dynamic_sampling"),
+        (
+            ["training.micro_batch_tokens=4096"],
+            r"training\.micro_batch_tokens = 4096 .*"
+            r"must be >= data\.max_prompt_length \+ rollout\.max_response_length = 22528",
+        ),
+        (["model.preset=qwen9"], r"model\.preset = 'qwen9' .*unknown preset; known presets: qwen2\.5-0\.5b"),
+        (
+            ["model.preset=tiny", "model.hf_path=/ckpt"],
+            r"model\.preset = 'tiny' .*set either model\.preset or model\.hf_path",
+        ),
+        (["parallelism.dp_shard=0"], r"parallelism\.dp_shard = 0 .*must be -1 \(all remaining ranks\) or >= 1"),
+        (["parallelism.tp=0"], r"parallelism\.tp = 0 .*must be >= 1"),
+        (["optimizer.betas=0.9,1.0"], r"optimizer\.betas = \(0\.9, 1\.0\) .*both betas must be in \[0, 1\)"),
+        (["eval.greedy=true"], r"eval\.k = 32 \(default\): must be 1 with eval\.greedy"),
+        (["eval.eval_size=0"], r"eval\.eval_size = 0 .*must be >= 1 \(or none"),
+        (["eval.max_response_length=0"], r"eval\.max_response_length = 0 .*must be >= 1"),
+        (["job.name=a/b"], r"job\.name = 'a/b' .*without path separators"),
+        (["job.name="], r"job\.name = '' .*non-empty folder name"),
+        (["algorithm.adv_eps=0"], r"algorithm\.adv_eps = 0\.0 .*must be > 0"),
+        (["algorithm.overlong_penalty_factor=-1"], r"algorithm\.overlong_penalty_factor = -1\.0 .*must be >= 0"),
+        (["algorithm.max_num_gen_batches=0"], r"algorithm\.max_num_gen_batches = 0 .*must be >= 1"),
+        (["parallelism.ac_every_k_blocks=-1"], r"parallelism\.ac_every_k_blocks = -1 .*must be >= 0"),
+        (["training.ppo_epochs=0"], r"training\.ppo_epochs = 0 .*must be >= 1"),
+        (["algorithm.carry_over_max_staleness=-1"], r"algorithm\.carry_over_max_staleness = -1 .*must be >= 0"),
+        (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be > 0"),
+        (
+            ["data.synthetic_difficulty=7"],
+            r"data\.synthetic_difficulty = 7 .*must be one of the synthetic task's levels "
+            r"\[1, 2, 3, 4, 5\]",
+        ),
+        (
+            ["data.synthetic_difficulty=1"],
+            r"data\.synthetic_num_train = 2000 \(default\): must be <= 72: the train split "
+            r"of difficulty 1 has no more distinct problems",
+        ),
+        (["data.synthetic_num_eval=2000"], r"data\.synthetic_num_eval = 2000 \(command line\): must be <= 1800"),
+        (["eval.top_k=0"], r"eval\.top_k = 0 \(command line\): must be -1 \(off\) or >= 1"),
+        (
+            ["eval.k=4", "eval.pass_at=1,8"],
+            r"eval\.pass_at = \(1, 8\) \(command line\): each j must be in "
+            r"\[1, eval\.k = 4\]",
+        ),
+    ],
+)
 def test_impossible_values_name_the_key_and_the_constraint(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -374,8 +432,13 @@ def test_check_runnable_names_each_missing_setting(tmp_path):
 
 
 def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path):
-    small = ["model.preset=tiny", "data.max_prompt_length=100", "rollout.max_response_length=900",
-             "algorithm.overlong_buffer=100", "training.micro_batch_tokens=1000"]
+    small = [
+        "model.preset=tiny",
+        "data.max_prompt_length=100",
+        "rollout.max_response_length=900",
+        "algorithm.overlong_buffer=100",
+        "training.micro_batch_tokens=1000",
+    ]
     check_runnable(load_config(None, small), ONE_GPU)  # 1000 tokens = the tiny preset's 1024 positions minus 24
     with pytest.raises(ConfigError, match=r"= 1100 tokens exceed the model's max_position_embeddings = 1024"):
         check_runnable(load_config(None, small + ["eval.max_response_length=1000"]), ONE_GPU)
@@ -386,12 +449,20 @@ def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path)
 
 def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
-    no_eval = [f"model.hf_path={tmp_path}", "data.eval_path=", "eval.interval=0", "eval.at_start=false",
-               "eval.at_end=false"]
+    no_eval = [
+        f"model.hf_path={tmp_path}",
+        "data.eval_path=",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "eval.at_end=false",
+    ]
     check_runnable(load_config(None, no_eval), ONE_GPU)
     for evaluation in ("eval.interval=5", "eval.at_start=true", "eval.at_end=true"):
-        with pytest.raises(ConfigError, match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn evaluation "
-                                              r"off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)"):
+        with pytest.raises(
+            ConfigError,
+            match=r"data\.eval_path is not set: .* or to 'synthetic' \(or turn evaluation "
+            r"off: eval\.interval = 0, eval\.at_start = eval\.at_end = false\)",
+        ):
             check_runnable(load_config(None, no_eval + [evaluation]), ONE_GPU)
 
 
@@ -403,10 +474,13 @@ def test_check_runnable_reads_the_data_files_footers(tmp_path):
     with pytest.raises(DataError, match=f"{empty}: the file is empty"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={empty}"]), ONE_GPU)
     with pytest.raises(DataError, match=f"{empty}: the file is empty"):
-        check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
-                                          f"data.eval_path={empty}"]), ONE_GPU)
-    check_runnable(load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}",
-                                      f"data.eval_path={rows}"]), ONE_GPU)
+        check_runnable(
+            load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}", f"data.eval_path={empty}"]),
+            ONE_GPU,
+        )
+    check_runnable(
+        load_config(None, [f"model.hf_path={tmp_path}", f"data.train_path={rows}", f"data.eval_path={rows}"]), ONE_GPU
+    )
 
 
 # ------------------------------------------------------------------------------------------ the generic loader
@@ -418,8 +492,9 @@ def test_the_loader_knows_nothing_of_the_project():
     from config import loader
 
     tree = ast.parse(inspect.getsource(loader))
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported.isdisjoint({"config", "model", "rl", "rollout", "trainer", "parallel", "observe"}), imported
 
@@ -442,10 +517,13 @@ def test_the_loader_serves_any_schema_with_bounds_beside_fields_and_rules_per_se
         def rules(self):
             yield "shop.shelves", self.shop.shelves < 100, "must be < 100"
 
-    path = write(tmp_path / "shop.toml", """
+    path = write(
+        tmp_path / "shop.toml",
+        """
         [shop]
         shelves = 2
-    """)
+    """,
+    )
     assert load(Root, str(path), ["shop.items=20"]).shop == Shop(items=20, shelves=2)
     with pytest.raises(ConfigError, match=r"shop\.items = 21 \(command line\): must be <= 10 x shop\.shelves = 20"):
         load(Root, str(path), ["shop.items=21"])

@@ -15,15 +15,23 @@ from rollout.sglang_engine import SGLANG_VERSION
 from trainer.machine import Machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"),
-                                                                recursive=True))
-ABLATION = ["1_naive_grpo", "2_overlong_filtering", "3_clip_higher", "4_soft_overlong_punishment",
-            "5_token_level_loss", "6_dynamic_sampling_dapo"]
+CONFIGS = sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)
+)
+ABLATION = [
+    "1_naive_grpo",
+    "2_overlong_filtering",
+    "3_clip_higher",
+    "4_soft_overlong_punishment",
+    "5_token_level_loss",
+    "6_dynamic_sampling_dapo",
+]
 SWITCHES = ("clip_high", "loss_agg", "overlong_filter", "overlong_penalty", "dynamic_sampling")
 GB = 1e9
 # The node the GPU recipes are written for: 8 Hopper GPUs, the pinned SGLang, one process per GPU.
-GPU_NODE = Machine(cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8,
-                   local_world_size=8)
+GPU_NODE = Machine(
+    cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8, local_world_size=8
+)
 
 
 def load(name: str) -> Config:
@@ -57,18 +65,37 @@ def test_shipped_config_loads_validates_and_serialises(path):
 def test_dapo_32b_holds_the_papers_recipe():
     cfg = load("dapo_32b.toml")
     expected = {
-        "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.28, "algorithm.clip_c": 10.0,
-        "algorithm.loss_agg": "token-mean", "algorithm.kl_coef": 0.0,
-        "algorithm.dynamic_sampling": True, "algorithm.filter_metric": "acc", "algorithm.max_num_gen_batches": 10,
+        "algorithm.clip_low": 0.2,
+        "algorithm.clip_high": 0.28,
+        "algorithm.clip_c": 10.0,
+        "algorithm.loss_agg": "token-mean",
+        "algorithm.kl_coef": 0.0,
+        "algorithm.dynamic_sampling": True,
+        "algorithm.filter_metric": "acc",
+        "algorithm.max_num_gen_batches": 10,
         "rollout.gen_batch_multiplier": 3,
-        "training.train_batch_size": 512, "rollout.n": 16, "training.mini_batch_size": 32,
-        "data.max_prompt_length": 2048, "rollout.max_response_length": 20480,
-        "algorithm.overlong_penalty": True, "algorithm.overlong_buffer": 4096, "algorithm.overlong_penalty_factor": 1.0,
-        "rollout.temperature": 1.0, "rollout.top_p": 1.0,
-        "eval.temperature": 1.0, "eval.top_p": 0.7, "eval.k": 32,
-        "optimizer.lr": 1e-6, "optimizer.warmup_steps": 20, "optimizer.weight_decay": 0.1, "optimizer.grad_clip": 1.0,
-        "parallelism.param_dtype": "bfloat16", "parallelism.dp_shard": -1,
-        "rollout.engine": "sglang", "rollout.tp_size": 4, "rollout.dtype": "bfloat16",
+        "training.train_batch_size": 512,
+        "rollout.n": 16,
+        "training.mini_batch_size": 32,
+        "data.max_prompt_length": 2048,
+        "rollout.max_response_length": 20480,
+        "algorithm.overlong_penalty": True,
+        "algorithm.overlong_buffer": 4096,
+        "algorithm.overlong_penalty_factor": 1.0,
+        "rollout.temperature": 1.0,
+        "rollout.top_p": 1.0,
+        "eval.temperature": 1.0,
+        "eval.top_p": 0.7,
+        "eval.k": 32,
+        "optimizer.lr": 1e-6,
+        "optimizer.warmup_steps": 20,
+        "optimizer.weight_decay": 0.1,
+        "optimizer.grad_clip": 1.0,
+        "parallelism.param_dtype": "bfloat16",
+        "parallelism.dp_shard": -1,
+        "rollout.engine": "sglang",
+        "rollout.tp_size": 4,
+        "rollout.dtype": "bfloat16",
     }
     assert {k: flat(cfg)[k] for k in expected} == expected
     assert cfg.training.train_batch_size // cfg.training.mini_batch_size == 16  # 16 updates per step
@@ -90,9 +117,16 @@ def test_recipe_placeholders_pass_dry_run_but_not_training(tmp_path):
 
 def test_dapo_7b_changes_only_model_size_dependent_settings():
     base, cfg = load("dapo_32b.toml"), load("dapo_7b.toml")
-    assert differences(base, cfg) == {"job.name", "rollout.max_response_length", "rollout.tp_size",
-                                      "rollout.mem_fraction_static", "training.micro_batch_tokens",
-                                      "parallelism.cpu_offload", "eval.max_response_length", "rehearse.preset"}
+    assert differences(base, cfg) == {
+        "job.name",
+        "rollout.max_response_length",
+        "rollout.tp_size",
+        "rollout.mem_fraction_static",
+        "training.micro_batch_tokens",
+        "parallelism.cpu_offload",
+        "eval.max_response_length",
+        "rehearse.preset",
+    }
     assert cfg.rollout.max_response_length == 8192 and cfg.algorithm.overlong_buffer == 4096
 
 
@@ -103,13 +137,16 @@ def test_naive_grpo_row_turns_every_dapo_technique_off():
     assert not alg.overlong_filter and not alg.overlong_penalty and not alg.dynamic_sampling
 
 
-@pytest.mark.parametrize("row, switch, value", [
-    (1, "algorithm.overlong_filter", True),
-    (2, "algorithm.clip_high", 0.28),
-    (3, "algorithm.overlong_penalty", True),
-    (4, "algorithm.loss_agg", "token-mean"),
-    (5, "algorithm.dynamic_sampling", True),
-])
+@pytest.mark.parametrize(
+    "row, switch, value",
+    [
+        (1, "algorithm.overlong_filter", True),
+        (2, "algorithm.clip_high", 0.28),
+        (3, "algorithm.overlong_penalty", True),
+        (4, "algorithm.loss_agg", "token-mean"),
+        (5, "algorithm.dynamic_sampling", True),
+    ],
+)
 def test_each_ablation_row_adds_exactly_its_technique(row, switch, value):
     before, after = load(f"ablation/{ABLATION[row - 1]}.toml"), load(f"ablation/{ABLATION[row]}.toml")
     assert differences(before, after) == {"job.name", switch}

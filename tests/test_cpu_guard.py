@@ -25,23 +25,40 @@ from tests.dist_utils import run_ranks
 from trainer.machine import Machine, machine_fixes, probe_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"),
-                                                                recursive=True))
+CONFIGS = sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)
+)
 GPU_CONFIGS = [c for c in CONFIGS if c != "configs/demo_cpu.toml"]
 
 CPU = Machine()  # no CUDA, one process, a C++ compiler
 TWO_CPU_PROCESSES = Machine(world_size=2, local_world_size=2)
-H100_NODE = Machine(cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8,
-                    local_world_size=8)
+H100_NODE = Machine(
+    cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8, local_world_size=8
+)
 PAPER_CLUSTER = dataclasses.replace(H100_NODE, world_size=128)  # 16 nodes of 8
 A100 = Machine(cuda_devices=1, cuda_capability=(8, 0), sglang_version=SGLANG_VERSION)
 
 # Shrinks a recipe to seconds on a CPU; none of these is a setting the machine rules look at.
-SMALL = ["training.steps=1", "training.train_batch_size=2", "training.mini_batch_size=2", "rollout.n=2",
-         "data.max_prompt_length=256", "rollout.max_response_length=8", "eval.max_response_length=8",
-         "algorithm.overlong_buffer=4", "training.micro_batch_tokens=512", "rollout.max_batch_size=8",
-         "algorithm.dynamic_sampling=false", "eval.interval=0", "eval.at_start=false", "eval.at_end=false",
-         "data.eval_path=", "metrics.plot=false", "metrics.tensorboard=false", "job.cpu_threads=1"]
+SMALL = [
+    "training.steps=1",
+    "training.train_batch_size=2",
+    "training.mini_batch_size=2",
+    "rollout.n=2",
+    "data.max_prompt_length=256",
+    "rollout.max_response_length=8",
+    "eval.max_response_length=8",
+    "algorithm.overlong_buffer=4",
+    "training.micro_batch_tokens=512",
+    "rollout.max_batch_size=8",
+    "algorithm.dynamic_sampling=false",
+    "eval.interval=0",
+    "eval.at_start=false",
+    "eval.at_end=false",
+    "data.eval_path=",
+    "metrics.plot=false",
+    "metrics.tensorboard=false",
+    "job.cpu_threads=1",
+]
 NO_COMPILE = ["rollout.compile=false", "parallelism.compile=false"]  # compiling costs ~30 s on a 2-core CPU
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="shows what a CPU machine refuses; this one has CUDA")
 
@@ -89,8 +106,10 @@ def test_a_gpu_recipe_in_one_cpu_process_needs_the_torch_engine_and_float32_comp
     # Several CPU processes start a gloo group, so bf16 mixed precision runs there; FSDP then refuses CPU
     # offload, which the 32B recipe (and its ablation rows) sets.
     offload = load_config(os.path.join(ROOT, path)).parallelism.cpu_offload
-    assert fixes_of(path, TWO_CPU_PROCESSES) == ({"rollout.engine": "torch"}
-                                                 | ({"parallelism.cpu_offload": False} if offload else {}), [])
+    assert fixes_of(path, TWO_CPU_PROCESSES) == (
+        {"rollout.engine": "torch"} | ({"parallelism.cpu_offload": False} if offload else {}),
+        [],
+    )
 
 
 def test_the_cpu_demo_runs_on_a_cpu_as_it_is():
@@ -98,44 +117,67 @@ def test_the_cpu_demo_runs_on_a_cpu_as_it_is():
     assert fixes_of("configs/demo_cpu.toml", TWO_CPU_PROCESSES) == ({}, [])
 
 
-@pytest.mark.parametrize("overrides, machine, expected", [
-    # FlexAttention: no backward on a CPU.
-    (["model.attention_backend=flex"], CPU, {"model.attention_backend": "sdpa"}),
-    (["model.attention_backend=flex"], H100_NODE, {}),
-    # Float8 matmuls: CUDA with compute capability >= 8.9 only.
-    (["parallelism.float8=true"], CPU, {"parallelism.float8": False}),
-    (["parallelism.float8=true"], A100, {"parallelism.float8": False}),
-    (["parallelism.float8=true"], H100_NODE, {}),
-    # torch.compile on a CPU builds C++ kernels; CUDA graphs are only captured on CUDA, so a CPU ignores them.
-    (["parallelism.compile=true", "rollout.compile=true"], dataclasses.replace(CPU, cxx_compiler=False),
-     {"parallelism.compile": False, "rollout.compile": False}),
-    (["parallelism.compile=true", "rollout.compile=true", "rollout.cuda_graphs=true"], CPU, {}),
-    # Mixed precision: one CPU process has no process group for FSDP; a bf16 model computes in bf16 there.
-    (["model.dtype=bfloat16", "parallelism.param_dtype=float32"], CPU, {"parallelism.param_dtype": "bfloat16"}),
-    (["model.dtype=bfloat16", "parallelism.param_dtype=bfloat16"], CPU, {}),
-    (["parallelism.param_dtype=bfloat16"], A100, {}),  # one CUDA process starts a one-rank group itself
-    # CPU offload: meaningless but harmless without FSDP, refused by FSDP on a CPU mesh.
-    (["parallelism.param_dtype=float32", "parallelism.cpu_offload=true"], CPU, {}),
-    (["parallelism.cpu_offload=true"], TWO_CPU_PROCESSES, {"parallelism.cpu_offload": False}),
-    # The parallel layout must be the launch's process count.
-    (["parallelism.param_dtype=float32", "parallelism.tp=2"], CPU, {"parallelism.tp": 1}),
-    (["parallelism.dp_shard=4"], TWO_CPU_PROCESSES, {"parallelism.dp_shard": -1}),
-    (["parallelism.dp_replicate=2", "parallelism.tp=2"], TWO_CPU_PROCESSES, {"parallelism.dp_replicate": 1}),
-    (["parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=2"], H100_NODE, {}),
-    # Whole groups live on one data-parallel rank: the batch sizes divide over them.
-    (["training.train_batch_size=12", "training.mini_batch_size=6", "training.sft_warmup_steps=5",
-      "training.sft_batch_size=6"], H100_NODE,
-     {"training.mini_batch_size": 8, "training.train_batch_size": 16, "training.sft_batch_size": 8}),
-    (["training.train_batch_size=12", "training.mini_batch_size=6", "parallelism.tp=2"],
-     dataclasses.replace(H100_NODE, world_size=12, local_world_size=12, cuda_devices=12), {}),
-    (["training.sft_batch_size=6"], H100_NODE, {}),  # no warm-up: its batch size is unused
-    # SGLang: CUDA only, the pinned release only, an engine's TP ranks on one node.
-    (["rollout.engine=sglang"], dataclasses.replace(H100_NODE, sglang_version=None), {"rollout.engine": "torch"}),
-    (["rollout.engine=sglang"], dataclasses.replace(H100_NODE, sglang_version="0.4.6"), {"rollout.engine": "torch"}),
-    (["rollout.engine=sglang", "rollout.tp_size=4"], dataclasses.replace(H100_NODE, world_size=2, local_world_size=2),
-     {"rollout.tp_size": 2}),
-    (["rollout.engine=sglang", "rollout.tp_size=4"], H100_NODE, {}),
-])
+@pytest.mark.parametrize(
+    "overrides, machine, expected",
+    [
+        # FlexAttention: no backward on a CPU.
+        (["model.attention_backend=flex"], CPU, {"model.attention_backend": "sdpa"}),
+        (["model.attention_backend=flex"], H100_NODE, {}),
+        # Float8 matmuls: CUDA with compute capability >= 8.9 only.
+        (["parallelism.float8=true"], CPU, {"parallelism.float8": False}),
+        (["parallelism.float8=true"], A100, {"parallelism.float8": False}),
+        (["parallelism.float8=true"], H100_NODE, {}),
+        # torch.compile on a CPU builds C++ kernels; CUDA graphs are only captured on CUDA, so a CPU ignores them.
+        (
+            ["parallelism.compile=true", "rollout.compile=true"],
+            dataclasses.replace(CPU, cxx_compiler=False),
+            {"parallelism.compile": False, "rollout.compile": False},
+        ),
+        (["parallelism.compile=true", "rollout.compile=true", "rollout.cuda_graphs=true"], CPU, {}),
+        # Mixed precision: one CPU process has no process group for FSDP; a bf16 model computes in bf16 there.
+        (["model.dtype=bfloat16", "parallelism.param_dtype=float32"], CPU, {"parallelism.param_dtype": "bfloat16"}),
+        (["model.dtype=bfloat16", "parallelism.param_dtype=bfloat16"], CPU, {}),
+        (["parallelism.param_dtype=bfloat16"], A100, {}),  # one CUDA process starts a one-rank group itself
+        # CPU offload: meaningless but harmless without FSDP, refused by FSDP on a CPU mesh.
+        (["parallelism.param_dtype=float32", "parallelism.cpu_offload=true"], CPU, {}),
+        (["parallelism.cpu_offload=true"], TWO_CPU_PROCESSES, {"parallelism.cpu_offload": False}),
+        # The parallel layout must be the launch's process count.
+        (["parallelism.param_dtype=float32", "parallelism.tp=2"], CPU, {"parallelism.tp": 1}),
+        (["parallelism.dp_shard=4"], TWO_CPU_PROCESSES, {"parallelism.dp_shard": -1}),
+        (["parallelism.dp_replicate=2", "parallelism.tp=2"], TWO_CPU_PROCESSES, {"parallelism.dp_replicate": 1}),
+        (["parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=2"], H100_NODE, {}),
+        # Whole groups live on one data-parallel rank: the batch sizes divide over them.
+        (
+            [
+                "training.train_batch_size=12",
+                "training.mini_batch_size=6",
+                "training.sft_warmup_steps=5",
+                "training.sft_batch_size=6",
+            ],
+            H100_NODE,
+            {"training.mini_batch_size": 8, "training.train_batch_size": 16, "training.sft_batch_size": 8},
+        ),
+        (
+            ["training.train_batch_size=12", "training.mini_batch_size=6", "parallelism.tp=2"],
+            dataclasses.replace(H100_NODE, world_size=12, local_world_size=12, cuda_devices=12),
+            {},
+        ),
+        (["training.sft_batch_size=6"], H100_NODE, {}),  # no warm-up: its batch size is unused
+        # SGLang: CUDA only, the pinned release only, an engine's TP ranks on one node.
+        (["rollout.engine=sglang"], dataclasses.replace(H100_NODE, sglang_version=None), {"rollout.engine": "torch"}),
+        (
+            ["rollout.engine=sglang"],
+            dataclasses.replace(H100_NODE, sglang_version="0.4.6"),
+            {"rollout.engine": "torch"},
+        ),
+        (
+            ["rollout.engine=sglang", "rollout.tp_size=4"],
+            dataclasses.replace(H100_NODE, world_size=2, local_world_size=2),
+            {"rollout.tp_size": 2},
+        ),
+        (["rollout.engine=sglang", "rollout.tp_size=4"], H100_NODE, {}),
+    ],
+)
 def test_each_rule_names_the_setting_and_the_value_that_runs(overrides, machine, expected):
     runs_anywhere = ["parallelism.param_dtype=float32"]  # the defaults compute in bf16: fine on CUDA only
     assert fixes_of(load_config(None, runs_anywhere + overrides), machine) == (expected, [])
@@ -143,17 +185,38 @@ def test_each_rule_names_the_setting_and_the_value_that_runs(overrides, machine,
 
 def test_more_processes_than_gpus_is_a_launch_problem_no_setting_fixes():
     fixes, launch = fixes_of("configs/dapo_32b.toml", dataclasses.replace(H100_NODE, cuda_devices=4))
-    assert fixes == {} and launch == ["this node runs 8 processes but has 4 CUDA GPUs: launch at most one process "
-                                      "per GPU (torchrun --nproc_per_node=4)"]
+    assert fixes == {} and launch == [
+        "this node runs 8 processes but has 4 CUDA GPUs: launch at most one process "
+        "per GPU (torchrun --nproc_per_node=4)"
+    ]
 
 
-MACHINES = [CPU, TWO_CPU_PROCESSES, dataclasses.replace(CPU, cxx_compiler=False), A100, H100_NODE,
-            dataclasses.replace(H100_NODE, sglang_version=None, world_size=2, local_world_size=2),
-            Machine(world_size=6, local_world_size=6)]
-EDGES = [[], ["model.attention_backend=flex", "parallelism.float8=true", "parallelism.tp=4",
-              "parallelism.dp_replicate=2", "training.mini_batch_size=3", "training.train_batch_size=9",
-              "training.sft_warmup_steps=1", "training.sft_batch_size=5", "model.dtype=bfloat16",
-              "parallelism.param_dtype=float32", "parallelism.cpu_offload=true", "parallelism.compile=true"]]
+MACHINES = [
+    CPU,
+    TWO_CPU_PROCESSES,
+    dataclasses.replace(CPU, cxx_compiler=False),
+    A100,
+    H100_NODE,
+    dataclasses.replace(H100_NODE, sglang_version=None, world_size=2, local_world_size=2),
+    Machine(world_size=6, local_world_size=6),
+]
+EDGES = [
+    [],
+    [
+        "model.attention_backend=flex",
+        "parallelism.float8=true",
+        "parallelism.tp=4",
+        "parallelism.dp_replicate=2",
+        "training.mini_batch_size=3",
+        "training.train_batch_size=9",
+        "training.sft_warmup_steps=1",
+        "training.sft_batch_size=5",
+        "model.dtype=bfloat16",
+        "parallelism.param_dtype=float32",
+        "parallelism.cpu_offload=true",
+        "parallelism.compile=true",
+    ],
+]
 
 
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.describe())
@@ -172,18 +235,23 @@ def test_the_error_lists_every_override_first_then_each_reason():
     with pytest.raises(ConfigError) as info:
         check_runnable(cfg, TWO_CPU_PROCESSES)  # before any path: hf_path and the data paths are unset here
     lines = str(info.value).splitlines()
-    assert lines[0] == ("this machine (no CUDA GPU, 2 processes) cannot run this configuration as set; to run it "
-                        "here, add: --rollout.engine=torch --parallelism.cpu_offload=false "
-                        "--model.attention_backend=sdpa")
+    assert lines[0] == (
+        "this machine (no CUDA GPU, 2 processes) cannot run this configuration as set; to run it "
+        "here, add: --rollout.engine=torch --parallelism.cpu_offload=false "
+        "--model.attention_backend=sdpa"
+    )
     assert [line.split(":")[0] for line in lines[1:]] == [
-        "  rollout.engine = 'sglang'", "  parallelism.cpu_offload = True", "  model.attention_backend = 'flex'"]
+        "  rollout.engine = 'sglang'",
+        "  parallelism.cpu_offload = True",
+        "  model.attention_backend = 'flex'",
+    ]
     assert "SGLang runs only on CUDA GPUs" in lines[1] and "FlexAttention has no backward pass on CPU" in lines[3]
 
 
 def test_the_readme_shows_the_error_as_it_is():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    shown = readme[readme.index("configuration error: this machine"):].split("\n```")[0]
+    shown = readme[readme.index("configuration error: this machine") :].split("\n```")[0]
     with pytest.raises(ConfigError) as info:
         check_runnable(load_config(os.path.join(ROOT, "configs/dapo_7b.toml")), CPU)
     assert shown == f"configuration error: {info.value}"
@@ -203,8 +271,9 @@ def run(script, *args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @cpu_only
@@ -212,22 +281,36 @@ def run(script, *args, timeout=300):
 def test_a_gpu_recipe_on_this_cpu_is_one_error_before_any_work(recipe, checkpoint, tmp_path):
     # A data path that does not exist: the machine is checked first (it reads no file, and a recipe's paths
     # differ between the machines it may run on), so that is the error, and nothing is created.
-    proc = run("train.py", "--config", recipe, f"--model.hf_path={checkpoint / 'ckpt'}",
-               "--data.train_path=/nonexistent/train.parquet", f"--job.run_dir={tmp_path / 'runs'}")
+    proc = run(
+        "train.py",
+        "--config",
+        recipe,
+        f"--model.hf_path={checkpoint / 'ckpt'}",
+        "--data.train_path=/nonexistent/train.parquet",
+        f"--job.run_dir={tmp_path / 'runs'}",
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "Traceback" not in proc.stderr and proc.stderr.count("configuration error") == 1
     assert proc.stderr.startswith("configuration error: this machine (no CUDA GPU, 1 process) cannot run")
     assert flags_in(proc.stderr.removeprefix("configuration error: ")) == [
-        "--rollout.engine=torch", "--parallelism.param_dtype=float32"]
+        "--rollout.engine=torch",
+        "--parallelism.param_dtype=float32",
+    ]
     assert "nonexistent" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
 @cpu_only
-@pytest.mark.parametrize("speed", [NO_COMPILE, pytest.param([], marks=pytest.mark.slow)],
-                         ids=["without-compile", "as-set"])
+@pytest.mark.parametrize(
+    "speed", [NO_COMPILE, pytest.param([], marks=pytest.mark.slow)], ids=["without-compile", "as-set"]
+)
 def test_the_listed_overrides_make_the_7b_recipe_train_on_this_cpu(speed, checkpoint, tmp_path):
-    recipe = ["--config", "configs/dapo_7b.toml", f"--model.hf_path={checkpoint / 'ckpt'}",
-              f"--data.train_path={checkpoint / 'train.parquet'}", f"--job.run_dir={tmp_path}"]
+    recipe = [
+        "--config",
+        "configs/dapo_7b.toml",
+        f"--model.hf_path={checkpoint / 'ckpt'}",
+        f"--data.train_path={checkpoint / 'train.parquet'}",
+        f"--job.run_dir={tmp_path}",
+    ]
     recipe += [f"--{o}" for o in SMALL + speed]
     refused = run("train.py", *recipe)
     assert refused.returncode == 2, refused.stderr
@@ -248,12 +331,19 @@ def _rank_train(rank, world_size, argv):
 @cpu_only
 @pytest.mark.multiprocess
 def test_the_listed_overrides_make_the_32b_recipe_train_on_two_cpu_processes(checkpoint, tmp_path):
-    argv = ["--config", os.path.join(ROOT, "configs/dapo_32b.toml"), f"--model.hf_path={checkpoint / 'ckpt'}",
-            f"--data.train_path={checkpoint / 'train.parquet'}", f"--job.run_dir={tmp_path}"]
+    argv = [
+        "--config",
+        os.path.join(ROOT, "configs/dapo_32b.toml"),
+        f"--model.hf_path={checkpoint / 'ckpt'}",
+        f"--data.train_path={checkpoint / 'train.parquet'}",
+        f"--job.run_dir={tmp_path}",
+    ]
     argv += [f"--{o}" for o in SMALL + NO_COMPILE]
     refused = run_ranks(_rank_train, 2, argv)
-    assert refused[0] == refused[1] and flags_in(refused[0]) == ["--rollout.engine=torch",
-                                                                  "--parallelism.cpu_offload=false"]
+    assert refused[0] == refused[1] and flags_in(refused[0]) == [
+        "--rollout.engine=torch",
+        "--parallelism.cpu_offload=false",
+    ]
     assert run_ranks(_rank_train, 2, argv + flags_in(refused[0])) == [0, 0]  # bf16 FSDP mixed precision on gloo
     with open(tmp_path / "dapo-qwen2.5-32b" / "metrics.jsonl") as f:
         assert [json.loads(line)["train_tokens"] > 0 for line in f] == [True]
@@ -265,8 +355,9 @@ def test_the_listed_overrides_make_the_32b_recipe_train_on_two_cpu_processes(che
 def _bad_files(folder):
     """One file per way a prompt file can be unusable, with the message that must name it."""
     folder.mkdir(exist_ok=True)
-    empty, text, no_rows, other = (folder / n for n in ("empty.parquet", "text.parquet", "no_rows.parquet",
-                                                        "other.parquet"))
+    empty, text, no_rows, other = (
+        folder / n for n in ("empty.parquet", "text.parquet", "no_rows.parquet", "other.parquet")
+    )
     empty.write_bytes(b"")
     text.write_text("question,answer\nWhat is 1 + 1?,2\n")
     write_parquet_rows(synthetic_arithmetic_rows(2), str(no_rows))
@@ -275,8 +366,11 @@ def _bad_files(folder):
     return {
         "empty": (empty, f"{empty}: the file is empty (0 bytes), not a parquet file"),
         "not-parquet": (text, f"{text}: cannot be read as parquet (Parquet magic bytes not found"),
-        "no-rows": (no_rows, f"{no_rows}: the parquet file has no rows (columns: data_source, prompt, ability, "
-                             "reward_model, extra_info)"),
+        "no-rows": (
+            no_rows,
+            f"{no_rows}: the parquet file has no rows (columns: data_source, prompt, ability, "
+            "reward_model, extra_info)",
+        ),
         "missing-columns": (other, f"{other}: no column 'prompt', 'reward_model' (it has question, answer)"),
         "missing": (folder / "missing.parquet", f"data file not found: {folder / 'missing.parquet'}"),
     }
@@ -289,9 +383,14 @@ KINDS = ["empty", "not-parquet", "no-rows", "missing-columns"]
 def test_train_refuses_an_unusable_data_file_in_one_line_before_any_work(kind, checkpoint, tmp_path, capsys):
     path, message = _bad_files(tmp_path / "data")[kind]
     capsys.readouterr()  # the parquet writer's progress bars
-    argv = ["--config", os.path.join(ROOT, "configs/demo_cpu.toml"), "--model.preset=",
-            f"--model.hf_path={checkpoint / 'ckpt'}", f"--data.{'eval' if kind == 'no-rows' else 'train'}_path={path}",
-            f"--job.run_dir={tmp_path / 'runs'}"]
+    argv = [
+        "--config",
+        os.path.join(ROOT, "configs/demo_cpu.toml"),
+        "--model.preset=",
+        f"--model.hf_path={checkpoint / 'ckpt'}",
+        f"--data.{'eval' if kind == 'no-rows' else 'train'}_path={path}",
+        f"--job.run_dir={tmp_path / 'runs'}",
+    ]
     with pytest.raises(SystemExit) as info:
         train.run_cli(argv)
     err = capsys.readouterr().err.strip()
@@ -311,8 +410,15 @@ def test_eval_refuses_an_unusable_data_file_in_one_line(kind, checkpoint, tmp_pa
 
 def test_the_scripts_end_a_data_problem_with_one_line_and_exit_code_2(checkpoint, tmp_path):
     path, message = _bad_files(tmp_path / "data")["no-rows"]
-    proc = run("train.py", "--config", "configs/demo_cpu.toml", "--model.preset=",
-               f"--model.hf_path={checkpoint / 'ckpt'}", f"--data.train_path={path}", f"--job.run_dir={tmp_path}")
+    proc = run(
+        "train.py",
+        "--config",
+        "configs/demo_cpu.toml",
+        "--model.preset=",
+        f"--model.hf_path={checkpoint / 'ckpt'}",
+        f"--data.train_path={path}",
+        f"--job.run_dir={tmp_path}",
+    )
     assert (proc.returncode, proc.stderr.strip()) == (2, f"data error: {message}")
     proc = run("eval.py", "--model", str(checkpoint / "ckpt"), "--data", str(path), "--metrics.progress=false")
     assert (proc.returncode, proc.stderr.strip()) == (2, f"eval.py: data error: {message}")

@@ -15,7 +15,6 @@ import torch
 
 import eval as eval_command
 import trainer.evaluation as evaluation
-from trainer.evaluation import evaluate, flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -25,6 +24,7 @@ from rl.data import rows_to_examples, synthetic_arithmetic_rows
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, SamplingParams
 from rollout.torch_engine import TorchEngine
+from trainer.evaluation import evaluate, flat_metrics, format_table
 from trainer.scoring import EngineFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,13 +96,19 @@ def test_planted_per_sample_pattern_gives_exact_avg_pass_maj(tokenizer):
 
     def answers(i, pattern):
         # "g": right, "w"/"o": two different wrong answers, "-": no answer, "b": right in \boxed{} only.
-        table = {"g": _answer(ex[i], gt[i]), "w": _answer(ex[i], wrong[i]), "o": _answer(ex[i], other[i]),
-                 "-": none, "b": f"so it is \\boxed{{{gt[i]}}}"}
+        table = {
+            "g": _answer(ex[i], gt[i]),
+            "w": _answer(ex[i], wrong[i]),
+            "o": _answer(ex[i], other[i]),
+            "-": none,
+            "b": f"so it is \\boxed{{{gt[i]}}}",
+        }
         return [table[x] for x in pattern]
 
     planted = ["gggg", "wgw-", "wogb", "wggw", "---g", "----"]
-    engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): answers(i, pattern)
-                                    for i, (e, pattern) in enumerate(zip(ex, planted))})
+    engine = FakeEngine(
+        tokenizer, {tuple(e.prompt_ids): answers(i, pattern) for i, (e, pattern) in enumerate(zip(ex, planted))}
+    )
     assert isinstance(engine, Engine)
     report = evaluate(engine, ex, tokenizer, _params(4), pass_at=(1, 2, 4))
     a, b, overall = report["by_source"]["a"], report["by_source"]["b"], report["overall"]
@@ -136,8 +142,16 @@ def test_planted_correct_counts_on_a_synthetic_set(tokenizer):
     assert overall["avg@4"] == pytest.approx(sum(sum(x) / k for x in layouts) / num, abs=1e-12)
     for j in (1, 2, 3, 4):
         # Reference: over all j-subsets of each problem's planted samples, the share holding a right one.
-        expected = sum(Fraction(sum(any(x[s] for s in subset) for subset in itertools.combinations(range(k), j)),
-                                len(list(itertools.combinations(range(k), j)))) for x in layouts) / num
+        expected = (
+            sum(
+                Fraction(
+                    sum(any(x[s] for s in subset) for subset in itertools.combinations(range(k), j)),
+                    len(list(itertools.combinations(range(k), j))),
+                )
+                for x in layouts
+            )
+            / num
+        )
         assert overall[f"pass@{j}"] == pytest.approx(float(expected), abs=1e-12)
     # Wrong samples give no answer, so the majority is right exactly when some sample is.
     assert overall["maj@4"] == pytest.approx(sum(any(x) for x in layouts) / num, abs=1e-12)
@@ -152,8 +166,11 @@ def test_chunked_calls_advance_the_progress_display_and_gather_merges_ranks(toke
     other_rank = []
 
     def gather(local):  # as if a second rank had evaluated the same problems and got them all wrong
-        other_rank.extend(evaluation.score_completions(
-            ex, [Completion(p, s, [5], [0.0], "length") for p in range(5) for s in range(2)], tokenizer, 2))
+        other_rank.extend(
+            evaluation.score_completions(
+                ex, [Completion(p, s, [5], [0.0], "length") for p in range(5) for s in range(2)], tokenizer, 2
+            )
+        )
         return local + other_rank
 
     report = evaluate(engine, ex, tokenizer, _params(2), progress=progress, prompts_per_call=2, gather=gather)
@@ -177,8 +194,9 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
         return real_generate(prompts, params)
 
     engine.generate = recording_generate
-    others = evaluation.score_completions(ex, engine.generate([list(e.prompt_ids) for e in ex], _params(2)),
-                                          tokenizer, 2)
+    others = evaluation.score_completions(
+        ex, engine.generate([list(e.prompt_ids) for e in ex], _params(2)), tokenizer, 2
+    )
     seeds.clear()
     # A rank whose share is empty (more ranks than problems) generates nothing and still merges.
     report = evaluate(engine, [], tokenizer, _params(2), gather=lambda local: local + others)
@@ -202,8 +220,9 @@ def _held_out_worker(rank, world, tokenizer, examples, run_path):
     from trainer.evaluation import run_held_out_eval
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
-    dist_env = types.SimpleNamespace(dp_rank=rank, dp_size=world, world_size=world, dp_group=dist.group.WORLD,
-                                     is_main=rank == 0)
+    dist_env = types.SimpleNamespace(
+        dp_rank=rank, dp_size=world, world_size=world, dp_group=dist.group.WORLD, is_main=rank == 0
+    )
     metrics = run_held_out_eval(engine, examples, tokenizer, _params(2), dist_env, run_path, step=0)
     return engine.calls, metrics["eval/avg_at_k"]
 
@@ -276,8 +295,9 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
     from model.hf import load_hf
 
     ex = _examples(tokenizer, 3)
-    params = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.7, n=2,
-                            stop_token_ids=tuple(tokenizer.stop_ids), seed=11)
+    params = SamplingParams(
+        max_new_tokens=6, temperature=1.0, top_p=0.7, n=2, stop_token_ids=tuple(tokenizer.stop_ids), seed=11
+    )
 
     def engine():
         return TorchEngine(load_hf(str(checkpoint / "hf")), max_batch_size=8, max_seq_len=512)
@@ -286,12 +306,15 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
     # evaluate() seeds its one call from (seed, first problem): the same draw, made directly.
     completions = engine().generate([e.prompt_ids for e in ex], evaluation._call_params(params, ex, 0))
     lengths = [len(c.token_ids) for c in completions]
-    acc = [compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex[c.prompt_index].ground_truth)["acc"]
-           for c in completions]
+    acc = [
+        compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex[c.prompt_index].ground_truth)["acc"]
+        for c in completions
+    ]
     assert report["overall"]["response_length/mean"] == pytest.approx(sum(lengths) / len(lengths))
     assert report["overall"]["avg@2"] == pytest.approx(sum(acc) / len(acc))
     assert report["overall"]["truncated_share"] == pytest.approx(
-        sum(c.finish_reason == "length" for c in completions) / len(completions))
+        sum(c.finish_reason == "length" for c in completions) / len(completions)
+    )
 
 
 # The demo recipe (eval.py's default --config) with prompts as long as the test tokenizer writes them (and, for
@@ -301,9 +324,22 @@ LONG_PROMPTS = ["--data.max_prompt_length=1024", "--training.micro_batch_tokens=
 
 def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys, one_thread):
     out = tmp_path / "report.json"
-    argv = ["--model", str(checkpoint), "--data", "synthetic", "--data.synthetic_num_eval=4", "--eval.k=2",
-            "--eval.top_p=0.7", "--eval.max_response_length=6", "--json", str(out), "--metrics.progress=false",
-            "--rollout.max_batch_size=4", "--eval.pass_at=2", *LONG_PROMPTS]
+    argv = [
+        "--model",
+        str(checkpoint),
+        "--data",
+        "synthetic",
+        "--data.synthetic_num_eval=4",
+        "--eval.k=2",
+        "--eval.top_p=0.7",
+        "--eval.max_response_length=6",
+        "--json",
+        str(out),
+        "--metrics.progress=false",
+        "--rollout.max_batch_size=4",
+        "--eval.pass_at=2",
+        *LONG_PROMPTS,
+    ]
     report = eval_command.main(argv)
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0].split()[:3] == ["source", "problems", "avg@2"]
@@ -314,14 +350,29 @@ def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys,
     assert report["overall"]["num_problems"] == 4 and report["overall"]["num_samples"] == 2
     assert 1 <= report["overall"]["response_length/mean"] <= 6
     assert "pass@2" in report["overall"] and "pass@1" not in report["overall"]  # eval.pass_at
-    assert report["sampling"] == {"n": 2, "temperature": 1.0, "top_p": 0.7, "top_k": -1, "max_new_tokens": 6,
-                                  "strict_box": False}
+    assert report["sampling"] == {
+        "n": 2,
+        "temperature": 1.0,
+        "top_p": 0.7,
+        "top_k": -1,
+        "max_new_tokens": 6,
+        "strict_box": False,
+    }
 
 
 def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_path, capsys, one_thread):
-    argv = ["--model", str(checkpoint / "hf"), "--data", "synthetic", "--data.synthetic_num_eval=3",
-            "--eval.greedy=true", "--eval.k=1", "--eval.max_response_length=5", "--metrics.progress=false",
-            *LONG_PROMPTS]
+    argv = [
+        "--model",
+        str(checkpoint / "hf"),
+        "--data",
+        "synthetic",
+        "--data.synthetic_num_eval=3",
+        "--eval.greedy=true",
+        "--eval.k=1",
+        "--eval.max_response_length=5",
+        "--metrics.progress=false",
+        *LONG_PROMPTS,
+    ]
     first, second = eval_command.main(argv), eval_command.main(argv)
     for report in (first, second):
         report.pop("time_s")
@@ -339,9 +390,27 @@ def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_pat
 def test_cli_subprocess(checkpoint, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "eval.py", "--model", str(checkpoint), "--data", "synthetic", "--data.synthetic_num_eval", "2",
-         "--eval.k=2", "--eval.max_response_length=4", "--json", str(tmp_path / "r.json"), *LONG_PROMPTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "eval.py",
+            "--model",
+            str(checkpoint),
+            "--data",
+            "synthetic",
+            "--data.synthetic_num_eval",
+            "2",
+            "--eval.k=2",
+            "--eval.max_response_length=4",
+            "--json",
+            str(tmp_path / "r.json"),
+            *LONG_PROMPTS,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((tmp_path / "r.json").read_text())
@@ -388,8 +457,12 @@ def test_eval_and_train_read_one_configuration(tmp_path):
     assert eval_command.parse_cli([])[0].rollout.max_batch_size == 512  # the recipe's, not a second default
     # The short flags set one key each (--model also clears the recipe's random-init preset).
     cfg, _ = eval_command.parse_cli(["--model", "runs/x", "--data", "aime.parquet", "--tokenizer", "tok"])
-    assert (cfg.model.hf_path, cfg.model.preset, cfg.data.eval_path, cfg.model.tokenizer_path) == \
-        ("runs/x", "", "aime.parquet", "tok")
+    assert (cfg.model.hf_path, cfg.model.preset, cfg.data.eval_path, cfg.model.tokenizer_path) == (
+        "runs/x",
+        "",
+        "aime.parquet",
+        "tok",
+    )
     with pytest.raises(config.ConfigError, match=r"unknown key 'eval\.kk' \(command line\); did you mean 'eval\.k'"):
         eval_command.parse_cli(["--eval.kk=3"])
 

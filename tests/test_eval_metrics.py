@@ -29,16 +29,19 @@ def _enumerated_pass_at_k(n: int, c: int, k: int) -> Fraction:
 # ------------------------------------------------------------------------------------------ pass@k
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (5, 2, 2, 0.7),        # 1 - C(3,2)/C(5,2) = 1 - 3/10
-    (4, 1, 2, 0.5),        # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    (4, 2, 2, 5 / 6),      # 1 - C(2,2)/C(4,2) = 1 - 1/6
-    (10, 3, 1, 0.3),       # pass@1 = c / n
-    (4, 3, 2, 1.0),        # n - c < k: every pair holds a correct sample
-    (8, 0, 8, 0.0),        # nothing correct
-    (32, 1, 32, 1.0),      # pass@n = 1 when c > 0
-    (200, 1, 100, 0.5),    # c = 1: 1 - C(n-1,k)/C(n,k) = k/n
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, 5 / 6),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (10, 3, 1, 0.3),  # pass@1 = c / n
+        (4, 3, 2, 1.0),  # n - c < k: every pair holds a correct sample
+        (8, 0, 8, 0.0),  # nothing correct
+        (32, 1, 32, 1.0),  # pass@n = 1 when c > 0
+        (200, 1, 100, 0.5),  # c = 1: 1 - C(n-1,k)/C(n,k) = k/n
+    ],
+)
 def test_pass_at_k_hand_computed(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-15)
 
@@ -54,7 +57,7 @@ def test_pass_at_k_equals_enumeration_over_all_subsets():
 def test_pass_at_k_large_n_neither_overflows_nor_loses_precision():
     # C(2000, 1000) ~ 2e600 is no float: a naive comb(n-c,k)/comb(n,k) in floats overflows.
     with pytest.raises(OverflowError):
-        float(2 ** 2000)
+        float(2**2000)
     assert pass_at_k(2000, 1, 1000) == 0.5
     # Tiny probabilities keep their relative precision (no 1 - (1 - tiny) cancellation):
     # pass@1 with c = 1 of n = 10**6 is exactly 1e-6.
@@ -64,13 +67,16 @@ def test_pass_at_k_large_n_neither_overflows_nor_loses_precision():
     assert pass_at_k(100, 50, 20) == float(expected)
 
 
-@pytest.mark.parametrize("n, c, k, message", [
-    (0, 0, 1, "n >= 1"),
-    (4, 5, 1, "0 <= c <= n"),
-    (4, -1, 1, "0 <= c <= n"),
-    (4, 1, 0, "1 <= k <= n"),
-    (4, 1, 5, "1 <= k <= n"),
-])
+@pytest.mark.parametrize(
+    "n, c, k, message",
+    [
+        (0, 0, 1, "n >= 1"),
+        (4, 5, 1, "0 <= c <= n"),
+        (4, -1, 1, "0 <= c <= n"),
+        (4, 1, 0, "1 <= k <= n"),
+        (4, 1, 5, "1 <= k <= n"),
+    ],
+)
 def test_pass_at_k_refuses_bad_counts(n, c, k, message):
     with pytest.raises(ValueError, match=message):
         pass_at_k(n, c, k)
@@ -129,7 +135,9 @@ def _results():
     # Source "a": c = 4, 1, 2 of n = 4; source "b": c = 2, 1, 0.
     return [
         ProblemResult("a", [True] * 4, ["7"] * 4, [10, 10, 10, 10], [False] * 4),
-        ProblemResult("a", [False, True, False, False], ["6", "7", "6", None], [8, 8, 8, 40], [False, False, False, True]),
+        ProblemResult(
+            "a", [False, True, False, False], ["6", "7", "6", None], [8, 8, 8, 40], [False, False, False, True]
+        ),
         ProblemResult("a", [False, False, True, True], ["5", "6", "7", "7"], [4, 4, 4, 4], [False] * 4),
         ProblemResult("b", [False, True, True, False], ["1", "2", "2", "1"], [2, 2, 2, 2], [False] * 4),
         ProblemResult("b", [False, False, False, True], [None, None, None, "3"], [6, 6, 6, 6], [False] * 4),

@@ -46,22 +46,41 @@ print(json.dumps({"results": results, "eos": model.generation_config.eos_token_i
 def _transformers_generate(path, conversations, cwd):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    done = subprocess.run([sys.executable, "-c", TRANSFORMERS_ONLY, path, str(MAX_NEW)],
-                          input=json.dumps(conversations), capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_ONLY, path, str(MAX_NEW)],
+        input=json.dumps(conversations),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _argv(run_dir, **extra):
     values = {
-        "job.run_dir": run_dir, "job.name": "run", "data.synthetic_num_train": 2000, "data.synthetic_num_eval": 8,
-        "rollout.n": 2, "rollout.max_response_length": MAX_NEW, "rollout.max_batch_size": 64,
-        "algorithm.overlong_buffer": 4, "algorithm.max_num_gen_batches": 1,
-        "training.steps": 1, "training.train_batch_size": 4, "training.mini_batch_size": 4,
-        "training.micro_batch_tokens": 256, "training.sft_batch_size": 32,
-        "eval.at_start": False, "eval.at_end": False, "eval.interval": 0,
-        "checkpoint.enabled": False, "metrics.plot": False, "metrics.progress": False,
+        "job.run_dir": run_dir,
+        "job.name": "run",
+        "data.synthetic_num_train": 2000,
+        "data.synthetic_num_eval": 8,
+        "rollout.n": 2,
+        "rollout.max_response_length": MAX_NEW,
+        "rollout.max_batch_size": 64,
+        "algorithm.overlong_buffer": 4,
+        "algorithm.max_num_gen_batches": 1,
+        "training.steps": 1,
+        "training.train_batch_size": 4,
+        "training.mini_batch_size": 4,
+        "training.micro_batch_tokens": 256,
+        "training.sft_batch_size": 32,
+        "eval.at_start": False,
+        "eval.at_end": False,
+        "eval.interval": 0,
+        "checkpoint.enabled": False,
+        "metrics.plot": False,
+        "metrics.progress": False,
     }
     values.update(extra)
     return ["--config", os.path.join(CONFIGS, "demo_cpu.toml")] + [f"--{k}={v}" for k, v in values.items()]
@@ -107,21 +126,41 @@ def test_a_checkpoints_own_tokenizer_files_are_carried_unchanged(tmp_path):
 
     source = tmp_path / "source"
     _qwen_style_dir(source, chat_templates.QWEN25)
-    config = Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=2)
+    config = Qwen2Config(
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(str(source))
     # A generation config of the source's own, with settings the export must keep.
-    (source / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "repetition_penalty": 1.05}, indent=1))
-    carried = {name: (source / name).read_bytes()
-               for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
+    (source / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "repetition_penalty": 1.05}, indent=1)
+    )
+    carried = {
+        name: (source / name).read_bytes()
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    }
 
-    argv = _argv(str(tmp_path / "runs"), **{
-        "model.preset": "", "model.hf_path": str(source), "data.max_prompt_length": 256,
-        "training.micro_batch_tokens": 512, "training.sft_warmup_steps": 0, "rollout.max_response_length": 4,
-        "algorithm.overlong_buffer": 1})
+    argv = _argv(
+        str(tmp_path / "runs"),
+        **{
+            "model.preset": "",
+            "model.hf_path": str(source),
+            "data.max_prompt_length": 256,
+            "training.micro_batch_tokens": 512,
+            "training.sft_warmup_steps": 0,
+            "rollout.max_response_length": 4,
+            "algorithm.overlong_buffer": 1,
+        },
+    )
     assert train.main(argv) == 0
     export = tmp_path / "runs" / "run" / "hf"
     for name, content in carried.items():

@@ -25,10 +25,27 @@ from model.hf_adapter import (
 from model.qwen2 import Qwen2, build_model
 
 ARGS = {
-    "untied": ModelArgs(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=48, tie_word_embeddings=False, max_position_embeddings=128),
-    "tied": ModelArgs(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
-                      intermediate_size=48, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=128),
+    "untied": ModelArgs(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
+    "tied": ModelArgs(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=48,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+    ),
 }
 TOKENS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -52,7 +69,7 @@ def _hf_from_pretrained(path):
 
 
 def _state_equal(a: dict, b: dict):
-    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
@@ -102,13 +119,29 @@ def test_config_round_trip(name):
 def test_official_config_json_is_read():
     # Qwen2.5-32B's published config.json (transformers 4.x layout: top-level rope_theta).
     official = {
-        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
-        "intermediate_size": 27648, "max_position_embeddings": 131072, "max_window_layers": 64,
-        "model_type": "qwen2", "num_attention_heads": 40, "num_hidden_layers": 64, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
-        "use_sliding_window": False, "vocab_size": 152064,
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 27648,
+        "max_position_embeddings": 131072,
+        "max_window_layers": 64,
+        "model_type": "qwen2",
+        "num_attention_heads": 40,
+        "num_hidden_layers": 64,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "sliding_window": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.1",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 152064,
     }
     assert args_from_hf_config(official) == PRESETS["qwen2.5-32b"]
 
@@ -118,22 +151,31 @@ def test_transformers_reads_our_config():
 
     args = PRESETS["qwen2.5-14b"]
     config = Qwen2Config.from_dict(hf_config_from_args(args))
-    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.rms_norm_eps,
-            config.tie_word_embeddings, config.vocab_size) == (5120, 48, 8, 1e-5, False, 152064)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.rms_norm_eps,
+        config.tie_word_embeddings,
+        config.vocab_size,
+    ) == (5120, 48, 8, 1e-5, False, 152064)
     assert config.rope_parameters["rope_theta"] == 1e6
 
 
 _DELETE = object()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("model_type", "llama", "model_type 'llama'; expected 'qwen2'"),
-    ("architectures", ["LlamaForCausalLM"], "architectures \\['LlamaForCausalLM'\\]"),
-    ("hidden_act", "gelu", "hidden_act 'gelu'"),
-    ("use_sliding_window", True, "use_sliding_window"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "RoPE scaling type 'yarn'"),
-    ("hidden_size", _DELETE, "lacks required keys: hidden_size"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("model_type", "llama", "model_type 'llama'; expected 'qwen2'"),
+        ("architectures", ["LlamaForCausalLM"], "architectures \\['LlamaForCausalLM'\\]"),
+        ("hidden_act", "gelu", "hidden_act 'gelu'"),
+        ("use_sliding_window", True, "use_sliding_window"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "RoPE scaling type 'yarn'"),
+        ("hidden_size", _DELETE, "lacks required keys: hidden_size"),
+    ],
+)
 def test_unsupported_configs_are_refused_by_name(key, value, message):
     config = hf_config_from_args(ARGS["untied"])
     if value is _DELETE:
@@ -300,7 +342,9 @@ def test_wrong_architecture_and_missing_files(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_hf(str(path))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "gone.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "gone.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="gone.safetensors"):
         load_hf(str(path))
 
@@ -340,8 +384,16 @@ def _chat_tokenizer():
 def _exported(tmp_path, tokenizer, source=None):
     from model.hf import complete_hf_export
 
-    args = ModelArgs(vocab_size=300, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                     tie_word_embeddings=True, max_position_embeddings=128)
+    args = ModelArgs(
+        vocab_size=300,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     path = str(tmp_path / "hf")
     save_hf(build_model(args, seed=0), path)
     complete_hf_export(path, tokenizer, model_source=source)
@@ -362,7 +414,8 @@ def test_export_names_the_token_ids_and_stops_at_the_turn_end(tmp_path):
     # Nothing that would turn greedy decoding into sampling or change its scores.
     assert not generation.do_sample and generation.repetition_penalty in (None, 1.0)
     assert os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(
-        os.path.join(path, "tokenizer_config.json"))
+        os.path.join(path, "tokenizer_config.json")
+    )
 
 
 def test_a_source_generation_config_is_carried(tmp_path):

@@ -150,8 +150,15 @@ def test_vocab_split_helpers_reproduce_full_result():
     hidden, weight, targets, upstream = _inputs(shape=(10,), dtype=torch.float64)
     hidden, weight = hidden.detach(), weight.detach()
     t = 0.7
-    want = _run(naive_token_logprobs, hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
-                targets, upstream, temperature=t, entropy_grad=True)
+    want = _run(
+        naive_token_logprobs,
+        hidden.clone().requires_grad_(),
+        weight.clone().requires_grad_(),
+        targets,
+        upstream,
+        temperature=t,
+        entropy_grad=True,
+    )
     bounds = [(0, 120), (120, V)]
     slices = [(hidden @ weight[a:b].t()) / t for a, b in bounds]
     local_targets = [torch.where((targets >= a) & (targets < b), targets - a, -1) for a, b in bounds]
@@ -161,8 +168,10 @@ def test_vocab_split_helpers_reproduce_full_result():
     logp, entropy, lse = _finish_stats(row_max, *sums)
     _assert_within(logp, want["logp"], 1e-12, "logp")
     _assert_within(entropy, want["entropy"], 1e-12, "entropy")
-    grads = [_chunk_grad_logits(z.clone(), y, lse, upstream[0], entropy, upstream[1]) / t
-             for z, y in zip(slices, local_targets)]
+    grads = [
+        _chunk_grad_logits(z.clone(), y, lse, upstream[0], entropy, upstream[1]) / t
+        for z, y in zip(slices, local_targets)
+    ]
     grad_w = torch.cat([g.t() @ hidden for g in grads])
     grad_h = sum(g @ weight[a:b] for g, (a, b) in zip(grads, bounds))  # all-reduce SUM
     _assert_within(grad_w, want["grad_weight"], 1e-12, "grad_weight")

@@ -10,10 +10,22 @@ from trainer.scoring import Sample
 
 
 def _group(i):
-    example = PromptExample([1, 2, i], str(i), "synthetic", [{"role": "user", "content": f"{i} + 0"}],
-                            solution=f"Answer: {i}", index=i)
-    samples = [Sample(example, [5, i, 7][: 2 + j], [-0.25 * j, -1.5, 0.1][: 2 + j], "stop" if j else "length",
-                      bool(j), 1.0 if j else -1.0, str(i) if j else None, step=1) for j in range(2)]
+    example = PromptExample(
+        [1, 2, i], str(i), "synthetic", [{"role": "user", "content": f"{i} + 0"}], solution=f"Answer: {i}", index=i
+    )
+    samples = [
+        Sample(
+            example,
+            [5, i, 7][: 2 + j],
+            [-0.25 * j, -1.5, 0.1][: 2 + j],
+            "stop" if j else "length",
+            bool(j),
+            1.0 if j else -1.0,
+            str(i) if j else None,
+            step=1,
+        )
+        for j in range(2)
+    ]
     return ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples))
 
 

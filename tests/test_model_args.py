@@ -48,8 +48,11 @@ def test_training_flops_count_every_matmul_of_the_model():
     block_weights = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
     docs, head = [[5, 3], [7]], 6
     keys = 5 * 6 // 2 + 3 * 4 // 2 + 7 * 8 // 2  # causal keys per document: n (n + 1) / 2
-    expected = (6 * block_weights * 15 + 6 * args.vocab_size * args.hidden_size * head
-                + 2 * 3 * 2 * args.num_layers * args.hidden_size * keys)  # q.k and p.v, forward + backward
+    expected = (
+        6 * block_weights * 15
+        + 6 * args.vocab_size * args.hidden_size * head
+        + 2 * 3 * 2 * args.num_layers * args.hidden_size * keys
+    )  # q.k and p.v, forward + backward
     assert training_flops(args, docs, head_tokens=head) == expected
     assert training_flops(args, docs) == expected + 6 * args.vocab_size * args.hidden_size * (15 - head)
 
@@ -70,10 +73,13 @@ def test_training_mfu_uses_the_configured_peak_and_all_devices():
     example = PromptExample(prompt_ids=[1, 2, 3], ground_truth="1", data_source="x", messages=[])
     groups = [types.SimpleNamespace(payload=[Sample(example, [4, 5], [0.0, 0.0], "stop", True, 1.0, None)] * 2)]
     dist_env = types.SimpleNamespace(device=torch.device("cpu"), world_size=4, all_reduce=lambda v: [2 * v[0]])
-    assert training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs,
-                        metrics=cfg.metrics) == {}  # CPU: no known peak
+    assert (
+        training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
+        == {}
+    )  # CPU: no known peak
     cfg.metrics.peak_tflops = 0.5
     flops = training_flops(PRESETS["tiny"], [[5, 5]], head_tokens=4) * (2 + 1 / 3) * 2  # two dp ranks
-    mfu = training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs,
-                       metrics=cfg.metrics)["mfu"]
+    mfu = training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)[
+        "mfu"
+    ]
     assert abs(mfu - flops / (2.0 * 4 * 0.5e12)) < 1e-15

@@ -23,10 +23,12 @@ def _pair(case, seed=0):
     """HF model with every parameter random (norm weights and biases too), and ours with its weights."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    args = ModelArgs(vocab_size=200, hidden_size=64, num_layers=2, intermediate_size=96,
-                     max_position_embeddings=256, **case)
-    config = Qwen2Config(**{k: v for k, v in hf_config_from_args(args).items() if k != "architectures"},
-                         attn_implementation="eager")
+    args = ModelArgs(
+        vocab_size=200, hidden_size=64, num_layers=2, intermediate_size=96, max_position_embeddings=256, **case
+    )
+    config = Qwen2Config(
+        **{k: v for k, v in hf_config_from_args(args).items() if k != "architectures"}, attn_implementation="eager"
+    )
     torch.manual_seed(seed)
     hf = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
@@ -45,8 +47,14 @@ def _max_err(a, b):
     return (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c['num_heads']}kv{c['num_kv_heads']}-eps{c['rms_norm_eps']:g}-"
-                                                      f"{'tied' if c['tie_word_embeddings'] else 'untied'}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        f"h{c['num_heads']}kv{c['num_kv_heads']}-eps{c['rms_norm_eps']:g}-"
+        f"{'tied' if c['tie_word_embeddings'] else 'untied'}"
+    ),
+)
 def test_logits_match_transformers(case):
     args, hf, ours = _pair(case)
     if args.tie_word_embeddings:

@@ -29,15 +29,35 @@ def _lines(path):
 
 def test_jsonl_lines_hold_numbers_and_null_for_non_finite(tmp_path):
     with MetricsLogger(str(tmp_path / "run")) as log:
-        log.log(1, {"reward/mean": 0.5, "gen/rounds": 3, "entropy": float("nan"), "grad_norm": torch.tensor(2.0),
-                    "tokens_per_s": np.float32(1.5), "ppo_kl": float("inf"), "lr": None, "flag": True})
+        log.log(
+            1,
+            {
+                "reward/mean": 0.5,
+                "gen/rounds": 3,
+                "entropy": float("nan"),
+                "grad_norm": torch.tensor(2.0),
+                "tokens_per_s": np.float32(1.5),
+                "ppo_kl": float("inf"),
+                "lr": None,
+                "flag": True,
+            },
+        )
         log.log(2, {"reward/mean": -0.25})
     path = tmp_path / "run" / "metrics.jsonl"
     text = path.read_text()
     assert "NaN" not in text and "Infinity" not in text  # strict JSON
     first, second = _lines(path)
-    assert first == {"step": 1, "reward/mean": 0.5, "gen/rounds": 3, "entropy": None, "grad_norm": 2.0,
-                     "tokens_per_s": 1.5, "ppo_kl": None, "lr": None, "flag": 1}
+    assert first == {
+        "step": 1,
+        "reward/mean": 0.5,
+        "gen/rounds": 3,
+        "entropy": None,
+        "grad_norm": 2.0,
+        "tokens_per_s": 1.5,
+        "ppo_kl": None,
+        "lr": None,
+        "flag": 1,
+    }
     assert isinstance(first["gen/rounds"], int)
     assert second == {"step": 2, "reward/mean": -0.25}
 
@@ -50,7 +70,12 @@ def test_reopening_appends_and_truncate_after_drops_redone_steps(tmp_path):
     with MetricsLogger(run) as log:  # resumed from a checkpoint at step 3
         assert log.truncate_after(3) == 2
         log.log(4, {"x": 40})
-    assert [(r["step"], r["x"]) for r in read_metrics(os.path.join(run, "metrics.jsonl"))] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+    assert [(r["step"], r["x"]) for r in read_metrics(os.path.join(run, "metrics.jsonl"))] == [
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 40),
+    ]
 
 
 def test_only_rank_zero_writes(tmp_path):
@@ -115,7 +140,11 @@ def test_a_resumed_logger_drops_redone_steps_in_jsonl_and_tensorboard_and_a_cut_
         for step in (2, 3, 4):
             log.log(step, {"loss": 10.0 * step})
     assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
-        (1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+        (1, 1.0),
+        (2, 20.0),
+        (3, 30.0),
+        (4, 40.0),
+    ]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
@@ -209,12 +238,20 @@ def _synthetic_run(run_dir, steps=30, skip=("token_prob/mean",)):
     with MetricsLogger(str(run_dir)) as log:
         for step in range(1, steps + 1):
             metrics = {
-                "response_length/mean": 20 + step, "response_length/max": 40 + 2 * step,
-                "response_length/clip_ratio": 0.01 * (step % 5), "reward/mean": -1 + step / steps,
-                "acc/mean": step / steps, "kept/acc/mean": 0.5, "kept/reward/mean": 0.1, "entropy": 1.0 / step,
+                "response_length/mean": 20 + step,
+                "response_length/max": 40 + 2 * step,
+                "response_length/clip_ratio": 0.01 * (step % 5),
+                "reward/mean": -1 + step / steps,
+                "acc/mean": step / steps,
+                "kept/acc/mean": 0.5,
+                "kept/reward/mean": 0.1,
+                "entropy": 1.0 / step,
                 "token_prob/mean": 0.8,
-                "pg_clipfrac": 0.001 * step, "pg_clipfrac_lower": 0.0, "groups/kept_share": 0.6,
-                "groups/all_correct_share": 0.1, "groups/all_wrong_share": 0.3,
+                "pg_clipfrac": 0.001 * step,
+                "pg_clipfrac_lower": 0.0,
+                "groups/kept_share": 0.6,
+                "groups/all_correct_share": 0.1,
+                "groups/all_wrong_share": 0.3,
                 "grad_norm": float("nan") if step == 4 else 1.0,
             }
             if step % 10 == 0:
@@ -253,19 +290,34 @@ def test_panels_have_titles_step_axes_and_missing_metrics_say_so():
 
 
 def test_series_skip_nulls_and_keep_the_last_value_of_a_relogged_step():
-    rows = [{"step": 1, "x": 1.0}, {"step": 2, "x": None}, {"step": 3, "x": 3.0}, {"step": 3, "x": 30.0},
-            {"step": 4, "y": 1.0}]
+    rows = [
+        {"step": 1, "x": 1.0},
+        {"step": 2, "x": None},
+        {"step": 3, "x": 3.0},
+        {"step": 3, "x": 30.0},
+        {"step": 4, "y": 1.0},
+    ]
     assert series_points(rows, "x") == ([1, 3], [1.0, 30.0])
     assert series_points(rows, "z") == ([], [])
 
 
 def test_plot_command_line(tmp_path):
     _synthetic_run(tmp_path, steps=5, skip=())
-    proc = subprocess.run([sys.executable, "-m", "observe.plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "observe.plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(tmp_path / "p.png")
     assert _png_size(tmp_path / "p.png") == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
-    missing = subprocess.run([sys.executable, "-m", "observe.plot", str(tmp_path / "nothing")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "observe.plot", str(tmp_path / "nothing")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "no metrics file" in missing.stderr and "Traceback" not in missing.stderr

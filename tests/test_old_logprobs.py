@@ -14,8 +14,8 @@ from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
-from trainer.scoring import Sample
 from trainer.packing import pack_micro_batches
+from trainer.scoring import Sample
 from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source, pack_items_for_groups
 
 ARGS = PRESETS["tiny"]
@@ -58,20 +58,24 @@ def _config(**overrides):
     return cfg
 
 
-FP32_TORCH = dict(rollout__engine="torch", rollout__dtype="float32", model__dtype="float32",
-                  parallelism__param_dtype="float32")
+FP32_TORCH = dict(
+    rollout__engine="torch", rollout__dtype="float32", model__dtype="float32", parallelism__param_dtype="float32"
+)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (FP32_TORCH, "rollout"),
-    (dict(FP32_TORCH, rollout__engine="sglang"), "recompute"),
-    (dict(FP32_TORCH, rollout__dtype="bfloat16"), "recompute"),
-    (dict(FP32_TORCH, parallelism__param_dtype="bfloat16"), "recompute"),
-    (dict(FP32_TORCH, model__dtype="bfloat16"), "recompute"),
-    ({}, "recompute"),  # the defaults: bf16 engine and compute
-    (dict(FP32_TORCH, algorithm__old_logprobs="recompute"), "recompute"),
-    (dict(FP32_TORCH, rollout__engine="sglang", algorithm__old_logprobs="rollout"), "rollout"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (FP32_TORCH, "rollout"),
+        (dict(FP32_TORCH, rollout__engine="sglang"), "recompute"),
+        (dict(FP32_TORCH, rollout__dtype="bfloat16"), "recompute"),
+        (dict(FP32_TORCH, parallelism__param_dtype="bfloat16"), "recompute"),
+        (dict(FP32_TORCH, model__dtype="bfloat16"), "recompute"),
+        ({}, "recompute"),  # the defaults: bf16 engine and compute
+        (dict(FP32_TORCH, algorithm__old_logprobs="recompute"), "recompute"),
+        (dict(FP32_TORCH, rollout__engine="sglang", algorithm__old_logprobs="rollout"), "rollout"),
+    ],
+)
 def test_auto_takes_the_engine_log_probs_only_for_the_fp32_torch_engine(overrides, expected):
     assert old_logprob_source(_config(**overrides)) == expected
 
@@ -80,18 +84,37 @@ def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
     """Groups sampled by a torch engine on a copy of `model`, with the engine's log-probs and made-up rewards."""
     engine = TorchEngine(copy.deepcopy(model), max_batch_size=num_groups * group_size, max_seq_len=32, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    examples = [PromptExample(prompt_ids=torch.randint(1, ARGS.vocab_size, (3 + g,), generator=gen).tolist(),
-                              ground_truth="1", data_source="test", messages=[]) for g in range(num_groups)]
-    params = SamplingParams(max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=group_size, seed=seed,
-                            stop_token_ids=[5])
+    examples = [
+        PromptExample(
+            prompt_ids=torch.randint(1, ARGS.vocab_size, (3 + g,), generator=gen).tolist(),
+            ground_truth="1",
+            data_source="test",
+            messages=[],
+        )
+        for g in range(num_groups)
+    ]
+    params = SamplingParams(
+        max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=group_size, seed=seed, stop_token_ids=[5]
+    )
     completions = engine.generate([e.prompt_ids for e in examples], params)
     groups = []
     for g, example in enumerate(examples):
-        samples = [Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason, (i + g) % 3 == 0,
-                          1.0 if (i + g) % 3 == 0 else -1.0, None, step)
-                   for i, c in enumerate(completions[g * group_size:(g + 1) * group_size])]
-        groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
-                                  score=tuple(s.score for s in samples)))
+        samples = [
+            Sample(
+                example,
+                list(c.token_ids),
+                list(c.logprobs),
+                c.finish_reason,
+                (i + g) % 3 == 0,
+                1.0 if (i + g) % 3 == 0 else -1.0,
+                None,
+                step,
+            )
+            for i, c in enumerate(completions[g * group_size : (g + 1) * group_size])
+        ]
+        groups.append(
+            ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples))
+        )
     return groups
 
 
@@ -125,8 +148,11 @@ def test_carried_over_samples_and_inexact_log_probs_are_recomputed():
     for group in stale:
         for sample in group.payload:
             sample.rollout_logprobs = [-9.0] * len(sample.response_ids)  # an older policy's log-probs
-    items = [it for g in pack_items_for_groups(fresh + stale, adv_eps=1e-6, norm_by_std=True, overlong_filter=False,
-                                               step=2) for it in g]
+    items = [
+        it
+        for g in pack_items_for_groups(fresh + stale, adv_eps=1e-6, norm_by_std=True, overlong_filter=False, step=2)
+        for it in g
+    ]
     micro_batches = pack_micro_batches(items, 32)
     assert any(mb.stale.any() for mb in micro_batches) and any(not mb.stale.any() for mb in micro_batches)
     recomputed = fill_old_logprobs(model, micro_batches, 1.0, 256, source="rollout")
@@ -153,9 +179,11 @@ def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_mo
     for dist_env in (_OneProcess(), _OtherRankNeedsOneMore()):
         trained = copy.deepcopy(model)
         forwards = []
-        trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))
+        trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))  # noqa: B023
         optimizer = _RecordingAdamW(trained.parameters(), lr=1e-2)
-        TrainPhase(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env, torch.device("cpu")).run(1, groups)
+        TrainPhase(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env, torch.device("cpu")).run(
+            1, groups
+        )
         calls.append(forwards.count(False))  # the no-grad forwards: old log-probs
     assert calls == [0, 2]  # none needed here; one per mini-batch to keep in step with the other rank
 

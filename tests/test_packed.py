@@ -23,9 +23,9 @@ def _pack(samples):
     for r, row in enumerate(samples):
         start = 0
         for d, s in enumerate(row):
-            tokens[r, start:start + len(s)] = s
-            positions[r, start:start + len(s)] = torch.arange(len(s))
-            docs[r, start:start + len(s)] = d
+            tokens[r, start : start + len(s)] = s
+            positions[r, start : start + len(s)] = torch.arange(len(s))
+            docs[r, start : start + len(s)] = d
             start += len(s)
         positions[r, start:] = torch.arange(width - start)
     return tokens, positions, docs
@@ -64,8 +64,12 @@ def test_packed_equals_separate_forward_and_gradients():
     for r, row in enumerate(samples):
         start = 0
         for d, s in enumerate(row):
-            torch.testing.assert_close(packed_logits[r, start:start + len(s)].detach(),
-                                       separate[sum(len(x) for x in samples[:r]) + d], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                packed_logits[r, start : start + len(s)].detach(),
+                separate[sum(len(x) for x in samples[:r]) + d],
+                rtol=1e-5,
+                atol=1e-5,
+            )
             start += len(s)
     for name, want in separate_grads.items():
         # Normwise: summation order differs (one packed row vs per-sample sums), so fp32 rounding is

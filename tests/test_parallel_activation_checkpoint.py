@@ -69,19 +69,24 @@ def baseline():
     return _run("none")
 
 
-@pytest.mark.parametrize("mode,selective,rerun_blocks", [
-    ("full", "op", 4),  # every block's forward again
-    ("selective", "op", 0),  # no matmul again
-    ("selective", "2", 2),  # blocks 0 and 2
-    ("selective", 1, 4),  # every block: the same as full
-])
+@pytest.mark.parametrize(
+    "mode,selective,rerun_blocks",
+    [
+        ("full", "op", 4),  # every block's forward again
+        ("selective", "op", 0),  # no matmul again
+        ("selective", "2", 2),  # blocks 0 and 2
+        ("selective", 1, 4),  # every block: the same as full
+    ],
+)
 def test_checkpointing_keeps_gradients_and_recomputes_as_intended(baseline, mode, selective, rerun_blocks):
     base_model, base_grads, base_counts = baseline
     model, grads, counts = _run(mode, selective)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in base_model.named_parameters()]
     error = max((grads[n] - base_grads[n]).abs().max().item() for n in grads)
-    print(f"AC {mode}/{selective}: max grad error {error:.3g}; backward matmuls {_matmuls(counts)} "
-          f"vs {_matmuls(base_counts)} without AC; silu {counts['silu']} vs {base_counts['silu']}")
+    print(
+        f"AC {mode}/{selective}: max grad error {error:.3g}; backward matmuls {_matmuls(counts)} "
+        f"vs {_matmuls(base_counts)} without AC; silu {counts['silu']} vs {base_counts['silu']}"
+    )
     assert error < 1e-6
     assert _matmuls(counts) == _matmuls(base_counts) + rerun_blocks * MM_PER_BLOCK
     # SwiGLU's forward silu runs again in every checkpointed block (the backward itself uses silu_backward).

@@ -58,8 +58,12 @@ def _step(model, optimizer, scheduler):
 
 def _train_state(step, rank):
     groups = [{"prompt": f"rank {rank} step {step}", "rewards": (1.0, -1.0), "logprobs": torch.full((3,), -0.5)}]
-    return {"step": step, "tokens": 16 * step, "data_position": {"epoch": 0, "index": 4 * step},
-            "carried_groups": groups}
+    return {
+        "step": step,
+        "tokens": 16 * step,
+        "data_position": {"epoch": 0, "index": 4 * step},
+        "carried_groups": groups,
+    }
 
 
 def _worker(rank, world_size, mode, folder):
@@ -260,9 +264,12 @@ def test_a_pickled_train_state_of_the_old_layout_is_refused_not_run(tmp_path):
 
     model, optimizer, scheduler = _setup(1)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(CheckpointError, match=r"rank-00000.pt is a pickle written by an older version of this "
-                                              r"trainer; it is not loaded, because unpickling a file can run any "
-                                              r"code in it. Start the run over \(train.py --fresh"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank-00000.pt is a pickle written by an older version of this "
+        r"trainer; it is not loaded, because unpickling a file can run any "
+        r"code in it. Start the run over \(train.py --fresh",
+    ):
         manager.resume(model, optimizer, scheduler)
     assert not (tmp_path / "marker").exists()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before loading weights
@@ -281,8 +288,11 @@ def test_a_planted_dcp_index_is_refused_not_run(tmp_path):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(index, f)
     _update_manifest(path)
-    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata refers to (builtins|io)\.open, which a checkpoint's "
-                                                    r"index never holds; it was not loaded"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"\.metadata refers to (builtins|io)\.open, which a checkpoint's "
+        r"index never holds; it was not loaded",
+    ):
         manager.resume(*_setup(1))
     assert not (tmp_path / "marker").exists()
 
@@ -309,8 +319,11 @@ def test_a_planted_pickled_item_in_dcp_data_is_refused_not_run(tmp_path):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(index, f)
     _update_manifest(path)
-    with pytest.raises(UnsafeCheckpointError, match=r"stores 'model.norm.weight' as a pickled object, which this "
-                                                    r"project never writes; it was not loaded"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"stores 'model.norm.weight' as a pickled object, which this "
+        r"project never writes; it was not loaded",
+    ):
         manager.resume(*_setup(1))
     assert not (tmp_path / "marker").exists()
     # Behind that check, the load planner refuses such an item too.
@@ -354,10 +367,21 @@ def test_plain_state_round_trips_exactly(tmp_path):
 
     from parallel.plain_state import load_plain, save_plain
 
-    value = {"ints": [1, -2, 3 ** 40], "floats": (0.1, float("inf"), -0.0), "none": None, "flag": True,
-             "text": "é\n", "python_rng": random.Random(3).getstate(), "empty": {}, "nested": [(), [()]],
-             "tensors": {"bf16": torch.randn(3, dtype=torch.bfloat16), "bytes": torch.get_rng_state(),
-                         "scalar": torch.tensor(7, dtype=torch.int64)}}
+    value = {
+        "ints": [1, -2, 3**40],
+        "floats": (0.1, float("inf"), -0.0),
+        "none": None,
+        "flag": True,
+        "text": "é\n",
+        "python_rng": random.Random(3).getstate(),
+        "empty": {},
+        "nested": [(), [()]],
+        "tensors": {
+            "bf16": torch.randn(3, dtype=torch.bfloat16),
+            "bytes": torch.get_rng_state(),
+            "scalar": torch.tensor(7, dtype=torch.int64),
+        },
+    }
     save_plain(value, str(tmp_path / "s.json"), str(tmp_path / "s.safetensors"))
     back = load_plain(str(tmp_path / "s.json"), str(tmp_path / "s.safetensors"))
     tensors = back.pop("tensors")

@@ -50,20 +50,41 @@ def test_compile_keeps_names_and_matches_eager():
 
 
 def test_compile_fsdp2_matches_single_process():
-    _check("compile+FSDP=2", {"dp_shard": 2}, world_size=2, num_dp=2, presets=("tiny",),
-           parallel_kwargs={"compile": True, "compile_backend": "aot_eager"}, rows=EQUAL_ROWS)
+    _check(
+        "compile+FSDP=2",
+        {"dp_shard": 2},
+        world_size=2,
+        num_dp=2,
+        presets=("tiny",),
+        parallel_kwargs={"compile": True, "compile_backend": "aot_eager"},
+        rows=EQUAL_ROWS,
+    )
 
 
 def test_compile_tp2_matches_single_process():
-    _check("compile+TP=2", {"dp_shard": 1, "tp": 2}, world_size=2, num_dp=1, presets=("tiny",),
-           parallel_kwargs={"compile": True, "compile_backend": "aot_eager"}, rows=EQUAL_ROWS)
+    _check(
+        "compile+TP=2",
+        {"dp_shard": 1, "tp": 2},
+        world_size=2,
+        num_dp=1,
+        presets=("tiny",),
+        parallel_kwargs={"compile": True, "compile_backend": "aot_eager"},
+        rows=EQUAL_ROWS,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dims_kwargs,num_dp", [({"dp_shard": 2}, 2), ({"dp_shard": 1, "tp": 2}, 1)])
 def test_compile_inductor_matches_single_process(dims_kwargs, num_dp):
-    _check(f"inductor {dims_kwargs}", dims_kwargs, world_size=2, num_dp=num_dp, presets=("tiny",),
-           parallel_kwargs={"compile": True, "compile_backend": "inductor"}, rows=EQUAL_ROWS)
+    _check(
+        f"inductor {dims_kwargs}",
+        dims_kwargs,
+        world_size=2,
+        num_dp=num_dp,
+        presets=("tiny",),
+        parallel_kwargs={"compile": True, "compile_backend": "inductor"},
+        rows=EQUAL_ROWS,
+    )
 
 
 def _unguarded_compile_tp_worker(rank, world_size, tokens):
@@ -80,8 +101,11 @@ def _unguarded_compile_tp_worker(rank, world_size, tokens):
     return model.embed_tokens.weight.grad.full_tensor()
 
 
-@pytest.mark.xfail(strict=True, reason="pytorch/pytorch#191113: compiled block drops the gradient of an "
-                                       "AsyncCollectiveTensor input (TP embedding output); guarded in parallel/compile.py")
+@pytest.mark.xfail(
+    strict=True,
+    reason="pytorch/pytorch#191113: compiled block drops the gradient of an "
+    "AsyncCollectiveTensor input (TP embedding output); guarded in parallel/compile.py",
+)
 def test_upstream_compile_tp_embedding_gradient_without_guard():
     tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     got = run_ranks(_unguarded_compile_tp_worker, 2, tokens)[0]

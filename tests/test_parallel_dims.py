@@ -24,12 +24,15 @@ def test_dp_shard_takes_the_rest_of_the_world():
     assert single.dp == 1 and not single.fsdp_enabled and not single.tp_enabled
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"tp": 3, "world_size": 8}, "not divisible by dp_replicate \\* tp"),
-    ({"dp_shard": 2, "tp": 2, "world_size": 8}, "does not equal the world size 8"),
-    ({"tp": 0, "world_size": 4}, "ParallelDims.tp must be a positive integer"),
-    ({"dp_shard": -2, "world_size": 4}, "dp_shard must be a positive integer or -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"tp": 3, "world_size": 8}, "not divisible by dp_replicate \\* tp"),
+        ({"dp_shard": 2, "tp": 2, "world_size": 8}, "does not equal the world size 8"),
+        ({"tp": 0, "world_size": 4}, "ParallelDims.tp must be a positive integer"),
+        ({"dp_shard": -2, "world_size": 4}, "dp_shard must be a positive integer or -1"),
+    ],
+)
 def test_inconsistent_dims_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelDims(**kwargs)
@@ -126,9 +129,13 @@ def _mixed_precision_worker(rank, world_size):
     hidden = model(tokens, return_hidden=True)
     loss = hidden.float().square().mean()
     loss.backward()
-    return {"fsdp": isinstance(model, FSDPModule), "compute": hidden.dtype, "loss": loss.item(),
-            "master": {p.dtype for p in model.parameters()},
-            "grads": {p.grad.dtype for p in model.parameters() if p.grad is not None}}
+    return {
+        "fsdp": isinstance(model, FSDPModule),
+        "compute": hidden.dtype,
+        "loss": loss.item(),
+        "master": {p.dtype for p in model.parameters()},
+        "grads": {p.grad.dtype for p in model.parameters() if p.grad is not None},
+    }
 
 
 def test_one_rank_bf16_training_gets_fsdp_mixed_precision():

@@ -23,8 +23,12 @@ NORMS = (2.0, 1.0, math.inf)
 
 def _full_grads():
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(6, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, 2, generator=g) * 3,
-            torch.randn(3, generator=g)]
+    return [
+        torch.randn(6, 3, generator=g),
+        torch.randn(5, generator=g),
+        torch.randn(4, 2, generator=g) * 3,
+        torch.randn(3, generator=g),
+    ]
 
 
 def _params(rank, world_size):

@@ -61,14 +61,21 @@ def _worker(rank, world_size):
     out = {}
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     group = mesh.get_group()
+    rows = V // world_size
     for dtype in (torch.float64, torch.float32):
         hidden, weight, targets, g_logp, g_ent = _inputs(dtype)
-        rows = V // world_size
         for entropy_grad in (False, True):
             # Plain slice of the weight + process group; plain full hidden states.
             def plain(h, w, t, eg):
-                return vocab_parallel_token_logprobs(h, w[rank * rows:(rank + 1) * rows], t, group,
-                                                     temperature=0.7, chunk_size=5, entropy_grad=eg)
+                return vocab_parallel_token_logprobs(
+                    h,
+                    w[rank * rows : (rank + 1) * rows],
+                    t,
+                    group,
+                    temperature=0.7,
+                    chunk_size=5,
+                    entropy_grad=eg,
+                )
 
             lp, ent, gh, gw = _grads(plain, hidden, weight, targets, g_logp, g_ent, entropy_grad)
             out[("plain", dtype, entropy_grad)] = (lp, ent, gh, _sum_over_ranks(gw, world_size))
@@ -76,12 +83,16 @@ def _worker(rank, world_size):
             # DTensors as the TP model produces them: hidden sharded on the sequence, weight on the vocabulary.
             def sharded(h, w, t, eg):
                 hd = DTensor.from_local(h.chunk(world_size, dim=1)[rank], mesh, [Shard(1)])
-                wd = DTensor.from_local(w[rank * rows:(rank + 1) * rows], mesh, [Shard(0)])
+                wd = DTensor.from_local(w[rank * rows : (rank + 1) * rows], mesh, [Shard(0)])
                 return vocab_parallel_token_logprobs(hd, wd, t, temperature=0.7, chunk_size=5, entropy_grad=eg)
 
             lp, ent, gh, gw = _grads(sharded, hidden, weight, targets, g_logp, g_ent, entropy_grad)
             out[("dtensor", dtype, entropy_grad)] = (
-                lp, ent, _sum_over_ranks(gh, world_size), _sum_over_ranks(gw, world_size))
+                lp,
+                ent,
+                _sum_over_ranks(gh, world_size),
+                _sum_over_ranks(gw, world_size),
+            )
     # A head sharded on the hidden dimension is not a vocabulary-parallel head: refused with a clear error.
     hidden, weight, targets, _, _ = _inputs(torch.float32)
     out["wrong placement"] = None
@@ -93,7 +104,7 @@ def _worker(rank, world_size):
     bad = targets.clone()
     bad.view(-1)[0] = V
     try:
-        vocab_parallel_token_logprobs(hidden, weight[rank * rows:(rank + 1) * rows], bad, group)
+        vocab_parallel_token_logprobs(hidden, weight[rank * rows : (rank + 1) * rows], bad, group)
         out["out of range"] = None
     except ValueError as e:
         out["out of range"] = str(e)

@@ -94,8 +94,9 @@ def _sharded_worker(rank, world_size, presets, dims_kwargs, batches, parallel_kw
     results = {}
     for preset in presets:
         model = build_model(PRESETS[preset], seed=0)
-        parallelize_qwen2(model, mesh, dims, param_dtype=torch.float32, reduce_dtype=torch.float32,
-                          **(parallel_kwargs or {}))
+        parallelize_qwen2(
+            model, mesh, dims, param_dtype=torch.float32, reduce_dtype=torch.float32, **(parallel_kwargs or {})
+        )
         my_batches = batches[dims.dp_rank()]
         # The global token count is what the trainer all-reduces over the dp ranks.
         global_tokens = sum(mb["mask"].sum() for mb in my_batches).reshape(1)
@@ -115,8 +116,9 @@ def _max_errors(out, ref):
     return errors, worst
 
 
-def _check(label, dims_kwargs, world_size, num_dp, presets=("tiny", "tiny-tied"), parallel_kwargs=None,
-           rows=MIXED_ROWS):
+def _check(
+    label, dims_kwargs, world_size, num_dp, presets=("tiny", "tiny-tied"), parallel_kwargs=None, rows=MIXED_ROWS
+):
     """Run the sharded configuration and compare it with the single-process model (also used by other test files)."""
     batches = _batches(num_dp, rows)
     results = run_ranks(_sharded_worker, world_size, presets, dims_kwargs, batches, parallel_kwargs)[0]
@@ -126,7 +128,9 @@ def _check(label, dims_kwargs, world_size, num_dp, presets=("tiny", "tiny-tied")
         errors, worst = _max_errors(results[preset], ref)
         print(f"{label} {preset}: max abs errors {errors} (largest gradient error in {worst})")
         for key, value in errors.items():
-            assert value < TOL, f"{label} {preset}: {key} differs from single process by {value:.3g} (worst grad {worst})"
+            assert value < TOL, (
+                f"{label} {preset}: {key} differs from single process by {value:.3g} (worst grad {worst})"
+            )
 
 
 def test_fsdp2_matches_single_process():
@@ -199,10 +203,19 @@ def test_unequal_token_counts_global_mean_is_exact():
     assert grads["sharded head"] is not None and "not tensor-parallel" in grads["sharded head"]
 
 
-@pytest.mark.parametrize("label,dims_kwargs,num_dp,ac", [
-    ("FSDP=2 + full AC", {"dp_shard": 2}, 2, "full"),  # recomputation re-gathers the resharded block
-    ("TP=2 + per-op AC", {"dp_shard": 1, "tp": 2}, 1, "selective"),  # recomputation inside TP collectives
-])
+@pytest.mark.parametrize(
+    "label,dims_kwargs,num_dp,ac",
+    [
+        ("FSDP=2 + full AC", {"dp_shard": 2}, 2, "full"),  # recomputation re-gathers the resharded block
+        ("TP=2 + per-op AC", {"dp_shard": 1, "tp": 2}, 1, "selective"),  # recomputation inside TP collectives
+    ],
+)
 def test_activation_checkpointing_under_sharding_matches(label, dims_kwargs, num_dp, ac):
-    _check(label, dims_kwargs, world_size=2, num_dp=num_dp, presets=("tiny",),
-           parallel_kwargs={"activation_checkpoint": ac, "selective_ac": "op"})
+    _check(
+        label,
+        dims_kwargs,
+        world_size=2,
+        num_dp=num_dp,
+        presets=("tiny",),
+        parallel_kwargs={"activation_checkpoint": ac, "selective_ac": "op"},
+    )

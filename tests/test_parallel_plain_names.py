@@ -35,8 +35,9 @@ def test_wrapped_model_reads_under_plain_and_hf_names():
     assert [n for n, _ in wrapped.named_parameters()][0].startswith("_orig_mod.")
     assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
     assert [(n, t.data_ptr()) for n, t in plain_named_parameters(wrapped)] == want  # same tensors, no copies
-    assert [n for n, _ in iter_hf_tensors(plain_named_parameters(wrapped))] == \
-        [n for n, _ in iter_hf_tensors(build_model(PRESETS["tiny"], seed=2))]
+    assert [n for n, _ in iter_hf_tensors(plain_named_parameters(wrapped))] == [
+        n for n, _ in iter_hf_tensors(build_model(PRESETS["tiny"], seed=2))
+    ]
 
 
 def test_export_of_a_wrapped_model_equals_the_plain_models(tmp_path):

@@ -3,7 +3,6 @@ order and cache returns it checks."""
 
 import json
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,20 +10,29 @@ import torch
 import train
 from config import load_config
 from tests.dist_utils import run_ranks
-from trainer.memory_ledger import GB, MemoryLedger
-from trainer.rehearsal import fake_dist_env, fake_job, rehearse, run_phases
+from trainer.memory_ledger import MemoryLedger
+from trainer.rehearsal import rehearse, run_phases
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def small_config(world_size, **extra):
     """The demo preset with a micro-batch of 1,024 tokens and the torch engine (no SGLang on CPU)."""
-    values = {"model.preset": "demo", "rollout.engine": "torch", "data.max_prompt_length": 64,
-              "rollout.max_response_length": 448, "eval.max_response_length": 448,
-              "algorithm.overlong_buffer": 64, "training.micro_batch_tokens": 1024,
-              "rollout.max_batch_size": 8, "parallelism.param_dtype": "bfloat16",
-              "parallelism.activation_checkpoint": "full", "rehearse.world_size": world_size,
-              "rehearse.gpu_memory_gb": 1.0, "rehearse.context_gb": 0.0}
+    values = {
+        "model.preset": "demo",
+        "rollout.engine": "torch",
+        "data.max_prompt_length": 64,
+        "rollout.max_response_length": 448,
+        "eval.max_response_length": 448,
+        "algorithm.overlong_buffer": 64,
+        "training.micro_batch_tokens": 1024,
+        "rollout.max_batch_size": 8,
+        "parallelism.param_dtype": "bfloat16",
+        "parallelism.activation_checkpoint": "full",
+        "rehearse.world_size": world_size,
+        "rehearse.gpu_memory_gb": 1.0,
+        "rehearse.context_gb": 0.0,
+    }
     values.update(extra)
     return load_config(os.path.join(CONFIGS, "demo_cpu.toml"), [f"{k}={v}" for k, v in values.items()])
 
@@ -60,9 +68,17 @@ def test_the_ledger_matches_the_measured_peak_of_every_phase(world_size):
 
 
 def test_a_phase_that_does_not_fit_exits_2_naming_it_and_the_shortfall(capsys):
-    cfg_args = ["--config", os.path.join(CONFIGS, "demo_cpu.toml"), "--rehearse", "--model.preset=demo",
-                "--rollout.engine=torch", "--rehearse.world_size=2", "--rehearse.gpu_memory_gb=0.05",
-                "--rehearse.context_gb=0", "--training.micro_batch_tokens=4096"]
+    cfg_args = [
+        "--config",
+        os.path.join(CONFIGS, "demo_cpu.toml"),
+        "--rehearse",
+        "--model.preset=demo",
+        "--rollout.engine=torch",
+        "--rehearse.world_size=2",
+        "--rehearse.gpu_memory_gb=0.05",
+        "--rehearse.context_gb=0",
+        "--training.micro_batch_tokens=4096",
+    ]
     assert train.main(cfg_args) == 2
     out, err = capsys.readouterr()
     result = json.loads(out.strip().splitlines()[-1])
@@ -73,12 +89,28 @@ def test_a_phase_that_does_not_fit_exits_2_naming_it_and_the_shortfall(capsys):
 
 
 def test_every_phase_is_in_the_table_and_fits_with_enough_memory(capsys):
-    argv = ["--config", os.path.join(CONFIGS, "demo_cpu.toml"), "--rehearse", "--model.preset=demo",
-            "--rollout.engine=torch", "--rehearse.world_size=8", "--rehearse.gpu_memory_gb=80"]
+    argv = [
+        "--config",
+        os.path.join(CONFIGS, "demo_cpu.toml"),
+        "--rehearse",
+        "--model.preset=demo",
+        "--rollout.engine=torch",
+        "--rehearse.world_size=8",
+        "--rehearse.gpu_memory_gb=80",
+    ]
     assert train.main(argv) == 0
     out = capsys.readouterr().out
-    for phase in ("load + shard", "engine start", "rollout", "release", "train: old log-probs",
-                  "train: forward+backward", "train: optimizer step", "weight sync", "resume"):
+    for phase in (
+        "load + shard",
+        "engine start",
+        "rollout",
+        "release",
+        "train: old log-probs",
+        "train: forward+backward",
+        "train: optimizer step",
+        "weight sync",
+        "resume",
+    ):
         assert phase in out
     assert json.loads(out.strip().splitlines()[-1])["fits"]
 
@@ -104,9 +136,16 @@ def test_the_optimizer_step_holds_the_state_and_one_foreach_temporary():
 
 def test_an_engine_without_room_for_its_kv_pool_fails_at_engine_start(capsys):
     """SGLang's rule (rollout/sglang_memory.py): the KV pool is sized from the memory free at engine start."""
-    argv = ["--config", os.path.join(CONFIGS, "demo_cpu.toml"), "--rehearse", "--model.preset=demo",
-            "--rollout.engine=sglang", "--rehearse.world_size=2", "--rehearse.gpu_memory_gb=2",
-            "--rehearse.context_gb=1.99"]
+    argv = [
+        "--config",
+        os.path.join(CONFIGS, "demo_cpu.toml"),
+        "--rehearse",
+        "--model.preset=demo",
+        "--rollout.engine=sglang",
+        "--rehearse.world_size=2",
+        "--rehearse.gpu_memory_gb=2",
+        "--rehearse.context_gb=1.99",
+    ]
     assert train.main(argv) == 2
     err = capsys.readouterr().err
     assert "phase 'engine start'" in err and "SGLang would refuse to start" in err

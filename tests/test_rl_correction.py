@@ -52,8 +52,10 @@ def test_truncated_is_weights_hand_computed():
     weights = truncated_is_weights(_t(OLD), _t(ROLLOUT), torch.tensor(MASK))
     expected = _t([[1.0, math.exp(-1), math.exp(0.1), 2.0, 0.0]])  # e^1 > 2 is capped; masked -> 0
     torch.testing.assert_close(weights, expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(truncated_is_weights(_t(OLD), _t(ROLLOUT), torch.tensor(MASK), cap=3.0)[0, 3],
-                               torch.tensor(math.e, dtype=torch.float64))
+    torch.testing.assert_close(
+        truncated_is_weights(_t(OLD), _t(ROLLOUT), torch.tensor(MASK), cap=3.0)[0, 3],
+        torch.tensor(math.e, dtype=torch.float64),
+    )
 
 
 def test_truncated_is_weights_are_constants_and_never_overflow():

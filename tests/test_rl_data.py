@@ -22,8 +22,13 @@ class CharTokenizer:
 
 
 def _row(content, truth="1", source="src"):
-    return {"data_source": source, "prompt": [{"role": "user", "content": content}], "ability": "MATH",
-            "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": 0}}
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": content}],
+        "ability": "MATH",
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"index": 0},
+    }
 
 
 def test_deduplicates_and_counts_skipped_rows():
@@ -39,7 +44,10 @@ def test_a_role_the_chat_template_does_not_know_skips_the_row_and_names_it():
     odd["prompt"] = [{"role": "human", "content": "b"}]
     examples, stats = rows_to_examples([_row("a"), odd], CharTokenizer(), max_prompt_length=10)
     assert [e.messages[0]["content"] for e in examples] == ["a"] and stats.missing_fields == 1
-    assert stats.first_problem == "row 1: a 'prompt' message has role 'human'; the chat template knows system, user, assistant"
+    assert (
+        stats.first_problem
+        == "row 1: a 'prompt' message has role 'human'; the chat template knows system, user, assistant"
+    )
 
 
 def test_long_prompts_are_left_truncated_or_dropped():
@@ -52,8 +60,9 @@ def test_long_prompts_are_left_truncated_or_dropped():
 
 def test_file_without_usable_rows_names_file_and_first_problem(tmp_path):
     path = str(tmp_path / "bad.parquet")
-    write_parquet_rows([{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"},
-                         "data_source": "s"}], path)
+    write_parquet_rows(
+        [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}, "data_source": "s"}], path
+    )
     with pytest.raises(DataError, match=r"bad\.parquet: no usable row.*row 0.*ground_truth"):
         load_prompts(path, CharTokenizer(), max_prompt_length=100)
     with pytest.raises(DataError, match="not found"):
@@ -77,13 +86,15 @@ def test_unusable_files_are_one_data_error_naming_the_file_and_the_problem(tmp_p
     assert _one_line_error(text).startswith(f"{text}: cannot be read as parquet (")
     no_rows = tmp_path / "no_rows.parquet"
     pq.write_table(pa.Table.from_pylist([_row("a")]).slice(0, 0), str(no_rows))  # the schema, zero rows
-    assert _one_line_error(no_rows) == (f"{no_rows}: the parquet file has no rows (columns: data_source, prompt, "
-                                        "ability, reward_model, extra_info)")
+    assert _one_line_error(no_rows) == (
+        f"{no_rows}: the parquet file has no rows (columns: data_source, prompt, ability, reward_model, extra_info)"
+    )
     other_schema = tmp_path / "other.parquet"
     write_parquet_rows([{"question": "What is 1 + 1?", "answer": "2"}], str(other_schema))
     assert _one_line_error(other_schema) == (
         f"{other_schema}: no column 'prompt', 'reward_model' (it has question, answer); a prompt file needs the "
-        "columns prompt, reward_model of the DAPO-Math-17k schema")
+        "columns prompt, reward_model of the DAPO-Math-17k schema"
+    )
     assert _one_line_error(tmp_path / "missing.parquet") == f"data file not found: {tmp_path / 'missing.parquet'}"
 
 
@@ -102,11 +113,16 @@ def test_synthetic_task_is_seeded_disjoint_and_self_consistent():
     train = synthetic_arithmetic_rows(300, difficulty=3, split="train", seed=1)
     evals = synthetic_arithmetic_rows(60, difficulty=3, split="eval", seed=1)
     assert train == synthetic_arithmetic_rows(300, difficulty=3, split="train", seed=1)
-    problems = lambda rows: {r["prompt"][0]["content"] for r in rows}
+
+    def problems(rows):
+        return {r["prompt"][0]["content"] for r in rows}
+
     assert not problems(train) & problems(evals)
+
     # Nor does eval hold the commuted twin of a training problem ("b + a" is "a + b", same solution).
-    operands = lambda rows: {tuple(sorted(c.split("What is ")[1].split("?")[0].split(" + ")))
-                             for c in problems(rows) if " + " in c}
+    def operands(rows):
+        return {tuple(sorted(c.split("What is ")[1].split("?")[0].split(" + "))) for c in problems(rows) if " + " in c}
+
     big_train = synthetic_arithmetic_rows(2000, difficulty=2, split="train")
     big_eval = synthetic_arithmetic_rows(200, difficulty=2, split="eval")
     assert len(operands(big_eval)) > 150 and not operands(big_train) & operands(big_eval)

@@ -221,11 +221,13 @@ def test_filter_on_shaped_score_instead_of_accuracy():
 
 
 def test_training_loop_usage():
-    rounds = iter([
-        [group(f"r0-{i}", ALL_WRONG if i % 2 else MIXED) for i in range(6)],  # 3 kept
-        [group(f"r1-{i}", ALL_RIGHT if i % 3 else MIXED) for i in range(6)],  # 2 kept
-        [group(f"r2-{i}", MIXED) for i in range(6)],
-    ])
+    rounds = iter(
+        [
+            [group(f"r0-{i}", ALL_WRONG if i % 2 else MIXED) for i in range(6)],  # 3 kept
+            [group(f"r1-{i}", ALL_RIGHT if i % 3 else MIXED) for i in range(6)],  # 2 kept
+            [group(f"r2-{i}", MIXED) for i in range(6)],
+        ]
+    )
     builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=3)
     builder.start_step(0)
     while not builder.full() and builder.rounds < 3:

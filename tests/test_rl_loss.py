@@ -157,8 +157,10 @@ def test_log_ratio_is_clamped():
         ({"agg": "group-token-mean"}, "needs integer group_ids"),
         ({"agg": "group-token-mean", "group_ids": torch.tensor([0.0, 1.0, 2.0])}, "needs integer group_ids"),
         ({"agg": "group-token-mean", "group_ids": torch.tensor([0, 1])}, "needs integer group_ids"),
-        ({"agg": "group-token-mean", "group_ids": torch.tensor([0, 1, 0]), "group_num_tokens": torch.ones(2)},
-         "group_num_tokens"),
+        (
+            {"agg": "group-token-mean", "group_ids": torch.tensor([0, 1, 0]), "group_num_tokens": torch.ones(2)},
+            "group_num_tokens",
+        ),
         ({"global_num_tokens": -1}, "global_num_tokens must be a count"),
         ({"global_num_tokens": torch.tensor([1, 2])}, "global_num_tokens must be a scalar"),
         ({"agg": "seq-mean-token-sum", "global_num_seqs": -3}, "global_num_seqs"),
@@ -181,6 +183,7 @@ def test_bad_shapes_are_named():
 
 # -- global normalisation: micro-batch and data-parallel invariance ---------------------------------
 
+
 def _random_minibatch(seed, batch=12, length=9, group=3):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, length + 1, (batch,), generator=gen)
@@ -190,7 +193,7 @@ def _random_minibatch(seed, batch=12, length=9, group=3):
     mask = torch.arange(length)[None, :] < lengths[:, None]
     old_logp = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 3
     # log-ratios up to +-1.5 (ratios 0.22 to 4.5) so that both clips and the dual clip (c = 3) bind
-    logp = (old_logp + (torch.rand(batch, length, generator=gen, dtype=torch.float64) - 0.5) * 3.0)
+    logp = old_logp + (torch.rand(batch, length, generator=gen, dtype=torch.float64) - 0.5) * 3.0
     advantages = (torch.randn(batch, generator=gen, dtype=torch.float64) * 2)[:, None].expand(batch, length)
     weights = torch.rand(batch, length, generator=gen, dtype=torch.float64) + 0.5
     group_ids = torch.arange(batch) // group
@@ -223,8 +226,9 @@ def _grad_of_chunks(agg, data, chunks, use_global=True, clip_c=3.0):
             kwargs["group_ids"] = group_ids[rows]
         if use_global:
             kwargs |= {k: (v[rows] if k == "group_num_tokens" else v) for k, v in counts.items()}
-        loss, _ = policy_loss(logp[rows, :width], old_logp[rows, :width], advantages[rows, :width],
-                              mask[rows, :width], **kwargs)
+        loss, _ = policy_loss(
+            logp[rows, :width], old_logp[rows, :width], advantages[rows, :width], mask[rows, :width], **kwargs
+        )
         (loss if use_global else loss / len(chunks)).backward()
         total += loss.item() if use_global else loss.item() / len(chunks)
     return logp.grad.clone(), total
@@ -266,12 +270,14 @@ def test_one_pass_with_own_counts_equals_no_counts():
     for agg in AGG_MODES:
         extra = {"group_ids": group_ids} if agg == "group-token-mean" else {}
         plain, _ = policy_loss(logp, old_logp, advantages, mask, agg=agg, **extra)
-        given_counts, _ = policy_loss(logp, old_logp, advantages, mask, agg=agg, **extra, **counts,
-                                      norm_len=mask.shape[1])
+        given_counts, _ = policy_loss(
+            logp, old_logp, advantages, mask, agg=agg, **extra, **counts, norm_len=mask.shape[1]
+        )
         assert plain.item() == pytest.approx(given_counts.item(), rel=1e-12), agg
 
 
 # -- properties ------------------------------------------------------------------------------------
+
 
 @settings(max_examples=120, deadline=None)
 @given(
@@ -284,16 +290,18 @@ def test_one_pass_with_own_counts_equals_no_counts():
     clip_high=st.floats(0.0, 5.0),
     clip_c=st.none() | st.floats(1.01, 50.0),
 )
-def test_loss_is_finite_and_clip_fractions_are_shares(batch, length, seed, log_ratio_scale, agg, clip_low,
-                                                      clip_high, clip_c):
+def test_loss_is_finite_and_clip_fractions_are_shares(
+    batch, length, seed, log_ratio_scale, agg, clip_low, clip_high, clip_c
+):
     gen = torch.Generator().manual_seed(seed)
     old_logp = -torch.rand(batch, length, generator=gen) * 10
     logp = (old_logp + torch.randn(batch, length, generator=gen) * log_ratio_scale).requires_grad_()
     advantages = torch.randn(batch, 1, generator=gen).expand(batch, length) * 3
     mask = torch.rand(batch, length, generator=gen) < 0.7
     extra = {"group_ids": torch.randint(0, 3, (batch,), generator=gen)} if agg == "group-token-mean" else {}
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask, agg=agg, clip_low=clip_low,
-                                clip_high=clip_high, clip_c=clip_c, **extra)
+    loss, metrics = policy_loss(
+        logp, old_logp, advantages, mask, agg=agg, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, **extra
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     for name in ("pg_clipfrac", "pg_clipfrac_lower"):

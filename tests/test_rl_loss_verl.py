@@ -40,8 +40,17 @@ def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=None):
     raise ValueError(loss_agg_mode)
 
 
-def verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low,
-                     clip_ratio_high, clip_ratio_c, loss_scale_factor=None):
+def verl_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_scale_factor=None,
+):
     """verl core_algos.compute_policy_loss_vanilla's loss (no rollout importance weights)."""
     negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -72,8 +81,9 @@ def _both(case, agg, norm_len=None):
     for fn in ("ours", "verl"):
         x = logp.clone().requires_grad_()
         if fn == "ours":
-            loss, _ = policy_loss(x, old_logp, advantages, mask, agg=agg, clip_low=0.2, clip_high=0.28, clip_c=3.0,
-                                  norm_len=norm_len)
+            loss, _ = policy_loss(
+                x, old_logp, advantages, mask, agg=agg, clip_low=0.2, clip_high=0.28, clip_c=3.0, norm_len=norm_len
+            )
         else:
             loss = verl_policy_loss(old_logp, x, advantages, mask, agg, 0.2, 0.28, 3.0, loss_scale_factor=norm_len)
         loss.backward()
@@ -87,8 +97,10 @@ CASES = {
     "all but one row masked": dict(seed=2, batch=6, length=5, masked_rows=(0, 1, 2, 4, 5)),
     "single row": dict(seed=3, batch=1, length=9),
     "single token": dict(seed=7, batch=1, length=1),
-    **{f"random masked {s}": dict(seed=10 + s, batch=5 + s, length=3 + s, masked_rows=tuple(range(0, 5 + s, 3)))
-       for s in range(6)},
+    **{
+        f"random masked {s}": dict(seed=10 + s, batch=5 + s, length=3 + s, masked_rows=tuple(range(0, 5 + s, 3)))
+        for s in range(6)
+    },
 }
 
 
@@ -108,8 +120,9 @@ def test_the_fully_masked_rows_case_differs_from_counting_every_row():
     # The case above is not vacuous: counting all 8 rows instead of the 5 with tokens changes the loss.
     logp, old_logp, advantages, mask = _case(**CASES["fully masked rows"])
     ours, _ = policy_loss(logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0)
-    every_row, _ = policy_loss(logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0,
-                               global_num_seqs=8)
+    every_row, _ = policy_loss(
+        logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0, global_num_seqs=8
+    )
     assert ours.item() == pytest.approx(every_row.item() * 8 / 5, rel=1e-12) and abs(ours.item()) > 0.1
 
 

@@ -178,8 +178,26 @@ def test_normalisation_examples():
 
 # The normalisation steps are written as linear scans. Each must give the same result as the
 # regular expression that defines it; the alphabet is chosen so that the patterns actually fire.
-_PIECES = ["$", "{", "}", "\n", "\\", "a", "1", ",", " ", "x", "frac", "sqrt", "\\text{", "\\textbf{",
-           "\\overline{", "\\boxed{", "text{", "boxed{"]
+_PIECES = [
+    "$",
+    "{",
+    "}",
+    "\n",
+    "\\",
+    "a",
+    "1",
+    ",",
+    " ",
+    "x",
+    "frac",
+    "sqrt",
+    "\\text{",
+    "\\textbf{",
+    "\\overline{",
+    "\\boxed{",
+    "text{",
+    "boxed{",
+]
 _pieced_text = st.lists(st.sampled_from(_PIECES), max_size=30).map("".join)
 
 
@@ -198,8 +216,10 @@ def test_linear_scans_match_their_regular_expressions(text):
 
 _any_char = st.characters(exclude_categories=())  # includes lone surrogates and control characters
 _fragments = st.lists(
-    st.sampled_from(["Answer:", "answer :", "\\boxed{", "{", "}", "$", "=", "\n", "\\frac", "sqrt",
-                     "\\text{", ",", "1", " "]) | st.text(_any_char, max_size=5),
+    st.sampled_from(
+        ["Answer:", "answer :", "\\boxed{", "{", "}", "$", "=", "\n", "\\frac", "sqrt", "\\text{", ",", "1", " "]
+    )
+    | st.text(_any_char, max_size=5),
     max_size=40,
 ).map("".join)
 
@@ -259,6 +279,7 @@ def test_megabyte_ground_truth_is_linear_not_quadratic():
 
 # -- soft overlong punishment (Eq. 13) ------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "length, expected",
     [
@@ -311,6 +332,7 @@ def test_overlong_penalty_rejects_negative_factor():
 
 
 # -- overlong filtering --------------------------------------------------------------------------
+
 
 def test_overlong_filter_zeroes_truncated_rows_only():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)

@@ -5,8 +5,17 @@ from bench.paged_capacity import capacity
 
 
 def test_paged_cache_holds_4x_the_sequences_of_fixed_slots_at_equal_bytes():
-    r = capacity(preset="tiny", prompts=16, samples=8, max_new_tokens=232, slots=4, block_size=16,
-                 stop_tokens=8, min_prompt=8, max_prompt=24)
+    r = capacity(
+        preset="tiny",
+        prompts=16,
+        samples=8,
+        max_new_tokens=232,
+        slots=4,
+        block_size=16,
+        stop_tokens=8,
+        min_prompt=8,
+        max_prompt=24,
+    )
     fixed, paged = r["runs"]["fixed-slot"], r["runs"]["paged"]
     print(r)
     assert r["paged_blocks"] * r["block_size"] + r["block_size"] <= r["fixed_slots"] * r["max_seq_len"]

@@ -34,8 +34,11 @@ def test_engine_takes_its_block_budget_from_the_config():
 
 def test_a_block_budget_below_one_full_sequence_is_refused():
     validate(_cfg(block_size=8, kv_cache_blocks=8))
-    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_blocks = 7: must be 0 \(auto\) or hold one full-length "
-                                          r"sequence: >= 8 blocks of rollout\.block_size = 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.kv_cache_blocks = 7: must be 0 \(auto\) or hold one full-length "
+        r"sequence: >= 8 blocks of rollout\.block_size = 8",
+    ):
         validate(_cfg(block_size=8, kv_cache_blocks=7))
     with pytest.raises(ConfigError, match=r"rollout\.block_size = 0: must be >= 1"):
         validate(_cfg(block_size=0))

@@ -40,8 +40,9 @@ def test_flex_decode_engine_on_cuda_matches_cpu():
     prompts = [[5, 17, 42, 9, 100, 3, 77], [250], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
     cpu = TorchEngine(build_model(args, seed=15), max_batch_size=8, max_seq_len=256, block_size=128)
-    flex = TorchEngine(build_model(args, seed=15), max_batch_size=8, max_seq_len=256, block_size=128,
-                       device="cuda", flex_decode=True)
+    flex = TorchEngine(
+        build_model(args, seed=15), max_batch_size=8, max_seq_len=256, block_size=128, device="cuda", flex_decode=True
+    )
     a, b = cpu.generate(prompts, params), flex.generate(prompts, params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):

@@ -106,10 +106,16 @@ def test_fixed_seed_reproduces_and_other_seed_differs():
 
 
 def test_sampling_params_refuse_bad_values():
-    for bad in [dict(max_new_tokens=0), dict(max_new_tokens=4, temperature=-1.0),
-                dict(max_new_tokens=4, temperature=math.inf), dict(max_new_tokens=4, top_p=0.0),
-                dict(max_new_tokens=4, top_p=1.5), dict(max_new_tokens=4, top_k=0), dict(max_new_tokens=4, n=0),
-                dict(max_new_tokens=4, stop_token_ids=[-2])]:
+    for bad in [
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=4, temperature=-1.0),
+        dict(max_new_tokens=4, temperature=math.inf),
+        dict(max_new_tokens=4, top_p=0.0),
+        dict(max_new_tokens=4, top_p=1.5),
+        dict(max_new_tokens=4, top_k=0),
+        dict(max_new_tokens=4, n=0),
+        dict(max_new_tokens=4, stop_token_ids=[-2]),
+    ]:
         with pytest.raises(ValueError, match="SamplingParams"):
             SamplingParams(**bad)
     assert SamplingParams(max_new_tokens=3, stop_token_ids=[5, 6]).stop_token_ids == (5, 6)

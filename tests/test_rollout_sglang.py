@@ -8,12 +8,14 @@ import importlib.util
 
 import pytest
 import torch
+from dist_utils import run_ranks
+from sglang_model import MIB, EngineDied, FakeGPU, StrictSGLang, flatten_bucket, install_cuda_ipc_model, serialize
 
-from trainer.evaluation import evaluate
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
+from rl.data import PromptExample
 from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import (
     SGLANG_VERSION,
@@ -24,13 +26,10 @@ from rollout.sglang_engine import (
     sglang_sampling_params,
     split_by_counts,
 )
-from rl.data import PromptExample
 from rollout.weight_sync import iter_weight_buckets, sync_weights
+from trainer.evaluation import evaluate
 from trainer.rollout_phase import generate_round
 from trainer.scoring import RewardSettings
-
-from dist_utils import run_ranks
-from sglang_model import MIB, EngineDied, FakeGPU, StrictSGLang, flatten_bucket, install_cuda_ipc_model, serialize
 
 ARGS = PRESETS["tiny"]
 
@@ -74,8 +73,9 @@ def test_completions_from_sglang_refuses_inconsistent_outputs():
     with pytest.raises(ValueError, match="finish_reason"):
         completions_from_sglang([_out([1], [-1.0], None)], 1, 1)
     with pytest.raises(ValueError, match="SGLang output 0: the model produced NaN logits"):
-        completions_from_sglang([_out([7], [float("nan")], {"type": "stop", "matched": "NaN happened"},
-                                      output_ids=[2])], 1, 1)
+        completions_from_sglang(
+            [_out([7], [float("nan")], {"type": "stop", "matched": "NaN happened"}, output_ids=[2])], 1, 1
+        )
     no_logprobs = {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}}
     with pytest.raises(ValueError, match="return_logprob"):
         completions_from_sglang([no_logprobs], 1, 1)
@@ -84,8 +84,14 @@ def test_completions_from_sglang_refuses_inconsistent_outputs():
 def test_sampling_params_translation():
     params = SamplingParams(max_new_tokens=7, temperature=0.6, top_p=0.9, top_k=20, n=4, stop_token_ids=[2, 3])
     # n is not SGLang's: each prompt is sent n times with n = 1 (see test_n_samples_are_sent_as_repeated_prompts).
-    assert sglang_sampling_params(params) == {"max_new_tokens": 7, "temperature": 0.6, "top_p": 0.9, "top_k": 20,
-                                              "no_stop_trim": True, "stop_token_ids": [2, 3]}
+    assert sglang_sampling_params(params) == {
+        "max_new_tokens": 7,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "no_stop_trim": True,
+        "stop_token_ids": [2, 3],
+    }
     assert "stop_token_ids" not in sglang_sampling_params(SamplingParams(max_new_tokens=1))
 
 
@@ -167,7 +173,11 @@ def test_memory_and_weight_update_protocol(checkpoint):
     out = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=2, n=2))
     assert sglang.calls[-4:] == ["update", "end", "flush", "generate"]
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (0, 0, [3, 0]), (0, 1, [3, 1]), (1, 0, [1, 0]), (1, 1, [1, 1])]
+        (0, 0, [3, 0]),
+        (0, 1, [3, 1]),
+        (1, 0, [1, 0]),
+        (1, 1, [1, 1]),
+    ]
     engine.shutdown()
     assert sglang.calls[-1] == "shutdown"
 
@@ -211,8 +221,17 @@ def test_bad_bucket_is_refused_before_sending(checkpoint):
 
 
 def _strict(checkpoint, **options):
-    launch = dict(model_path=checkpoint, tp_size=1, base_gpu_id=0, mem_fraction_static=0.5, enable_memory_saver=True,
-                  skip_tokenizer_init=True, dtype="float32", random_seed=0, context_length=64)
+    launch = dict(
+        model_path=checkpoint,
+        tp_size=1,
+        base_gpu_id=0,
+        mem_fraction_static=0.5,
+        enable_memory_saver=True,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        random_seed=0,
+        context_length=64,
+    )
     launch.update(options)
     return StrictSGLang(**launch)
 
@@ -234,8 +253,9 @@ def test_strict_model_memory_tags_and_idle_rule(checkpoint):
     with pytest.raises(ValueError, match="input_ids cannot be empty"):
         _strict(checkpoint).generate(input_ids=[], sampling_params=[])
     with pytest.raises(ValueError, match="parallel_sample_num should be the same"):
-        _strict(checkpoint).generate(input_ids=[[1], [2]], sampling_params=[{"max_new_tokens": 1, "n": 2},
-                                                                              {"max_new_tokens": 1}])
+        _strict(checkpoint).generate(
+            input_ids=[[1], [2]], sampling_params=[{"max_new_tokens": 1, "n": 2}, {"max_new_tokens": 1}]
+        )
 
 
 def test_strict_model_weight_sessions_and_payloads(checkpoint):
@@ -243,7 +263,9 @@ def test_strict_model_weight_sessions_and_payloads(checkpoint):
     payload, keep = flatten_bucket([("model.norm.weight", torch.zeros(ARGS.hidden_size))])
     two = [serialize(payload), serialize(payload)]
     assert sglang.update_weights_from_tensor(two, load_format="flattened_bucket") == (
-        False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+        False,
+        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+    )
     assert sglang.end_weight_update()[0] is False
     assert sglang.begin_weight_update() == (True, "Success")
     assert sglang.begin_weight_update()[0] is False
@@ -290,8 +312,9 @@ def test_ipc_handles_are_collected_after_each_bucket(checkpoint, monkeypatch):
     without it the whole sync is still reserved when the engine maps its KV cache back."""
     install_cuda_ipc_model(monkeypatch)
     gpu = FakeGPU(64 * MIB)
-    engine = engine_class(trainer_gpu=gpu, gpus=[gpu], untagged_bytes=MIB)(checkpoint, dtype=torch.float32,
-                                                                           mem_fraction_static=0.5)
+    engine = engine_class(trainer_gpu=gpu, gpus=[gpu], untagged_bytes=MIB)(
+        checkpoint, dtype=torch.float32, mem_fraction_static=0.5
+    )
     plan = engine._engine.plan
     engine.release_memory()
     limbo = []
@@ -353,7 +376,8 @@ def _group_worker(rank, world, checkpoint):
     out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=2))
     # The model answers [len(prompt), copy]: each rank gets its own prompts back, indexed from 0.
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)]
+        (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)
+    ]
     engine.release_memory()
     trainer = build_model(ARGS, seed=5)
     if rank == 0:
@@ -397,8 +421,9 @@ def _retry_worker(rank, world, checkpoint):
     # The leader's batch is rank 0's prompt then rank 1's: request 1 (rank 1's) aborts on the first call.
     engine = engine_class(abort={(0, 1)})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     reward = RewardSettings(max_response_length=2, overlong_penalty=False)
-    groups, _, _ = generate_round(engine, _Prompts([[1 + rank, 2]]), 1, SamplingParams(max_new_tokens=2),
-                                  _Digits(), reward, retries=1)
+    groups, _, _ = generate_round(
+        engine, _Prompts([[1 + rank, 2]]), 1, SamplingParams(max_new_tokens=2), _Digits(), reward, retries=1
+    )
     calls = engine._engine.generate_calls if rank == 0 else None
     return len(groups), calls
 

@@ -48,8 +48,9 @@ def test_payloads_are_what_sglangs_tp_ranks_read(monkeypatch):
     # What the tokenizer manager and TpModelWorker.deserialize_own_rank do with entry i:
     for raw in normalize_serialized_named_tensor_payloads(payloads):
         payload = MultiprocessingSerializer.deserialize(raw)
-        rebuilt = FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
-                                        metadata=payload["metadata"]).reconstruct_tensors()
+        rebuilt = FlattenedTensorBucket(
+            flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"]
+        ).reconstruct_tensors()
         assert [n for n, _ in rebuilt] == [n for n, _ in bucket]
         for (_, got), (_, want) in zip(rebuilt, bucket):
             assert got.dtype == want.dtype and torch.equal(got, want)

@@ -49,14 +49,23 @@ def test_kv_cell_and_request_cap():
 
 def test_kv_pool_from_free_memory_at_start():
     weights = num_params(TINY) * 2
-    plan = plan_engine_memory(TINY, tp_size=1, dtype_bytes=2, gpu_total_bytes=GIB, gpu_free_bytes_at_start=GIB,
-                              mem_fraction_static=0.5, context_length=1000, untagged_bytes=0,
-                              disable_cuda_graph=True)
+    plan = plan_engine_memory(
+        TINY,
+        tp_size=1,
+        dtype_bytes=2,
+        gpu_total_bytes=GIB,
+        gpu_free_bytes_at_start=GIB,
+        mem_fraction_static=0.5,
+        context_length=1000,
+        untagged_bytes=0,
+        disable_cuda_graph=True,
+    )
     # rest = (pre - weights) - pre * (1 - 0.5) with pre = 1 GiB; 256 bytes per token.
     tokens = int(GIB - weights - GIB * 0.5) // 256
     requests = 4096  # tokens / 1000 * 512 is far above 4096
-    assert plan == EngineMemoryPlan(weights=weights, kv_cache=tokens * 256 + (requests + 1) * 1004 * 4,
-                                    cuda_graph=0, other=0, kv_tokens=tokens)
+    assert plan == EngineMemoryPlan(
+        weights=weights, kv_cache=tokens * 256 + (requests + 1) * 1004 * 4, cuda_graph=0, other=0, kv_tokens=tokens
+    )
 
 
 def test_what_the_trainer_holds_at_start_shrinks_the_pool():
@@ -89,7 +98,15 @@ def test_sglang_refuses_to_start_without_kv_memory():
     with pytest.raises(EngineMemoryError, match=r"leave no memory for the KV cache .*_profile_available_bytes"):
         plan_engine_memory(QWEN32B, gpu_free_bytes_at_start=9 * GIB, mem_fraction_static=0.9, **common)
     with pytest.raises(EngineMemoryError, match="Not enough memory"):
-        plan_engine_memory(TINY, tp_size=1, dtype_bytes=2, gpu_total_bytes=GIB, gpu_free_bytes_at_start=GIB,
-                           mem_fraction_static=0.5, untagged_bytes=0, page_size=1 << 40)
+        plan_engine_memory(
+            TINY,
+            tp_size=1,
+            dtype_bytes=2,
+            gpu_total_bytes=GIB,
+            gpu_free_bytes_at_start=GIB,
+            mem_fraction_static=0.5,
+            untagged_bytes=0,
+            page_size=1 << 40,
+        )
     with pytest.raises(ValueError, match="mem_fraction_static"):
         plan_engine_memory(TINY, gpu_free_bytes_at_start=GIB, mem_fraction_static=1.2, **common)

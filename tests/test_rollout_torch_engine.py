@@ -42,8 +42,9 @@ def _trainer_logprobs(model, prompt, tokens, temperature):
     with torch.no_grad():
         hidden = model(seq, return_hidden=True)[0]
     targets = torch.tensor(tokens)
-    logp, _ = token_logprobs(hidden[len(prompt) - 1: -1], model.output_weight(), targets,
-                             temperature=temperature, with_entropy=False)
+    logp, _ = token_logprobs(
+        hidden[len(prompt) - 1 : -1], model.output_weight(), targets, temperature=temperature, with_entropy=False
+    )
     return logp
 
 
@@ -59,9 +60,15 @@ def test_greedy_matches_transformers_generate(args):
     assert [c.prompt_index for c in completions] == [0, 1, 2, 3]
     for prompt, completion in zip(PROMPTS, completions):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                              pad_token_id=0, eos_token_id=None)
-        assert completion.token_ids == out[0, len(prompt):].tolist()
+            out = hf.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=12,
+                min_new_tokens=12,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert completion.token_ids == out[0, len(prompt) :].tolist()
         assert completion.finish_reason == "length"
 
 
@@ -79,9 +86,15 @@ def test_logprobs_match_the_trainer(temperature, top_p, top_k):
 
 def _hf_greedy(hf, prompt, new_tokens):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_n_samples_share_prompt_blocks_and_match_transformers():
@@ -140,7 +153,7 @@ def test_samples_stay_inside_top_k_and_nucleus_of_the_true_distribution():
     for c in engine.generate(PROMPTS[:2], params):
         seq = PROMPTS[c.prompt_index] + c.token_ids
         with torch.no_grad():
-            logits = reference(torch.tensor([seq]))[0, len(PROMPTS[c.prompt_index]) - 1: -1]
+            logits = reference(torch.tensor([seq]))[0, len(PROMPTS[c.prompt_index]) - 1 : -1]
         allowed = torch.isfinite(truncate_logits(logits / 1.3, 30, 0.7))
         assert allowed[torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)].all()
 
@@ -244,7 +257,7 @@ def test_update_weights_in_place(args):
     new = build_model(args, seed=12)
     named = [(to_hf_name(n), p.detach().clone()) for n, p in new.named_parameters()]
     for i in range(0, len(named), 5):  # several buckets
-        engine.update_weights(named[i:i + 5])
+        engine.update_weights(named[i : i + 5])
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
     for (n, p), (_, q) in zip(engine.model.named_parameters(), new.named_parameters()):
         assert torch.equal(p, q), n
@@ -263,7 +276,9 @@ def test_bad_bucket_changes_nothing():
     q = engine.model.layers["0"].self_attn.q_proj.weight
     bad_buckets = {
         "unknown weight 'model.layers.9.mlp.up_proj.weight'": [
-            good, ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))],
+            good,
+            ("model.layers.9.mlp.up_proj.weight", torch.zeros(1)),
+        ],
         "has shape": [good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(q.shape[0], q.shape[1] + 1))],
         "has dtype": [good, ("model.layers.0.self_attn.q_proj.weight", torch.zeros(q.shape, dtype=torch.float64))],
         "appears twice": [good, good],

@@ -4,14 +4,13 @@ import copy
 
 import pytest
 import torch
+from dist_utils import run_ranks
 
 from model.args import PRESETS
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.torch_engine import TorchEngine
 from rollout.weight_sync import iter_weight_buckets, sync_weights
-
-from dist_utils import run_ranks
 
 ARGS = PRESETS["tiny"]
 
@@ -106,9 +105,13 @@ def _tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {
-        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
     }
 
 

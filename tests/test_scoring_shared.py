@@ -3,11 +3,11 @@
 
 import pytest
 
-from trainer.evaluation import score_completions
 from model.tokenizer import ENDOFTEXT, IM_END, IM_START, train_bpe_tokenizer
 from rl.data import PromptExample
 from rl.reward import compute_score
 from rollout.engine import Completion
+from trainer.evaluation import score_completions
 from trainer.scoring import EngineFailure, RewardSettings, response_text, score_groups
 
 
@@ -48,8 +48,10 @@ def test_the_same_completions_score_the_same_in_training_and_in_evaluation(token
         (("so the result is 5", IM_END), "stop", False),
     ]
     example = PromptExample(prompt_ids=[5, 6], ground_truth="42", data_source="test", messages=[])
-    completions = [Completion(0, i, _ids(tokenizer, *pieces), [-0.5] * len(_ids(tokenizer, *pieces)), finish)
-                   for i, (pieces, finish, _) in enumerate(responses)]
+    completions = [
+        Completion(0, i, _ids(tokenizer, *pieces), [-0.5] * len(_ids(tokenizer, *pieces)), finish)
+        for i, (pieces, finish, _) in enumerate(responses)
+    ]
     n = len(responses)
     settings = RewardSettings(max_response_length=64, overlong_penalty=False)
     trained = score_groups([example], completions, n, tokenizer, settings, stop_ids)[0].payload

@@ -24,8 +24,14 @@ def _items(num_groups=3, group_size=4, seed=0, empty_response=False):
         prompt = torch.randint(1, ARGS.vocab_size, (2 + 3 * g,), generator=gen).tolist()
         for i in range(group_size):
             n = 0 if (empty_response and g == 1 and i == 2) else int(torch.randint(1, 9, (1,), generator=gen))
-            items.append(PackItem(prompt, torch.randint(1, ARGS.vocab_size, (n,), generator=gen).tolist(),
-                                  advantage=float(i) - 1.5, group_id=g))
+            items.append(
+                PackItem(
+                    prompt,
+                    torch.randint(1, ARGS.vocab_size, (n,), generator=gen).tolist(),
+                    advantage=float(i) - 1.5,
+                    group_id=g,
+                )
+            )
     return items
 
 
@@ -88,14 +94,17 @@ def _cfg(**overrides):
     return cfg
 
 
-@pytest.mark.parametrize("overrides, tp, device, expected", [
-    ({}, 1, "cpu", True),
-    ({"training__share_prompts": False}, 1, "cpu", False),
-    ({}, 2, "cpu", False),  # sequence-parallel rows
-    ({}, 1, "cuda", False),  # FlexAttention's document block mask
-    ({"model__attention_backend": "sdpa"}, 1, "cuda", True),
-    ({"parallelism__compile": True}, 1, "cpu", False),
-])
+@pytest.mark.parametrize(
+    "overrides, tp, device, expected",
+    [
+        ({}, 1, "cpu", True),
+        ({"training__share_prompts": False}, 1, "cpu", False),
+        ({}, 2, "cpu", False),  # sequence-parallel rows
+        ({}, 1, "cuda", False),  # FlexAttention's document block mask
+        ({"model__attention_backend": "sdpa"}, 1, "cuda", True),
+        ({"parallelism__compile": True}, 1, "cpu", False),
+    ],
+)
 def test_prompts_are_shared_only_where_the_attention_supports_it(overrides, tp, device, expected):
     dist_env = types.SimpleNamespace(dims=types.SimpleNamespace(tp=tp))
     assert shares_prompts(_cfg(**overrides), dist_env, device) is expected

@@ -50,9 +50,22 @@ def _row(engine, train_batch_size, max_rounds):
     builder = DynamicBatchBuilder(train_batch_size, max_rounds, on_shortfall="fill", max_staleness=0)
     params = SamplingParams(max_new_tokens=8, n=4)
     reward = RewardSettings(max_response_length=8, overlong_penalty=False)
-    with pytest.warns(RuntimeWarning, match="dynamic sampling kept") if train_batch_size > 1 else contextlib.nullcontext():
-        groups, stats, _ = collect_batch(1, builder, engine, PromptSampler(examples, shuffle=False), 2, params,
-                                         _AnswerTokenizer(), reward, _OneProcess())
+    with (
+        pytest.warns(RuntimeWarning, match="dynamic sampling kept")
+        if train_batch_size > 1
+        else contextlib.nullcontext()
+    ):
+        groups, stats, _ = collect_batch(
+            1,
+            builder,
+            engine,
+            PromptSampler(examples, shuffle=False),
+            2,
+            params,
+            _AnswerTokenizer(),
+            reward,
+            _OneProcess(),
+        )
     return groups, rollout_metrics(groups, stats, {}, _OneProcess(), group_size=4)
 
 

@@ -30,8 +30,11 @@ QWEN25_TEXT_TEMPLATE = (
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 17 + 25?"}],
     [{"role": "system", "content": "Reason step by step."}, {"role": "user", "content": "2 * 3 = ?"}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! 你好"},
-     {"role": "user", "content": "Answer: 42\n\\boxed{42}"}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! 你好"},
+        {"role": "user", "content": "Answer: 42\n\\boxed{42}"},
+    ],
     [{"role": "user", "content": "a"}, {"role": "system", "content": "late system"}, {"role": "user", "content": "b"}],
 ]
 
@@ -41,7 +44,9 @@ def _arithmetic_texts(n=400, seed=0):
     texts = []
     for _ in range(n):
         a, b = rng.randint(0, 9999), rng.randint(0, 9999)
-        texts.append(f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\nAnswer: {a + b}<|im_end|>")
+        texts.append(
+            f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\nAnswer: {a + b}<|im_end|>"
+        )
     return texts
 
 
@@ -76,8 +81,10 @@ def test_special_tokens_and_ids(trained):
     assert trained.encode("x<|im_end|>y")[1] == 2  # a special token written in text is one id
 
 
-@pytest.mark.parametrize("text", ["What is 1 + 1?", "  leading spaces\n\ttabs", "unicode: héllo ∑ 你好 🙂",
-                                  "<|im_start|>user\n3+4<|im_end|>\n", ""])
+@pytest.mark.parametrize(
+    "text",
+    ["What is 1 + 1?", "  leading spaces\n\ttabs", "unicode: héllo ∑ 你好 🙂", "<|im_start|>user\n3+4<|im_end|>\n", ""],
+)
 def test_round_trip(trained, text):
     assert trained.decode(trained.encode(text)) == text
 
@@ -99,24 +106,33 @@ def test_chat_template_matches_transformers(trained, saved_dir, messages, add_ge
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(saved_dir)
-    want = hf.apply_chat_template(messages, chat_template=QWEN25_TEXT_TEMPLATE, tokenize=False,
-                                  add_generation_prompt=add_generation_prompt)
+    want = hf.apply_chat_template(
+        messages, chat_template=QWEN25_TEXT_TEMPLATE, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert trained.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == want
     # The template written by save() renders the same text inside transformers.
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt) == want
-    want_ids = hf.apply_chat_template(messages, chat_template=QWEN25_TEXT_TEMPLATE, tokenize=True,
-                                      add_generation_prompt=add_generation_prompt, return_dict=False)
+    want_ids = hf.apply_chat_template(
+        messages,
+        chat_template=QWEN25_TEXT_TEMPLATE,
+        tokenize=True,
+        add_generation_prompt=add_generation_prompt,
+        return_dict=False,
+    )
     assert trained.encode_chat(messages, add_generation_prompt=add_generation_prompt) == list(want_ids)
 
 
 def test_chat_template_literal_and_default_system():
     tok = train_bpe_tokenizer(["abc"], vocab_size=300)
     text = tok.apply_chat_template([{"role": "user", "content": "Q"}])
-    assert text == (f"<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n"
-                    "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        f"<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    )
     tok.default_system = None
-    assert tok.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=False) == \
-        "<|im_start|>user\nQ<|im_end|>\n"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=False)
+        == "<|im_start|>user\nQ<|im_end|>\n"
+    )
 
 
 def test_from_dir_reads_tokenizer_config(tmp_path):
@@ -125,8 +141,9 @@ def test_from_dir_reads_tokenizer_config(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>"})
+    )
     loaded = Tokenizer.from_dir(str(tmp_path))
     assert (loaded.eos_id, loaded.pad_id) == (2, 0)
     os.remove(tmp_path / "tokenizer_config.json")
@@ -161,7 +178,8 @@ def test_phrases_collapse_a_repeated_template_and_still_round_trip():
     assert len(merged.encode(prompt)) * 3 < len(plain.encode(prompt))
     assert merged.decode(merged.encode(prompt)) == prompt
     assert merged.decode(merged.encode(prompt), skip_special_tokens=True) == prompt.replace("<|im_start|>", "").replace(
-        "<|im_end|>", "")  # phrases are text, not special tokens
+        "<|im_end|>", ""
+    )  # phrases are text, not special tokens
     assert [merged.token_to_id(p) for p in phrases] == list(range(merged.vocab_size - 3, merged.vocab_size))
     assert merged.vocab_size <= 512
     assert all(len(t) == 1 for t in merged._tok.encode("12345").tokens)  # digits stay single tokens
@@ -172,9 +190,14 @@ def test_phrases_collapse_a_repeated_template_and_still_round_trip():
 # ----------------------------------------------------------------------------------------------------
 
 TRICKY_TEXTS = [
-    "What is 305 + 17?\nAnswer: 322", "I'm sure it's 12345, isn't it?", "  two  spaces\n\n\tand tabs\r\n",
-    "unicode: héllo ∑ 你好 🙂", "decomposed e\u0301 and composed \u00e9", "x<|im_end|>y<|endoftext|>",
-    "Solve the following math problem step by step. inside a sentence", "",
+    "What is 305 + 17?\nAnswer: 322",
+    "I'm sure it's 12345, isn't it?",
+    "  two  spaces\n\n\tand tabs\r\n",
+    "unicode: héllo ∑ 你好 🙂",
+    "decomposed e\u0301 and composed \u00e9",
+    "x<|im_end|>y<|endoftext|>",
+    "Solve the following math problem step by step. inside a sentence",
+    "",
 ]
 
 
@@ -183,8 +206,15 @@ def _as_checkpoint_dir(path, vocab_size):
     from model.args import ModelArgs
     from model.hf_adapter import hf_config_from_args
 
-    args = ModelArgs(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                     intermediate_size=48, tie_word_embeddings=True)
+    args = ModelArgs(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        tie_word_embeddings=True,
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config_from_args(args), f)
     return str(path)
@@ -231,13 +261,32 @@ def _qwen_style_dir(path, template, trim_offsets=False):
         tok = HFTokenizer.from_str(json.dumps(spec))
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
-    added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for i, t in tok.get_added_tokens_decoder().items()}
-    config = {"add_prefix_space": False, "added_tokens_decoder": added,
-              "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
-              "chat_template": template, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
-              "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
-              "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    added = {
+        str(i): {
+            "content": t.content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, t in tok.get_added_tokens_decoder().items()
+    }
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "chat_template": template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return _as_checkpoint_dir(path, 400)
@@ -261,9 +310,15 @@ def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
     gpt2_style = HFTokenizer(models.BPE())
     gpt2_style.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     gpt2_style.decoder = decoders.ByteLevel()
-    gpt2_style.train_from_iterator(_arithmetic_texts(300), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    gpt2_style.train_from_iterator(
+        _arithmetic_texts(300),
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     gpt2_style.save(str(tmp_path / "tokenizer.json"))
     ours = Tokenizer.from_dir(_as_checkpoint_dir(tmp_path, 400))
     problem = ours.transformers_mismatch()
@@ -281,9 +336,18 @@ def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
 TEMPLATE_CASES = {
     "qwen25": (["qwen25"], CONVERSATIONS),
     "no_default_system": (["no_default_system"], CONVERSATIONS),
-    "system_required": (["system_required"], [c for c in CONVERSATIONS if c[0]["role"] == "system"] + [
-        [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "  1 + 1?  "},
-         {"role": "assistant", "content": "2"}, {"role": "user", "content": "2 + 2?"}]]),
+    "system_required": (
+        ["system_required"],
+        [c for c in CONVERSATIONS if c[0]["role"] == "system"]
+        + [
+            [
+                {"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "  1 + 1?  "},
+                {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "2 + 2?"},
+            ]
+        ],
+    ),
 }
 
 
@@ -294,8 +358,11 @@ def test_a_checkpoints_chat_template_renders_as_in_transformers(tmp_path, name, 
 
     from tests import chat_templates
 
-    template = {"qwen25": chat_templates.QWEN25, "no_default_system": chat_templates.NO_DEFAULT_SYSTEM,
-                "system_required": chat_templates.SYSTEM_REQUIRED}[name]
+    template = {
+        "qwen25": chat_templates.QWEN25,
+        "no_default_system": chat_templates.NO_DEFAULT_SYSTEM,
+        "system_required": chat_templates.SYSTEM_REQUIRED,
+    }[name]
     path = _qwen_style_dir(tmp_path, None if as_file else template)
     if as_file:  # transformers' newer layout: chat_template.jinja next to tokenizer_config.json
         (tmp_path / "chat_template.jinja").write_text(template)
@@ -308,8 +375,10 @@ def test_a_checkpoints_chat_template_renders_as_in_transformers(tmp_path, name, 
             want_ids = hf.apply_chat_template(messages, add_generation_prompt=add, tokenize=True, return_dict=False)
             assert ours.encode_chat(messages, add_generation_prompt=add) == list(want_ids)
     if name == "no_default_system":  # no system turn is invented
-        assert ours.apply_chat_template([{"role": "user", "content": "Q"}]) == \
-            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+        assert (
+            ours.apply_chat_template([{"role": "user", "content": "Q"}])
+            == "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+        )
     if name == "system_required":
         import jinja2
 
@@ -330,16 +399,18 @@ def test_builtin_rendering_is_saved_as_a_template_and_carried_when_a_checkpoint_
     _as_checkpoint_dir(out, 400)
     hf = AutoTokenizer.from_pretrained(str(out))
     for messages in CONVERSATIONS:
-        assert hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
-            ours.apply_chat_template(messages)
+        assert hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == ours.apply_chat_template(
+            messages
+        )
     # The export itself, loaded back, renders with the template and gives the same text.
     again = Tokenizer.from_dir(str(out))
     assert ours.chat_template is None and again.chat_template is not None  # built in, then as a template
     assert [again.apply_chat_template(m) for m in CONVERSATIONS] == [ours.apply_chat_template(m) for m in CONVERSATIONS]
 
 
-@pytest.mark.parametrize("default_system", [QWEN25_DEFAULT_SYSTEM, None, "it's \"quoted\", a \\ backslash",
-                                            "héllo — 你好 🙂\n\ttabbed"])
+@pytest.mark.parametrize(
+    "default_system", [QWEN25_DEFAULT_SYSTEM, None, 'it\'s "quoted", a \\ backslash', "héllo — 你好 🙂\n\ttabbed"]
+)
 def test_builtin_rendering_written_as_a_template_renders_byte_identically(trained, tmp_path, default_system):
     from transformers import AutoTokenizer
 
@@ -356,15 +427,22 @@ def test_builtin_rendering_written_as_a_template_renders_byte_identically(traine
 def test_several_stored_templates_use_the_default_one(tmp_path):
     from tests import chat_templates
 
-    path = _qwen_style_dir(tmp_path, [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
-                                      {"name": "default", "template": chat_templates.NO_DEFAULT_SYSTEM}])
+    path = _qwen_style_dir(
+        tmp_path,
+        [
+            {"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+            {"name": "default", "template": chat_templates.NO_DEFAULT_SYSTEM},
+        ],
+    )
     from transformers import AutoTokenizer
 
     messages = [{"role": "user", "content": "Q"}]
     want = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
     assert Tokenizer.from_dir(path).apply_chat_template(messages) == want
-    assert AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
-                                                                   tokenize=False) == want
+    assert (
+        AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        == want
+    )
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["chat_template"] = 3
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))

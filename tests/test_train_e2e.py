@@ -18,23 +18,36 @@ from tests.planted_train import planted_score
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-
-
 def overrides(run_dir, steps=2, **extra):
     values = {
-        "job.run_dir": run_dir, "job.name": "run", "model.preset": "demo",
-        "data.synthetic_num_train": 64, "data.synthetic_num_eval": 8, "data.max_prompt_length": 64,
-        "rollout.n": 4, "rollout.max_response_length": 6, "rollout.max_batch_size": 64,
-        "algorithm.overlong_buffer": 2, "algorithm.overlong_filter": False,  # random responses all hit the limit
+        "job.run_dir": run_dir,
+        "job.name": "run",
+        "model.preset": "demo",
+        "data.synthetic_num_train": 64,
+        "data.synthetic_num_eval": 8,
+        "data.max_prompt_length": 64,
+        "rollout.n": 4,
+        "rollout.max_response_length": 6,
+        "rollout.max_batch_size": 64,
+        "algorithm.overlong_buffer": 2,
+        "algorithm.overlong_filter": False,  # random responses all hit the limit
         "algorithm.max_num_gen_batches": 3,
         # Carried-over groups were sampled by older weights; without them the engine/trainer log-prob
         # comparison below is exact.
         "algorithm.carry_over_max_staleness": 0,
-        "training.steps": steps, "training.train_batch_size": 4, "training.mini_batch_size": 2,
-        "training.micro_batch_tokens": 128, "training.sft_warmup_steps": 0,
-        "optimizer.lr": 1e-3, "optimizer.warmup_steps": 1,
-        "eval.at_start": False, "eval.at_end": False, "eval.interval": 0,
-        "checkpoint.interval": 1, "checkpoint.keep_latest_k": 3, "checkpoint.resume": True,
+        "training.steps": steps,
+        "training.train_batch_size": 4,
+        "training.mini_batch_size": 2,
+        "training.micro_batch_tokens": 128,
+        "training.sft_warmup_steps": 0,
+        "optimizer.lr": 1e-3,
+        "optimizer.warmup_steps": 1,
+        "eval.at_start": False,
+        "eval.at_end": False,
+        "eval.interval": 0,
+        "checkpoint.interval": 1,
+        "checkpoint.keep_latest_k": 3,
+        "checkpoint.resume": True,
         "metrics.plot": False,
     }
     values.update(extra)
@@ -73,8 +86,9 @@ def _rank_run(rank, world_size, argv):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": 2}, {"parallelism.tp": 2, "parallelism.dp_shard": 1}],
-                         ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout", [{"parallelism.dp_shard": 2}, {"parallelism.tp": 2, "parallelism.dp_shard": 1}], ids=["fsdp2", "tp2"]
+)
 def test_two_steps_on_two_ranks(tmp_path, layout):
     assert run_ranks(_rank_run, 2, overrides(str(tmp_path), **layout)) == [0, 0]
     assert_trained(str(tmp_path), 2)
@@ -89,13 +103,28 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     expected = [r for r in read_rows(straight) if r["step"] == 2 and "loss" in r][0]
     got = [r for r in read_rows(resumed) if r["step"] == 2 and "loss" in r][0]
     assert [r["step"] for r in read_rows(resumed) if "loss" in r] == [1, 2]
-    for key in ("loss", "reward/mean", "entropy", "grad_norm", "pg_clipfrac", "response_length/mean",
-                "groups/kept_share", "gen/rounds"):
+    for key in (
+        "loss",
+        "reward/mean",
+        "entropy",
+        "grad_norm",
+        "pg_clipfrac",
+        "response_length/mean",
+        "groups/kept_share",
+        "gen/rounds",
+    ):
         assert got[key] == expected[key], key
 
 
-@pytest.mark.parametrize("config", sorted(
-    os.path.relpath(os.path.join(d, f), CONFIGS) for d, _, files in os.walk(CONFIGS) for f in files if f.endswith(".toml")))
+@pytest.mark.parametrize(
+    "config",
+    sorted(
+        os.path.relpath(os.path.join(d, f), CONFIGS)
+        for d, _, files in os.walk(CONFIGS)
+        for f in files
+        if f.endswith(".toml")
+    ),
+)
 def test_dry_run_prints_the_resolved_config_without_building_a_model(config, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run must not touch a model")

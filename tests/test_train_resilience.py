@@ -39,8 +39,16 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
         return loss, metrics
 
     monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
-    argv = overrides(str(tmp_path), steps=4, **{"training.max_nonfinite_steps": 2, "training.mini_batch_size": 2,
-                                                "training.micro_batch_tokens": 4096, "checkpoint.interval": 100})
+    argv = overrides(
+        str(tmp_path),
+        steps=4,
+        **{
+            "training.max_nonfinite_steps": 2,
+            "training.mini_batch_size": 2,
+            "training.micro_batch_tokens": 4096,
+            "checkpoint.interval": 100,
+        },
+    )
     with pytest.raises(RuntimeError, match="2 non-finite updates in a row at step 2; checkpoint saved"):
         train.main(argv)
     rows = [r for r in read_rows(str(tmp_path)) if "loss" in r]
@@ -62,8 +70,12 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
         return (loss * float("nan") if calls["n"] >= poison_from["call"] else loss), metrics
 
     monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
-    settings = {"training.max_nonfinite_steps": 3, "training.mini_batch_size": 2,
-                "training.micro_batch_tokens": 4096, "checkpoint.interval": 100}
+    settings = {
+        "training.max_nonfinite_steps": 3,
+        "training.mini_batch_size": 2,
+        "training.micro_batch_tokens": 4096,
+        "checkpoint.interval": 100,
+    }
     train.main(overrides(str(tmp_path), steps=2, **settings))  # ends with 2 skipped updates in a row
     poison_from["call"], calls["n"] = 1, 0
     with pytest.raises(RuntimeError, match="4 non-finite updates in a row at step 3"):
@@ -83,8 +95,11 @@ def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, m
 
     monkeypatch.setattr(TorchEngine, "generate", flaky)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
-    with pytest.raises(RuntimeError, match=r"step 2: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
-                                           r"error: out of memory \(simulated\); the retry failed too"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"step 2: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
+        r"error: out of memory \(simulated\); the retry failed too",
+    ):
         train.main(argv)
     assert calls["n"] == 4
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
@@ -106,8 +121,11 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
     monkeypatch.setattr(trainer.update.TrainPhase, "run", counting_run)
     monkeypatch.setattr(trainer.scoring, "compute_score", score)
     argv = overrides(str(tmp_path), steps=4, **{"algorithm.on_shortfall": "raise", "checkpoint.interval": 100})
-    with pytest.raises(RuntimeError, match=r"could not fill the batch of step 3 in \d+ generation rounds .*"
-                                           r"Checkpoint of step 2 saved"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not fill the batch of step 3 in \d+ generation rounds .*"
+        r"Checkpoint of step 2 saved",
+    ):
         train.main(argv)
     assert steps_trained == [1, 2]
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
@@ -129,8 +147,11 @@ def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_chec
     monkeypatch.setattr(TorchEngine, "generate", counting_generate)
     monkeypatch.setattr(trainer.scoring, "compute_score", score)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
-    with pytest.raises(RuntimeError, match=r"step 2, generation round 1 on data-parallel rank 0: KeyError: "
-                                           r"'broken scorer \(simulated\)'. Checkpoint of step 1 saved"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"step 2, generation round 1 on data-parallel rank 0: KeyError: "
+        r"'broken scorer \(simulated\)'. Checkpoint of step 1 saved",
+    ):
         train.main(argv)
     assert len(generate_calls) == 2  # one round per step, no retry of the engine for a scorer bug
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
@@ -143,15 +164,23 @@ def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
         prepare_run_folder(str(blocker), "run", {})
     with pytest.raises(RunFolderError, match=r"MiB free; at least \d+ MiB are needed"):
         prepare_run_folder(str(tmp_path), "run", {}, min_free_bytes=1 << 62)
-    result = subprocess.run([sys.executable, "train.py", "--config", "configs/demo_cpu.toml",
-                             f"--job.run_dir={blocker}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/demo_cpu.toml", f"--job.run_dir={blocker}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "is not writable" in result.stderr
     # A fresh run (no resume) refuses a folder with an earlier run's checkpoints; its config is left as it was.
     earlier = tmp_path / "runs" / "run"
     (earlier / "checkpoints" / "step-00000030").mkdir(parents=True)
     (earlier / "config.json").write_text("{}")
-    with pytest.raises(RunFolderError, match=r"already holds checkpoints of an earlier run \(step-00000030\) and "
-                                             r"checkpoint.resume = false"):
+    with pytest.raises(
+        RunFolderError,
+        match=r"already holds checkpoints of an earlier run \(step-00000030\) and "
+        r"checkpoint.resume = false",
+    ):
         prepare_run_folder(str(tmp_path / "runs"), "run", {"new": 1}, resume=False)
     assert (earlier / "config.json").read_text() == "{}"
     assert prepare_run_folder(str(tmp_path / "runs"), "run", {"new": 1}, resume=True) == str(earlier)
@@ -168,14 +197,20 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
     path = str(tmp_path / "train.parquet")
     write_parquet_rows(rows, path)
     argv = overrides(str(tmp_path), **{"data.train_path": path, "training.sft_warmup_steps": 5})
-    with pytest.raises(ConfigError, match=r"model.tokenizer_path is not set: data.train_path = '.*train.parquet' "
-                                          r"needs the tokenizer of model.hf_path or model.tokenizer_path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.tokenizer_path is not set: data.train_path = '.*train.parquet' "
+        r"needs the tokenizer of model.hf_path or model.tokenizer_path",
+    ):
         train.main(argv)
     tokenizer_dir = str(tmp_path / "tokenizer")
     train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
     monkeypatch.setattr(trainer.loop, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
-    with pytest.raises(ConfigError, match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
-                                          r"prompts of data.train_path = '.*train.parquet' has one"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
+        r"prompts of data.train_path = '.*train.parquet' has one",
+    ):
         train.main(argv + [f"--model.tokenizer_path={tokenizer_dir}"])
 
 
@@ -221,13 +256,19 @@ def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch
 
 def _folder_state(root):
     """Every file under `root` with its size and modification time."""
-    return {os.path.relpath(os.path.join(d, f), root): (os.path.getsize(os.path.join(d, f)),
-                                                         os.path.getmtime(os.path.join(d, f)))
-            for d, _, files in os.walk(root) for f in files}
+    return {
+        os.path.relpath(os.path.join(d, f), root): (
+            os.path.getsize(os.path.join(d, f)),
+            os.path.getmtime(os.path.join(d, f)),
+        )
+        for d, _, files in os.walk(root)
+        for f in files
+    }
 
 
-def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_path, monkeypatch, caplog,
-                                                                         signal_handlers):
+def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
+    tmp_path, monkeypatch, caplog, signal_handlers
+):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
     train.main(argv)
@@ -246,8 +287,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(tmp_pat
     assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in caplog.text
     assert _folder_state(tmp_path) == files  # nothing written, nothing moved
     # From the command line: the same lines and exit code 0.
-    result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"held-out accuracy after DAPO: {100 * after:.1f}% (avg@4)" in result.stderr
     assert _folder_state(tmp_path) == files
@@ -282,8 +322,9 @@ def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
     warmup = tmp_path / "run" / "checkpoints" / "warm-up"
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while not (warmup.is_dir() and any(name.startswith("step-") and not name.endswith(".tmp")
-                                       for name in os.listdir(warmup))):
+    while not (
+        warmup.is_dir() and any(name.startswith("step-") and not name.endswith(".tmp") for name in os.listdir(warmup))
+    ):
         assert process.poll() is None and time.time() < deadline, process.communicate()
         time.sleep(0.05)
     process.kill()
@@ -352,10 +393,20 @@ def test_a_changed_configuration_on_resume_is_kept_beside_the_first_and_named(tm
 def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
     straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
     command = [sys.executable, "tests/planted_train.py"]
-    subprocess.run(command + overrides(straight, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT, check=True,
-                   capture_output=True, timeout=600)
-    process = subprocess.Popen(command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    subprocess.run(
+        command + overrides(straight, steps=3, **{"checkpoint.interval": 100}),
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    process = subprocess.Popen(
+        command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = os.path.join(interrupted, "run", "metrics.jsonl")
     deadline = time.time() + 600
     while not (os.path.exists(metrics) and any('"loss"' in line for line in open(metrics))):
@@ -368,8 +419,13 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tm
     steps_done = CheckpointManager(os.path.join(interrupted, "run", "checkpoints")).complete_steps()
     assert steps_done and steps_done[-1] in (1, 2)
 
-    subprocess.run(command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}), cwd=ROOT, check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        command + overrides(interrupted, steps=3, **{"checkpoint.interval": 100}),
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     expected = {r["step"]: r for r in read_rows(straight) if "loss" in r}
     got = {r["step"]: r for r in read_rows(interrupted) if "loss" in r}
     assert sorted(got) == [1, 2, 3]
@@ -415,8 +471,12 @@ def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
 def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_does(tmp_path):
     from dist_utils import run_ranks
 
-    settings = {"parallelism.dp_shard": 2, "training.sft_warmup_steps": 5, "training.sft_batch_size": 4,
-                "checkpoint.warmup_interval": 2}
+    settings = {
+        "parallelism.dp_shard": 2,
+        "training.sft_warmup_steps": 5,
+        "training.sft_batch_size": 4,
+        "checkpoint.warmup_interval": 2,
+    }
     straight = run_ranks(_warm_up_on_ranks, 2, overrides(str(tmp_path / "straight"), steps=0, **settings))[0]
     interrupted = overrides(str(tmp_path / "interrupted"), steps=0, **settings)
     assert run_ranks(_warm_up_on_ranks, 2, interrupted, crash_after=3) == ["killed (simulated)"] * 2
@@ -441,17 +501,24 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("train_state/")}
     manifest["files"]["train_state/rank-00000.pt"] = os.path.getsize(step_1 / "train_state" / "rank-00000.pt")
     (step_1 / "COMPLETE.json").write_text(json.dumps(manifest))
-    result = subprocess.run([sys.executable, "train.py", *overrides(str(tmp_path), steps=2)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides(str(tmp_path), steps=2)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
         f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
-        f"the run folder aside) or remove {tmp_path}/run/checkpoints")
+        f"the run folder aside) or remove {tmp_path}/run/checkpoints"
+    )
 
 
-def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handlers(tmp_path, monkeypatch,
-                                                                                     signal_handlers):
+def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handlers(
+    tmp_path, monkeypatch, signal_handlers
+):
     shutdowns = []
     real_shutdown = TorchEngine.shutdown
 

@@ -3,7 +3,6 @@
 import os
 
 import pytest
-
 from dist_utils import run_ranks
 
 SLOW = 4.0  # seconds the slow rank generates; the default group's timeout is half of it
@@ -20,8 +19,13 @@ def _slow_engine_worker(rank, world, store_path):
 
     # The default group gets a timeout shorter than one generation (NCCL's is 10 minutes, rounds take hours).
     dist.destroy_process_group()
-    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store_path, world),
-                            timeout=timedelta(seconds=SLOW / 2))
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        store=dist.FileStore(store_path, world),
+        timeout=timedelta(seconds=SLOW / 2),
+    )
     env = init_distributed(1, -1, 1)  # control groups: the default timeout of rollout.round_timeout_s
     group, _ = engine_group(2, env)
     backend = dist.get_backend(group)

@@ -12,9 +12,15 @@ from trainer.policy import micro_batch_logprobs
 
 def _items(seed=0, n=5):
     rng = random.Random(seed)
-    return [PackItem([rng.randrange(256) for _ in range(rng.randint(1, 7))],
-                     [rng.randrange(256) for _ in range(rng.randint(0, 6))], advantage=rng.uniform(-1, 1),
-                     group_id=i // 2) for i in range(n)]
+    return [
+        PackItem(
+            [rng.randrange(256) for _ in range(rng.randint(1, 7))],
+            [rng.randrange(256) for _ in range(rng.randint(0, 6))],
+            advantage=rng.uniform(-1, 1),
+            group_id=i // 2,
+        )
+        for i in range(n)
+    ]
 
 
 def test_plan_respects_the_budget_and_uses_every_sample_once():
@@ -55,7 +61,7 @@ def test_packed_logprobs_equal_each_sample_alone():
             logits = model(seq)[0].float() / 0.7
             n = len(item.response_ids)
             start = len(item.prompt_ids) - 1
-            reference = F.log_softmax(logits[start:start + n], -1)
+            reference = F.log_softmax(logits[start : start + n], -1)
             expected = reference.gather(-1, torch.tensor(item.response_ids)[:, None])[:, 0]
             assert torch.allclose(logp[s, :n], expected, atol=1e-5)
             ref_entropy = -(reference.exp() * reference).sum(-1)
@@ -86,8 +92,16 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     mb = pack(items)
     with torch.no_grad():
         mb.old_logp, _ = micro_batch_logprobs(model, mb)
-    kwargs = dict(global_num_tokens=None, global_num_seqs=None, global_num_groups=None, temperature=1.0,
-                  clip_low=0.2, clip_high=0.28, clip_c=10.0, agg="token-mean")
+    kwargs = dict(
+        global_num_tokens=None,
+        global_num_seqs=None,
+        global_num_groups=None,
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.28,
+        clip_c=10.0,
+        agg="token-mean",
+    )
     loss, _ = dapo_micro_batch_loss(model, mb, **kwargs)
     logp, _ = micro_batch_logprobs(model, mb)
     weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=2.0)

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from parallel.dims import ParallelDims
-
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
@@ -84,7 +83,9 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     params = SamplingParams(max_new_tokens=4, n=2)
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     with pytest.warns(RuntimeWarning, match="kept 1 of 4 groups"):
-        batch, diag, _ = collect_batch(1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess())
+        batch, diag, _ = collect_batch(
+            1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess()
+        )
     assert len(batch) == 1 and diag["rounds"] == 2 and diag["shortfall"] == 3
 
     class AbortingEngine(PlantedEngine):
@@ -102,8 +103,13 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
 def _engine_groups(rank, world_size):
     from trainer.setup import engine_group
 
-    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
-                  dims=ParallelDims(world_size=world_size))
+    env = DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        device=torch.device("cpu"),
+        dims=ParallelDims(world_size=world_size),
+    )
     group, base_gpu = engine_group(2, env)
     return torch.distributed.get_process_group_ranks(group), base_gpu
 

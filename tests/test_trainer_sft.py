@@ -24,14 +24,29 @@ class CharTokenizer:
 
 
 def _examples():
-    return [PromptExample([3, 4 + i % 7, 5], str(i), "synthetic", [],
-                          solution=f"{i} + {i} = {2 * i}\nAnswer: {2 * i}", index=i) for i in range(24)]
+    return [
+        PromptExample(
+            [3, 4 + i % 7, 5], str(i), "synthetic", [], solution=f"{i} + {i} = {2 * i}\nAnswer: {2 * i}", index=i
+        )
+        for i in range(24)
+    ]
 
 
 def _warmup(model, **kwargs):
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dims=ParallelDims(world_size=1))
-    return sft_warmup(model, _examples(), CharTokenizer(), steps=STEPS, batch_size=4, lr=1e-2, micro_batch_tokens=64,
-                      dist_env=env, device=torch.device("cpu"), seed=5, **kwargs)
+    return sft_warmup(
+        model,
+        _examples(),
+        CharTokenizer(),
+        steps=STEPS,
+        batch_size=4,
+        lr=1e-2,
+        micro_batch_tokens=64,
+        dist_env=env,
+        device=torch.device("cpu"),
+        seed=5,
+        **kwargs,
+    )
 
 
 def build_manager(tmp_path):

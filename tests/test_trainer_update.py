@@ -42,8 +42,9 @@ class _RecordingSGD(torch.optim.SGD):
 
     def step(self, closure=None):
         params = self.param_groups[0]["params"]
-        self.updates.append(([p.detach().clone() for p in params],
-                             [None if p.grad is None else p.grad.clone() for p in params]))
+        self.updates.append(
+            ([p.detach().clone() for p in params], [None if p.grad is None else p.grad.clone() for p in params])
+        )
         return super().step(closure)
 
 
@@ -52,22 +53,42 @@ class _NoSchedule:
         pass
 
 
-def _groups(num_groups: int, group_size: int = 4, seed: int = 0, truncate_second: bool = False,
-            truncate_groups: tuple[int, ...] = ()):
+def _groups(
+    num_groups: int,
+    group_size: int = 4,
+    seed: int = 0,
+    truncate_second: bool = False,
+    truncate_groups: tuple[int, ...] = (),
+):
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for g in range(num_groups):
-        example = PromptExample(prompt_ids=torch.randint(1, ARGS.vocab_size, (3 + g,), generator=gen).tolist(),
-                                ground_truth="1", data_source="test", messages=[])
+        example = PromptExample(
+            prompt_ids=torch.randint(1, ARGS.vocab_size, (3 + g,), generator=gen).tolist(),
+            ground_truth="1",
+            data_source="test",
+            messages=[],
+        )
         samples = []
         for i in range(group_size):
             n = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=gen))
             score = 1.0 if (i + g) % 3 == 0 else -1.0
             finish = "length" if (truncate_second and i == 1) or g in truncate_groups else "stop"
-            samples.append(Sample(example, torch.randint(1, ARGS.vocab_size, (n,), generator=gen).tolist(),
-                                  (-torch.rand(n, generator=gen)).tolist(), finish, score > 0, score, None, 1))
-        groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
-                                  score=tuple(s.score for s in samples)))
+            samples.append(
+                Sample(
+                    example,
+                    torch.randint(1, ARGS.vocab_size, (n,), generator=gen).tolist(),
+                    (-torch.rand(n, generator=gen)).tolist(),
+                    finish,
+                    score > 0,
+                    score,
+                    None,
+                    1,
+                )
+            )
+        groups.append(
+            ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples))
+        )
     return groups
 
 
@@ -86,7 +107,7 @@ def _sample_logp(model, sample):
     ids = torch.tensor([sample.example.prompt_ids + sample.response_ids])
     logits = model(ids)[0].float()
     start = len(sample.example.prompt_ids) - 1  # the logits at position t predict token t + 1
-    logp = F.log_softmax(logits[start:start + len(sample.response_ids)], dim=-1)
+    logp = F.log_softmax(logits[start : start + len(sample.response_ids)], dim=-1)
     return logp.gather(-1, torch.tensor(sample.response_ids).unsqueeze(-1)).squeeze(-1)
 
 
@@ -104,13 +125,23 @@ def _reference_grads(model, old_model, groups, cfg):
         advantages = group_advantages(torch.tensor(group.score, dtype=torch.float64), group_size=len(group.payload))
         for i, s in enumerate(group.payload):
             keep = not (cfg.algorithm.overlong_filter and s.finish_reason == "length")
-            mask[row, :len(s.response_ids)] = float(keep)
-            adv[row, :len(s.response_ids)] = float(advantages[i])
+            mask[row, : len(s.response_ids)] = float(keep)
+            adv[row, : len(s.response_ids)] = float(advantages[i])
             group_ids.append(gi)
             row += 1
     alg = cfg.algorithm
-    loss, _ = policy_loss(new, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
-                          agg=alg.loss_agg, group_ids=torch.tensor(group_ids), norm_len=MAX_RESPONSE)
+    loss, _ = policy_loss(
+        new,
+        old,
+        adv,
+        mask,
+        clip_low=alg.clip_low,
+        clip_high=alg.clip_high,
+        clip_c=alg.clip_c,
+        agg=alg.loss_agg,
+        group_ids=torch.tensor(group_ids),
+        norm_len=MAX_RESPONSE,
+    )
     model.zero_grad(set_to_none=True)
     loss.backward()
     return [p.grad for p in model.parameters()]
@@ -134,8 +165,12 @@ def _train(groups, cfg, lr=0.0):
 @pytest.mark.parametrize("overlong_filter", [False, True])
 def test_one_update_equals_the_unpacked_loss(agg, overlong_filter):
     groups = _groups(4, truncate_second=True)
-    cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=overlong_filter,
-                  training__train_batch_size=4, training__mini_batch_size=4)
+    cfg = _config(
+        algorithm__loss_agg=agg,
+        algorithm__overlong_filter=overlong_filter,
+        training__train_batch_size=4,
+        training__mini_batch_size=4,
+    )
     start, updates, stats = _train(groups, cfg)
     assert len(updates) == 1 and stats["updates"] == 1
     _assert_grads_match(updates[0][1], _reference_grads(start, start, groups, cfg))
@@ -172,8 +207,12 @@ def test_fully_masked_samples_and_groups_take_no_share_of_the_update(agg):
     # Group 1 was truncated in every sample and the second sample of each group too (overlong filtering):
     # the sequence and group counts the trainer passes leave them out, as rl/loss.py does in one call.
     groups = _groups(4, truncate_second=True, truncate_groups=(1,))
-    cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True,
-                  training__train_batch_size=4, training__mini_batch_size=4)
+    cfg = _config(
+        algorithm__loss_agg=agg,
+        algorithm__overlong_filter=True,
+        training__train_batch_size=4,
+        training__mini_batch_size=4,
+    )
     start, updates, stats = _train(groups, cfg)
     assert len(updates) == 1
     _assert_grads_match(updates[0][1], _reference_grads(start, start, groups, cfg))
@@ -197,8 +236,7 @@ class _GlooDataParallel(_OneProcess):
         import torch.distributed as dist
 
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op])
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         return tensor.tolist()
 
 
@@ -207,15 +245,20 @@ DP_GROUPS = dict(num_groups=4, truncate_second=True, truncate_groups=(3,))  # ra
 
 def _dp_rank_grads(rank, world_size):
     groups = _groups(**DP_GROUPS)
-    share = groups[rank * 2:(rank + 1) * 2]
+    share = groups[rank * 2 : (rank + 1) * 2]
     out = {}
     for agg in AGG_MODES:
-        cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True,
-                      training__train_batch_size=4, training__mini_batch_size=4)
+        cfg = _config(
+            algorithm__loss_agg=agg,
+            algorithm__overlong_filter=True,
+            training__train_batch_size=4,
+            training__mini_batch_size=4,
+        )
         model = build_model(ARGS, seed=0)
         optimizer = _RecordingSGD(model.parameters(), lr=0.0)
-        TrainPhase(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size),
-                   torch.device("cpu")).run(1, share)
+        TrainPhase(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size), torch.device("cpu")).run(
+            1, share
+        )
         out[agg] = optimizer.updates[0][1]
     return out
 

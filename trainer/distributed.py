@@ -68,8 +68,9 @@ class DistEnv:
         control = group == "world" and self.control_group is not None
         tensor = torch.tensor(values, dtype=torch.float64, device="cpu" if control else self.device)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=reduce_op, group=self.control_group if control else
-                        self.dp_group if group == "dp" else None)
+        dist.all_reduce(
+            tensor, op=reduce_op, group=self.control_group if control else self.dp_group if group == "dp" else None
+        )
         return tensor.tolist()
 
     def barrier(self):
@@ -77,8 +78,9 @@ class DistEnv:
             dist.barrier()
 
 
-def init_distributed(dp_replicate: int, dp_shard: int, tp: int,
-                     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> DistEnv:
+def init_distributed(
+    dp_replicate: int, dp_shard: int, tp: int, control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+) -> DistEnv:
     """Join torchrun's process group if there is one (nccl on CUDA, gloo on CPU), build the mesh and the
     gloo control group (see the module docstring)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

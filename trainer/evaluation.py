@@ -30,9 +30,18 @@ if TYPE_CHECKING:
     from trainer.distributed import DistEnv
 
 
-def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, strict_box: bool = False,
-             progress=None, pass_at: Sequence[int] | None = None, prompts_per_call: int | None = None,
-             gather: Callable[[list[ProblemResult]], list[ProblemResult]] | None = None) -> dict:
+def evaluate(
+    engine,
+    examples: Sequence,
+    tokenizer,
+    params: SamplingParams,
+    *,
+    strict_box: bool = False,
+    progress=None,
+    pass_at: Sequence[int] | None = None,
+    prompts_per_call: int | None = None,
+    gather: Callable[[list[ProblemResult]], list[ProblemResult]] | None = None,
+) -> dict:
     """Generate `params.n` (= k) samples for each example, score them, and summarise.
 
     examples: distinct problems (rl/data.py PromptExample: prompt_ids, ground_truth, data_source);
@@ -77,12 +86,15 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
     starts = range(0, len(examples), chunk) if examples or getattr(engine, "group", None) is None else [0]
     try:
         for begin in starts:
-            batch = examples[begin:begin + chunk]
+            batch = examples[begin : begin + chunk]
             completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
-            results.extend(score_completions(batch, completions, tokenizer, k, strict_box=strict_box,
-                                             stop_ids=params.stop_token_ids))
+            results.extend(
+                score_completions(
+                    batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
+                )
+            )
             if progress is not None and progress is not False and batch:
-                done = results[-len(batch):]
+                done = results[-len(batch) :]
                 progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
     finally:
         if owned:
@@ -93,8 +105,14 @@ def evaluate(engine, examples: Sequence, tokenizer, params: SamplingParams, *, s
         if not results:
             raise ValueError("evaluate() needs at least one example (none on any rank)")
     report = summarize(results, ks)
-    report["sampling"] = {"n": k, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                          "max_new_tokens": params.max_new_tokens, "strict_box": strict_box}
+    report["sampling"] = {
+        "n": k,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "strict_box": strict_box,
+    }
     report["time_s"] = elapsed
     return report
 
@@ -129,18 +147,36 @@ def load_eval_set(cfg, tokenizer) -> list:
     prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
     data = cfg.data
     if data.eval_path == "synthetic":
-        rows = synthetic_arithmetic_rows(data.synthetic_num_eval, difficulty=data.synthetic_difficulty, split="eval",
-                                         seed=data.seed, answer_line_share=data.synthetic_answer_share)
-        examples = rows_to_examples(rows, tokenizer, max_prompt_length=data.max_prompt_length,
-                                    overflow=data.prompt_overflow, source_name="synthetic eval")[0]
+        rows = synthetic_arithmetic_rows(
+            data.synthetic_num_eval,
+            difficulty=data.synthetic_difficulty,
+            split="eval",
+            seed=data.seed,
+            answer_line_share=data.synthetic_answer_share,
+        )
+        examples = rows_to_examples(
+            rows,
+            tokenizer,
+            max_prompt_length=data.max_prompt_length,
+            overflow=data.prompt_overflow,
+            source_name="synthetic eval",
+        )[0]
     else:
-        examples = load_prompts(data.eval_path, tokenizer, max_prompt_length=data.max_prompt_length,
-                                overflow=data.prompt_overflow)
-    return examples[:cfg.eval.eval_size] if cfg.eval.eval_size else examples
+        examples = load_prompts(
+            data.eval_path, tokenizer, max_prompt_length=data.max_prompt_length, overflow=data.prompt_overflow
+        )
+    return examples[: cfg.eval.eval_size] if cfg.eval.eval_size else examples
 
 
-def score_completions(examples: Sequence, completions: Sequence[Completion], tokenizer, k: int, *,
-                      strict_box: bool = False, stop_ids: Sequence[int] = ()) -> list[ProblemResult]:
+def score_completions(
+    examples: Sequence,
+    completions: Sequence[Completion],
+    tokenizer,
+    k: int,
+    *,
+    strict_box: bool = False,
+    stop_ids: Sequence[int] = (),
+) -> list[ProblemResult]:
     """One ProblemResult per example from its k completions (grouped by prompt, as engines return them).
 
     Each response is scored as training scores it (trainer/scoring.py `rule_score` on `response_text`:
@@ -150,16 +186,20 @@ def score_completions(examples: Sequence, completions: Sequence[Completion], tok
     check_completions(completions, len(examples), k)
     results = []
     for p, example in enumerate(examples):
-        group = completions[p * k:(p + 1) * k]
-        scores = [rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
-                  for c in group]
-        results.append(ProblemResult(
-            data_source=example.data_source,
-            acc=[bool(s["acc"]) for s in scores],
-            pred=[s["pred"] for s in scores],
-            response_length=[len(c.token_ids) for c in group],
-            truncated=[c.finish_reason == "length" for c in group],
-        ))
+        group = completions[p * k : (p + 1) * k]
+        scores = [
+            rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
+            for c in group
+        ]
+        results.append(
+            ProblemResult(
+                data_source=example.data_source,
+                acc=[bool(s["acc"]) for s in scores],
+                pred=[s["pred"] for s in scores],
+                response_length=[len(c.token_ids) for c in group],
+                truncated=[c.finish_reason == "length" for c in group],
+            )
+        )
     return results
 
 
@@ -168,8 +208,10 @@ def _refuse_repeats(examples: Sequence) -> None:
     for i, e in enumerate(examples):
         key = (tuple(e.prompt_ids), e.ground_truth)
         if key in seen:
-            raise ValueError(f"example {i} repeats example {seen[key]}: evaluate distinct problems (load with "
-                             "repeat=1) and set the samples per problem with SamplingParams.n = k")
+            raise ValueError(
+                f"example {i} repeats example {seen[key]}: evaluate distinct problems (load with "
+                "repeat=1) and set the samples per problem with SamplingParams.n = k"
+            )
         seen[key] = i
 
 
@@ -231,22 +273,35 @@ def _gather_over_dp(results: list, group) -> list:
     return [r for part in everyone for r in part]
 
 
-def run_held_out_eval(engine: Engine, examples: Sequence[PromptExample], tokenizer: Tokenizer,
-                      params: SamplingParams, dist_env: DistEnv, run_path: str, step: int, *,
-                      strict_box: bool = False, progress=None, pass_at: Sequence[int] = ()) -> dict[str, float]:
+def run_held_out_eval(
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    dist_env: DistEnv,
+    run_path: str,
+    step: int,
+    *,
+    strict_box: bool = False,
+    progress=None,
+    pass_at: Sequence[int] = (),
+) -> dict[str, float]:
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 
     Data-parallel ranks split the problems and merge their results over the data-parallel group;
     tensor-parallel peers evaluate the same share with the same weights and seeds.
     """
     engine.resume_memory()
-    mine = examples[dist_env.dp_rank::dist_env.dp_size]
+    mine = examples[dist_env.dp_rank :: dist_env.dp_size]
     gather = None
     if dist_env.world_size > 1:
-        gather = lambda results: _gather_over_dp(results, dist_env.dp_group)
-    report = evaluate(engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, pass_at=pass_at,
-                      gather=gather)
+
+        def gather(results):
+            return _gather_over_dp(results, dist_env.dp_group)
+
+    report = evaluate(
+        engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, pass_at=pass_at, gather=gather
+    )
     if dist_env.is_main:
         write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
     return flat_metrics(report)
-

@@ -79,33 +79,49 @@ class Components:
 
 def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
     """Run folder, tokenizer and data, then the policy, the rollout engine, the optimizer and its schedule."""
-    run_path = prepare_run_folder(cfg.job.run_dir, cfg.job.name, config_to_dict(cfg), is_main=dist.is_main,
-                                  resume=cfg.checkpoint.resume, fresh=fresh)
+    run_path = prepare_run_folder(
+        cfg.job.run_dir,
+        cfg.job.name,
+        config_to_dict(cfg),
+        is_main=dist.is_main,
+        resume=cfg.checkpoint.resume,
+        fresh=fresh,
+    )
     dist.barrier()
     tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
     train_set, eval_set = load_datasets(cfg, tokenizer)
     if cfg.training.sft_warmup_steps and not any(e.solution for e in train_set):
-        raise ConfigError(f"training.sft_warmup_steps = {cfg.training.sft_warmup_steps} needs worked solutions "
-                          f"(extra_info.solution), and none of the {len(train_set)} prompts of data.train_path = "
-                          f"{cfg.data.train_path!r} has one: set training.sft_warmup_steps = 0 for this data set")
-    sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                            dp_rank=dist.dp_rank, dp_size=dist.dp_size)
+        raise ConfigError(
+            f"training.sft_warmup_steps = {cfg.training.sft_warmup_steps} needs worked solutions "
+            f"(extra_info.solution), and none of the {len(train_set)} prompts of data.train_path = "
+            f"{cfg.data.train_path!r} has one: set training.sft_warmup_steps = 0 for this data set"
+        )
+    sampler = PromptSampler(
+        train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle, dp_rank=dist.dp_rank, dp_size=dist.dp_size
+    )
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
 
     policy, engine = build_policy_and_engine(cfg, dist)
     opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+    )
     # Linear warm-up over the first `warmup_steps` rollout steps that update the policy (trainer/update.py),
     # then constant (the paper's schedule).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, opt.warmup_steps)))
     alg = cfg.algorithm
-    builder = DynamicBatchBuilder(cfg.training.train_batch_size // dist.dp_size, alg.max_num_gen_batches,
-                                  on_shortfall=alg.on_shortfall, max_staleness=alg.carry_over_max_staleness,
-                                  enabled=alg.dynamic_sampling, metric=alg.filter_metric)
+    builder = DynamicBatchBuilder(
+        cfg.training.train_batch_size // dist.dp_size,
+        alg.max_num_gen_batches,
+        on_shortfall=alg.on_shortfall,
+        max_staleness=alg.carry_over_max_staleness,
+        enabled=alg.dynamic_sampling,
+        metric=alg.filter_metric,
+    )
     phase = TrainPhase(policy, optimizer, scheduler, cfg, dist, dist.device)
-    return Components(dist, run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler,
-                      builder, phase)
+    return Components(
+        dist, run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder, phase
+    )
 
 
 class Trainer:
@@ -120,10 +136,21 @@ class Trainer:
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
         rollout, alg = cfg.rollout, cfg.algorithm
         self.rollout_params = SamplingParams(
-            max_new_tokens=rollout.max_response_length, temperature=rollout.temperature, top_p=rollout.top_p,
-            top_k=rollout.top_k, n=rollout.n, stop_token_ids=parts.tokenizer.stop_ids, seed=cfg.job.seed)
-        self.reward = RewardSettings(rollout.max_response_length, alg.overlong_penalty, alg.overlong_buffer,
-                                     alg.overlong_penalty_factor, alg.strict_box)
+            max_new_tokens=rollout.max_response_length,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            n=rollout.n,
+            stop_token_ids=parts.tokenizer.stop_ids,
+            seed=cfg.job.seed,
+        )
+        self.reward = RewardSettings(
+            rollout.max_response_length,
+            alg.overlong_penalty,
+            alg.overlong_buffer,
+            alg.overlong_penalty_factor,
+            alg.strict_box,
+        )
         multiplier = rollout.gen_batch_multiplier if alg.dynamic_sampling else 1
         self.prompts_per_round = cfg.training.train_batch_size * multiplier
 
@@ -134,11 +161,13 @@ class Trainer:
             return
         p = self.parts
         position = position or loop_position(p.sampler, p.builder)
-        self.checkpoints.save(self.state.step, p.policy, p.optimizer, p.scheduler,
-                              dict(self.state.state_dict(), **position))
+        self.checkpoints.save(
+            self.state.step, p.policy, p.optimizer, p.scheduler, dict(self.state.state_dict(), **position)
+        )
 
-    def stop_with_checkpoint(self, error: Exception, position: dict | None = None, *, save: bool = True,
-                             cause: BaseException | None = None) -> NoReturn:
+    def stop_with_checkpoint(
+        self, error: Exception, position: dict | None = None, *, save: bool = True, cause: BaseException | None = None
+    ) -> NoReturn:
         """Checkpoint the last completed step (at data `position`, default: now), then raise `error`."""
         if save:
             self.save_checkpoint(position)
@@ -154,15 +183,15 @@ class Trainer:
         sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
 
     def progress(self, total, desc: str, unit: str) -> Progress:
-        return Progress(total=total, desc=desc, unit=unit, enabled=self.cfg.metrics.progress and self.dist.is_main,
-                        leave=False)
+        return Progress(
+            total=total, desc=desc, unit=unit, enabled=self.cfg.metrics.progress and self.dist.is_main, leave=False
+        )
 
     # --- Before the loop ---------------------------------------------------------------------------
     def resume(self) -> None:
         """Load the latest checkpoint (if resuming), then open metrics.jsonl and start listening for signals."""
         p = self.parts
-        saved = (self.checkpoints.resume(p.policy, p.optimizer, p.scheduler) if self.cfg.checkpoint.resume
-                 else None)
+        saved = self.checkpoints.resume(p.policy, p.optimizer, p.scheduler) if self.cfg.checkpoint.resume else None
         if saved is not None:
             restore_loop_position(saved, p.sampler, p.builder)
             self.state.load_state_dict(saved)
@@ -170,8 +199,12 @@ class Trainer:
             log.info("resumed from step %d", self.state.step)
             self.sync_weights()
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
-        self.metrics = MetricsWriter(p.run_path, self.cfg.metrics, rank=self.dist.rank,
-                                     resumed_step=self.state.step if self.state.step > 0 else -1)
+        self.metrics = MetricsWriter(
+            p.run_path,
+            self.cfg.metrics,
+            rank=self.dist.rank,
+            resumed_step=self.state.step if self.state.step > 0 else -1,
+        )
         # A first SIGTERM / SIGINT asks for a checkpoint at the next phase boundary, from here to the end.
         self.stop = GracefulStop().install()
 
@@ -183,12 +216,24 @@ class Trainer:
         start = time.perf_counter()
         warmup_checkpoints = CheckpointManager(f"{p.run_path}/{WARMUP_CHECKPOINTS}", keep=1)
         with self.progress(training.sft_warmup_steps, "warm-up", "steps") as bar:
-            sft_warmup(p.policy, p.train_set, p.tokenizer, steps=training.sft_warmup_steps,
-                       batch_size=training.sft_batch_size, lr=training.sft_lr,
-                       micro_batch_tokens=training.micro_batch_tokens, dist_env=self.dist, device=self.dist.device,
-                       seed=cfg.job.seed, on_log=lambda s, l: log.info("sft step %d: loss %.4f", s, l),
-                       progress=bar, checkpoints=warmup_checkpoints, resume=cfg.checkpoint.resume,
-                       interval=cfg.checkpoint.warmup_interval if cfg.checkpoint.enabled else 0, stop=self.stop)
+            sft_warmup(
+                p.policy,
+                p.train_set,
+                p.tokenizer,
+                steps=training.sft_warmup_steps,
+                batch_size=training.sft_batch_size,
+                lr=training.sft_lr,
+                micro_batch_tokens=training.micro_batch_tokens,
+                dist_env=self.dist,
+                device=self.dist.device,
+                seed=cfg.job.seed,
+                on_log=lambda step, loss: log.info("sft step %d: loss %.4f", step, loss),
+                progress=bar,
+                checkpoints=warmup_checkpoints,
+                resume=cfg.checkpoint.resume,
+                interval=cfg.checkpoint.warmup_interval if cfg.checkpoint.enabled else 0,
+                stop=self.stop,
+            )
         self.sync_weights()
         self.state.sft_done = True
         if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
@@ -200,17 +245,27 @@ class Trainer:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p = self.parts
         with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
-            return run_held_out_eval(p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step,
-                                     strict_box=self.cfg.algorithm.strict_box, progress=bar,
-                                     pass_at=self.cfg.eval.pass_at)
+            return run_held_out_eval(
+                p.engine,
+                p.eval_set,
+                p.tokenizer,
+                self.eval_params,
+                self.dist,
+                p.run_path,
+                step,
+                strict_box=self.cfg.algorithm.strict_box,
+                progress=bar,
+                pass_at=self.cfg.eval.pass_at,
+            )
 
     def evaluate_at_start(self) -> None:
         """The held-out accuracy before DAPO (eval.at_start), unless the run resumes past step 0."""
         if self.cfg.eval.at_start and self.state.step == 0 and self.parts.eval_set:
             scores = self.held_out(0)
             self.metrics.write(0, scores)
-            log.info("held-out accuracy before DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"],
-                     self.eval_params.n)
+            log.info(
+                "held-out accuracy before DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n
+            )
         self.stop_if_requested()
 
     # --- Algorithm 1 -------------------------------------------------------------------------------
@@ -253,8 +308,16 @@ class Trainer:
         """The step's metrics row so far: rollout and training statistics, phase times, MFU."""
         row = rollout_metrics(groups, filter_stats, train_stats, self.dist, group_size=self.cfg.rollout.n)
         row.update({f"time/{phase}": seconds[phase] for phase in ("generate", "score", "train")})
-        row.update(training_mfu(self.parts.policy.args, groups, seconds["train"], self.dist,
-                                ppo_epochs=self.cfg.training.ppo_epochs, metrics=self.cfg.metrics))
+        row.update(
+            training_mfu(
+                self.parts.policy.args,
+                groups,
+                seconds["train"],
+                self.dist,
+                ppo_epochs=self.cfg.training.ppo_epochs,
+                metrics=self.cfg.metrics,
+            )
+        )
         return row
 
     def rollouts(self, step: int, before_step: dict):
@@ -262,16 +325,35 @@ class Trainer:
         p = self.parts
         try:
             with self.progress(p.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
-                return collect_batch(step, p.builder, p.engine, p.sampler, self.prompts_per_round,
-                                     self.rollout_params, p.tokenizer, self.reward, self.dist, progress=bar)
+                return collect_batch(
+                    step,
+                    p.builder,
+                    p.engine,
+                    p.sampler,
+                    self.prompts_per_round,
+                    self.rollout_params,
+                    p.tokenizer,
+                    self.reward,
+                    self.dist,
+                    progress=bar,
+                )
         except EngineFailure as exc:
-            self.stop_with_checkpoint(RuntimeError(
-                f"step {step}: {exc}; the retry failed too. Checkpoint of step {self.state.step} saved; rerun the "
-                f"same command to resume"), before_step, cause=exc)
+            self.stop_with_checkpoint(
+                RuntimeError(
+                    f"step {step}: {exc}; the retry failed too. Checkpoint of step {self.state.step} saved; rerun the "
+                    f"same command to resume"
+                ),
+                before_step,
+                cause=exc,
+            )
         except RolloutError as exc:  # a shortfall under on_shortfall = "raise", or a scoring error
-            self.stop_with_checkpoint(RuntimeError(
-                f"{exc}. Checkpoint of step {self.state.step} saved; rerun to resume (with the cause fixed)"),
-                before_step, cause=exc)
+            self.stop_with_checkpoint(
+                RuntimeError(
+                    f"{exc}. Checkpoint of step {self.state.step} saved; rerun to resume (with the cause fixed)"
+                ),
+                before_step,
+                cause=exc,
+            )
 
     def stop_after_nonfinite_updates(self, step: int, row: dict, step_start: float) -> None:
         """Too many non-finite updates in a row: write the step's row, checkpoint it and stop."""
@@ -279,8 +361,9 @@ class Trainer:
         if skipped >= self.cfg.training.max_nonfinite_steps:
             row["time/step"] = time.perf_counter() - step_start
             self.metrics.write(step, row)
-            self.stop_with_checkpoint(RuntimeError(
-                f"{skipped} non-finite updates in a row at step {step}; checkpoint saved, stopping"))
+            self.stop_with_checkpoint(
+                RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved, stopping")
+            )
 
     def after_step(self, step: int, row: dict) -> None:
         """The step's held-out evaluation (every eval.interval steps), its metrics row and checkpoint."""
@@ -303,8 +386,7 @@ class Trainer:
         if cfg.eval.at_end and p.eval_set:
             scores = self.held_out(step)
             self.metrics.write(step, scores)
-            log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"],
-                     self.eval_params.n)
+            log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
         if cfg.checkpoint.enabled:
             self.save_checkpoint()  # no-op when the last step's interval checkpoint exists
         self.stop_if_requested(save=False)

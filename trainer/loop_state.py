@@ -19,9 +19,14 @@ def _group_to_plain(group: ScoredGroup) -> dict:
     example = samples[0].example
     if any(s.example is not example for s in samples):
         raise ValueError("a carried-over group holds samples of different prompts")
-    return {"example": dataclasses.asdict(example), "acc": group.acc, "score": group.score,
-            "samples": [{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "example"}
-                        for s in samples]}
+    return {
+        "example": dataclasses.asdict(example),
+        "acc": group.acc,
+        "score": group.score,
+        "samples": [
+            {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "example"} for s in samples
+        ],
+    }
 
 
 def _group_from_plain(plain: dict) -> ScoredGroup:

@@ -75,9 +75,14 @@ def probe_machine(environ=None) -> Machine:
     except importlib.metadata.PackageNotFoundError:
         sglang = None
     world_size = int(environ.get("WORLD_SIZE", "1"))
-    return Machine(cuda_devices=cuda, cuda_capability=torch.cuda.get_device_capability(0) if cuda else None,
-                   sglang_version=sglang, cxx_compiler=cuda > 0 or _cxx_compiler_found(), world_size=world_size,
-                   local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    return Machine(
+        cuda_devices=cuda,
+        cuda_capability=torch.cuda.get_device_capability(0) if cuda else None,
+        sglang_version=sglang,
+        cxx_compiler=cuda > 0 or _cxx_compiler_found(),
+        world_size=world_size,
+        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
+    )
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -116,8 +121,10 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     if not fits:
         layout = f"{replicate} x {shard} x {tp}"
         processes = f"{world} process{'es' * (world > 1)}"
-        reason = (f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
-                  "(WORLD_SIZE); dp_shard = -1 takes the ranks left")
+        reason = (
+            f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
+            "(WORLD_SIZE); dp_shard = -1 takes the ranks left"
+        )
         if world % tp:
             fix("parallelism.tp", math.gcd(tp, world), reason)
         if world % (value("parallelism.dp_replicate") * value("parallelism.tp")):
@@ -130,14 +137,20 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     if dp > 1:
         mini = value("training.mini_batch_size")
         if mini % dp:
-            fix("training.mini_batch_size", _round_up(mini, dp),
+            fix(
+                "training.mini_batch_size",
+                _round_up(mini, dp),
                 f"must divide over the {dp} data-parallel ranks (whole groups live on one rank); a larger "
-                "mini-batch means fewer updates per step, which fewer processes would avoid")
+                "mini-batch means fewer updates per step, which fewer processes would avoid",
+            )
         train = value("training.train_batch_size")
         if train % value("training.mini_batch_size"):
-            fix("training.train_batch_size", _round_up(train, value("training.mini_batch_size")),
+            fix(
+                "training.train_batch_size",
+                _round_up(train, value("training.mini_batch_size")),
                 f"must be whole mini-batches of {value('training.mini_batch_size')} prompts, divided over the "
-                f"{dp} data-parallel ranks")
+                f"{dp} data-parallel ranks",
+            )
         sft = value("training.sft_batch_size")
         if value("training.sft_warmup_steps") and sft % dp:
             fix("training.sft_batch_size", _round_up(sft, dp), f"must divide over the {dp} data-parallel ranks")
@@ -145,52 +158,79 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     # Rollout engine: SGLang runs only on CUDA GPUs, and only the release its engine is written against.
     if value("rollout.engine") == "sglang":
         if not cuda:
-            fix("rollout.engine", "torch", "SGLang runs only on CUDA GPUs and this machine has none; the torch "
-                                           "engine runs everywhere")
+            fix(
+                "rollout.engine",
+                "torch",
+                "SGLang runs only on CUDA GPUs and this machine has none; the torch engine runs everywhere",
+            )
         elif machine.sglang_version != SGLANG_VERSION:
-            found = f"sglang {machine.sglang_version} is installed" if machine.sglang_version else \
-                "sglang is not installed"
-            fix("rollout.engine", "torch", f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
-                                           "(pip install -r requirements-gpu.txt); or use the torch engine")
+            found = (
+                f"sglang {machine.sglang_version} is installed" if machine.sglang_version else "sglang is not installed"
+            )
+            fix(
+                "rollout.engine",
+                "torch",
+                f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
+                "(pip install -r requirements-gpu.txt); or use the torch engine",
+            )
         else:
             engine_tp = value("rollout.tp_size")
             if machine.local_world_size % engine_tp:
-                fix("rollout.tp_size", math.gcd(engine_tp, machine.local_world_size),
+                fix(
+                    "rollout.tp_size",
+                    math.gcd(engine_tp, machine.local_world_size),
                     f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
-                    f"runs {machine.local_world_size}")
+                    f"runs {machine.local_world_size}",
+                )
 
     # Mixed precision (param_dtype differs from model.dtype) is FSDP's; on a CPU only torchrun's several
     # processes start the process group FSDP needs (a single CUDA process starts a one-rank group itself).
     model_dtype = value("model.dtype")
     if not cuda and world == 1 and value("parallelism.param_dtype") != model_dtype:
-        fix("parallelism.param_dtype", model_dtype,
+        fix(
+            "parallelism.param_dtype",
+            model_dtype,
             f"computing in {value('parallelism.param_dtype')} over {model_dtype} weights is FSDP mixed "
-            "precision, which needs a process group: one CPU process has none")
+            "precision, which needs a process group: one CPU process has none",
+        )
     fsdp = dp > 1 or value("parallelism.param_dtype") != model_dtype
     if not cuda and fsdp and value("parallelism.cpu_offload"):
-        fix("parallelism.cpu_offload", False, "offloading moves GPU state to host memory: on a CPU it is there "
-                                              "already, and FSDP refuses the option on a CPU mesh")
+        fix(
+            "parallelism.cpu_offload",
+            False,
+            "offloading moves GPU state to host memory: on a CPU it is there "
+            "already, and FSDP refuses the option on a CPU mesh",
+        )
 
     # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
     if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
         has = "compute capability {}.{}".format(*machine.cuda_capability) if cuda else "no CUDA GPU"
-        fix("parallelism.float8", False, f"float8 training needs a CUDA GPU of compute capability >= 8.9; this "
-                                         f"machine has {has}")
+        fix(
+            "parallelism.float8",
+            False,
+            f"float8 training needs a CUDA GPU of compute capability >= 8.9; this machine has {has}",
+        )
 
     # FlexAttention has no backward on CPU; SDPA with a document mask computes the same attention.
     if not cuda and value("model.attention_backend") == "flex":
-        fix("model.attention_backend", "sdpa", "FlexAttention has no backward pass on CPU; SDPA computes the "
-                                               "same packed attention there")
+        fix(
+            "model.attention_backend",
+            "sdpa",
+            "FlexAttention has no backward pass on CPU; SDPA computes the same packed attention there",
+        )
 
     # torch.compile generates C++ kernels on a CPU, built with the system's C++ compiler.
     if not cuda and not machine.cxx_compiler:
         for key in ("parallelism.compile", "rollout.compile"):
             if value(key):
-                fix(key, False, "torch.compile builds C++ kernels on a CPU and no C++ compiler (g++, clang++) "
-                                "was found")
+                fix(
+                    key, False, "torch.compile builds C++ kernels on a CPU and no C++ compiler (g++, clang++) was found"
+                )
 
     if cuda and machine.local_world_size > machine.cuda_devices:
         gpus = f"{machine.cuda_devices} CUDA GPU{'s' * (machine.cuda_devices > 1)}"
-        launch.append(f"this node runs {machine.local_world_size} processes but has {gpus}: launch at most one "
-                      f"process per GPU (torchrun --nproc_per_node={machine.cuda_devices})")
+        launch.append(
+            f"this node runs {machine.local_world_size} processes but has {gpus}: launch at most one "
+            f"process per GPU (torchrun --nproc_per_node={machine.cuda_devices})"
+        )
     return fixes, launch

@@ -26,12 +26,20 @@ HOST_PARTS_WHEN_OFFLOADED = ("params", "grads", "optimizer")
 # PyTorch's memory trackers (torch.distributed._tools.mem_tracker / fsdp2_mem_tracker) name their
 # reference types; each maps to one part of the ledger.
 TRACKER_PARTS = {
-    "Sharded Param": "params", "Parameter": "params",
-    "Sharded Grad": "grads", "Gradient": "grads",
-    "OptState": "optimizer", "Optstate": "optimizer",
-    "Unsharded Param": "gathered", "Unsharded Grad": "gathered", "All Gather": "gathered",
+    "Sharded Param": "params",
+    "Parameter": "params",
+    "Sharded Grad": "grads",
+    "Gradient": "grads",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Unsharded Param": "gathered",
+    "Unsharded Grad": "gathered",
+    "All Gather": "gathered",
     "Reduce Scatter": "gathered",
-    "Activation": "activations", "Temp": "activations", "Inputs": "activations", "Buffer": "activations",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Inputs": "activations",
+    "Buffer": "activations",
     "Other": "activations",
 }
 
@@ -72,8 +80,9 @@ class MemoryLedger:
     rows: list[PhaseRow] = field(default_factory=list)
     reserved: int = 0  # what the trainer's caching allocator holds now
 
-    def record(self, phase: str, parts: dict[str, int], engine_bytes: int, note: str = "",
-               host: int | None = None) -> PhaseRow:
+    def record(
+        self, phase: str, parts: dict[str, int], engine_bytes: int, note: str = "", host: int | None = None
+    ) -> PhaseRow:
         """Add a phase whose trainer peak has these parts; the allocator's reserve grows to the peak.
 
         host: bytes of `parts` that live in host memory; default: with offload, all parameters,
@@ -101,27 +110,44 @@ class MemoryLedger:
         return next((row for row in self.rows if row.total > self.gpu_bytes), None)
 
     def table(self) -> str:
-        head = (f"{'phase':<26}{'params':>8}{'grads':>8}{'optim':>8}{'gather':>8}{'activ':>8}{'trainer':>9}"
-                f"{'reserve':>9}{'context':>9}{'engine':>8}{'total':>8}  of {self.gpu_bytes / GB:.0f} GB")
+        head = (
+            f"{'phase':<26}{'params':>8}{'grads':>8}{'optim':>8}{'gather':>8}{'activ':>8}{'trainer':>9}"
+            f"{'reserve':>9}{'context':>9}{'engine':>8}{'total':>8}  of {self.gpu_bytes / GB:.0f} GB"
+        )
         lines = [head, "-" * len(head)]
         for r in self.rows:
             cells = "".join(f"{r.trainer[k] / GB:>8.1f}" for k in PARTS)
             flag = "" if r.total <= self.gpu_bytes else f"  SHORT BY {(r.total - self.gpu_bytes) / GB:.1f} GB"
-            lines.append(f"{r.phase:<26}{cells}{r.trainer_peak / GB:>9.1f}{r.reserve / GB:>9.1f}"
-                         f"{r.context / GB:>9.1f}{r.engine / GB:>8.1f}{r.total / GB:>8.1f}{flag}"
-                         + (f"  ({r.note})" if r.note else ""))
+            lines.append(
+                f"{r.phase:<26}{cells}{r.trainer_peak / GB:>9.1f}{r.reserve / GB:>9.1f}"
+                f"{r.context / GB:>9.1f}{r.engine / GB:>8.1f}{r.total / GB:>8.1f}{flag}"
+                + (f"  ({r.note})" if r.note else "")
+            )
         if self.offload:
-            lines.append(f"host memory (cpu_offload): {max(r.host for r in self.rows) / GB:.1f} GB of sharded "
-                         "parameters, gradients and optimizer state per rank")
+            lines.append(
+                f"host memory (cpu_offload): {max(r.host for r in self.rows) / GB:.1f} GB of sharded "
+                "parameters, gradients and optimizer state per rank"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"gpu_gb": self.gpu_bytes / GB, "offload": self.offload,
-                "phases": [{"phase": r.phase, "total_gb": round(r.total / GB, 3),
-                            "trainer_gb": {k: round(v / GB, 3) for k, v in r.trainer.items()},
-                            "host_gb": round(r.host / GB, 3), "reserve_gb": round(r.reserve / GB, 3),
-                            "context_gb": round(r.context / GB, 3), "engine_gb": round(r.engine / GB, 3),
-                            "note": r.note} for r in self.rows]}
+        return {
+            "gpu_gb": self.gpu_bytes / GB,
+            "offload": self.offload,
+            "phases": [
+                {
+                    "phase": r.phase,
+                    "total_gb": round(r.total / GB, 3),
+                    "trainer_gb": {k: round(v / GB, 3) for k, v in r.trainer.items()},
+                    "host_gb": round(r.host / GB, 3),
+                    "reserve_gb": round(r.reserve / GB, 3),
+                    "context_gb": round(r.context / GB, 3),
+                    "engine_gb": round(r.engine / GB, 3),
+                    "note": r.note,
+                }
+                for r in self.rows
+            ],
+        }
 
     def json_line(self) -> str:
         return json.dumps(self.to_dict())

@@ -64,12 +64,28 @@ class MicroBatch:
     def num_samples(self) -> int:
         return len(self.items)
 
-    def to(self, device) -> "MicroBatch":
-        moved = {name: getattr(self, name).to(device) for name in
-                 ("tokens", "positions", "document_ids", "predict_positions", "targets", "layout", "mask",
-                  "advantages", "rollout_logp", "group_ids", "group_tokens", "stale")}
-        optional = {name: getattr(self, name).to(device) if getattr(self, name) is not None else None
-                    for name in ("old_logp", "prompt_segments", "response_segments")}
+    def to(self, device) -> MicroBatch:
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in (
+                "tokens",
+                "positions",
+                "document_ids",
+                "predict_positions",
+                "targets",
+                "layout",
+                "mask",
+                "advantages",
+                "rollout_logp",
+                "group_ids",
+                "group_tokens",
+                "stale",
+            )
+        }
+        optional = {
+            name: getattr(self, name).to(device) if getattr(self, name) is not None else None
+            for name in ("old_logp", "prompt_segments", "response_segments")
+        }
         return MicroBatch(**moved, items=self.items, **optional)
 
     def attention_context(self):
@@ -97,8 +113,10 @@ def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]
     too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
     if too_long:
         i, n = too_long[0]
-        raise ValueError(f"sample {i} has {n} tokens, more than the micro-batch token budget {token_budget} "
-                         f"(training.micro_batch_tokens must be >= max prompt + max response length)")
+        raise ValueError(
+            f"sample {i} has {n} tokens, more than the micro-batch token budget {token_budget} "
+            f"(training.micro_batch_tokens must be >= max prompt + max response length)"
+        )
     rows: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -208,19 +226,30 @@ def _micro_batch(items: list[PackItem], tokens, positions, docs, predict, target
                 raise ValueError(f"sample {s}: {len(it.rollout_logprobs)} rollout log-probs for {n} response tokens")
             rollout_logp[s, :n] = torch.tensor(it.rollout_logprobs, dtype=torch.float32)
         offset += n
-    as_row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)
+
+    def as_row(values):
+        return torch.tensor(values, dtype=torch.long).unsqueeze(0)
+
     return MicroBatch(
-        tokens=as_row(tokens), positions=as_row(positions), document_ids=as_row(docs),
-        predict_positions=torch.tensor(predict, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        layout=layout, mask=mask, advantages=advantages, rollout_logp=rollout_logp,
+        tokens=as_row(tokens),
+        positions=as_row(positions),
+        document_ids=as_row(docs),
+        predict_positions=torch.tensor(predict, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        layout=layout,
+        mask=mask,
+        advantages=advantages,
+        rollout_logp=rollout_logp,
         group_ids=torch.tensor([it.group_id for it in items], dtype=torch.long),
         group_tokens=torch.tensor([float(it.group_num_tokens) for it in items]),
-        stale=torch.tensor([it.stale for it in items], dtype=torch.bool), items=list(items),
+        stale=torch.tensor([it.stale for it in items], dtype=torch.bool),
+        items=list(items),
     )
 
 
-def pack_micro_batches(items: list[PackItem], token_budget: int, pad_to_multiple: int = 1,
-                       share_prompts: bool = False) -> list[MicroBatch]:
+def pack_micro_batches(
+    items: list[PackItem], token_budget: int, pad_to_multiple: int = 1, share_prompts: bool = False
+) -> list[MicroBatch]:
     """Pack a mini-batch's samples into as few budget-sized rows as first-fit decreasing finds.
 
     share_prompts: the samples of one group share their prompt (`pack`); a group is split into several
@@ -234,8 +263,11 @@ def pack_micro_batches(items: list[PackItem], token_budget: int, pad_to_multiple
         prompt = len(items[run[0]].prompt_ids)
         for i in run:
             need = len(items[i].response_ids)
-            if units and units[-1][0] in run and prompt + sum(len(items[j].response_ids) for j in units[-1]) + need \
-                    <= token_budget:
+            if (
+                units
+                and units[-1][0] in run
+                and prompt + sum(len(items[j].response_ids) for j in units[-1]) + need <= token_budget
+            ):
                 units[-1].append(i)
             else:
                 units.append([i])

@@ -18,8 +18,9 @@ from rl.loss import policy_loss
 from trainer.packing import MicroBatch
 
 
-def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK,
-                         with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def micro_batch_logprobs(
+    model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) / T-tempered, and the entropy, on the micro-batch's [S, L] response grid."""
     hidden = model(mb.tokens, mb.positions, mb.document_ids, context=mb.attention_context(), return_hidden=True)
     if isinstance(hidden, DTensor):  # sequence-parallel output of the final norm
@@ -27,18 +28,33 @@ def micro_batch_logprobs(model, mb: MicroBatch, *, temperature: float = 1.0, chu
     selected = hidden[0, mb.predict_positions]
     weight = model.output_weight()
     if isinstance(weight, DTensor):  # vocabulary-sharded head under tensor parallelism
-        logp, entropy = vocab_parallel_token_logprobs(selected, weight, mb.targets, temperature=temperature,
-                                                      chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, entropy = vocab_parallel_token_logprobs(
+            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
     else:
-        logp, entropy = token_logprobs(selected, weight, mb.targets, temperature=temperature,
-                                       chunk_size=chunk_size, with_entropy=with_entropy)
+        logp, entropy = token_logprobs(
+            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
     return mb.grid(logp), (mb.grid(entropy) if entropy is not None else None)
 
 
-def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_num_seqs, global_num_groups,
-                          temperature: float, clip_low: float, clip_high: float, clip_c: float, agg: str,
-                          truncated_is: bool = False, is_cap: float = 2.0, norm_len: float | None = None,
-                          chunk_size: int = DEFAULT_CHUNK):
+def dapo_micro_batch_loss(
+    model,
+    mb: MicroBatch,
+    *,
+    global_num_tokens,
+    global_num_seqs,
+    global_num_groups,
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    agg: str,
+    truncated_is: bool = False,
+    is_cap: float = 2.0,
+    norm_len: float | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+):
     """This micro-batch's share of the mini-batch DAPO loss (Eq. 8, 10), and its metrics.
 
     The global counts make the loss `sum(token losses here) / count over the whole mini-batch`, so the
@@ -58,10 +74,22 @@ def dapo_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, global_nu
         # whole mini-batch (the caller stores them per sample in `mb.group_tokens`).
         group_num_tokens = mb.group_tokens
     loss, metrics = policy_loss(
-        logp, mb.old_logp, mb.advantages, mb.mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, token_weights=weights,
-        group_ids=mb.group_ids if agg == "group-token-mean" else None, group_num_tokens=group_num_tokens,
-        global_num_groups=global_num_groups if agg == "group-token-mean" else None, norm_len=norm_len)
+        logp,
+        mb.old_logp,
+        mb.advantages,
+        mb.mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_c=clip_c,
+        agg=agg,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        token_weights=weights,
+        group_ids=mb.group_ids if agg == "group-token-mean" else None,
+        group_num_tokens=group_num_tokens,
+        global_num_groups=global_num_groups if agg == "group-token-mean" else None,
+        norm_len=norm_len,
+    )
     valid = mb.mask > 0
     with torch.no_grad():
         metrics = dict(metrics)

@@ -64,16 +64,27 @@ def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> Engin
 
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     try:
-        plan = plan_engine_memory(args, tp_size=cfg.rollout.tp_size, dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
-                                  gpu_total_bytes=gpu_bytes, gpu_free_bytes_at_start=max(free_bytes, 0),
-                                  mem_fraction_static=cfg.rollout.mem_fraction_static,
-                                  context_length=context_length_for(cfg.data.max_prompt_length, max_new))
+        plan = plan_engine_memory(
+            args,
+            tp_size=cfg.rollout.tp_size,
+            dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
+            gpu_total_bytes=gpu_bytes,
+            gpu_free_bytes_at_start=max(free_bytes, 0),
+            mem_fraction_static=cfg.rollout.mem_fraction_static,
+            context_length=context_length_for(cfg.data.max_prompt_length, max_new),
+        )
     except EngineMemoryError as exc:
-        raise RehearsalError(f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
-                             f"{gpu_bytes / GB:.0f} GB when the engine starts)") from None
-    return EngineShare({"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
-                       plan.other, tuple(RELEASED_TAGS), plan.kv_tokens,
-                       f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens")
+        raise RehearsalError(
+            f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
+            f"{gpu_bytes / GB:.0f} GB when the engine starts)"
+        ) from None
+    return EngineShare(
+        {"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
+        plan.other,
+        tuple(RELEASED_TAGS),
+        plan.kv_tokens,
+        f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens",
+    )
 
 
 def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
@@ -84,8 +95,13 @@ def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
     kv = 2 * args.num_layers * cfg.rollout.max_batch_size * args.num_kv_heads * seq * args.head_dim * nbytes
     logits = cfg.rollout.max_batch_size * args.vocab_size * 4  # one decode step's fp32 logits
     slots = cfg.rollout.max_batch_size * seq
-    return EngineShare({"weights": num_params(args) * nbytes, "kv_cache": kv}, logits, ("kv_cache",), slots,
-                       f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens")
+    return EngineShare(
+        {"weights": num_params(args) * nbytes, "kv_cache": kv},
+        logits,
+        ("kv_cache",),
+        slots,
+        f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens",
+    )
 
 
 class StandInEngine:
@@ -161,8 +177,9 @@ class _Phases:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.args = rehearsal_args(cfg)
-        self.cfg = replace(cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (
-            cfg.model.preset or cfg.rehearse.preset)))
+        self.cfg = replace(
+            cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (cfg.model.preset or cfg.rehearse.preset))
+        )
         self.dist_env, self.ledger = dist_env, ledger
         self.build_tracker, self.tracker = MemTracker(), None
         self.policy = self.engine = None
@@ -204,7 +221,8 @@ class _Phases:
             raise RehearsalError(
                 f"phase 'engine start': the engine's KV pool holds {max(share.kv_tokens, 0):,} tokens, fewer than "
                 f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
-                f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)")
+                f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)"
+            )
         _restart(self.build_tracker)  # what follows the engine's start is a phase of its own
         return engine
 
@@ -212,8 +230,9 @@ class _Phases:
         from trainer.setup import build_policy_and_engine
 
         with self.build_tracker:
-            self.policy, self.engine = build_policy_and_engine(self.cfg, self.dist_env,
-                                                               start_engine=self.start_engine, fill=fill)
+            self.policy, self.engine = build_policy_and_engine(
+                self.cfg, self.dist_env, start_engine=self.start_engine, fill=fill
+            )
         parts, host = self.built("peak", self.policy)
         self.ledger.record("build done", parts, self.engine.held(), host=host)
 
@@ -238,8 +257,14 @@ class _Phases:
         opt, alg = cfg.optimizer, cfg.algorithm
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                      weight_decay=opt.weight_decay, foreach=not cfg.parallelism.cpu_offload)
+        optimizer = torch.optim.AdamW(
+            policy.parameters(),
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            foreach=not cfg.parallelism.cpu_offload,
+        )
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -247,10 +272,19 @@ class _Phases:
 
         def train_micro_batch():
             loss, _ = dapo_micro_batch_loss(
-                policy, mb, global_num_tokens=float(mb.targets.numel()), global_num_seqs=1.0,
-                global_num_groups=1.0, temperature=temperature, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                clip_c=alg.clip_c, agg=alg.loss_agg, norm_len=cfg.rollout.max_response_length,
-                chunk_size=DEFAULT_CHUNK)
+                policy,
+                mb,
+                global_num_tokens=float(mb.targets.numel()),
+                global_num_seqs=1.0,
+                global_num_groups=1.0,
+                temperature=temperature,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                clip_c=alg.clip_c,
+                agg=alg.loss_agg,
+                norm_len=cfg.rollout.max_response_length,
+                chunk_size=DEFAULT_CHUNK,
+            )
             loss.backward()
 
         def optimizer_step():
@@ -268,8 +302,11 @@ class _Phases:
         phase("train: optimizer step", optimizer_step)
         # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
         return_cached_memory(self.dist_env)
-        phase("weight sync", lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
-              f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB")
+        phase(
+            "weight sync",
+            lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+            f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB",
+        )
         return_cached_memory(self.dist_env)
         phase("resume", engine.resume_memory)
         return engine
@@ -398,8 +435,10 @@ def rehearse(cfg) -> tuple[MemoryLedger, str | None]:
             except RehearsalError as exc:
                 failure = str(exc)
     if (row := ledger.first_overflow()) is not None:
-        short = (f"phase '{row.phase}' needs {row.total / GB:.1f} GB of {ledger.gpu_bytes / GB:.0f} GB per GPU: "
-                 f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short")
+        short = (
+            f"phase '{row.phase}' needs {row.total / GB:.1f} GB of {ledger.gpu_bytes / GB:.0f} GB per GPU: "
+            f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short"
+        )
         failure = short if failure is None or failure.startswith(f"phase '{row.phase}'") else f"{short}; {failure}"
     return ledger, failure
 
@@ -410,19 +449,25 @@ def main(cfg) -> int:
 
     reh = cfg.rehearse
     if not (cfg.model.hf_path or cfg.model.preset or reh.preset):
-        raise ConfigError("the rehearsal needs an architecture: set model.hf_path, model.preset or rehearse.preset "
-                          "(e.g. --rehearse.preset=qwen2.5-32b)")
+        raise ConfigError(
+            "the rehearsal needs an architecture: set model.hf_path, model.preset or rehearse.preset "
+            "(e.g. --rehearse.preset=qwen2.5-32b)"
+        )
     ledger, failure = rehearse(cfg)
     par = cfg.parallelism
-    print(f"rehearsal: {cfg.job.name} as rank 0 of {reh.world_size} x {reh.gpu_memory_gb:g} GB "
-          f"(fsdp {par.dp_shard}, tp {par.tp}, cpu_offload {par.cpu_offload}, micro-batch "
-          f"{cfg.training.micro_batch_tokens:,} tokens, engine {cfg.rollout.engine} tp {cfg.rollout.tp_size}, "
-          f"mem_fraction_static {cfg.rollout.mem_fraction_static})")
+    print(
+        f"rehearsal: {cfg.job.name} as rank 0 of {reh.world_size} x {reh.gpu_memory_gb:g} GB "
+        f"(fsdp {par.dp_shard}, tp {par.tp}, cpu_offload {par.cpu_offload}, micro-batch "
+        f"{cfg.training.micro_batch_tokens:,} tokens, engine {cfg.rollout.engine} tp {cfg.rollout.tp_size}, "
+        f"mem_fraction_static {cfg.rollout.mem_fraction_static})"
+    )
     print(ledger.table())
-    print(json.dumps({"rehearsal": ledger.to_dict(), "world_size": reh.world_size, "fits": failure is None,
-                      "failure": failure}))
+    print(
+        json.dumps(
+            {"rehearsal": ledger.to_dict(), "world_size": reh.world_size, "fits": failure is None, "failure": failure}
+        )
+    )
     if failure:
         print(f"does not fit: {failure}", file=sys.stderr)
         return 2
     return 0
-

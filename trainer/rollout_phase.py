@@ -23,8 +23,16 @@ if TYPE_CHECKING:
     from trainer.distributed import DistEnv
 
 
-def generate_round(engine: Engine, sampler: PromptSampler, prompts_per_round: int, params: SamplingParams,
-                   tokenizer: Tokenizer, reward: RewardSettings, step: int = 0, retries: int = 1):
+def generate_round(
+    engine: Engine,
+    sampler: PromptSampler,
+    prompts_per_round: int,
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    reward: RewardSettings,
+    step: int = 0,
+    retries: int = 1,
+):
     """Draw this rank's prompts, generate params.n samples each, score them into groups.
 
     Returns (groups, seconds generating, seconds scoring).
@@ -39,8 +47,9 @@ def generate_round(engine: Engine, sampler: PromptSampler, prompts_per_round: in
         try:
             completions = engine.generate([e.prompt_ids for e in examples], params)
         except Exception as exc:  # the engine's own errors: report them with the request count
-            last_error = EngineFailure(f"engine failed on {len(examples)} prompts x {params.n} samples: "
-                                       f"{type(exc).__name__}: {exc}")
+            last_error = EngineFailure(
+                f"engine failed on {len(examples)} prompts x {params.n} samples: {type(exc).__name__}: {exc}"
+            )
             continue
         generated = time.perf_counter()
         try:
@@ -65,9 +74,18 @@ class BatchShortfall(RolloutError):
 _ROUND_OK, _ROUND_ENGINE_FAILED, _ROUND_FAILED = 0.0, 1.0, 2.0
 
 
-def collect_batch(step: int, builder: DynamicBatchBuilder, engine: Engine, sampler: PromptSampler,
-                  prompts_per_round: int, params: SamplingParams, tokenizer: Tokenizer, reward: RewardSettings,
-                  dist_env: DistEnv, progress=None):
+def collect_batch(
+    step: int,
+    builder: DynamicBatchBuilder,
+    engine: Engine,
+    sampler: PromptSampler,
+    prompts_per_round: int,
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    reward: RewardSettings,
+    dist_env: DistEnv,
+    progress=None,
+):
     """Run generation rounds until every rank's builder is full or the round limit is reached.
 
     Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}); diagnostics are
@@ -89,13 +107,16 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine: Engine, sampl
         seed = zlib.crc32(f"{params.seed}-{step}-{builder.rounds}-{dist_env.dp_rank}".encode())
         failure, status = None, _ROUND_OK
         try:
-            groups, gen_s, score_s = generate_round(engine, sampler, prompts_per_round,
-                                                    dataclasses.replace(params, seed=seed), tokenizer, reward, step)
+            groups, gen_s, score_s = generate_round(
+                engine, sampler, prompts_per_round, dataclasses.replace(params, seed=seed), tokenizer, reward, step
+            )
         except EngineFailure as exc:
             failure, status = exc, _ROUND_ENGINE_FAILED
         except Exception as exc:  # scoring or data: still agreed on, so no rank waits in a collective
-            failure = RolloutError(f"step {step}, generation round {builder.rounds + 1} on data-parallel rank "
-                                   f"{dist_env.dp_rank}: {type(exc).__name__}: {exc}")
+            failure = RolloutError(
+                f"step {step}, generation round {builder.rounds + 1} on data-parallel rank "
+                f"{dist_env.dp_rank}: {type(exc).__name__}: {exc}"
+            )
             failure.__cause__, status = exc, _ROUND_FAILED
         worst = dist_env.all_reduce([status], op="max", group="world")[0]
         if worst == _ROUND_ENGINE_FAILED:
@@ -113,8 +134,10 @@ def collect_batch(step: int, builder: DynamicBatchBuilder, engine: Engine, sampl
     if builder.on_shortfall == "raise":
         short = dist_env.all_reduce([float(not builder.full())], op="max", group="world")[0] > 0
         if short:
-            raise BatchShortfall(f"dynamic sampling could not fill the batch of step {step} in "
-                                 f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise'); "
-                                 f"raise algorithm.max_num_gen_batches or set algorithm.on_shortfall = 'fill'")
+            raise BatchShortfall(
+                f"dynamic sampling could not fill the batch of step {step} in "
+                f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise'); "
+                f"raise algorithm.max_num_gen_batches or set algorithm.on_shortfall = 'fill'"
+            )
     batch, diagnostics = builder.finish()
     return batch, dict(diagnostics, generated=generated), seconds

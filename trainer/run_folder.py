@@ -29,7 +29,6 @@ import shutil
 
 from parallel.checkpoint import CheckpointManager
 
-
 log = logging.getLogger("train")
 
 WARMUP_CHECKPOINTS = os.path.join("checkpoints", "warm-up")
@@ -42,8 +41,16 @@ class RunFolderError(RuntimeError):
 MIN_FREE_BYTES = 64 << 20
 
 
-def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: bool = True,
-                       min_free_bytes: int = MIN_FREE_BYTES, resume: bool = True, fresh: bool = False) -> str:
+def prepare_run_folder(
+    run_dir: str,
+    name: str,
+    config_dict: dict,
+    *,
+    is_main: bool = True,
+    min_free_bytes: int = MIN_FREE_BYTES,
+    resume: bool = True,
+    fresh: bool = False,
+) -> str:
     """Create the run folder, prove it is writable and has room, and snapshot the configuration.
 
     fresh=True (train.py --fresh) first moves an existing folder aside to `<name>.old-<n>`, saying where.
@@ -60,15 +67,18 @@ def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: b
         try:
             os.replace(path, f"{path}.old-{n}")
         except OSError as exc:
-            raise RunFolderError(f"--fresh: cannot move the earlier run folder {path} aside: "
-                                 f"{exc.strerror or exc}") from exc
+            raise RunFolderError(
+                f"--fresh: cannot move the earlier run folder {path} aside: {exc.strerror or exc}"
+            ) from exc
         log.warning("--fresh: moved the earlier run folder to %s.old-%d (delete it when no longer needed)", path, n)
     earlier = earlier_checkpoints(path)
     if not resume and earlier:
-        raise RunFolderError(f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
-                             f"and checkpoint.resume = false; add --fresh to start over (the folder is moved "
-                             f"aside), set checkpoint.resume = true to continue that run, or choose another "
-                             f"job.name or job.run_dir")
+        raise RunFolderError(
+            f"run folder {path} already holds checkpoints of an earlier run ({', '.join(earlier)}) "
+            f"and checkpoint.resume = false; add --fresh to start over (the folder is moved "
+            f"aside), set checkpoint.resume = true to continue that run, or choose another "
+            f"job.name or job.run_dir"
+        )
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write_probe")
@@ -79,8 +89,10 @@ def prepare_run_folder(run_dir: str, name: str, config_dict: dict, *, is_main: b
         raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
     free = shutil.disk_usage(path).free
     if free < min_free_bytes:
-        raise RunFolderError(f"run folder {path} has only {free >> 20} MiB free; at least "
-                             f"{min_free_bytes >> 20} MiB are needed for metrics and checkpoints")
+        raise RunFolderError(
+            f"run folder {path} has only {free >> 20} MiB free; at least "
+            f"{min_free_bytes >> 20} MiB are needed for metrics and checkpoints"
+        )
     _snapshot_config(path, config_dict)
     return path
 
@@ -115,9 +127,13 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
         n += 1
     with open(os.path.join(path, f"config.launch-{n}.json"), "w") as f:
         json.dump(config_dict, f, indent=2)
-    log.warning("this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
-                "state restored from a checkpoint (optimizer, learning rate schedule, data position) keeps its "
-                "saved values", ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in changed), n)
+    log.warning(
+        "this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
+        "state restored from a checkpoint (optimizer, learning rate schedule, data position) keeps its "
+        "saved values",
+        ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in changed),
+        n,
+    )
 
 
 FINISHED = "finished.json"
@@ -155,8 +171,10 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
     step = finished_at(path)
     if step is None or step < steps:
         return None
-    lines = [f"run folder {path}: this run finished at step {step} (metrics, checkpoint, HF export and plot are "
-             f"in it); nothing to do. To start over, run the same command with --fresh (the folder is moved aside)"]
+    lines = [
+        f"run folder {path}: this run finished at step {step} (metrics, checkpoint, HF export and plot are "
+        f"in it); nothing to do. To start over, run the same command with --fresh (the folder is moved aside)"
+    ]
     reports = {}
     for file in glob.glob(os.path.join(path, "eval", "step_*.json")):
         match = re.search(r"step_(\d+)\.json$", file)
@@ -167,11 +185,11 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # an unreadable report is left out of the summary
     if 0 in reports:
-        lines.append("held-out accuracy before DAPO: %.1f%% (avg@%d)" % (100 * reports[0][0], reports[0][1]))
+        lines.append(f"held-out accuracy before DAPO: {100 * reports[0][0]:.1f}% (avg@{reports[0][1]})")
     last = max((s for s in reports if s > 0), default=None)
     if last is not None:
         label = "after DAPO" if last == step else f"at step {last}"
-        lines.append("held-out accuracy %s: %.1f%% (avg@%d)" % (label, 100 * reports[last][0], reports[last][1]))
+        lines.append(f"held-out accuracy {label}: {100 * reports[last][0]:.1f}% (avg@{reports[last][1]})")
     if not reports:
         lines.append(f"no held-out evaluation was run; the training metrics are in {path}/metrics.jsonl")
     return lines

@@ -59,8 +59,9 @@ def response_text(tokenizer, token_ids: Sequence[int], stop_ids: Collection[int]
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def rule_score(tokenizer, token_ids: Sequence[int], ground_truth: str, *, stop_ids: Collection[int] = (),
-               strict_box: bool = False) -> dict:
+def rule_score(
+    tokenizer, token_ids: Sequence[int], ground_truth: str, *, stop_ids: Collection[int] = (), strict_box: bool = False
+) -> dict:
     """compute_score (rl/reward.py) of a completion's `response_text`: {"score", "acc", "pred"}."""
     return compute_score(response_text(tokenizer, token_ids, stop_ids), ground_truth, strict_box=strict_box)
 
@@ -71,35 +72,64 @@ def check_completions(completions: Sequence, num_prompts: int, n: int) -> None:
     would bias the reward and the accuracy."""
     expected = num_prompts * n
     if len(completions) != expected:
-        raise EngineFailure(f"the engine returned {len(completions)} completions for {num_prompts} prompts x "
-                            f"{n} samples (expected {expected})")
+        raise EngineFailure(
+            f"the engine returned {len(completions)} completions for {num_prompts} prompts x "
+            f"{n} samples (expected {expected})"
+        )
     aborted = [c for c in completions if c.finish_reason == "abort"]
     if aborted:
-        raise EngineFailure(f"the engine aborted {len(aborted)} of {expected} requests (finish reason 'abort'), "
-                            f"first: prompt {aborted[0].prompt_index}, sample {aborted[0].sample_index}")
+        raise EngineFailure(
+            f"the engine aborted {len(aborted)} of {expected} requests (finish reason 'abort'), "
+            f"first: prompt {aborted[0].prompt_index}, sample {aborted[0].sample_index}"
+        )
     for p in range(num_prompts):
-        found = [c.prompt_index for c in completions[p * n:(p + 1) * n]]
+        found = [c.prompt_index for c in completions[p * n : (p + 1) * n]]
         if any(index != p for index in found):
-            raise EngineFailure(f"completions are not grouped by prompt: positions {p * n} to {(p + 1) * n - 1} "
-                                f"should all belong to prompt {p}, got prompt indices {found}")
+            raise EngineFailure(
+                f"completions are not grouped by prompt: positions {p * n} to {(p + 1) * n - 1} "
+                f"should all belong to prompt {p}, got prompt indices {found}"
+            )
 
 
-def score_groups(examples: list[PromptExample], completions, n: int, tokenizer, settings: RewardSettings,
-                 stop_ids: set[int], step: int = 0) -> list[ScoredGroup]:
+def score_groups(
+    examples: list[PromptExample],
+    completions,
+    n: int,
+    tokenizer,
+    settings: RewardSettings,
+    stop_ids: set[int],
+    step: int = 0,
+) -> list[ScoredGroup]:
     """Score the n completions of every prompt; one ScoredGroup (payload: list[Sample]) per prompt."""
     check_completions(completions, len(examples), n)
     groups = []
     for p, example in enumerate(examples):
         samples = []
-        for c in completions[p * n:(p + 1) * n]:
-            result = rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids,
-                                strict_box=settings.strict_box)
+        for c in completions[p * n : (p + 1) * n]:
+            result = rule_score(
+                tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=settings.strict_box
+            )
             score = result["score"]
             if settings.overlong_penalty:
-                score += overlong_penalty(len(c.token_ids), settings.max_response_length, settings.overlong_buffer,
-                                          settings.overlong_penalty_factor)
-            samples.append(Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason,
-                                  bool(result["acc"]), float(score), result["pred"], step))
-        groups.append(ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples),
-                                  score=tuple(s.score for s in samples)))
+                score += overlong_penalty(
+                    len(c.token_ids),
+                    settings.max_response_length,
+                    settings.overlong_buffer,
+                    settings.overlong_penalty_factor,
+                )
+            samples.append(
+                Sample(
+                    example,
+                    list(c.token_ids),
+                    list(c.logprobs),
+                    c.finish_reason,
+                    bool(result["acc"]),
+                    float(score),
+                    result["pred"],
+                    step,
+                )
+            )
+        groups.append(
+            ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples))
+        )
     return groups

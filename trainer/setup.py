@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 
 def _synthetic_rows(cfg, split: str) -> list[dict]:
     count = cfg.data.synthetic_num_train if split == "train" else cfg.data.synthetic_num_eval
-    return synthetic_arithmetic_rows(count, difficulty=cfg.data.synthetic_difficulty, split=split, seed=cfg.data.seed,
-                                     answer_line_share=cfg.data.synthetic_answer_share)
+    return synthetic_arithmetic_rows(
+        count,
+        difficulty=cfg.data.synthetic_difficulty,
+        split=split,
+        seed=cfg.data.seed,
+        answer_line_share=cfg.data.synthetic_answer_share,
+    )
 
 
 def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
@@ -53,8 +58,12 @@ def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
     tokenizer = Tokenizer.from_dir(path)
     mismatch = tokenizer.transformers_mismatch()
     if mismatch and is_main:
-        log.warning("the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
-                    "transformers' AutoTokenizer will encode the exported policy's prompts differently", path, mismatch)
+        log.warning(
+            "the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
+            "transformers' AutoTokenizer will encode the exported policy's prompts differently",
+            path,
+            mismatch,
+        )
     return tokenizer
 
 
@@ -65,8 +74,13 @@ def load_datasets(cfg, tokenizer):
 
     def load(path, split):
         if path == "synthetic":
-            return rows_to_examples(_synthetic_rows(cfg, split), tokenizer, max_prompt_length=max_len,
-                                    overflow=overflow, source_name=f"synthetic {split}")[0]
+            return rows_to_examples(
+                _synthetic_rows(cfg, split),
+                tokenizer,
+                max_prompt_length=max_len,
+                overflow=overflow,
+                source_name=f"synthetic {split}",
+            )[0]
         return load_prompts(path, tokenizer, max_prompt_length=max_len, overflow=overflow)
 
     train = load(cfg.data.train_path, "train")
@@ -91,11 +105,15 @@ def parallelize_config(cfg) -> ParallelizeConfig:
     """The [parallelism] section as parallelize_qwen2's switches."""
     par = cfg.parallelism
     return ParallelizeConfig(
-        param_dtype=DTYPES[par.param_dtype], reduce_dtype=DTYPES[par.reduce_dtype],
-        reshard_after_forward=par.reshard_after_forward, cpu_offload=par.cpu_offload,
+        param_dtype=DTYPES[par.param_dtype],
+        reduce_dtype=DTYPES[par.reduce_dtype],
+        reshard_after_forward=par.reshard_after_forward,
+        cpu_offload=par.cpu_offload,
         activation_checkpoint=par.activation_checkpoint,
         selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
-        compile=par.compile, float8=par.float8)
+        compile=par.compile,
+        float8=par.float8,
+    )
 
 
 def policy_args(cfg) -> ModelArgs:
@@ -151,8 +169,9 @@ def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -
     return model
 
 
-def build_policy_and_engine(cfg: Config, dist_env: DistEnv, *, start_engine=None,
-                            fill: bool = True) -> tuple[torch.nn.Module, Engine]:
+def build_policy_and_engine(
+    cfg: Config, dist_env: DistEnv, *, start_engine=None, fill: bool = True
+) -> tuple[torch.nn.Module, Engine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (build_sharded_policy:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout
     engine, which sizes its KV pool from the memory free when it starts.
@@ -186,31 +205,47 @@ def engine_group(tp_size: int, dist_env: DistEnv):
     return mine, dist_env.local_rank - dist_env.local_rank % tp_size
 
 
-def build_engine(cfg: Config, policy: torch.nn.Module, device: torch.device, max_prompt_length: int,
-                 dist_env: DistEnv | None = None) -> Engine:
+def build_engine(
+    cfg: Config, policy: torch.nn.Module, device: torch.device, max_prompt_length: int, dist_env: DistEnv | None = None
+) -> Engine:
     """The rollout engine, started after the policy is sharded. The torch engine gets its own full copy
-    of the policy's weights; an SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group), colocated on their GPUs."""
+    of the policy's weights; an SGLang engine is shared by `rollout.tp_size` consecutive ranks (its TP group),
+    colocated on their GPUs."""
     max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
-
         from rollout.weight_sync import sync_weights
 
         # Its own full copy, filled from the (sharded) policy: every rank takes part in the gathers.
         with torch.device("meta"):
             engine_model = Qwen2(policy.args).to(DTYPES[cfg.rollout.dtype])
         engine_model.to_empty(device=device)
-        engine = TorchEngine(engine_model, max_batch_size=cfg.rollout.max_batch_size,
-                             max_seq_len=max_prompt_length + max_new, device=device,
-                             dtype=DTYPES[cfg.rollout.dtype], compile=cfg.rollout.compile, seed=cfg.job.seed,
-                             cuda_graphs=cfg.rollout.cuda_graphs, block_size=cfg.rollout.block_size,
-                             kv_cache_blocks=cfg.rollout.kv_cache_blocks or None, flex_decode=cfg.rollout.flex_decode)
+        engine = TorchEngine(
+            engine_model,
+            max_batch_size=cfg.rollout.max_batch_size,
+            max_seq_len=max_prompt_length + max_new,
+            device=device,
+            dtype=DTYPES[cfg.rollout.dtype],
+            compile=cfg.rollout.compile,
+            seed=cfg.job.seed,
+            cuda_graphs=cfg.rollout.cuda_graphs,
+            block_size=cfg.rollout.block_size,
+            kv_cache_blocks=cfg.rollout.kv_cache_blocks or None,
+            flex_decode=cfg.rollout.flex_decode,
+        )
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         return engine
     from rollout.sglang_engine import SGLangEngine, context_length_for
 
     group, base_gpu_id = engine_group(cfg.rollout.tp_size, dist_env)
-    return SGLangEngine(model_path=cfg.model.hf_path, tp_size=cfg.rollout.tp_size, base_gpu_id=base_gpu_id,
-                        mem_fraction_static=cfg.rollout.mem_fraction_static, dtype=cfg.rollout.dtype,
-                        seed=cfg.job.seed, context_length=context_length_for(max_prompt_length, max_new),
-                        group=group, device=device)
+    return SGLangEngine(
+        model_path=cfg.model.hf_path,
+        tp_size=cfg.rollout.tp_size,
+        base_gpu_id=base_gpu_id,
+        mem_fraction_static=cfg.rollout.mem_fraction_static,
+        dtype=cfg.rollout.dtype,
+        seed=cfg.job.seed,
+        context_length=context_length_for(max_prompt_length, max_new),
+        group=group,
+        device=device,
+    )

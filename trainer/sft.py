@@ -43,12 +43,27 @@ class SFTWarmup:
     (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
     """
 
-    def __init__(self, model, examples, tokenizer, *, steps: int, batch_size: int, lr: float,
-                 micro_batch_tokens: int, dist_env, device, seed: int = 0, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        model,
+        examples,
+        tokenizer,
+        *,
+        steps: int,
+        batch_size: int,
+        lr: float,
+        micro_batch_tokens: int,
+        dist_env,
+        device,
+        seed: int = 0,
+        weight_decay: float = 0.0,
+    ):
         self.solved = [e for e in examples if e.solution]
         if not self.solved:
-            raise ValueError("the supervised warm-up needs examples with worked solutions (extra_info.solution); "
-                             "set training.sft_warmup_steps = 0 for this data set")
+            raise ValueError(
+                "the supervised warm-up needs examples with worked solutions (extra_info.solution); "
+                "set training.sft_warmup_steps = 0 for this data set"
+            )
         if batch_size % dist_env.dp_size:
             raise ValueError(f"sft_batch_size {batch_size} does not divide over {dist_env.dp_size} data-parallel ranks")
         self.model, self.tokenizer, self.steps = model, tokenizer, steps
@@ -74,7 +89,8 @@ class SFTWarmup:
         stop = self.tokenizer.stop_ids[0]
         items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution) + [stop]) for e in picked]
         micro_batches = equalise_micro_batch_count(
-            pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env)
+            pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env
+        )
         num_tokens = self.dist_env.all_reduce([float(sum(len(it.response_ids) for it in items))])[0]
         total = 0.0
         for mb in micro_batches:
@@ -90,11 +106,27 @@ class SFTWarmup:
         return total
 
 
-def sft_warmup(model: torch.nn.Module, examples: list[PromptExample], tokenizer: Tokenizer, *, steps: int,
-               batch_size: int, lr: float, micro_batch_tokens: int, dist_env: DistEnv, device: torch.device,
-               seed: int = 0, weight_decay: float = 0.0, log_every: int = 50, on_log=None, progress=None,
-               checkpoints: CheckpointManager | None = None, resume: bool = True, interval: int = 0,
-               stop: GracefulStop | None = None) -> list[float]:
+def sft_warmup(
+    model: torch.nn.Module,
+    examples: list[PromptExample],
+    tokenizer: Tokenizer,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    micro_batch_tokens: int,
+    dist_env: DistEnv,
+    device: torch.device,
+    seed: int = 0,
+    weight_decay: float = 0.0,
+    log_every: int = 50,
+    on_log=None,
+    progress=None,
+    checkpoints: CheckpointManager | None = None,
+    resume: bool = True,
+    interval: int = 0,
+    stop: GracefulStop | None = None,
+) -> list[float]:
     """Run the warm-up to `steps` AdamW steps of teacher forcing; returns the loss curve of the steps run here.
 
     progress: an observe.progress.Progress advanced once per step (None: no display).
@@ -103,9 +135,19 @@ def sft_warmup(model: torch.nn.Module, examples: list[PromptExample], tokenizer:
     stop: a trainer.signals.GracefulStop; once a signal arrived, a checkpoint of the last step is written
     (to `checkpoints`) and StopRequested is raised.
     """
-    warm = SFTWarmup(model, examples, tokenizer, steps=steps, batch_size=batch_size, lr=lr,
-                     micro_batch_tokens=micro_batch_tokens, dist_env=dist_env, device=device, seed=seed,
-                     weight_decay=weight_decay)
+    warm = SFTWarmup(
+        model,
+        examples,
+        tokenizer,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        micro_batch_tokens=micro_batch_tokens,
+        dist_env=dist_env,
+        device=device,
+        seed=seed,
+        weight_decay=weight_decay,
+    )
     saved = checkpoints.resume(model, warm.optimizer, warm.schedule) if checkpoints is not None and resume else None
     if saved is not None:
         warm.load_state_dict(saved["warmup"])

@@ -56,8 +56,9 @@ class SharedPromptContext:
             self.mask = torch.cat([sees_prompt, sees_response], dim=2).unsqueeze(1)  # [S, 1, query, key]
             covered.append(self.response_index[self.response_valid])
         covered = torch.cat(covered)
-        if covered.numel() != length or not torch.equal(covered.sort().values,
-                                                         torch.arange(length, device=covered.device)):
+        if covered.numel() != length or not torch.equal(
+            covered.sort().values, torch.arange(length, device=covered.device)
+        ):
             raise ValueError(f"the prompt and response segments must cover the row's {length} positions once each")
         self.order = covered.argsort()  # outputs are produced prompts first, responses after
 
@@ -72,11 +73,17 @@ class SharedPromptContext:
             return x[index].transpose(1, 2)
 
         index = self.prompt_index
-        out = F.scaled_dot_product_attention(runs(q, index), runs(k, index), runs(v, index), is_causal=True,
-                                             enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            runs(q, index), runs(k, index), runs(v, index), is_causal=True, enable_gqa=gqa
+        )
         parts = [out.transpose(1, 2)[self.prompt_valid]]
         if self.has_responses:
-            out = F.scaled_dot_product_attention(runs(q, self.response_index), runs(k, self.key_index),
-                                                 runs(v, self.key_index), attn_mask=self.mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                runs(q, self.response_index),
+                runs(k, self.key_index),
+                runs(v, self.key_index),
+                attn_mask=self.mask,
+                enable_gqa=gqa,
+            )
             parts.append(out.transpose(1, 2)[self.response_valid])
         return torch.cat(parts)[self.order].transpose(0, 1).unsqueeze(0)

@@ -30,7 +30,7 @@ class GracefulStop:
         self.received: str | None = None  # the signal this process itself received
         self._previous = {}
 
-    def install(self) -> "GracefulStop":
+    def install(self) -> GracefulStop:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -48,8 +48,9 @@ class GracefulStop:
             log.error("second signal (%s): exiting at once without a checkpoint", name)
             os._exit(128 + signum)
         self.received = self.signal_name = name
-        log.warning("%s received: finishing the current phase, then saving a checkpoint (send it again to exit "
-                    "at once)", name)
+        log.warning(
+            "%s received: finishing the current phase, then saving a checkpoint (send it again to exit at once)", name
+        )
 
     def requested(self, dist_env: DistEnv) -> bool:
         """True on every rank if any rank received a signal (ranks must stop at the same boundary)."""

@@ -34,22 +34,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def pack_items_for_groups(groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool,
-                          group_offset: int = 0, step: int = 0) -> list[list[PackItem]]:
+def pack_items_for_groups(
+    groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool, group_offset: int = 0, step: int = 0
+) -> list[list[PackItem]]:
     """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
     out = []
     for g, group in enumerate(groups):
         samples = group.payload
-        advantages = group_advantages(torch.tensor(group.score, dtype=torch.float64), group_size=len(samples),
-                                      eps=adv_eps, norm_by_std=norm_by_std)
+        advantages = group_advantages(
+            torch.tensor(group.score, dtype=torch.float64),
+            group_size=len(samples),
+            eps=adv_eps,
+            norm_by_std=norm_by_std,
+        )
         # Overlong filtering (Sec. 3.4): truncated samples are masked out of the loss.
         weights = torch.ones(len(samples), 1)
         if overlong_filter:
             weights = overlong_filter_mask(weights, [s.finish_reason for s in samples])
         items = []
         for sample, advantage, weight in zip(samples, advantages.tolist(), weights[:, 0].tolist()):
-            items.append(PackItem(sample.example.prompt_ids, sample.response_ids, advantage, weight,
-                                  sample.rollout_logprobs, group_id=group_offset + g, stale=sample.step < step))
+            items.append(
+                PackItem(
+                    sample.example.prompt_ids,
+                    sample.response_ids,
+                    advantage,
+                    weight,
+                    sample.rollout_logprobs,
+                    group_id=group_offset + g,
+                    stale=sample.step < step,
+                )
+            )
         tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
         for it in items:
             it.group_num_tokens = tokens
@@ -113,8 +127,14 @@ def needs_recompute(mb: MicroBatch, source: str) -> bool:
 
 
 @torch.no_grad()
-def fill_old_logprobs(model, micro_batches: list[MicroBatch], temperature: float, chunk_size: int,
-                      source: str = "recompute", at_least: int = 0) -> list[MicroBatch]:
+def fill_old_logprobs(
+    model,
+    micro_batches: list[MicroBatch],
+    temperature: float,
+    chunk_size: int,
+    source: str = "recompute",
+    at_least: int = 0,
+) -> list[MicroBatch]:
     """log pi_old of every response token, from the trainer before this step's first update; returns the
     micro-batches it recomputed. With source "rollout" the engine's log-probs are taken instead where they
     are pi_old (`needs_recompute`). at_least: recompute at least this many micro-batches (those that need it
@@ -138,8 +158,11 @@ class _StepTotals:
     """What a step's updates add up: token-weighted metric sums, grad norms, update counts, the mismatch."""
 
     measured: list  # (trainer log-probs at the step-start weights, micro-batch) pairs for the mismatch
-    sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(
-        ("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens"), 0.0))
+    sums: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(
+            ("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens"), 0.0
+        )
+    )
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     skipped: int = 0
     updates: int = 0
@@ -149,9 +172,15 @@ class _StepTotals:
 class TrainPhase:
     """Holds what the updates need across steps: model, optimizer, scheduler and the settings."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: Config, dist_env: DistEnv,
-                 device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        cfg: Config,
+        dist_env: DistEnv,
+        device: torch.device,
+    ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.cfg, self.dist, self.device = cfg, dist_env, device
         self.nonfinite_in_a_row = 0
@@ -167,8 +196,10 @@ class TrainPhase:
         # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
         needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
         most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
-        recomputed = [fill_old_logprobs(self.model, mbs, self.temperature, DEFAULT_CHUNK, source, at_least=int(m))
-                      for mbs, m in zip(mini_batches, most)]
+        recomputed = [
+            fill_old_logprobs(self.model, mbs, self.temperature, DEFAULT_CHUNK, source, at_least=int(m))
+            for mbs, m in zip(mini_batches, most)
+        ]
         # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
         # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
         totals = _StepTotals(measured=[(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
@@ -200,17 +231,40 @@ class TrainPhase:
         cfg, alg = self.cfg, self.cfg.algorithm
         num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
-        items = pack_items_for_groups(groups, adv_eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std,
-                                      overlong_filter=alg.overlong_filter, group_offset=group_offset, step=step)
+        items = pack_items_for_groups(
+            groups,
+            adv_eps=alg.adv_eps,
+            norm_by_std=alg.norm_adv_by_std,
+            overlong_filter=alg.overlong_filter,
+            group_offset=group_offset,
+            step=step,
+        )
         mini_batches = []
         for mini in split_into_mini_batches(items, num_updates):
-            mbs = pack_micro_batches(mini, cfg.training.micro_batch_tokens, self.dist.dims.tp,
-                                     share_prompts=shares_prompts(cfg, self.dist, self.device)) if mini else []
+            mbs = (
+                pack_micro_batches(
+                    mini,
+                    cfg.training.micro_batch_tokens,
+                    self.dist.dims.tp,
+                    share_prompts=shares_prompts(cfg, self.dist, self.device),
+                )
+                if mini
+                else []
+            )
             mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
         return mini_batches
 
-    def _update(self, step: int, index: int, mbs: list[MicroBatch], totals: _StepTotals, fresh: list[MicroBatch],
-                source: str, first: bool, progress) -> None:
+    def _update(
+        self,
+        step: int,
+        index: int,
+        mbs: list[MicroBatch],
+        totals: _StepTotals,
+        fresh: list[MicroBatch],
+        source: str,
+        first: bool,
+        progress,
+    ) -> None:
         """One mini-batch: the DAPO loss over its micro-batches (global counts), then clip and AdamW step.
         fresh: micro-batches whose loss pass measures the engine/trainer mismatch (first: the step's first)."""
         alg = self.cfg.algorithm
@@ -227,10 +281,21 @@ class TrainPhase:
         loss_total = 0.0
         for micro_index, mb in enumerate(mbs):
             loss, metrics = dapo_micro_batch_loss(
-                self.model, mb, global_num_tokens=g_tokens, global_num_seqs=g_seqs, global_num_groups=g_groups,
-                temperature=self.temperature, clip_low=alg.clip_low, clip_high=alg.clip_high, clip_c=alg.clip_c,
-                agg=alg.loss_agg, truncated_is=alg.truncated_is, is_cap=alg.truncated_is_cap,
-                norm_len=self.cfg.rollout.max_response_length, chunk_size=DEFAULT_CHUNK)
+                self.model,
+                mb,
+                global_num_tokens=g_tokens,
+                global_num_seqs=g_seqs,
+                global_num_groups=g_groups,
+                temperature=self.temperature,
+                clip_low=alg.clip_low,
+                clip_high=alg.clip_high,
+                clip_c=alg.clip_c,
+                agg=alg.loss_agg,
+                truncated_is=alg.truncated_is,
+                is_cap=alg.truncated_is_cap,
+                norm_len=self.cfg.rollout.max_response_length,
+                chunk_size=DEFAULT_CHUNK,
+            )
             loss.backward()
             if any(mb is m for m in fresh):
                 totals.measured.append((metrics["logp"], mb))
@@ -242,17 +307,22 @@ class TrainPhase:
             for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
                 totals.sums[key] += float(metrics[key])
             if not math.isfinite(loss_value):
-                log.warning("step %d: non-finite loss %s in mini-batch %d, micro-batch %d",
-                            step, loss_value, index, micro_index)
+                log.warning(
+                    "step %d: non-finite loss %s in mini-batch %d, micro-batch %d", step, loss_value, index, micro_index
+                )
             if progress is not None:
                 progress.update(1)
         totals.sums["loss"] += self.dist.all_reduce([loss_total])[0]
         if first:
             totals.mismatch = self._mismatch(totals.measured)
             if source == "rollout" and totals.mismatch["mismatch/max_abs_logp"] > ROLLOUT_LOGP_TOLERANCE:
-                log.warning("step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
-                            "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'", step,
-                            totals.mismatch["mismatch/max_abs_logp"], alg.old_logprobs)
+                log.warning(
+                    "step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
+                    "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'",
+                    step,
+                    totals.mismatch["mismatch/max_abs_logp"],
+                    alg.old_logprobs,
+                )
         grad_norm = self._clip_and_step(step, index)
         if grad_norm is None:
             totals.skipped += 1
@@ -301,10 +371,16 @@ class TrainPhase:
         tokens, abs_sum, k3_sum, far = self.dist.all_reduce(sums)
         worst = self.dist.all_reduce([worst], op="max")[0]
         if not tokens:  # no fresh sample to compare: nothing measured
-            return dict.fromkeys(("mismatch/mean_abs_logp", "mismatch/max_abs_logp", "mismatch/k3_kl",
-                                  "mismatch/prob_diff_gt_0.1"), math.nan)
-        return {"mismatch/mean_abs_logp": abs_sum / tokens, "mismatch/max_abs_logp": worst,
-                "mismatch/k3_kl": k3_sum / tokens, "mismatch/prob_diff_gt_0.1": far / tokens}
+            return dict.fromkeys(
+                ("mismatch/mean_abs_logp", "mismatch/max_abs_logp", "mismatch/k3_kl", "mismatch/prob_diff_gt_0.1"),
+                math.nan,
+            )
+        return {
+            "mismatch/mean_abs_logp": abs_sum / tokens,
+            "mismatch/max_abs_logp": worst,
+            "mismatch/k3_kl": k3_sum / tokens,
+            "mismatch/prob_diff_gt_0.1": far / tokens,
+        }
 
     def _local_counts(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
         """Loss tokens, sequences and groups of this rank's mini-batch. Sequences and groups count only
@@ -325,8 +401,13 @@ class TrainPhase:
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1
-            log.warning("step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
-                        step, index, norm, self.nonfinite_in_a_row)
+            log.warning(
+                "step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
+                step,
+                index,
+                norm,
+                self.nonfinite_in_a_row,
+            )
             return None
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
