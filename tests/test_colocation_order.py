@@ -60,7 +60,7 @@ def _sharded_values(rank, world_size, layout):
 @pytest.mark.parametrize(
     "layout", [["parallelism.dp_shard=2"], ["parallelism.tp=2", "parallelism.dp_shard=1"]], ids=["fsdp2", "tp2"]
 )
-def test_the_sharded_policy_holds_the_seeded_initialisation(layout):
+def test_the_sharded_policy_holds_the_seeded_initialization(layout):
     expected = build_model(get_preset("tiny"), seed=0)
     for values in run_ranks(_sharded_values, 2, layout):
         assert values.keys() == dict(expected.named_parameters()).keys()

@@ -54,7 +54,7 @@ def test_every_expected_config_is_shipped():
 
 
 @pytest.mark.parametrize("path", CONFIGS)
-def test_shipped_config_loads_validates_and_serialises(path):
+def test_shipped_config_loads_validates_and_serializes(path):
     cfg = load_config(os.path.join(ROOT, path))
     data = config_to_dict(cfg)
     assert json.loads(json.dumps(data)) == data

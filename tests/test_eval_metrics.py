@@ -102,7 +102,7 @@ def test_majority_vote_tie_goes_to_first_occurrence_and_non_answers_never_win():
     assert majority_vote([]) is None
 
 
-def test_votes_are_cast_for_normalised_predictions():
+def test_votes_are_cast_for_normalized_predictions():
     assert vote_key("\\frac12") == vote_key("\\frac{1}{2}") == "\\frac{1}{2}"
     assert vote_key(None) is None
     # Raw strings would be a three-way tie won by the wrong "5"; normalised, 1/2 has two votes.

@@ -267,7 +267,7 @@ def test_dtype_is_kept_on_save_and_chosen_on_load(tmp_path):
         assert torch.equal(p.float(), q), name
 
 
-def test_load_never_materialises_random_weights(tmp_path, monkeypatch):
+def test_load_never_materializes_random_weights(tmp_path, monkeypatch):
     save_hf(build_model(ARGS["untied"], seed=5), str(tmp_path))
 
     def refuse(*a, **k):

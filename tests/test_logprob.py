@@ -133,7 +133,7 @@ class _LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_never_materialises_full_logits(entropy_grad):
+def test_never_materializes_full_logits(entropy_grad):
     n, chunk = 64, 8  # H = 24 < n, so the [V, H] weight gradient is smaller than [n, V] logits
     hidden, weight, targets, upstream = _inputs(shape=(n,))
     for fn, kw in ((token_logprobs, dict(chunk_size=chunk)), (naive_token_logprobs, {})):

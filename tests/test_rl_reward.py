@@ -169,7 +169,7 @@ def test_last_boxed_content(text, expected):
     assert last_boxed_content(text) == expected
 
 
-def test_normalisation_examples():
+def test_normalization_examples():
     assert normalize_final_answer("The answer is $\\frac{3}{4}$ dollars") == "\\frac{3}{4}"
     assert normalize_final_answer("a = \\boxed{\\text{10}}") == "10"
     assert normalize_final_answer("  12,345  ") == "12345"

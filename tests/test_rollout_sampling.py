@@ -42,7 +42,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert torch.isfinite(truncate_logits(logits, top_p=1e-3)).nonzero()[:, 1].tolist() == [1]
 
 
-def test_top_k_then_top_p_renormalises_between():
+def test_top_k_then_top_p_renormalizes_between():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     # top-k 2 leaves {0.4, 0.3} -> renormalised 0.571, 0.429; top-p 0.5 then keeps only the first.
     kept = truncate_logits(probs.log(), top_k=2, top_p=0.5)
@@ -84,7 +84,7 @@ def test_temperature_shapes_the_distribution(temperature):
     assert _chi_square(counts, other) > 10 * CHI2_DF3_P1E4
 
 
-def test_top_p_sampling_follows_the_renormalised_nucleus():
+def test_top_p_sampling_follows_the_renormalized_nucleus():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04])
     n = 40_000
     tokens, _ = _draw(probs.log(), n, 1.0, top_p=0.85, seed=4)

@@ -25,7 +25,7 @@ from parallel.grad_clip import clip_grad_norm_
 from trainer.packing import PackItem, pack_micro_batches
 from trainer.policy import sft_micro_batch_loss
 from trainer.signals import StopRequested
-from trainer.update import equalise_micro_batch_count
+from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -88,7 +88,7 @@ class SFTWarmup:
         picked = self.rng.sample(self.solved, min(self.share, len(self.solved)))
         stop = self.tokenizer.stop_ids[0]
         items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution) + [stop]) for e in picked]
-        micro_batches = equalise_micro_batch_count(
+        micro_batches = equalize_micro_batch_count(
             pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env
         )
         num_tokens = self.dist_env.all_reduce([float(sum(len(it.response_ids) for it in items))])[0]

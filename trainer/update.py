@@ -80,7 +80,7 @@ def empty_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
     return pack([PackItem([0], [0], loss_weight=0.0, group_id=PADDING_GROUP)], pad_to_multiple)
 
 
-def equalise_micro_batch_count(micro_batches: list[MicroBatch], dist_env: DistEnv) -> list[MicroBatch]:
+def equalize_micro_batch_count(micro_batches: list[MicroBatch], dist_env: DistEnv) -> list[MicroBatch]:
     most = int(dist_env.all_reduce([float(len(micro_batches))], op="max")[0])
     pad = dist_env.dims.tp
     return micro_batches + [empty_micro_batch(pad) for _ in range(most - len(micro_batches))]
@@ -251,7 +251,7 @@ class TrainPhase:
                 if mini
                 else []
             )
-            mini_batches.append([mb.to(self.device) for mb in equalise_micro_batch_count(mbs, self.dist)])
+            mini_batches.append([mb.to(self.device) for mb in equalize_micro_batch_count(mbs, self.dist)])
         return mini_batches
 
     def _update(
