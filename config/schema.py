@@ -263,9 +263,7 @@ class RehearseConfig:
     world_size: int = at_least(8, 1)  # ranks (GPUs) of the rehearsed job (train.py --rehearse)
     gpu_memory_gb: float = above(80.0, 0)  # memory of one GPU, GB (1e9 bytes)
     preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
-    context_gb: float = at_least(
-        1.0, 0
-    )  # the trainer process's CUDA context, NCCL buffers and allocator slack, GB per GPU
+    context_gb: float = at_least(1.0, 0)  # trainer's CUDA context, NCCL buffers and allocator slack, GB per GPU
 
 
 @dataclass
