@@ -118,3 +118,125 @@ class DecodeContext:
         probs = scores.mul_(d ** -0.5).add_(self.bias).softmax(dim=-1).to(v.dtype)
         out = torch.matmul(probs, values)  # [H_kv, B, G, D]
         return out.transpose(0, 1).reshape(b, h, 1, d)
+
+
+class DecodeWorkspace:
+    """Each running sequence's k/v kept contiguous in one row, for decode attention without a gather (CPU).
+
+    Per layer, k and v as [R, H_kv, L, D]: row r holds positions 0..L-1 of the sequence assigned to it.
+    The paged cache stays the record of what is stored and what memory is used (admission, sharing,
+    preemption); the workspace is a copy that the decode step appends to in place, so a step reads each
+    key once (the attention) instead of twice (a gather of every block, then the attention).
+
+    A sequence is copied from its blocks once, when it enters the decode batch (`load`). A finished or
+    preempted sequence leaves a hole in its row: the attention still runs over holes (masked), so when
+    holes exceed a quarter of the rows the survivors are moved to the front (`compact`), an amortised
+    cost of at most one gather per quarter of the batch retired. Buffers grow by at least 1.5x (rows
+    and positions), and only up to what the sequences need.
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.num_rows = 0  # rows in use, holes included
+
+    def reset(self) -> None:
+        """Forget every row (a new generate call); the buffers are kept for reuse."""
+        self.num_rows = 0
+
+    def _ensure(self, rows: int, length: int) -> None:
+        have_rows, have_len = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
+        if rows <= have_rows and length <= have_len:
+            return
+        # Only a dimension that is too small grows, by at least 1.5x (amortised copies).
+        rows = have_rows if rows <= have_rows else max(rows, int(have_rows * 1.5))
+        length = have_len if length <= have_len else max(length, int(have_len * 1.5))
+        h_kv, _, _, d = self.cache.k[0].shape
+        for buffers in (self.k, self.v):
+            for i in range(len(self.cache.k)):
+                grown = self.cache.k[0].new_zeros(rows, h_kv, length, d)  # finite: masked keys get weight 0, and 0 * NaN is NaN
+                if i < len(buffers):
+                    grown[: self.num_rows, :, :have_len] = buffers[i][: self.num_rows]
+                    buffers[i] = grown
+                else:
+                    buffers.append(grown)
+
+    def load(self, seqs, block_tables: torch.Tensor) -> None:
+        """Give each sequence in `seqs` (without a row) the next free row and copy its blocks there.
+
+        block_tables: [len(seqs), W] their block tables padded with any block (copied, never read)."""
+        first, count = self.num_rows, len(seqs)
+        width = block_tables.shape[1] * self.cache.block_size
+        self._ensure(first + count, width)
+        flat = block_tables.reshape(-1)
+        h_kv, _, _, d = self.cache.k[0].shape
+        for cache, buffers in ((self.cache.k, self.k), (self.cache.v, self.v)):
+            for layer, blocks in enumerate(cache):
+                gathered = blocks.flatten(2).index_select(1, flat).view(h_kv, count, width, d)
+                buffers[layer][first: first + count, :, :width] = gathered.transpose(0, 1)
+        for i, seq in enumerate(seqs):
+            seq.row = first + i
+        self.num_rows += count
+
+    def compact(self, seqs, length: int) -> None:
+        """Move the rows of `seqs` (the running sequences, in order) to rows 0..len(seqs)-1 (positions < length)."""
+        rows = torch.tensor([seq.row for seq in seqs], device=self.k[0].device)
+        for buffers in (self.k, self.v):
+            for buffer in buffers:
+                buffer[: len(seqs), :, :length] = buffer[:, :, :length].index_select(0, rows)
+        for i, seq in enumerate(seqs):
+            seq.row = i
+        self.num_rows = len(seqs)
+
+    def ensure_length(self, length: int) -> None:
+        self._ensure(self.num_rows, length)
+
+
+class RowDecodeContext:
+    """Decode attention over a `DecodeWorkspace`: sequence b is row rows[b], its new token at positions[b].
+
+    The token's k, v are written to its row only: on this path nothing reads a running sequence's blocks
+    after it was copied to its row (a preempted sequence is recomputed by prefill), so the blocks serve
+    admission and sharing. Then, over the first `length` positions of the workspace's rows,
+        out = softmax(q K^T / sqrt(D) + mask) V,   mask: key j visible to row r iff j <= position of r
+    with two batched matmuls on views of the rows (no copy; scores and softmax in fp32 and grouped-query
+    heads without repeating k/v, as in DecodeContext). Rows that are holes see key 0 only (finite
+    garbage, discarded). When the rows are exactly 0..B-1 in batch order, q and the output need no scatter.
+    """
+
+    def __init__(self, workspace: DecodeWorkspace, positions: torch.Tensor, rows: torch.Tensor, length: int,
+                 identity: bool):
+        self.workspace, self.rows, self.length, self.identity = workspace, rows, length, identity
+        _, kv_heads, capacity, _ = workspace.k[0].shape
+        # Flat index of (row, head, position) in a [R * H_kv * L, D] view: one index_copy_ per layer.
+        heads = torch.arange(kv_heads, device=positions.device)
+        self.write_index = ((rows.unsqueeze(1) * kv_heads + heads) * capacity + positions.unsqueeze(1)).reshape(-1)
+        num_rows = workspace.num_rows
+        row_position = torch.zeros(num_rows, dtype=positions.dtype, device=positions.device)
+        row_position[rows] = positions  # holes keep 0: they see key 0 only
+        visible = torch.arange(length, device=positions.device).unsqueeze(0) <= row_position.unsqueeze(1)
+        bias = torch.zeros(visible.shape, device=positions.device).masked_fill_(~visible, float("-inf"))
+        self.bias = bias[:, None, None, :]  # [R, 1, 1, L], shared by the layers
+
+    def attend(self, layer_id: int, q, k, v):
+        rows_k, rows_v = self.workspace.k[layer_id], self.workspace.v[layer_id]
+        d = k.shape[-1]
+        rows_k.view(-1, d).index_copy_(0, self.write_index, k[:, :, 0].reshape(-1, d))
+        rows_v.view(-1, d).index_copy_(0, self.write_index, v[:, :, 0].reshape(-1, d))
+        num_rows = self.workspace.num_rows
+        b, h, _, d = q.shape
+        kv_heads = k.shape[1]
+        if not self.identity:
+            q_rows = q.new_zeros(num_rows, h, 1, d)
+            q_rows[self.rows] = q
+            q = q_rows
+        # [R, H_kv, L, D] views of the first `length` positions merge to [R * H_kv, L, D] without a copy (the
+        # row stride is H_kv times the head stride); the G query heads of a kv head are its G "queries".
+        keys = rows_k[:num_rows, :, : self.length].reshape(num_rows * kv_heads, self.length, d)
+        values = rows_v[:num_rows, :, : self.length].reshape(num_rows * kv_heads, self.length, d)
+        grouped_q = q.reshape(num_rows * kv_heads, h // kv_heads, d).contiguous()
+        scores = torch.bmm(grouped_q, keys.transpose(1, 2)).float().view(num_rows, kv_heads, -1, self.length)
+        probs = scores.mul_(d ** -0.5).add_(self.bias).softmax(dim=-1).to(v.dtype)
+        out = torch.bmm(probs.view(num_rows * kv_heads, -1, self.length), values).view(num_rows, h, 1, d)
+        return out if self.identity else out[self.rows]
