@@ -140,10 +140,12 @@ class DecodeWorkspace:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.num_rows = 0  # rows in use, holes included
+        self.compactions = 0  # of the current generate call
 
     def reset(self) -> None:
         """Forget every row (a new generate call); the buffers are kept for reuse."""
         self.num_rows = 0
+        self.compactions = 0
 
     def _ensure(self, rows: int, length: int) -> None:
         have_rows, have_len = (self.k[0].shape[0], self.k[0].shape[2]) if self.k else (0, 0)
@@ -188,6 +190,7 @@ class DecodeWorkspace:
         for i, seq in enumerate(seqs):
             seq.row = i
         self.num_rows = len(seqs)
+        self.compactions += 1
 
     def ensure_length(self, length: int) -> None:
         self._ensure(self.num_rows, length)
