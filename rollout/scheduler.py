@@ -42,7 +42,6 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    row: int | None = None  # its row in the engine's decode workspace, if it has one (rollout/kv_cache.py)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +101,6 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self.free_blocks.append(block)
         seq.block_table = []
-        seq.row = None  # its k/v are gone: a recomputed sequence is copied to a new row
 
     def _take(self, holders: int) -> int:
         block = self.free_blocks.popleft()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from model.args import ModelArgs
 from model.hf_adapter import from_hf_name
 from rollout.engine import Completion, SamplingParams, validate_prompts
-from rollout.kv_cache import DecodeContext, DecodeWorkspace, PagedKVCache, PrefillContext, RowDecodeContext
+from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
 
@@ -108,10 +108,9 @@ class TorchEngine:
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
         self._decode_context = DecodeContext
-        # Eager CPU decodes over contiguous per-sequence rows (DecodeWorkspace) instead of gathering every
-        # block of every sequence per layer and step; compiled and CUDA steps keep the gather (fixed code path).
-        self._use_rows = not compile and self.device.type == "cpu"
-        self._workspace: DecodeWorkspace | None = None
+        self._gather_out = None  # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        if not compile and self.device.type == "cpu":
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if flex_decode and self.device.type == "cuda":
             from rollout.paged_flex import FlexDecodeContext
 
@@ -133,7 +132,8 @@ class TorchEngine:
     def release_memory(self) -> None:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
         self._cache = None
-        self._workspace = None
+        if self._gather_out is not None:
+            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -147,8 +147,6 @@ class TorchEngine:
                 # CUDA graphs may only mutate inputs at fixed addresses; a resumed cache is re-recorded once.
                 for t in self._cache.k + self._cache.v:
                     torch._dynamo.mark_static_address(t)
-            if self._use_rows:
-                self._workspace = DecodeWorkspace(self._cache)
 
     def shutdown(self) -> None:
         self.release_memory()
@@ -201,29 +199,10 @@ class TorchEngine:
     def _decode_logits(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                        k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
-        context = self._decode_context(k_cache, v_cache, positions, block_tables)
-        hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
-        return self._logits(hidden[:, 0])
-
-    def _decode_rows_logits(self, running: list[Sequence]) -> torch.Tensor:
-        """Eager CPU decode step over the workspace rows (RowDecodeContext): sequences new to the decode
-        batch are copied from their blocks once, rows are compacted when a quarter are holes."""
-        workspace = self._workspace
-        new = [seq for seq in running if seq.row is None]
-        if new:
-            width = max(len(seq.block_table) for seq in new)
-            scratch = self._cache.scratch_block
-            workspace.load(new, torch.tensor([seq.block_table + [scratch] * (width - len(seq.block_table))
-                                              for seq in new]))
-        length = max(seq.position for seq in running) + 1
-        if (workspace.num_rows - len(running)) * 4 > workspace.num_rows:
-            workspace.compact(running, length)
-        workspace.ensure_length(length)
-        rows = [seq.row for seq in running]
-        identity = len(rows) == workspace.num_rows and rows == list(range(len(rows)))
-        tokens = torch.tensor([seq.token_ids[-1] for seq in running])
-        positions = torch.tensor([seq.position for seq in running])
-        context = RowDecodeContext(workspace, positions, torch.tensor(rows), length, identity)
+        if self._gather_out is None:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables)
+        else:
+            context = self._decode_context(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
@@ -307,8 +286,6 @@ class TorchEngine:
         scheduler = Scheduler(BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size,
                               self.max_prefill_tokens)
         scheduler.add(seqs)
-        if self._workspace is not None:
-            self._workspace.reset()
         while not scheduler.done():
             while groups := scheduler.next_prefill():
                 prefilled = [seq for group in groups for seq in group]
@@ -317,10 +294,7 @@ class TorchEngine:
             running = scheduler.next_decode()
             if not running:
                 continue  # everything was preempted or retired: admit again
-            if self._workspace is not None:
-                logits = self._decode_rows_logits(running)
-            else:
-                logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
+            logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
             self._sample_into(running, logits[: len(running)], params, generator, stop)
             scheduler.retire_finished()
         self.stats = scheduler.stats
