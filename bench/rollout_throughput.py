@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from model.args import ModelArgs, get_preset  # noqa: E402
-from model.hf_adapter import hf_config_from_args, hf_state_dict  # noqa: E402
-from model.qwen2 import build_model  # noqa: E402
-from rollout.engine import SamplingParams  # noqa: E402
-from rollout.torch_engine import TorchEngine  # noqa: E402
+from model.args import ModelArgs, get_preset
+from model.hf_adapter import hf_config_from_args, hf_state_dict
+from model.qwen2 import build_model
+from rollout.engine import SamplingParams
+from rollout.torch_engine import TorchEngine
 
 # Qwen2.5-0.5B's proportions (head_dim 64, 7 query heads per kv head, SwiGLU 5.4x hidden, tied head)
 # at a CPU-friendly size: 4 layers, hidden 448, vocab 8192 -> 18.6M parameters.

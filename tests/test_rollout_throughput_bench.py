@@ -3,7 +3,12 @@ stop ids give the intended mean response length."""
 
 import torch
 
-from bench.rollout_throughput import WORKLOADS, distribution, stop_ids_for, useful_lengths
+from bench.rollout_throughput import (
+    WORKLOADS,
+    distribution,
+    stop_ids_for,
+    useful_lengths,
+)
 
 
 def test_transformers_rows_count_up_to_and_including_the_first_stop_id():
