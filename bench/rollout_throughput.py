@@ -9,8 +9,8 @@ In the two RL workloads responses end at a stop token, with lengths that vary wi
 as in RL rollouts. How: the model has random weights (init std 0.02), so its next-token distribution is
 nearly uniform, and the first k token ids are stop ids; a response then stops with probability about
 k / V at every token, a geometric length distribution (median about 0.7 x the mean, p90 about 2.3 x,
-a tail that reaches the budget). k is chosen for a mean near 14 tokens in rl-demo (the demo's policy
-writes 14-18) and near 64 in rl-recipe. The measured distribution of both sides is printed.
+a tail that reaches the budget). k is chosen for an untruncated mean of about 14 tokens in rl-demo (the
+demo's policy writes 14-18) and about 64 in rl-recipe. The measured distribution of both sides is printed.
 
 The model is a Qwen2.5-shaped decoder (GQA, qkv bias, SwiGLU, RoPE 1e6), fp32 on both sides: by default
 the `demo` preset that the CPU demo trains (4 layers, hidden 128, vocab 512, 0.9M parameters);
