@@ -193,9 +193,12 @@ def main():
     opts = parser.parse_args()
     names = [n.strip() for n in opts.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
-    if unknown or not names or opts.repeats < 1:
-        print(f"error: --workloads takes names from {', '.join(WORKLOADS)} (got {opts.workloads!r}) and "
-              f"--repeats must be >= 1 (got {opts.repeats})", file=sys.stderr)
+    if unknown or not names:
+        print(f"error: --workloads takes comma-separated names from {', '.join(WORKLOADS)}, got {opts.workloads!r}",
+              file=sys.stderr)
+        sys.exit(2)
+    if opts.repeats < 1:
+        print(f"error: --repeats must be >= 1, got {opts.repeats}", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(opts.threads)
     args = bench_args(opts.preset)
