@@ -13,7 +13,7 @@ from model.hf import load_hf
 from model.hf_adapter import DTYPES, read_hf_config
 from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
-from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
+from parallel.parallelize import parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from trainer.memory import return_cached_memory
 
@@ -101,21 +101,6 @@ def build_policy(cfg, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def parallelize_config(cfg) -> ParallelizeConfig:
-    """The [parallelism] section as parallelize_qwen2's switches."""
-    par = cfg.parallelism
-    return ParallelizeConfig(
-        param_dtype=DTYPES[par.param_dtype],
-        reduce_dtype=DTYPES[par.reduce_dtype],
-        reshard_after_forward=par.reshard_after_forward,
-        cpu_offload=par.cpu_offload,
-        activation_checkpoint=par.activation_checkpoint,
-        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
-        compile=par.compile,
-        float8=par.float8,
-    )
-
-
 def policy_args(cfg) -> ModelArgs:
     """The policy's architecture: the checkpoint's config.json, or the preset."""
     if cfg.model.hf_path:
@@ -160,7 +145,7 @@ def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -
     with torch.device("meta"):
         model = Qwen2(policy_args(cfg)).to(dtype)
     model.attention_backend = cfg.model.attention_backend
-    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelize_config(cfg))
+    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, cfg.parallelism)
     model.to_empty(device="cpu" if cfg.parallelism.cpu_offload else dist_env.device)
     if fill:
         source = build_policy(cfg, torch.device("cpu"))
