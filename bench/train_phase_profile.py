@@ -103,7 +103,7 @@ def profile_variant(cfg, dist, model, groups, extra: list[str], repeats: int) ->
         model.load_state_dict(start_state)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        phase = TrainPhase(model, optimizer, scheduler, cfg, dist, dist.device)
+        phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, dist, dist.device)
         profiler = cProfile.Profile(time.process_time)
         cpu, wall = time.process_time(), time.perf_counter()
         profiler.enable()

@@ -118,7 +118,7 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    phase = TrainPhase(policy, optimizer, scheduler, cfg, dist, dist.device)
+    phase = TrainPhase.from_config(policy, optimizer, scheduler, cfg, dist, dist.device)
     return Components(
         dist, run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder, phase
     )
