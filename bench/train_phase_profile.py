@@ -74,9 +74,9 @@ def build(policy: str, micro_batch_tokens: int, extra: list[str]):
     )
     torch.manual_seed(0)
     dist = init_distributed(1, -1, 1)
-    tokenizer = build_tokenizer(cfg, policy, is_main=True, barrier=lambda: None)
-    train_set, _ = load_datasets(cfg, tokenizer)
-    model = build_policy(cfg, dist.device)
+    tokenizer = build_tokenizer(cfg.model, cfg.data, policy, is_main=True, barrier=lambda: None)
+    train_set, _ = load_datasets(cfg.data, tokenizer, eval_size=cfg.eval.eval_size)
+    model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
     engine = build_engine(cfg, model, dist.device, cfg.data.max_prompt_length, dist)
     builder = DynamicBatchBuilder(PROMPTS, 1, on_shortfall="fill", max_staleness=0, enabled=False, metric="acc")
     params = SamplingParams(

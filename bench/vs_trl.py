@@ -221,7 +221,7 @@ def _trl_prompts(policy: str):
         os.path.join(ROOT, "configs", "demo_cpu.toml"),
         ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"],
     )
-    train_set, _ = load_datasets(cfg, ours)
+    train_set, _ = load_datasets(cfg.data, ours, eval_size=cfg.eval.eval_size)
     # The tokenizers object itself: AutoTokenizer rebuilds this BPE (merges across words) with a different
     # pre-tokenization in transformers 5.24 and would give TRL other prompt tokens than ours.
     tokenizer = PreTrainedTokenizerFast(
