@@ -158,32 +158,12 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
 
     torch.set_num_threads(1)
     from datasets import Dataset
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOTrainer
 
-    from config import load_config
-    from model.tokenizer import Tokenizer
     from rl.reward import compute_score, overlong_penalty
-    from trainer.setup import load_datasets
 
-    ours = Tokenizer.from_dir(policy)
-    cfg = load_config(
-        os.path.join(ROOT, "configs", "demo_cpu.toml"),
-        ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"],
-    )
-    train_set, _ = load_datasets(cfg, ours)
-    # The tokenizers object itself: AutoTokenizer rebuilds this BPE (merges across words) with a different
-    # pre-tokenization in transformers 5.24 and would give TRL other prompt tokens than ours.
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=RawTokenizer.from_file(os.path.join(policy, "tokenizer.json")),
-        eos_token=ours.eos_token,
-        pad_token=ours.pad_token,
-    )
-    rows = [{"prompt": ours.decode(e.prompt_ids), "ground_truth": e.ground_truth} for e in train_set]
-    for e, row in list(zip(train_set, rows))[:32]:  # TRL tokenizes the text: it must give our prompt tokens
-        if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != e.prompt_ids:
-            raise SystemExit("the HF tokenizer does not re-encode the prompts to our prompt ids")
+    tokenizer, rows = _trl_prompts(policy)
 
     def reward(completions, completion_ids, ground_truth, **_):
         """Rule reward (+1 / -1) plus the soft overlong punishment, as trainer/scoring.py computes them."""
@@ -201,9 +181,68 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
         def on_step_end(self, args, state, control, **kw):
             marks[state.global_step] = (marks[state.global_step][0], time.perf_counter())
 
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=_grpo_config(out, steps, micro_samples),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    result = []
+    for step in range(1, steps + 1):
+        first, last = UPDATES * (step - 1) + 1, UPDATES * step
+        result.append(
+            {
+                "step": step,
+                "time/step": marks[last][1] - marks[first][0],
+                "reward/mean": float(logs[step - 1]["reward"]) if len(logs) >= step else None,
+            }
+        )
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def _trl_prompts(policy: str):
+    """(the HF tokenizer TRL uses, the prompt rows of its data set): our training prompts as text that
+    re-encodes to our prompt ids."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from config import load_config
+    from model.tokenizer import Tokenizer
+    from trainer.setup import load_datasets
+
+    ours = Tokenizer.from_dir(policy)
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "demo_cpu.toml"),
+        ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"],
+    )
+    train_set, _ = load_datasets(cfg.data, ours, eval_size=cfg.eval.eval_size)
+    # The tokenizers object itself: AutoTokenizer rebuilds this BPE (merges across words) with a different
+    # pre-tokenization in transformers 5.24 and would give TRL other prompt tokens than ours.
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=RawTokenizer.from_file(os.path.join(policy, "tokenizer.json")),
+        eos_token=ours.eos_token,
+        pad_token=ours.pad_token,
+    )
+    rows = [{"prompt": ours.decode(e.prompt_ids), "ground_truth": e.ground_truth} for e in train_set]
+    for e, row in list(zip(train_set, rows))[:32]:  # TRL tokenizes the text: it must give our prompt tokens
+        if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != e.prompt_ids:
+            raise SystemExit("the HF tokenizer does not re-encode the prompts to our prompt ids")
+    return tokenizer, rows
+
+
+def _grpo_config(out: str, steps: int, micro_samples: int):
+    """TRL's settings for the same DAPO step as ours: group, clip-higher, token-level loss, no KL, same optimiser."""
+    from trl import GRPOConfig
+
     rollout_batch = PROMPTS * GROUP
     ga = max(1, (rollout_batch // UPDATES) // micro_samples)
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=os.path.join(os.path.dirname(out), "trl-out"),
         use_cpu=True,
         bf16=False,
@@ -234,35 +273,9 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
         dataloader_num_workers=0,
         log_completions=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[StepClock()],
-    )
-    trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
-    result = []
-    for step in range(1, steps + 1):
-        first, last = UPDATES * (step - 1) + 1, UPDATES * step
-        result.append(
-            {
-                "step": step,
-                "time/step": marks[last][1] - marks[first][0],
-                "reward/mean": float(logs[step - 1]["reward"]) if len(logs) >= step else None,
-            }
-        )
-    with open(out, "w") as f:
-        json.dump(result, f)
 
 
-def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        trl_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
-        return 0
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="DAPO steps per run (default 4)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each run left out (default 1)")
@@ -276,7 +289,51 @@ def main() -> int:
     )
     parser.add_argument("--workdir", default="/tmp/vs_trl", help="policy and run folders (the policy is reused)")
     parser.add_argument("--ours-extra", default="", help="extra train.py overrides for our side, space-separated")
-    opts = parser.parse_args()
+    return parser.parse_args()
+
+
+def _print_report(opts, times: dict, rewards: dict, elapsed: float, trl_version: str) -> None:
+    """The table of step times per side, their ratio, and one JSON line."""
+    ours, theirs = statistics.median(times["ours"]), statistics.median(times["trl"])
+    load = os.getloadavg()[0]
+    print(
+        f"\n{PROMPTS} prompts x {GROUP} samples, <= {MAX_RESPONSE} new tokens, {UPDATES} updates per step, "
+        f"{opts.micro_samples} completions per micro-batch, 1 torch thread; median of {len(times['ours'])} steps "
+        f"per side; load average {load:.1f} at the end; {elapsed:.0f} s in all"
+    )
+    print(f"{'side':<32}{'median s/step':>15}{'min':>8}{'max':>8}")
+    for label, key in (("this project (train.py)", "ours"), (f"TRL {trl_version} GRPOTrainer", "trl")):
+        print(f"{label:<32}{statistics.median(times[key]):>15.2f}{min(times[key]):>8.2f}{max(times[key]):>8.2f}")
+    print(f"ratio (TRL / ours): {theirs / ours:.2f}x")
+    print(
+        json.dumps(
+            {
+                "bench": "vs_trl",
+                "trl_version": trl_version,
+                "prompts": PROMPTS,
+                "group": GROUP,
+                "updates": UPDATES,
+                "micro_samples": opts.micro_samples,
+                "sft_steps": opts.sft_steps,
+                "ours_s_per_step": round(ours, 3),
+                "trl_s_per_step": round(theirs, 3),
+                "ratio": round(theirs / ours, 3),
+                "ours_steps": [round(t, 3) for t in times["ours"]],
+                "trl_steps": [round(t, 3) for t in times["trl"]],
+                "ours_reward": rewards["ours"],
+                "trl_reward": rewards["trl"],
+                "load_average": round(load, 1),
+                "ours_extra": opts.ours_extra,
+            }
+        )
+    )
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
+        trl_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return 0
+    opts = _parse_args()
     if opts.steps <= opts.warmup:
         print(f"--steps ({opts.steps}) must exceed --warmup ({opts.warmup})", file=sys.stderr)
         return 2
@@ -309,39 +366,7 @@ def main() -> int:
                 f"{', '.join(format(r['time/step'], '.2f') for r in rows)} s",
                 flush=True,
             )
-    ours, theirs = statistics.median(times["ours"]), statistics.median(times["trl"])
-    load = os.getloadavg()[0]
-    print(
-        f"\n{PROMPTS} prompts x {GROUP} samples, <= {MAX_RESPONSE} new tokens, {UPDATES} updates per step, "
-        f"{opts.micro_samples} completions per micro-batch, 1 torch thread; median of {len(times['ours'])} steps "
-        f"per side; load average {load:.1f} at the end; {time.perf_counter() - start:.0f} s in all"
-    )
-    print(f"{'side':<32}{'median s/step':>15}{'min':>8}{'max':>8}")
-    for label, key in (("this project (train.py)", "ours"), (f"TRL {trl.__version__} GRPOTrainer", "trl")):
-        print(f"{label:<32}{statistics.median(times[key]):>15.2f}{min(times[key]):>8.2f}{max(times[key]):>8.2f}")
-    print(f"ratio (TRL / ours): {theirs / ours:.2f}x")
-    print(
-        json.dumps(
-            {
-                "bench": "vs_trl",
-                "trl_version": trl.__version__,
-                "prompts": PROMPTS,
-                "group": GROUP,
-                "updates": UPDATES,
-                "micro_samples": opts.micro_samples,
-                "sft_steps": opts.sft_steps,
-                "ours_s_per_step": round(ours, 3),
-                "trl_s_per_step": round(theirs, 3),
-                "ratio": round(theirs / ours, 3),
-                "ours_steps": [round(t, 3) for t in times["ours"]],
-                "trl_steps": [round(t, 3) for t in times["trl"]],
-                "ours_reward": rewards["ours"],
-                "trl_reward": rewards["trl"],
-                "load_average": round(load, 1),
-                "ours_extra": opts.ours_extra,
-            }
-        )
-    )
+    _print_report(opts, times, rewards, time.perf_counter() - start, trl.__version__)
     return 0
 
 

@@ -13,11 +13,12 @@ Why this order:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
+from model.hf_adapter import to_dtype
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.dims import ParallelDims
@@ -25,36 +26,29 @@ from parallel.float8 import apply_float8
 from parallel.fsdp import apply_fsdp
 from parallel.tensor_parallel import apply_tp
 
-
-@dataclass
-class ParallelizeConfig:
-    """Switches of `parallelize_qwen2` (train.py fills them from its TOML sections)."""
-
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype = torch.float32
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    activation_checkpoint: str = "none"  # none | full | selective
-    selective_ac: str = "op"  # "op" or a block interval k (as a string or int)
-    compile: bool = False
-    compile_backend: str = "inductor"
-    float8: bool = False
+if TYPE_CHECKING:
+    from config.schema import ParallelismConfig
 
 
 def parallelize_qwen2(
-    model: nn.Module, mesh, dims: ParallelDims, config: ParallelizeConfig | None = None, **overrides
+    model: nn.Module,
+    mesh,
+    dims: ParallelDims,
+    parallelism: ParallelismConfig | None = None,
+    *,
+    compile_backend: str = "inductor",
+    **overrides,
 ) -> nn.Module:
     """Parallelise `model` in place over `mesh` (from `dims.build_mesh`) and return it.
 
-    `config` fields may also be passed as keyword arguments (`compile=True`, ...). FSDP wraps the model when
-    there is data parallelism or mixed precision (param_dtype != the model's dtype). Without a mesh (single
-    process, no process group), only float8, AC and compile apply.
+    `parallelism` is the [parallelism] section (None: its defaults); its degrees (dp_replicate, dp_shard, tp)
+    are `dims`', the rest are the switches read here. Its fields may also be passed as keyword arguments
+    (`compile=True`, `param_dtype=torch.float32` or `"float32"`, ...), which leave the section unchanged.
+    FSDP wraps the model when there is data parallelism or mixed precision (param_dtype != the model's
+    dtype). Without a mesh (single process, no process group), only float8, AC and compile apply.
     """
-    config = config or ParallelizeConfig()
-    for key, value in overrides.items():
-        if not hasattr(config, key):
-            raise TypeError(f"parallelize_qwen2 got an unknown option {key!r}")
-        setattr(config, key, value)
+    config = _with_overrides(parallelism, overrides)
+    param_dtype, reduce_dtype = to_dtype(config.param_dtype), to_dtype(config.reduce_dtype)
     dims.validate_model(model.args)
     if mesh is not None and mesh is not dims.world_mesh:
         raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
@@ -62,10 +56,10 @@ def parallelize_qwen2(
         raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
     # Mixed precision is FSDP's MixedPrecisionPolicy, so a single data-parallel rank that trains in bf16
     # still gets a (size-1) FSDP wrapping: fp32 master weights, bf16 compute.
-    mixed_precision = config.param_dtype != next(model.parameters()).dtype
+    mixed_precision = param_dtype != next(model.parameters()).dtype
     if mixed_precision and mesh is None:
         raise ValueError(
-            f"param_dtype {config.param_dtype} differs from the model's dtype; mixed precision runs through FSDP "
+            f"param_dtype {param_dtype} differs from the model's dtype; mixed precision runs through FSDP "
             "and needs a process group and mesh (one rank is fine), or set param_dtype to the model's dtype"
         )
 
@@ -73,16 +67,30 @@ def parallelize_qwen2(
         apply_tp(model, dims.tp_mesh())
     if config.float8:
         apply_float8(model, tp_enabled=dims.tp_enabled)
-    apply_ac(model, config.activation_checkpoint, selective=config.selective_ac)
+    # ac_every_k_blocks 0 is the per-operator policy of selective AC, k >= 1 every k-th block in full.
+    apply_ac(model, config.activation_checkpoint, selective=config.ac_every_k_blocks or "op")
     if config.compile:
-        apply_compile(model, backend=config.compile_backend)
+        apply_compile(model, backend=compile_backend)
     if dims.fsdp_enabled or mixed_precision:
         apply_fsdp(
             model,
             dims.fsdp_mesh(),
-            param_dtype=config.param_dtype,
-            reduce_dtype=config.reduce_dtype,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             reshard_after_forward=config.reshard_after_forward,
             cpu_offload=config.cpu_offload,
         )
     return model
+
+
+def _with_overrides(parallelism: ParallelismConfig | None, overrides: dict) -> ParallelismConfig:
+    """A copy of the section (or of its defaults) with the keyword overrides of `parallelize_qwen2`."""
+    if parallelism is None:
+        from config.schema import ParallelismConfig  # the defaults only; no import of config otherwise
+
+        parallelism = ParallelismConfig()
+    names = {f.name for f in dataclasses.fields(parallelism)}
+    for key in overrides:
+        if key not in names:
+            raise TypeError(f"parallelize_qwen2 got an unknown option {key!r}")
+    return dataclasses.replace(parallelism, **overrides)

@@ -76,6 +76,11 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss and its metrics; all per-token tensors are [B, T].
 
+    Per token (Eq. 10, decoupled clip; dual clip for A < 0), r = exp(clamp(logp - old_logp, -20, 20)):
+        l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)),   l = min(l, -A c) when A < 0
+    aggregated at token level (Eq. 8, agg = token-mean):
+        loss = sum_{i,t} l / N_tokens   over the valid tokens; the other `agg` modes: module docstring.
+
     Args:
         logp: log-probs of the sampled tokens under the policy being trained (carries the gradient).
         old_logp: log-probs under the policy that generated the samples (treated as constant).
@@ -104,8 +109,33 @@ def policy_loss(
         token); weight them by num_tokens to combine micro-batches.
     """
     _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg)
-    dtype = torch.promote_types(logp.dtype, torch.float32)
     valid = mask != 0
+    per_token, terms = _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, clip_high, clip_c)
+    loss = _aggregate(
+        per_token,
+        valid,
+        agg,
+        global_num_tokens,
+        global_num_seqs,
+        group_ids,
+        group_num_tokens,
+        global_num_groups,
+        norm_len,
+    )
+    return loss, _metrics(valid, *terms)
+
+
+def _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, clip_high, clip_c):
+    """Per-token losses [B, T], zero where not valid, and the terms the metrics read (Eq. 10, dual clip).
+
+        r = exp(clamp(logp - old_logp, -20, 20))
+        l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+        l = min(l, -A c)   when A < 0 (clip_c = c; None: no dual clip)
+        l = w l            with the constant token_weights w, when given
+
+    Returns (l, (log_ratio, ratio, clip_binds, dual_binds)); clip_binds: the clipped term is the larger one.
+    """
+    dtype = torch.promote_types(logp.dtype, torch.float32)
     # Zero masked positions before exp(): padding may hold garbage (inf, NaN), and a NaN there would
     # reach the gradient even though the position is masked out later.
     logp = torch.where(valid, logp.to(dtype), 0.0)
@@ -125,36 +155,35 @@ def policy_loss(
     if token_weights is not None:
         per_token = per_token * torch.where(valid, token_weights.detach().to(dtype), 0.0)
     per_token = torch.where(valid, per_token, 0.0)
+    return per_token, (log_ratio, ratio, clipped > unclipped, dual_binds)
 
-    loss = _aggregate(
-        per_token,
-        valid,
-        agg,
-        global_num_tokens,
-        global_num_seqs,
-        group_ids,
-        group_num_tokens,
-        global_num_groups,
-        norm_len,
-    )
-    with torch.no_grad():
-        num_tokens = valid.sum()
-        denom = num_tokens.clamp(min=1).to(dtype)
-        metrics = {
-            "pg_clipfrac": ((clipped > unclipped) & valid).sum().to(dtype) / denom,
-            "pg_clipfrac_lower": (dual_binds & valid).sum().to(dtype) / denom,
-            "ppo_kl": torch.where(valid, -log_ratio, 0.0).sum() / denom,
-            "ratio_max": torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
-            "num_tokens": num_tokens,
-            "num_nonempty_seqs": valid.any(dim=-1).sum(),
-        }
-    return loss, {name: value.detach() for name, value in metrics.items()}
+
+@torch.no_grad()
+def _metrics(valid, log_ratio, ratio, clip_binds, dual_binds) -> dict[str, torch.Tensor]:
+    """The detached metrics of `policy_loss` over the valid tokens (see its Returns)."""
+    dtype = ratio.dtype
+    num_tokens = valid.sum()
+    denom = num_tokens.clamp(min=1).to(dtype)
+    metrics = {
+        "pg_clipfrac": (clip_binds & valid).sum().to(dtype) / denom,
+        "pg_clipfrac_lower": (dual_binds & valid).sum().to(dtype) / denom,
+        "ppo_kl": torch.where(valid, -log_ratio, 0.0).sum() / denom,
+        "ratio_max": torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
+        "num_tokens": num_tokens,
+        "num_nonempty_seqs": valid.any(dim=-1).sum(),
+    }
+    return {name: value.detach() for name, value in metrics.items()}
 
 
 def _aggregate(
     per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len
 ) -> torch.Tensor:
-    """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring)."""
+    """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring).
+
+    token-mean (Eq. 8 as the recipe applies it): sum_{i,t} l / N_tokens; seq-mean-token-mean:
+    sum_i (sum_t l / |o_i|) / N_seqs; seq-mean-token-sum: sum_i sum_t l / N_seqs; seq-mean-token-sum-norm:
+    sum_{i,t} l / norm_len; group-token-mean: sum_g (sum_{i in g, t} l / N_tokens(g)) / N_groups.
+    """
     row_sum = per_token.sum(dim=-1)
     row_tokens = valid.sum(dim=-1).to(per_token.dtype)
     if agg == "token-mean":

@@ -52,7 +52,7 @@ def _sharded_values(rank, world_size, layout):
         os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout
     )
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
-    policy = build_sharded_policy(cfg, dist_env)
+    policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed)
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in policy.named_parameters()}
 
 

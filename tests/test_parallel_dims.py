@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from config.schema import ParallelismConfig
 from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.dims import ParallelDims
@@ -67,6 +68,24 @@ def test_single_process_parallelize_applies_ac_only_and_rejects_unknown_options(
     with pytest.raises(ValueError, match="mixed precision runs through FSDP"):
         parallelize_qwen2(fresh, None, ParallelDims(world_size=1), activation_checkpoint="full")
     assert all(getattr(b.forward, "__wrapped__", None) is None for b in fresh.layers.values())
+
+
+def test_parallelize_reads_the_parallelism_section_and_leaves_it_unchanged():
+    # The [parallelism] section as train.py loads it: dtypes by name, AC every 2nd block of the 2.
+    section = ParallelismConfig(param_dtype="float32", activation_checkpoint="selective", ac_every_k_blocks=2)
+    model = build_model(PRESETS["tiny"], seed=0)
+    assert len(model.layers) == 2
+    parallelize_qwen2(model, None, ParallelDims(world_size=1), section)
+    wrapped = [getattr(b.forward, "__wrapped__", None) is not None for b in model.layers.values()]
+    assert wrapped == [True, False]
+    # A keyword override applies to this call only; the section keeps its values.
+    fresh = build_model(PRESETS["tiny"], seed=0)
+    parallelize_qwen2(fresh, None, ParallelDims(world_size=1), section, activation_checkpoint="full")
+    assert all(getattr(b.forward, "__wrapped__", None) is not None for b in fresh.layers.values())
+    assert section == ParallelismConfig(param_dtype="float32", activation_checkpoint="selective", ac_every_k_blocks=2)
+    # The section's bf16 default over fp32 weights is mixed precision: refused without a process group.
+    with pytest.raises(ValueError, match="param_dtype torch.bfloat16 differs"):
+        parallelize_qwen2(build_model(PRESETS["tiny"], seed=0), None, ParallelDims(world_size=1), ParallelismConfig())
 
 
 def test_float8_refused_on_cpu():

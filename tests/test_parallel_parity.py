@@ -217,5 +217,5 @@ def test_activation_checkpointing_under_sharding_matches(label, dims_kwargs, num
         world_size=2,
         num_dp=num_dp,
         presets=("tiny",),
-        parallel_kwargs={"activation_checkpoint": ac, "selective_ac": "op"},
+        parallel_kwargs={"activation_checkpoint": ac, "ac_every_k_blocks": 0},
     )

@@ -239,7 +239,7 @@ def test_demo_tokenizer_is_what_transformers_rebuilds(tmp_path):
     from trainer.setup import build_tokenizer
 
     cfg = load_config(DEFAULT_CONFIG, [f"job.run_dir={tmp_path}", "data.synthetic_num_train=2000"])
-    ours = build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
+    ours = build_tokenizer(cfg.model, cfg.data, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
     export = tmp_path / "hf"
     ours.save(str(export))
     rows = synthetic_arithmetic_rows(20, difficulty=2, split="eval", answer_line_share=0.5)
@@ -329,7 +329,7 @@ def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
     # Training with it says so.
     cfg = load_config(DEFAULT_CONFIG, [f"model.tokenizer_path={tmp_path}"])
     with caplog.at_level("WARNING"):
-        build_tokenizer(cfg, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
+        build_tokenizer(cfg.model, cfg.data, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
     assert "not what transformers 5 rebuilds" in caplog.text and "pre_tokenizer" in caplog.text
 
 

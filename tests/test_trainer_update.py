@@ -157,7 +157,9 @@ def _train(groups, cfg, lr=0.0):
     model = build_model(ARGS, seed=0)
     start = copy.deepcopy(model)
     optimizer = _RecordingSGD(model.parameters(), lr=lr)
-    stats = TrainPhase(model, optimizer, _NoSchedule(), cfg, _OneProcess(), torch.device("cpu")).run(1, groups)
+    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, _OneProcess(), torch.device("cpu")).run(
+        1, groups
+    )
     return start, optimizer.updates, stats
 
 
@@ -256,9 +258,9 @@ def _dp_rank_grads(rank, world_size):
         )
         model = build_model(ARGS, seed=0)
         optimizer = _RecordingSGD(model.parameters(), lr=0.0)
-        TrainPhase(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size), torch.device("cpu")).run(
-            1, share
-        )
+        TrainPhase.from_config(
+            model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size), torch.device("cpu")
+        ).run(1, share)
         out[agg] = optimizer.updates[0][1]
     return out
 
@@ -289,7 +291,7 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # train.py's warm-up
     cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=4, training__mini_batch_size=2)
-    phase = TrainPhase(model, optimizer, scheduler, cfg, _OneProcess(), torch.device("cpu"))
+    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, _OneProcess(), torch.device("cpu"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Every group dropped by dynamic sampling; then every sample overlong-filtered.

@@ -59,19 +59,9 @@ def evaluate(
     rows hold num_problems, num_samples, avg@k, pass@j, maj@k, response_length/mean (tokens, stop
     token included) and truncated_share (samples that hit max_new_tokens).
     """
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
     examples = list(examples)
-    if not examples and gather is None:
-        raise ValueError("evaluate() needs at least one example")
-    _refuse_repeats(examples)
+    ks = _checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
     k = params.n
-    ks = tuple(pass_at or pass_ks(k))
-    bad = [j for j in ks if not 1 <= j <= k]
-    if bad:
-        raise ValueError(f"pass@{bad[0]} needs between 1 and k = {k} samples per problem")
-    if prompts_per_call is not None and prompts_per_call < 1:
-        raise ValueError(f"prompts_per_call must be >= 1 or None, got {prompts_per_call}")
     chunk = prompts_per_call or max(len(examples), 1)
 
     owned = progress is True
@@ -115,6 +105,23 @@ def evaluate(
     }
     report["time_s"] = elapsed
     return report
+
+
+def _checked_pass_ks(params, examples: list, pass_at, prompts_per_call, gather) -> tuple[int, ...]:
+    """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
+    if not examples and gather is None:
+        raise ValueError("evaluate() needs at least one example")
+    _refuse_repeats(examples)
+    k = params.n
+    ks = tuple(pass_at or pass_ks(k))
+    bad = [j for j in ks if not 1 <= j <= k]
+    if bad:
+        raise ValueError(f"pass@{bad[0]} needs between 1 and k = {k} samples per problem")
+    if prompts_per_call is not None and prompts_per_call < 1:
+        raise ValueError(f"prompts_per_call must be >= 1 or None, got {prompts_per_call}")
+    return ks
 
 
 def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> SamplingParams:

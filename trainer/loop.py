@@ -88,8 +88,8 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         fresh=fresh,
     )
     dist.barrier()
-    tokenizer = build_tokenizer(cfg, run_path, is_main=dist.is_main, barrier=dist.barrier)
-    train_set, eval_set = load_datasets(cfg, tokenizer)
+    tokenizer = build_tokenizer(cfg.model, cfg.data, run_path, is_main=dist.is_main, barrier=dist.barrier)
+    train_set, eval_set = load_datasets(cfg.data, tokenizer, eval_size=cfg.eval.eval_size)
     if cfg.training.sft_warmup_steps and not any(e.solution for e in train_set):
         raise ConfigError(
             f"training.sft_warmup_steps = {cfg.training.sft_warmup_steps} needs worked solutions "
@@ -118,7 +118,7 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    phase = TrainPhase(policy, optimizer, scheduler, cfg, dist, dist.device)
+    phase = TrainPhase.from_config(policy, optimizer, scheduler, cfg, dist, dist.device)
     return Components(
         dist, run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder, phase
     )

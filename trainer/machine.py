@@ -89,6 +89,25 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+class _Fixer:
+    """The configuration as the fixes so far leave it: `value` reads a key, `fix` records a change."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.fixes: list[Fix] = []
+        self.current: dict[str, object] = {}
+
+    def value(self, key: str):
+        if key in self.current:
+            return self.current[key]
+        section, name = key.split(".")
+        return getattr(getattr(self.cfg, section), name)
+
+    def fix(self, key: str, runs, reason: str) -> None:
+        self.fixes.append(Fix(key, self.value(key), runs, reason))
+        self.current[key] = runs
+
+
 def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     """(settings to change, launch problems) for running `cfg` on `machine`; both empty when it runs as is.
 
@@ -96,103 +115,116 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
     parallel size no longer matters), so applying every listed fix gives a configuration with no fix left.
     The launch problems are those no setting can fix (more processes on a node than it has GPUs).
     """
-    from rollout.sglang_engine import SGLANG_VERSION
-
-    fixes: list[Fix] = []
+    fixer = _Fixer(cfg)
+    _fix_layout(fixer, machine)
+    _fix_batch_sizes(fixer, machine.world_size // fixer.value("parallelism.tp"))
+    _fix_engine(fixer, machine)
+    _fix_precision(fixer, machine)
+    _fix_cpu_kernels(fixer, machine)
     launch: list[str] = []
-    current = {}
+    if machine.cuda_devices and machine.local_world_size > machine.cuda_devices:
+        gpus = f"{machine.cuda_devices} CUDA GPU{'s' * (machine.cuda_devices > 1)}"
+        launch.append(
+            f"this node runs {machine.local_world_size} processes but has {gpus}: launch at most one "
+            f"process per GPU (torchrun --nproc_per_node={machine.cuda_devices})"
+        )
+    return fixer.fixes, launch
 
-    def value(key):
-        if key in current:
-            return current[key]
-        section, name = key.split(".")
-        return getattr(getattr(cfg, section), name)
 
-    def fix(key, runs, reason):
-        fixes.append(Fix(key, value(key), runs, reason))
-        current[key] = runs
-
-    cuda = machine.cuda_devices > 0
-    world = machine.world_size
-
-    # Parallel layout: dp_replicate x dp_shard x tp must be the number of processes (dp_shard = -1 takes the rest).
+def _fix_layout(fixer: _Fixer, machine: Machine) -> None:
+    """Parallel layout: dp_replicate x dp_shard x tp must be the number of processes (dp_shard = -1 takes the rest)."""
+    value, fix, world = fixer.value, fixer.fix, machine.world_size
     replicate, shard, tp = (value(f"parallelism.{k}") for k in ("dp_replicate", "dp_shard", "tp"))
     fits = world % (replicate * tp) == 0 if shard == -1 else replicate * shard * tp == world
-    if not fits:
-        layout = f"{replicate} x {shard} x {tp}"
-        processes = f"{world} process{'es' * (world > 1)}"
-        reason = (
-            f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
-            "(WORLD_SIZE); dp_shard = -1 takes the ranks left"
+    if fits:
+        return
+    layout = f"{replicate} x {shard} x {tp}"
+    processes = f"{world} process{'es' * (world > 1)}"
+    reason = (
+        f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
+        "(WORLD_SIZE); dp_shard = -1 takes the ranks left"
+    )
+    if world % tp:
+        fix("parallelism.tp", math.gcd(tp, world), reason)
+    if world % (value("parallelism.dp_replicate") * value("parallelism.tp")):
+        fix("parallelism.dp_replicate", 1, reason)
+    if shard != -1:
+        fix("parallelism.dp_shard", -1, reason)
+
+
+def _fix_batch_sizes(fixer: _Fixer, dp: int) -> None:
+    """Whole groups live on one data-parallel rank: batch sizes divide over the `dp` ranks."""
+    if dp <= 1:
+        return
+    value, fix = fixer.value, fixer.fix
+    mini = value("training.mini_batch_size")
+    if mini % dp:
+        fix(
+            "training.mini_batch_size",
+            _round_up(mini, dp),
+            f"must divide over the {dp} data-parallel ranks (whole groups live on one rank); a larger "
+            "mini-batch means fewer updates per step, which fewer processes would avoid",
         )
-        if world % tp:
-            fix("parallelism.tp", math.gcd(tp, world), reason)
-        if world % (value("parallelism.dp_replicate") * value("parallelism.tp")):
-            fix("parallelism.dp_replicate", 1, reason)
-        if shard != -1:
-            fix("parallelism.dp_shard", -1, reason)
-    dp = world // value("parallelism.tp")
+    train = value("training.train_batch_size")
+    if train % value("training.mini_batch_size"):
+        fix(
+            "training.train_batch_size",
+            _round_up(train, value("training.mini_batch_size")),
+            f"must be whole mini-batches of {value('training.mini_batch_size')} prompts, divided over the "
+            f"{dp} data-parallel ranks",
+        )
+    sft = value("training.sft_batch_size")
+    if value("training.sft_warmup_steps") and sft % dp:
+        fix("training.sft_batch_size", _round_up(sft, dp), f"must divide over the {dp} data-parallel ranks")
 
-    # Whole groups live on one data-parallel rank: batch sizes divide over them.
-    if dp > 1:
-        mini = value("training.mini_batch_size")
-        if mini % dp:
-            fix(
-                "training.mini_batch_size",
-                _round_up(mini, dp),
-                f"must divide over the {dp} data-parallel ranks (whole groups live on one rank); a larger "
-                "mini-batch means fewer updates per step, which fewer processes would avoid",
-            )
-        train = value("training.train_batch_size")
-        if train % value("training.mini_batch_size"):
-            fix(
-                "training.train_batch_size",
-                _round_up(train, value("training.mini_batch_size")),
-                f"must be whole mini-batches of {value('training.mini_batch_size')} prompts, divided over the "
-                f"{dp} data-parallel ranks",
-            )
-        sft = value("training.sft_batch_size")
-        if value("training.sft_warmup_steps") and sft % dp:
-            fix("training.sft_batch_size", _round_up(sft, dp), f"must divide over the {dp} data-parallel ranks")
 
-    # Rollout engine: SGLang runs only on CUDA GPUs, and only the release its engine is written against.
-    if value("rollout.engine") == "sglang":
-        if not cuda:
-            fix(
-                "rollout.engine",
-                "torch",
-                "SGLang runs only on CUDA GPUs and this machine has none; the torch engine runs everywhere",
-            )
-        elif machine.sglang_version != SGLANG_VERSION:
-            found = (
-                f"sglang {machine.sglang_version} is installed" if machine.sglang_version else "sglang is not installed"
-            )
-            fix(
-                "rollout.engine",
-                "torch",
-                f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
-                "(pip install -r requirements-gpu.txt); or use the torch engine",
-            )
-        else:
-            engine_tp = value("rollout.tp_size")
-            if machine.local_world_size % engine_tp:
-                fix(
-                    "rollout.tp_size",
-                    math.gcd(engine_tp, machine.local_world_size),
-                    f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
-                    f"runs {machine.local_world_size}",
-                )
+def _fix_engine(fixer: _Fixer, machine: Machine) -> None:
+    """Rollout engine: SGLang runs only on CUDA GPUs, and only the release its engine is written against."""
+    from rollout.sglang_engine import SGLANG_VERSION
 
+    value, fix = fixer.value, fixer.fix
+    if value("rollout.engine") != "sglang":
+        return
+    if not machine.cuda_devices:
+        fix(
+            "rollout.engine",
+            "torch",
+            "SGLang runs only on CUDA GPUs and this machine has none; the torch engine runs everywhere",
+        )
+    elif machine.sglang_version != SGLANG_VERSION:
+        found = f"sglang {machine.sglang_version} is installed" if machine.sglang_version else "sglang is not installed"
+        fix(
+            "rollout.engine",
+            "torch",
+            f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
+            "(pip install -r requirements-gpu.txt); or use the torch engine",
+        )
+    else:
+        engine_tp = value("rollout.tp_size")
+        if machine.local_world_size % engine_tp:
+            fix(
+                "rollout.tp_size",
+                math.gcd(engine_tp, machine.local_world_size),
+                f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
+                f"runs {machine.local_world_size}",
+            )
+
+
+def _fix_precision(fixer: _Fixer, machine: Machine) -> None:
+    """Mixed precision, CPU offload and float8: what FSDP and the tensor cores of this machine allow."""
+    value, fix = fixer.value, fixer.fix
+    cuda = machine.cuda_devices > 0
     # Mixed precision (param_dtype differs from model.dtype) is FSDP's; on a CPU only torchrun's several
     # processes start the process group FSDP needs (a single CUDA process starts a one-rank group itself).
     model_dtype = value("model.dtype")
-    if not cuda and world == 1 and value("parallelism.param_dtype") != model_dtype:
+    if not cuda and machine.world_size == 1 and value("parallelism.param_dtype") != model_dtype:
         fix(
             "parallelism.param_dtype",
             model_dtype,
             f"computing in {value('parallelism.param_dtype')} over {model_dtype} weights is FSDP mixed "
             "precision, which needs a process group: one CPU process has none",
         )
+    dp = machine.world_size // value("parallelism.tp")
     fsdp = dp > 1 or value("parallelism.param_dtype") != model_dtype
     if not cuda and fsdp and value("parallelism.cpu_offload"):
         fix(
@@ -201,7 +233,6 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
             "offloading moves GPU state to host memory: on a CPU it is there "
             "already, and FSDP refuses the option on a CPU mesh",
         )
-
     # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
     if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
         has = "compute capability {}.{}".format(*machine.cuda_capability) if cuda else "no CUDA GPU"
@@ -211,26 +242,22 @@ def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
             f"float8 training needs a CUDA GPU of compute capability >= 8.9; this machine has {has}",
         )
 
+
+def _fix_cpu_kernels(fixer: _Fixer, machine: Machine) -> None:
+    """FlexAttention's backward and torch.compile's C++ kernels on a CPU."""
+    if machine.cuda_devices:
+        return
     # FlexAttention has no backward on CPU; SDPA with a document mask computes the same attention.
-    if not cuda and value("model.attention_backend") == "flex":
-        fix(
+    if fixer.value("model.attention_backend") == "flex":
+        fixer.fix(
             "model.attention_backend",
             "sdpa",
             "FlexAttention has no backward pass on CPU; SDPA computes the same packed attention there",
         )
-
     # torch.compile generates C++ kernels on a CPU, built with the system's C++ compiler.
-    if not cuda and not machine.cxx_compiler:
+    if not machine.cxx_compiler:
         for key in ("parallelism.compile", "rollout.compile"):
-            if value(key):
-                fix(
+            if fixer.value(key):
+                fixer.fix(
                     key, False, "torch.compile builds C++ kernels on a CPU and no C++ compiler (g++, clang++) was found"
                 )
-
-    if cuda and machine.local_world_size > machine.cuda_devices:
-        gpus = f"{machine.cuda_devices} CUDA GPU{'s' * (machine.cuda_devices > 1)}"
-        launch.append(
-            f"this node runs {machine.local_world_size} processes but has {gpus}: launch at most one "
-            f"process per GPU (torchrun --nproc_per_node={machine.cuda_devices})"
-        )
-    return fixes, launch

@@ -140,7 +140,7 @@ def rehearsal_args(cfg) -> ModelArgs:
     if cfg.model.hf_path:
         from trainer.setup import policy_args
 
-        return policy_args(cfg)
+        return policy_args(cfg.model)
     return get_preset(cfg.model.preset or cfg.rehearse.preset)
 
 

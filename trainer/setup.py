@@ -13,45 +13,46 @@ from model.hf import load_hf
 from model.hf_adapter import DTYPES, read_hf_config
 from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
-from parallel.parallelize import ParallelizeConfig, parallelize_qwen2
+from parallel.parallelize import parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from trainer.memory import return_cached_memory
 
 if TYPE_CHECKING:
     from config import Config
+    from config.schema import DataConfig, ModelConfig, ParallelismConfig
     from rollout.engine import Engine
     from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
 
-def _synthetic_rows(cfg, split: str) -> list[dict]:
-    count = cfg.data.synthetic_num_train if split == "train" else cfg.data.synthetic_num_eval
+def _synthetic_rows(data: DataConfig, split: str) -> list[dict]:
+    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
     return synthetic_arithmetic_rows(
         count,
-        difficulty=cfg.data.synthetic_difficulty,
+        difficulty=data.synthetic_difficulty,
         split=split,
-        seed=cfg.data.seed,
-        answer_line_share=cfg.data.synthetic_answer_share,
+        seed=data.seed,
+        answer_line_share=data.synthetic_answer_share,
     )
 
 
-def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
+def build_tokenizer(model: ModelConfig, data: DataConfig, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
     """The checkpoint's tokenizer, or one trained on the synthetic task (saved in the run folder).
 
     Only rank 0 trains the synthetic tokenizer; the others wait and load the saved copy, so every rank
     holds byte-identical vocabularies. Its phrases are the fixed text of every prompt (the default system
     message, DAPO's template around the problem), one token each.
     """
-    path = cfg.model.tokenizer_path or cfg.model.hf_path
+    path = model.tokenizer_path or model.hf_path
     if not path:
-        if cfg.data.train_path != "synthetic":
+        if data.train_path != "synthetic":
             raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
         path = os.path.join(run_path, "tokenizer")
         if is_main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            rows = _synthetic_rows(cfg, "train")
+            rows = _synthetic_rows(data, "train")
             texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
-            vocab = get_preset(cfg.model.preset).vocab_size
+            vocab = get_preset(model.preset).vocab_size
             phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
             train_bpe_tokenizer(texts, vocab, phrases=phrases).save(path)
         barrier()
@@ -67,15 +68,16 @@ def build_tokenizer(cfg, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
     return tokenizer
 
 
-def load_datasets(cfg, tokenizer):
-    """(train examples, eval examples) from parquet files or the synthetic task."""
-    max_len = cfg.data.max_prompt_length
-    overflow = cfg.data.prompt_overflow
+def load_datasets(data: DataConfig, tokenizer, *, eval_size: int | None = None):
+    """(train examples, eval examples) from parquet files or the synthetic task; eval_size: the first
+    eval_size held-out examples only (eval.eval_size; None: all)."""
+    max_len = data.max_prompt_length
+    overflow = data.prompt_overflow
 
     def load(path, split):
         if path == "synthetic":
             return rows_to_examples(
-                _synthetic_rows(cfg, split),
+                _synthetic_rows(data, split),
                 tokenizer,
                 max_prompt_length=max_len,
                 overflow=overflow,
@@ -83,44 +85,30 @@ def load_datasets(cfg, tokenizer):
             )[0]
         return load_prompts(path, tokenizer, max_prompt_length=max_len, overflow=overflow)
 
-    train = load(cfg.data.train_path, "train")
-    evals = load(cfg.data.eval_path, "eval") if cfg.data.eval_path else []
-    if cfg.eval.eval_size:
-        evals = evals[: cfg.eval.eval_size]
+    train = load(data.train_path, "train")
+    evals = load(data.eval_path, "eval") if data.eval_path else []
+    if eval_size:
+        evals = evals[:eval_size]
     return train, evals
 
 
-def build_policy(cfg, device: torch.device) -> torch.nn.Module:
-    """The policy in its training dtype on `device`: an HF checkpoint, or a preset with random weights."""
-    dtype = DTYPES[cfg.model.dtype]
-    if cfg.model.hf_path:
-        model = load_hf(cfg.model.hf_path, dtype=dtype, device=device)
+def build_policy(model_cfg: ModelConfig, device: torch.device, *, seed: int) -> torch.nn.Module:
+    """The policy in its training dtype on `device`: an HF checkpoint, or a preset with random weights
+    initialised from `seed` (job.seed)."""
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.hf_path:
+        model = load_hf(model_cfg.hf_path, dtype=dtype, device=device)
     else:
-        model = build_model(get_preset(cfg.model.preset), device=device, dtype=dtype, seed=cfg.job.seed)
-    model.attention_backend = cfg.model.attention_backend
+        model = build_model(get_preset(model_cfg.preset), device=device, dtype=dtype, seed=seed)
+    model.attention_backend = model_cfg.attention_backend
     return model
 
 
-def parallelize_config(cfg) -> ParallelizeConfig:
-    """The [parallelism] section as parallelize_qwen2's switches."""
-    par = cfg.parallelism
-    return ParallelizeConfig(
-        param_dtype=DTYPES[par.param_dtype],
-        reduce_dtype=DTYPES[par.reduce_dtype],
-        reshard_after_forward=par.reshard_after_forward,
-        cpu_offload=par.cpu_offload,
-        activation_checkpoint=par.activation_checkpoint,
-        selective_ac="op" if par.ac_every_k_blocks == 0 else par.ac_every_k_blocks,
-        compile=par.compile,
-        float8=par.float8,
-    )
-
-
-def policy_args(cfg) -> ModelArgs:
+def policy_args(model: ModelConfig) -> ModelArgs:
     """The policy's architecture: the checkpoint's config.json, or the preset."""
-    if cfg.model.hf_path:
-        return read_hf_config(cfg.model.hf_path)
-    return get_preset(cfg.model.preset)
+    if model.hf_path:
+        return read_hf_config(model.hf_path)
+    return get_preset(model.preset)
 
 
 @torch.no_grad()
@@ -144,7 +132,9 @@ def copy_into_shards(model: torch.nn.Module, full_tensors) -> None:
         raise ValueError(f"no values for {len(params)} parameters, e.g. {sorted(params)[:3]}")
 
 
-def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -> torch.nn.Module:
+def build_sharded_policy(
+    model_cfg: ModelConfig, parallelism: ParallelismConfig, dist_env: DistEnv, *, seed: int, fill: bool = True
+) -> torch.nn.Module:
     """The policy, parallelised, holding only this rank's shards on the device:
 
         1. the module on the meta device (no memory anywhere);
@@ -156,14 +146,14 @@ def build_sharded_policy(cfg: Config, dist_env: DistEnv, *, fill: bool = True) -
     Nothing full-size ever reaches the GPU, so an engine started afterwards sizes its KV pool from what
     the trainer really keeps (SGLang sizes it from the memory free when it starts).
     """
-    dtype = DTYPES[cfg.model.dtype]
+    dtype = DTYPES[model_cfg.dtype]
     with torch.device("meta"):
-        model = Qwen2(policy_args(cfg)).to(dtype)
-    model.attention_backend = cfg.model.attention_backend
-    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelize_config(cfg))
-    model.to_empty(device="cpu" if cfg.parallelism.cpu_offload else dist_env.device)
+        model = Qwen2(policy_args(model_cfg)).to(dtype)
+    model.attention_backend = model_cfg.attention_backend
+    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelism)
+    model.to_empty(device="cpu" if parallelism.cpu_offload else dist_env.device)
     if fill:
-        source = build_policy(cfg, torch.device("cpu"))
+        source = build_policy(model_cfg, torch.device("cpu"), seed=seed)
         copy_into_shards(model, ((name, p.detach()) for name, p in source.named_parameters()))
         del source
     return model
@@ -179,7 +169,7 @@ def build_policy_and_engine(
     start_engine(cfg, policy, device, max_prompt_length, dist_env) -> engine; default `build_engine`.
     fill=False: the policy's values are not needed (a rehearsal).
     """
-    policy = build_sharded_policy(cfg, dist_env, fill=fill)
+    policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed, fill=fill)
     return_cached_memory(dist_env)  # what the load cached is free memory for the engine
     engine = (start_engine or build_engine)(cfg, policy, dist_env.device, cfg.data.max_prompt_length, dist_env)
     return policy, engine

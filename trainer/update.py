@@ -29,6 +29,7 @@ from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
 
 if TYPE_CHECKING:
     from config import Config
+    from config.schema import AlgorithmConfig, RolloutConfig, TrainingConfig
     from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -170,29 +171,67 @@ class _StepTotals:
 
 
 class TrainPhase:
-    """Holds what the updates need across steps: model, optimizer, scheduler and the settings."""
+    """Holds what the updates need across steps: model, optimizer, scheduler and the settings.
+
+    training, algorithm, rollout: the [training], [algorithm] and [rollout] sections (the rollout's
+    temperature and maximum response length); grad_clip: optimizer.grad_clip; old_logprobs: where pi_old
+    comes from (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`).
+    `from_config` derives them all from the whole configuration.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
+        dist_env: DistEnv,
+        device: torch.device,
+        *,
+        training: TrainingConfig,
+        algorithm: AlgorithmConfig,
+        rollout: RolloutConfig,
+        grad_clip: float,
+        old_logprobs: str,
+        share_prompts: bool,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.dist, self.device = dist_env, device
+        self.training, self.algorithm, self.rollout = training, algorithm, rollout
+        self.grad_clip, self.old_logprobs, self.share_prompts = grad_clip, old_logprobs, share_prompts
+        self.nonfinite_in_a_row = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
         cfg: Config,
         dist_env: DistEnv,
         device: torch.device,
-    ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.cfg, self.dist, self.device = cfg, dist_env, device
-        self.nonfinite_in_a_row = 0
+    ) -> TrainPhase:
+        """The phase with the sections and decisions of `cfg` it reads."""
+        return cls(
+            model,
+            optimizer,
+            scheduler,
+            dist_env,
+            device,
+            training=cfg.training,
+            algorithm=cfg.algorithm,
+            rollout=cfg.rollout,
+            grad_clip=cfg.optimizer.grad_clip,
+            old_logprobs=old_logprob_source(cfg),
+            share_prompts=shares_prompts(cfg, dist_env, device),
+        )
 
     def run(self, step: int, groups, progress=None) -> dict[str, float]:
         """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
         training metrics (reduced over ranks). progress: an observe.progress.Progress, set to the number
         of micro-batches to run and advanced after each (None: no display)."""
-        cfg = self.cfg
         mini_batches = self._mini_batches(step, groups)
         self.model.train()
-        source = old_logprob_source(cfg)
+        source = self.old_logprobs
         # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
         needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
         most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
@@ -205,8 +244,8 @@ class TrainPhase:
         totals = _StepTotals(measured=[(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
         fresh_first = [mb for mb in mini_batches[0] if not any(mb is r for r in recomputed[0])] if mini_batches else []
         if progress is not None:
-            progress.set_total(sum(len(mbs) for mbs in mini_batches) * cfg.training.ppo_epochs)
-        for epoch in range(cfg.training.ppo_epochs):
+            progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
+        for epoch in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
                 first = epoch == 0 and index == 0
                 self._update(step, index, mbs, totals, fresh_first if first else [], source, first, progress)
@@ -224,12 +263,12 @@ class TrainPhase:
     @property
     def temperature(self) -> float:
         """The sampling temperature the log-probs are taken at (1 for greedy rollouts)."""
-        return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        return self.rollout.temperature if self.rollout.temperature > 0 else 1.0
 
     def _mini_batches(self, step: int, groups) -> list[list[MicroBatch]]:
         """This rank's groups as packed micro-batches per mini-batch, on the device, as many on every rank."""
-        cfg, alg = self.cfg, self.cfg.algorithm
-        num_updates = cfg.training.train_batch_size // cfg.training.mini_batch_size
+        alg = self.algorithm
+        num_updates = self.training.train_batch_size // self.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
         items = pack_items_for_groups(
             groups,
@@ -244,9 +283,9 @@ class TrainPhase:
             mbs = (
                 pack_micro_batches(
                     mini,
-                    cfg.training.micro_batch_tokens,
+                    self.training.micro_batch_tokens,
                     self.dist.dims.tp,
-                    share_prompts=shares_prompts(cfg, self.dist, self.device),
+                    share_prompts=self.share_prompts,
                 )
                 if mini
                 else []
@@ -267,7 +306,7 @@ class TrainPhase:
     ) -> None:
         """One mini-batch: the DAPO loss over its micro-batches (global counts), then clip and AdamW step.
         fresh: micro-batches whose loss pass measures the engine/trainer mismatch (first: the step's first)."""
-        alg = self.cfg.algorithm
+        alg = self.algorithm
         tokens, seqs, groups_here = self._local_counts(mbs)
         g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
         if g_seqs == 0:
@@ -293,7 +332,7 @@ class TrainPhase:
                 agg=alg.loss_agg,
                 truncated_is=alg.truncated_is,
                 is_cap=alg.truncated_is_cap,
-                norm_len=self.cfg.rollout.max_response_length,
+                norm_len=self.rollout.max_response_length,
                 chunk_size=DEFAULT_CHUNK,
             )
             loss.backward()
@@ -350,7 +389,7 @@ class TrainPhase:
             "updates_skipped_nonfinite": totals.skipped,
             "updates": updates,
             "lr": lr,
-            "train_tokens": tokens / self.cfg.training.ppo_epochs,
+            "train_tokens": tokens / self.training.ppo_epochs,
             **totals.mismatch,
         }
 
@@ -396,7 +435,7 @@ class TrainPhase:
 
     def _clip_and_step(self, step: int, index: int) -> float | None:
         """Clip the global grad norm and step; a non-finite norm skips the update (None)."""
-        max_norm = self.cfg.optimizer.grad_clip if self.cfg.optimizer.grad_clip > 0 else float("inf")
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
