@@ -235,9 +235,16 @@ def chunked_backward(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+def check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad, vocab=None):
+    """Refuse inputs the chunked kernels cannot compute on, with the shape or value at fault.
+
+    vocab: the full vocabulary when `weight` is this rank's slice of a vocabulary-parallel head (targets index
+    the full vocabulary); None means weight.shape[0].
+    """
+    rows = "vocab" if vocab is None else "vocab/tp"
+    vocab = weight.shape[0] if vocab is None else vocab
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [vocab, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
+        raise ValueError(f"weight must be [{rows}, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}"
@@ -248,8 +255,8 @@ def _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.numel():
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one device sync for both bounds
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(f"targets must lie in [0, {weight.shape[0]}), got range [{lo}, {hi}]")
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}), got range [{lo}, {hi}]")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if chunk_size is not None and chunk_size <= 0:
@@ -276,7 +283,7 @@ def token_logprobs(
     the entropy is detached unless `entropy_grad` (then its gradient flows too, e.g. for an entropy
     bonus). Peak extra memory is about two fp32 [chunk_size, V] buffers in either pass.
     """
-    _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
+    check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
@@ -298,7 +305,7 @@ def naive_token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference for `token_logprobs`: materialises the full fp32 logits and lets autograd differentiate.
     `chunk_size` is accepted for signature compatibility and ignored."""
-    _check_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
+    check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
     logits = (hidden @ weight.t()).to(_stats_dtype(hidden.dtype)) / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

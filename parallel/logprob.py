@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from model.logprob import DEFAULT_CHUNK, chunked_backward, chunked_forward, token_logprobs
+from model.logprob import DEFAULT_CHUNK, check_logprob_inputs, chunked_backward, chunked_forward, token_logprobs
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -86,37 +86,6 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         if need_h and ctx.reduce_hidden_grad:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
-
-
-def _check_slice_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab: int,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
-    entropy_grad: bool,
-) -> None:
-    """Refuse inputs the vocabulary-parallel kernel cannot compute on, with the shape or value at fault."""
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight slice must be [vocab/tp, hidden={hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if hidden.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if targets.numel():
-        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one device sync for both bounds
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"targets must lie in [0, {vocab}), got range [{lo}, {hi}]")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if entropy_grad and not with_entropy:
-        raise ValueError("entropy_grad=True needs with_entropy=True")
 
 
 def vocab_parallel_token_logprobs(
@@ -182,7 +151,7 @@ def vocab_parallel_token_logprobs(
             entropy_grad=entropy_grad,
         )
 
-    _check_slice_inputs(hidden, weight, targets, vocab, temperature, chunk_size, with_entropy, entropy_grad)
+    check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad, vocab=vocab)
 
     rank = dist.get_rank(tp_group)
     logp, entropy = _VocabParallelTokenLogprobs.apply(
