@@ -15,6 +15,7 @@ import queue
 import tempfile
 import time
 import traceback
+import types
 
 import torch
 
@@ -129,3 +130,13 @@ def packed_row(doc_lengths: list[int], vocab: int, generator: torch.Generator) -
         "mask": torch.cat(mask).unsqueeze(0),
         "advantages": torch.randn(1, len(tokens), generator=generator),
     }
+
+
+class OneProcess:
+    """The DistEnv of a single process without a process group: reductions return their input."""
+
+    dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
+    dims = types.SimpleNamespace(tp=1)
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        return list(values)

@@ -2,10 +2,10 @@
 takes them only where they are exact, and carried-over samples are always recomputed."""
 
 import copy
-import types
 
 import pytest
 import torch
+from dist_utils import OneProcess
 
 from config import Config
 from model.args import PRESETS
@@ -20,14 +20,6 @@ from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source, pa
 
 ARGS = PRESETS["tiny"]
 MAX_RESPONSE = 8
-
-
-class _OneProcess:
-    dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
-    dims = types.SimpleNamespace(tp=1)
-
-    def all_reduce(self, values, op="sum", group="dp"):
-        return list(values)
 
 
 class _RecordingAdamW(torch.optim.AdamW):
@@ -121,7 +113,7 @@ def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
 def _train(model, groups, cfg):
     model = copy.deepcopy(model)
     optimizer = _RecordingAdamW(model.parameters(), lr=1e-2)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, _OneProcess(), torch.device("cpu")).run(
+    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess(), torch.device("cpu")).run(
         1, groups
     )
     return stats, optimizer.grads
@@ -167,7 +159,7 @@ def test_carried_over_samples_and_inexact_log_probs_are_recomputed():
             assert torch.equal(mb.old_logp, mb.rollout_logp)
 
 
-class _OtherRankNeedsOneMore(_OneProcess):
+class _OtherRankNeedsOneMore(OneProcess):
     """As if another data-parallel rank had one more micro-batch to recompute in every mini-batch."""
 
     def all_reduce(self, values, op="sum", group="dp"):
@@ -178,7 +170,7 @@ def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_mo
     model = build_model(ARGS, seed=0)
     groups = _engine_groups(model, num_groups=4)
     calls = []
-    for dist_env in (_OneProcess(), _OtherRankNeedsOneMore()):
+    for dist_env in (OneProcess(), _OtherRankNeedsOneMore()):
         trained = copy.deepcopy(model)
         forwards = []
         trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))  # noqa: B023

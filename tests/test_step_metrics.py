@@ -5,6 +5,7 @@ import contextlib
 import math
 
 import pytest
+from dist_utils import OneProcess
 
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
@@ -12,13 +13,6 @@ from rollout.engine import Completion, SamplingParams
 from trainer.rollout_phase import collect_batch
 from trainer.scoring import RewardSettings
 from trainer.step_metrics import rollout_metrics
-
-
-class _OneProcess:
-    dp_rank, dp_size, world_size = 0, 1, 1
-
-    def all_reduce(self, values, op="sum", group="dp"):
-        return list(values)
 
 
 class _AnswerTokenizer:
@@ -64,9 +58,9 @@ def _row(engine, train_batch_size, max_rounds):
             params,
             _AnswerTokenizer(),
             reward,
-            _OneProcess(),
+            OneProcess(),
         )
-    return groups, rollout_metrics(groups, stats, {}, _OneProcess(), group_size=4)
+    return groups, rollout_metrics(groups, stats, {}, OneProcess(), group_size=4)
 
 
 def test_all_samples_and_kept_batch_are_logged_under_their_own_names():

@@ -4,12 +4,12 @@ overlong filtering masks samples or whole groups, and short batches add no empty
 
 import copy
 import math
-import types
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import OneProcess
 
 from config import Config
 from model.args import PRESETS
@@ -23,14 +23,6 @@ from trainer.update import TrainPhase
 
 ARGS = PRESETS["tiny"]
 MAX_RESPONSE = 8
-
-
-class _OneProcess:
-    dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
-    dims = types.SimpleNamespace(tp=1)
-
-    def all_reduce(self, values, op="sum", group="dp"):
-        return list(values)
 
 
 class _RecordingSGD(torch.optim.SGD):
@@ -157,7 +149,7 @@ def _train(groups, cfg, lr=0.0):
     model = build_model(ARGS, seed=0)
     start = copy.deepcopy(model)
     optimizer = _RecordingSGD(model.parameters(), lr=lr)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, _OneProcess(), torch.device("cpu")).run(
+    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess(), torch.device("cpu")).run(
         1, groups
     )
     return start, optimizer.updates, stats
@@ -228,7 +220,7 @@ def test_a_mini_batch_with_every_sample_masked_is_no_update():
     _assert_grads_match(updates[0][1], _reference_grads(start, start, groups[:1], cfg))
 
 
-class _GlooDataParallel(_OneProcess):
+class _GlooDataParallel(OneProcess):
     """One data-parallel rank of a gloo job (plain modules: the test sums the ranks' gradients itself)."""
 
     def __init__(self, rank, world_size):
@@ -291,7 +283,7 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # train.py's warm-up
     cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=4, training__mini_batch_size=2)
-    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, _OneProcess(), torch.device("cpu"))
+    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, OneProcess(), torch.device("cpu"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Every group dropped by dynamic sampling; then every sample overlong-filtered.
