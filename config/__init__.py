@@ -20,7 +20,7 @@ machine cannot run (a GPU recipe on a CPU: trainer/machine.py), before any data 
 
 from config.checks import check_machine, check_runnable, evaluates
 from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
-from config.loader import ConfigError, field_types, sections, split_overrides, validate
+from config.loader import ConfigError, sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
 from config.schema import (
     AlgorithmConfig,
@@ -40,11 +40,9 @@ from config.schema import (
 )
 
 SECTIONS: dict[str, type] = sections(Config)
-FIELD_TYPES = field_types(Config)
 
 __all__ = [
     "DEFAULT_CONFIG",
-    "FIELD_TYPES",
     "SECTIONS",
     "AlgorithmConfig",
     "CheckpointConfig",
