@@ -93,8 +93,9 @@ def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_token
             model_dir, tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static, dtype=ro.dtype, seed=cfg.job.seed
         )
     from model.hf import load_hf
+    from model.hf_adapter import DTYPES
     from rollout.torch_engine import TorchEngine
-    from trainer.setup import DTYPES
+    from trainer.setup import torch_engine_options
 
     model = load_hf(model_dir, dtype=DTYPES[ro.dtype], device=device)
     # The engine never needs more context than the longest prompt plus the response budget.
@@ -106,15 +107,7 @@ def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_token
             f"end with finish reason 'length'",
             file=sys.stderr,
         )
-    return TorchEngine(
-        model,
-        max_batch_size=ro.max_batch_size,
-        max_seq_len=max_seq_len,
-        device=device,
-        compile=ro.compile,
-        seed=cfg.job.seed,
-        cuda_graphs=ro.cuda_graphs,
-    )
+    return TorchEngine(model, max_seq_len=max_seq_len, device=device, seed=cfg.job.seed, **torch_engine_options(ro))
 
 
 def main(argv=None) -> dict:

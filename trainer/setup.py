@@ -57,8 +57,8 @@ def build_tokenizer(model: ModelConfig, data: DataConfig, run_path: str, *, is_m
             train_bpe_tokenizer(texts, vocab, phrases=phrases).save(path)
         barrier()
     tokenizer = Tokenizer.from_dir(path)
-    mismatch = tokenizer.transformers_mismatch()
-    if mismatch and is_main:
+    mismatch = tokenizer.transformers_mismatch() if is_main else None  # one rank reads the whole vocabulary
+    if mismatch:
         log.warning(
             "the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
             "transformers' AutoTokenizer will encode the exported policy's prompts differently",
@@ -175,6 +175,18 @@ def build_policy_and_engine(
     return policy, engine
 
 
+def torch_engine_options(rollout) -> dict:
+    """The [rollout] settings of the torch engine, for every place that builds one (training, eval.py)."""
+    return {
+        "max_batch_size": rollout.max_batch_size,
+        "compile": rollout.compile,
+        "cuda_graphs": rollout.cuda_graphs,
+        "block_size": rollout.block_size,
+        "kv_cache_blocks": rollout.kv_cache_blocks or None,  # 0: room for max_batch_size full sequences
+        "flex_decode": rollout.flex_decode,
+    }
+
+
 def engine_group(tp_size: int, dist_env: DistEnv):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
     the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
@@ -212,16 +224,11 @@ def build_engine(
         engine_model.to_empty(device=device)
         engine = TorchEngine(
             engine_model,
-            max_batch_size=cfg.rollout.max_batch_size,
             max_seq_len=max_prompt_length + max_new,
             device=device,
             dtype=DTYPES[cfg.rollout.dtype],
-            compile=cfg.rollout.compile,
             seed=cfg.job.seed,
-            cuda_graphs=cfg.rollout.cuda_graphs,
-            block_size=cfg.rollout.block_size,
-            kv_cache_blocks=cfg.rollout.kv_cache_blocks or None,
-            flex_decode=cfg.rollout.flex_decode,
+            **torch_engine_options(cfg.rollout),
         )
         sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         return engine
