@@ -39,10 +39,8 @@ log = logging.getLogger("train")
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rehearse = "--rehearse" in argv
-    cfg, cli = parse_cli([a for a in argv if a != "--rehearse"])
-    if rehearse:
+    cfg, cli = parse_cli(argv)
+    if cli.rehearse:
         from trainer.rehearsal import main as rehearse_main
 
         return rehearse_main(cfg)

@@ -44,7 +44,7 @@ def parse_config_args(
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """train.py: `--config PATH`, `--dry-run`, `--fresh` and any number of `--section.key=value` /
+    """train.py: `--config PATH`, `--dry-run`, `--fresh`, `--rehearse` and any number of `--section.key=value` /
     `--section.key value`."""
     parser = config_parser(
         "DAPO training (Algorithm 1 of arXiv 2503.14476).",
@@ -55,5 +55,10 @@ def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Names
         "--fresh",
         action="store_true",
         help="start the run over: move an existing run folder aside (to <name>.old-<n>) first",
+    )
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="print the run's per-GPU memory per phase, rehearsed on this CPU as one rank of the job ([rehearse])",
     )
     return parse_config_args(parser, argv)
