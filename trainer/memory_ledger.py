@@ -16,7 +16,6 @@ For each phase, on one GPU:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -148,6 +147,3 @@ class MemoryLedger:
                 for r in self.rows
             ],
         }
-
-    def json_line(self) -> str:
-        return json.dumps(self.to_dict())
