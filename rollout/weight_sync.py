@@ -67,10 +67,10 @@ def iter_weight_buckets(
     bucket, size = [], 0
     with torch.no_grad():
         for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
+            if dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)  # first, so an offloaded shard crosses to the device at its new size
             if device is not None:
                 tensor = tensor.to(device)  # before the gather, which runs where the shard is
-            if dtype is not None and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
             full = _full_tensor(tensor)
             bucket.append((hf_name, full))
             size += full.numel() * full.element_size()
