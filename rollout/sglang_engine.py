@@ -361,7 +361,7 @@ class SGLangEngine:
                 )
             if tensor.dtype != self.dtype:
                 raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
-            if self.device is not None and tensor.device.type != self.device.type:
+            if self.device is not None and tensor.device != self.device:
                 raise ValueError(
                     f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
                     f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
