@@ -1,4 +1,4 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): atomic, pruned, resumed automatically.
+"""Training checkpoints with torch.distributed.checkpoint (DCP): verified, atomic, pruned, resumed automatically.
 
 Layout of `folder`:
 
@@ -8,15 +8,23 @@ Layout of `folder`:
         train_state/rank-00000.json     per rank, as plain data (parallel/plain_state.py): step, tokens,
         train_state/rank-00000.safetensors  data position, carried-over rollout groups, LR scheduler, the
                                     optimizer's hyperparameters, RNG states (torch CPU/CUDA, Python, NumPy)
-        COMPLETE.json               manifest: every file's size; written last
+        COMPLETE.json               manifest: every file's size and content hash (XXH3-128, taken from the
+                                    bytes as they were written: parallel/checkpoint_files.py); written last
     step-00000140.tmp/              being written (or left by a crash): never loaded, removed later
 
-Atomicity: all ranks write into `step-N.tmp`; after a barrier rank 0 writes the manifest and renames the
-folder to `step-N` (one rename, atomic on POSIX file systems). A checkpoint without the manifest, or whose
-files no longer match it (a truncated or missing file), is skipped with a warning and the next older
-intact one is used; when a run resumes from it, the newer damaged ones are renamed `step-N.damaged`, so
-the run's own later checkpoints are neither shadowed nor pruned by them. Only the latest `keep` complete
-checkpoints are kept (0: all).
+Saving: all ranks write into `step-N.tmp`, hashing what they write; each rank then reads its
+own files back and compares; only when every rank's files read back as written does rank 0 write the
+manifest and rename the folder to `step-N` (one rename, atomic on POSIX file systems), and only then are
+older checkpoints pruned (the latest `keep` are kept; 0: all). A save that fails (a full disk, a file that
+reads back differently) removes its partial folder and raises CheckpointSaveError on every rank, naming the
+cause; the previous checkpoints are untouched.
+
+Resuming: before anything is loaded, every file of the newest checkpoint is read and checked against the
+manifest (the files divided among the ranks). A damaged checkpoint (no manifest, a missing, truncated or
+changed file) is skipped with one log line naming the step and the file, and the next older intact one is
+used; the skipped ones are renamed `step-N.damaged` (kept for inspection), so the run's own later
+checkpoints are neither shadowed nor pruned by them. When checkpoints exist but none is intact, the run is
+refused (CheckpointError): nothing is moved, and nothing starts over silently.
 
 Loading runs no code from the folder: the train state is JSON and safetensors, and DCP is read by
 parallel/safe_dcp.py (its index through a restricted unpickler, tensors only). Checkpoints of the older
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -40,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -47,12 +57,29 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from parallel.checkpoint_files import (
+    HASH_NAME,
+    NO_SPACE,
+    FileRecord,
+    WrittenFiles,
+    describe_file_system,
+    first_os_error,
+    hashing_writer,
+    verify,
+)
 from parallel.fsdp import reshard_gathered
 from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
 from parallel.safe_dcp import CheckpointError, load_tensors
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "COMPLETE.json"
 _STEP_DIR = re.compile(r"step-(\d{8})\Z")
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (full disk, unwritable folder, files that read back differently);
+    its partial folder was removed and the earlier checkpoints are intact."""
 
 
 def _rank() -> int:
@@ -74,6 +101,15 @@ def _broadcast(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _all_gather(value) -> list:
+    """`value` of every rank, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 @contextlib.contextmanager
@@ -126,21 +162,45 @@ def _unused_name(path: str) -> str:
     return candidate
 
 
-def _list_files(root: str) -> dict[str, int]:
-    sizes = {}
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            sizes[os.path.relpath(path, root)] = os.path.getsize(path)
-    return sizes
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _ReadBackMismatch(RuntimeError):
+    """A file of the checkpoint being saved read back differently from what was written."""
+
+
+def _failure_report(failure: BaseException | None, written: WrittenFiles | None) -> tuple[str, str] | None:
+    """What a rank tells the others about its part of a save: None (done), or (kind, detail) with kind
+    "no_space", "os" (another OSError), "mismatch" (a file read back differently) or "other" (a bug)."""
+    if failure is None:
+        return None
+    if isinstance(failure, _ReadBackMismatch):
+        return "mismatch", str(failure)
+    os_error = (written.failure if written is not None else None) or first_os_error(failure)
+    if os_error is not None:
+        where = f": {os_error.filename}" if os_error.filename else ""
+        return ("no_space" if os_error.errno in NO_SPACE else "os"), f"{os_error.strerror or os_error}{where}"
+    return "other", f"{type(failure).__name__}: {failure}"
+
+
+def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
+    """(the manifest in checkpoint folder `folder`, its files as FileRecords; None) or (None, why it cannot
+    be read)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None, f"no {MANIFEST} (an interrupted save)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files = {str(name): FileRecord.from_json(value) for name, value in manifest["files"].items()}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
+    return dict(manifest, files=files), None
 
 
 class CheckpointManager:
@@ -152,7 +212,7 @@ class CheckpointManager:
         self.folder = folder
         self.keep = keep
 
-    # ---- discovery ----------------------------------------------------------------------------------
+    # ---- discovery and verification -----------------------------------------------------------------
 
     def step_path(self, step: int) -> str:
         """The folder of checkpoint `step` (it may not exist)."""
@@ -165,48 +225,45 @@ class CheckpointManager:
         steps = [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.folder)) if m]
         return sorted(steps)
 
-    def validate(self, step: int) -> str | None:
-        """None if checkpoint `step` is intact, else why not (missing manifest, missing or resized file)."""
-        path = self.step_path(step)
-        manifest_path = os.path.join(path, MANIFEST)
-        if not os.path.isfile(manifest_path):
-            return f"no {MANIFEST} (an interrupted save)"
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-            expected = manifest["files"]
-        except (json.JSONDecodeError, KeyError) as e:
-            return f"unreadable {MANIFEST}: {e}"
-        for name, size in expected.items():
-            file = os.path.join(path, name)
-            if not os.path.isfile(file):
-                return f"file {name} is missing"
-            actual = os.path.getsize(file)
-            if actual != size:
-                return f"file {name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
-        return None
+    def manifest(self, step: int) -> tuple[dict | None, str | None]:
+        """(checkpoint `step`'s manifest with its files as FileRecords, None) or (None, why it cannot be read)."""
+        return _read_manifest(self.step_path(step))
 
-    def latest_valid_step(self, set_aside_damaged: bool = False) -> int | None:
-        """The newest intact checkpoint; newer damaged ones are skipped with a warning. Decided on rank 0.
+    def validate(self, step: int, share: tuple[int, int] = (0, 1)) -> str | None:
+        """None if checkpoint `step` is intact (its manifest readable, and every file of it, or of the
+        `share` = (k, n) that is every n-th file from the k-th, with the size and content hash recorded),
+        else why not."""
+        manifest, problem = self.manifest(step)
+        if problem is not None:
+            return problem
+        names = sorted(manifest["files"])[share[0] :: share[1]]
+        return verify(self.step_path(step), {name: manifest["files"][name] for name in names})
 
-        set_aside_damaged: rename the skipped ones to `step-N.damaged` (kept for inspection). A run that
-        resumes from an older step must do this: its own later checkpoints would otherwise rank below the
-        damaged ones and be pruned as the oldest, and the damaged step would never be written again.
-        """
-        chosen = None
-        if _rank() == 0:
-            for step in reversed(self.complete_steps()):
-                problem = self.validate(step)
-                if problem is None:
-                    chosen = step
-                    break
-                path = self.step_path(step)
-                if set_aside_damaged:
-                    aside = _unused_name(path + ".damaged")
-                    os.replace(path, aside)
-                    problem += f"; moved to {aside}"
-                warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
-        return _broadcast(chosen)
+    def _newest_intact(self) -> tuple[int | None, list[tuple[int, str]]]:
+        """(the newest intact checkpoint or None, the newer damaged ones as (step, problem), newest first).
+        Every rank checks its share of each checkpoint's files; collective."""
+        damaged = []
+        for step in reversed(_broadcast(self.complete_steps())):
+            problems = _all_gather(self.validate(step, (_rank(), _world_size())))
+            problem = next((p for p in problems if p is not None), None)
+            if problem is None:
+                return step, damaged
+            damaged.append((step, problem))
+        return None, damaged
+
+    def latest_valid_step(self) -> int | None:
+        """The newest intact checkpoint (None: there is none). Collective."""
+        return self._newest_intact()[0]
+
+    def _name(self, step: int) -> str:
+        return os.path.basename(self.step_path(step))
+
+    def _previous(self) -> str:
+        """What a failed save leaves: the newest committed checkpoint, untouched."""
+        steps = self.complete_steps()
+        if not steps:
+            return "no earlier checkpoint exists in it"
+        return f"the previous checkpoint (step {steps[-1]}, {self.step_path(steps[-1])}) is intact"
 
     # ---- save ---------------------------------------------------------------------------------------
 
@@ -218,11 +275,12 @@ class CheckpointManager:
         lr_scheduler=None,
         train_state: dict[str, Any] | None = None,
     ) -> str:
-        """Write checkpoint `step` atomically on every rank; returns its folder.
+        """Write checkpoint `step` atomically on every rank, verified before it counts; returns its folder.
 
         train_state: this rank's values as plain data (parallel/plain_state.py: str-keyed dicts, lists,
         tuples, numbers, strings, tensors), e.g. step, tokens, data position, carried-over rollout groups;
         RNG states are added automatically. Anything else raises PlainStateError before anything is written.
+        A save that fails raises CheckpointSaveError on every rank (see the module docstring).
         """
         # An optimizer that never stepped has no state; asking DCP for it would initialise it with a
         # zero-lr step (Adam's step count becomes 1), so a resumed run's first update would differ.
@@ -239,39 +297,90 @@ class CheckpointManager:
         encode(extra, {})  # refuse what is not plain data before any file is touched
         final = self.step_path(step)
         tmp = final + ".tmp"
-        if _rank() == 0:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(os.path.join(tmp, "train_state"))
-        _barrier()
-
-        with _single_process_quiet():
-            dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-        save_plain(extra, *self._rank_files(tmp, _rank()))
-        _barrier()
-
-        if _rank() == 0:
-            manifest = {
-                "step": step,
-                "world_size": _world_size(),
-                "optimizer": with_optimizer,
-                "files": _list_files(tmp),
-            }
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            old = None
-            if os.path.exists(final):  # re-saving a step replaces it; a directory cannot be replaced in one rename
-                old = _unused_name(final + ".old")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(self.folder)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune(keep_step=step)
-        _barrier()
+        written = WrittenFiles(tmp)
+        self._save_phase(step, tmp, lambda: self._make_folder(tmp), main_only=True)
+        records = self._save_phase(step, tmp, lambda: self._write_and_verify(tmp, tensors, extra, written), written)
+        files = {name: record for rank_records in records for name, record in rank_records.items()}
+        self._save_phase(step, tmp, lambda: self._commit(step, tmp, files, with_optimizer), main_only=True)
         return final
+
+    def _save_phase(self, step: int, tmp: str, action, written: WrittenFiles | None = None, main_only: bool = False):
+        """Run `action` on every rank (on rank 0 only with main_only); returns what it returned on each rank.
+        A failure on any rank is raised on every rank, after rank 0 removed the partial folder `tmp`: no rank
+        is left waiting for the others, and the error names the cause (a bug keeps its own traceback)."""
+        result, failure = None, None
+        if not main_only or _rank() == 0:
+            try:
+                result = action()
+            except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+                failure = exc
+        report = _failure_report(failure, written)
+        reports = [(_broadcast(report), result)] if main_only else _all_gather((report, result))
+        first = next((r for r, _ in reports if r is not None), None)
+        if first is None:
+            return [r for _, r in reports]
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()  # the partial folder is gone before any rank reports
+        if report is not None and report[0] == "other":
+            raise failure
+        kind, detail = first
+        previous = self._previous()
+        raise CheckpointSaveError(
+            {
+                "no_space": f"no space left on {describe_file_system(self.folder)} while saving step {step} "
+                f"({detail}); {previous}. Free some space (or keep fewer checkpoints: checkpoint.keep_latest_k) "
+                f"and run the same command again to resume",
+                "os": f"cannot write checkpoint step {step} to {self.folder} ({detail}); {previous}",
+                "mismatch": f"checkpoint step {step} did not read back as it was written ({detail}): the storage "
+                f"under {self.folder} may be failing; the partial checkpoint was removed and {previous}",
+                "other": f"saving checkpoint step {step} failed on another rank ({detail}); {previous}",
+            }[kind]
+        ) from failure
+
+    @staticmethod
+    def _make_folder(tmp: str) -> None:
+        if os.path.exists(tmp):  # left by an interrupted save of the same step
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "train_state"))
+
+    def _write_and_verify(self, tmp: str, tensors: dict, extra: dict, written: WrittenFiles) -> dict[str, FileRecord]:
+        """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are
+        written, then read back and compared; returns their records."""
+        with _single_process_quiet():
+            dcp.save(tensors, storage_writer=hashing_writer(tmp, written), no_dist=not dist.is_initialized())
+        save_plain(extra, *self._rank_files(tmp, _rank()), written)
+        problem = verify(tmp, written.records)
+        if problem is not None:
+            raise _ReadBackMismatch(problem)
+        return written.records
+
+    def _commit(self, step: int, tmp: str, files: dict[str, FileRecord], with_optimizer: bool) -> None:
+        """Rank 0, once every rank's files read back as written: the manifest, the rename, then the prune."""
+        manifest = {
+            "step": step,
+            "world_size": _world_size(),
+            "optimizer": with_optimizer,
+            "hash": HASH_NAME,
+            "files": {name: files[name].to_json() for name in sorted(files)},
+        }
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        reread, problem = _read_manifest(tmp)
+        if problem is not None or reread["files"] != files:
+            raise _ReadBackMismatch(f"{MANIFEST}: {problem or 'its file list reads back differently'}")
+        final = self.step_path(step)
+        old = None
+        if os.path.exists(final):  # re-saving a step replaces it; a directory cannot be replaced in one rename
+            old = _unused_name(final + ".old")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune(keep_step=step)  # only now: the new checkpoint is written, read back and committed
 
     def _prune(self, keep_step: int) -> None:
         if self.keep:  # 0: keep every checkpoint
@@ -375,8 +484,37 @@ class CheckpointManager:
     def resume(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None
     ) -> dict[str, Any] | None:
-        """Load the newest intact checkpoint, if any; returns its train state or None (fresh start)."""
-        step = self.latest_valid_step(set_aside_damaged=True)
+        """Load the newest intact checkpoint, if any; returns its train state or None (no checkpoint at all).
+
+        Newer damaged ones are renamed `step-N.damaged`, each with one log line naming the file. When
+        checkpoints exist but none is intact, CheckpointError (nothing is moved): starting over would throw
+        away the run's work without a question."""
+        step, damaged = self._newest_intact()
+        if step is None and damaged:
+            newest, problem = damaged[0]
+            older = f" (and the {len(damaged) - 1} older ones are damaged too)" if len(damaged) > 1 else ""
+            raise CheckpointError(
+                f"no intact checkpoint to resume from in {self.folder}: {self._name(newest)} is damaged "
+                f"({problem}){older}. Nothing was moved or deleted; restore the damaged files, or start over "
+                f"with --fresh (the run folder is moved aside)"
+            )
+        if _rank() == 0:
+            for bad, problem in damaged:
+                aside = _unused_name(self.step_path(bad) + ".damaged")
+                os.replace(self.step_path(bad), aside)
+                log.warning(
+                    "checkpoint %s is damaged (%s); resuming from %s instead; the damaged one is kept as %s",
+                    self.step_path(bad),
+                    problem,
+                    self._name(step),
+                    os.path.basename(aside),
+                )
+        _barrier()
         if step is None:
             return None
+        if _rank() == 0 and any(record.digest is None for record in self.manifest(step)[0]["files"].values()):
+            log.warning(
+                "checkpoint %s has no content hashes (an earlier version wrote it): checked by size only",
+                self.step_path(step),
+            )
         return self.load(step, model, optimizer, lr_scheduler)

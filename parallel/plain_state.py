@@ -18,7 +18,9 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
+
+from parallel.checkpoint_files import WrittenFiles, write_file
 
 _TUPLE, _TENSOR = "__tuple__", "__tensor__"
 
@@ -71,17 +73,14 @@ def decode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
     return value
 
 
-def save_plain(value, json_path: str, tensors_path: str) -> None:
-    """Write `value` to `json_path` (structure) and `tensors_path` (safetensors), each fsynced."""
+def save_plain(value, json_path: str, tensors_path: str, written: WrittenFiles | None = None) -> None:
+    """Write `value` to `json_path` (structure) and `tensors_path` (safetensors), each fsynced; their sizes
+    and content hashes go to `written` (parallel/checkpoint_files.py)."""
     tensors: dict[str, torch.Tensor] = {}
     data = encode(value, tensors)
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    save_file(tensors, tensors_path)
-    with open(tensors_path, "rb+") as f:
-        os.fsync(f.fileno())
+    written = written if written is not None else WrittenFiles(os.path.dirname(json_path))
+    write_file(json_path, json.dumps(data).encode("utf-8"), written)
+    write_file(tensors_path, save(tensors), written)
 
 
 def load_plain(json_path: str, tensors_path: str):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
-import warnings
+import re
 
 import pytest
 import torch
@@ -85,11 +86,25 @@ def _worker(rank, world_size, mode, folder):
     # "resume": a different initialisation, overwritten by the checkpoint.
     torch.manual_seed(999)
     model, optimizer, scheduler = _setup(1, dims)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caught = _LogLines()
+    logging.getLogger("parallel.checkpoint").addHandler(caught)
+    try:
         state = manager.resume(model, optimizer, scheduler)
+    finally:
+        logging.getLogger("parallel.checkpoint").removeHandler(caught)
     losses = [_step(model, optimizer, scheduler) for _ in range(2)]
-    return {"losses": losses, "state": state, "warnings": [str(w.message) for w in caught]}
+    return {"losses": losses, "state": state, "warnings": caught.lines}
+
+
+class _LogLines(logging.Handler):
+    """The messages logged while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def test_resume_in_new_process_group_is_exact_and_skips_damaged(tmp_path):
@@ -110,7 +125,9 @@ def test_resume_in_new_process_group_is_exact_and_skips_damaged(tmp_path):
     resumed = run_ranks(_worker, 2, "resume", folder)
     out = resumed[0]
     print(f"uninterrupted losses {torch.stack(reference).tolist()}; resumed {torch.stack(out['losses']).tolist()}")
-    assert any("skipping checkpoint" in w and data in w for w in out["warnings"]), out["warnings"]
+    # Rank 0 names the damaged checkpoint and its file in one line and sets it aside.
+    assert [w for w in out["warnings"] if "is damaged" in w and data in w and "resuming from step-00000002" in w]
+    assert sorted(os.listdir(folder)) == ["step-00000002", "step-00000003.damaged", "step-00000004.tmp"]
     # Resumed from step 2: its steps 3 and 4 equal the uninterrupted run's, bit for bit.
     assert torch.equal(torch.stack(out["losses"]), torch.stack(reference[2:4]))
     for rank, rank_out in enumerate(resumed):
@@ -121,7 +138,7 @@ def test_resume_in_new_process_group_is_exact_and_skips_damaged(tmp_path):
         assert torch.equal(group["logprobs"], torch.full((3,), -0.5))
 
 
-def test_single_process_save_prune_and_fallback(tmp_path):
+def test_single_process_save_prune_and_fallback(tmp_path, caplog):
     torch.manual_seed(0)
     folder = str(tmp_path / "ckpt")
     manager = CheckpointManager(folder, keep=2)
@@ -138,8 +155,13 @@ def test_single_process_save_prune_and_fallback(tmp_path):
     # A checkpoint whose manifest is missing (renamed by hand, or an older format) is not trusted either.
     os.remove(os.path.join(folder, "step-00000004", MANIFEST))
     fresh, fresh_opt, fresh_sched = _setup(1)
-    with pytest.warns(UserWarning, match=r"step-00000004: no COMPLETE.json .*; moved to .*step-00000004.damaged"):
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
         state = manager.resume(fresh, fresh_opt, fresh_sched)
+    assert re.search(
+        r"step-00000004 is damaged \(no COMPLETE.json .*\); resuming from step-00000003 instead; the "
+        r"damaged one is kept as step-00000004.damaged",
+        caplog.text,
+    )
     assert state == {"step": 3}
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved[3].items())
     assert fresh_sched.last_epoch == scheduler.last_epoch - 1
@@ -147,7 +169,7 @@ def test_single_process_save_prune_and_fallback(tmp_path):
     assert sorted(os.listdir(folder)) == ["step-00000003", "step-00000004.damaged"]
 
 
-def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path):
+def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path, caplog):
     folder = str(tmp_path / "ckpt")
     manager = CheckpointManager(folder, keep=1)
     model, optimizer, scheduler = _setup(0)
@@ -160,8 +182,9 @@ def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path):
     manager.keep = 0
     manager.save(20, model, optimizer, scheduler, {"step": 20})
     manager.keep = 1
-    with pytest.warns(UserWarning, match="rank-00000.json has 10 bytes"):
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
         assert manager.resume(*_setup(1)) == {"step": 20}
+    assert "rank-00000.json has 10 bytes" in caplog.text
     # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
     manager.save(21, model, optimizer, scheduler, {"step": 21})
     assert manager.complete_steps() == [21] and manager.latest_valid_step() == 21
@@ -237,12 +260,12 @@ def _saved_checkpoint(folder):
 
 def _update_manifest(path):
     """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
-    from parallel.checkpoint import _list_files
+    from parallel.checkpoint_files import records_of
 
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     os.remove(os.path.join(path, MANIFEST))
-    manifest["files"] = _list_files(path)
+    manifest["files"] = {name: record.to_json() for name, record in records_of(path).items()}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f)
 

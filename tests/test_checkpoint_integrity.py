@@ -1,0 +1,195 @@
+"""Checkpoints are verified before they count and before they load, with real files on disk.
+
+Every kind of damage (bytes overwritten in place inside a tensor, random bytes of the same size, a changed
+train state or DCP index, a truncated or missing file) is one finding: the newest intact checkpoint is
+resumed, with one log line naming the damaged step and file; with none intact the resume is refused and
+nothing is moved. A newer checkpoint must read back as written before an older one is pruned; a failed save
+(a full disk) removes its partial folder and says the previous checkpoint is intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+import parallel.checkpoint
+from parallel.checkpoint import CheckpointError, CheckpointManager
+from tests.test_parallel_checkpoint import _setup, _step
+
+STEP1, STEP2 = "step-00000001", "step-00000002"
+
+
+def _largest_tensor_item(path: str):
+    """Where DCP stored the largest item of checkpoint folder `path` (our own index: trusted here)."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        index = pickle.load(f)
+    return max(index.storage_data.values(), key=lambda info: info.length)
+
+
+def overwrite_16_bytes_inside_a_tensor(path: str) -> str:
+    """16 bytes in the middle of the largest tensor's data: the zip framing around it stays valid."""
+    item = _largest_tensor_item(path)
+    with open(os.path.join(path, item.relative_path), "r+b") as f:
+        f.seek(item.offset + item.length // 2)
+        f.write(b"\xff" * 16)  # 0xffffffff is a float32 NaN
+    return item.relative_path
+
+
+def _same_size_garbage(path: str, name: str) -> str:
+    size = os.path.getsize(os.path.join(path, name))
+    with open(os.path.join(path, name), "wb") as f:
+        f.write(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)).numpy())
+    return name
+
+
+def random_bytes_in_the_tensor_file(path: str) -> str:
+    return _same_size_garbage(path, _largest_tensor_item(path).relative_path)
+
+
+def garbage_rank_json(path: str) -> str:
+    return _same_size_garbage(path, os.path.join("train_state", "rank-00000.json"))
+
+
+def garbage_metadata(path: str) -> str:
+    return _same_size_garbage(path, ".metadata")
+
+
+def truncated_tensor_file(path: str) -> str:
+    name = _largest_tensor_item(path).relative_path
+    with open(os.path.join(path, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+    return name
+
+
+def missing_train_state_tensors(path: str) -> str:
+    name = os.path.join("train_state", "rank-00000.safetensors")
+    os.remove(os.path.join(path, name))
+    return name
+
+
+DAMAGE = [
+    overwrite_16_bytes_inside_a_tensor,
+    random_bytes_in_the_tensor_file,
+    garbage_rank_json,
+    garbage_metadata,
+    truncated_tensor_file,
+    missing_train_state_tensors,
+]
+
+
+def _saved_steps(folder: str, steps, keep: int = 3) -> tuple[CheckpointManager, dict]:
+    """Checkpoints of a tiny model after each of `steps` updates; returns the manager and each step's weights."""
+    torch.manual_seed(0)
+    manager = CheckpointManager(folder, keep=keep)
+    model, optimizer, scheduler = _setup(0)
+    weights = {}
+    for step in steps:
+        _step(model, optimizer, scheduler)
+        manager.save(step, model, optimizer, scheduler, {"step": step})
+        weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    return manager, weights
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda d: d.__name__)
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one_in_one_line(tmp_path, caplog, damage):
+    folder = str(tmp_path / "ckpt")
+    manager, weights = _saved_steps(folder, (1, 2))
+    damaged_file = damage(manager.step_path(2))
+    model, optimizer, scheduler = _setup(1)
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+        assert manager.resume(model, optimizer, scheduler) == {"step": 1}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights[1].items())
+    assert optimizer.state_dict()["state"][0]["step"] == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "parallel.checkpoint" and r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and STEP2 in lines[0] and damaged_file in lines[0], lines
+    assert f"resuming from {STEP1} instead" in lines[0] and "\n" not in lines[0]
+    assert sorted(os.listdir(folder)) == [STEP1, f"{STEP2}.damaged"]
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda d: d.__name__)
+def test_with_no_intact_checkpoint_the_resume_is_refused_and_nothing_is_moved(tmp_path, damage):
+    folder = str(tmp_path / "ckpt")
+    manager, _ = _saved_steps(folder, (1,))
+    damaged_file = damage(manager.step_path(1))
+    model, optimizer, scheduler = _setup(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        manager.resume(model, optimizer, scheduler)
+    message = str(refused.value)
+    assert f"no intact checkpoint to resume from in {folder}: {STEP1} is damaged" in message
+    assert damaged_file in message and "--fresh" in message and "\n" not in message
+    assert os.listdir(folder) == [STEP1]  # neither moved aside nor deleted
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and not optimizer.state
+
+
+def test_a_checkpoint_is_pruned_only_after_a_newer_one_reads_back_as_written(tmp_path, monkeypatch):
+    folder = str(tmp_path / "ckpt")
+    manager, _ = _saved_steps(folder, (1,), keep=1)
+    real_save_plain = parallel.checkpoint.save_plain
+
+    def then_the_storage_changes_a_tensor(value, json_path, tensors_path, *args):
+        real_save_plain(value, json_path, tensors_path, *args)
+        overwrite_16_bytes_inside_a_tensor(os.path.dirname(os.path.dirname(json_path)))
+
+    monkeypatch.setattr(parallel.checkpoint, "save_plain", then_the_storage_changes_a_tensor)
+    model, optimizer, scheduler = _setup(0)
+    _step(model, optimizer, scheduler)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2 did not read back as it was written \(file "):
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    assert os.listdir(folder) == [STEP1] and manager.validate(1) is None  # kept, intact; no partial folder
+    monkeypatch.undo()
+    manager.save(2, model, optimizer, scheduler, {"step": 2})  # once step 2 reads back, step 1 goes
+    assert os.listdir(folder) == [STEP2] and manager.validate(2) is None
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_during_a_save_is_one_error_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    folder = str(tmp_path / "ckpt")
+    manager, _ = _saved_steps(folder, (1,), keep=1)
+    monkeypatch.setattr(dcp_filesystem, "_write_item", _no_space)  # the disk fills up while DCP writes
+    model, optimizer, scheduler = _setup(0)
+    with pytest.raises(CheckpointError) as failed:
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    message = str(failed.value)
+    assert message.startswith("no space left on ") and " while saving step 2 " in message
+    assert f"the previous checkpoint (step 1, {manager.step_path(1)}) is intact" in message and "\n" not in message
+    assert os.listdir(folder) == [STEP1] and manager.validate(1) is None
+
+
+def _save_on_two_ranks(rank, world_size, folder, failing_part):
+    """Rank 1 finds the disk full in `failing_part` of the save; every rank must raise the same one error."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    manager = CheckpointManager(folder, keep=1)
+    model, optimizer, scheduler = _setup(0)
+    manager.save(1, model, optimizer, scheduler, {"step": 1})
+    if rank == 1 and failing_part == "tensors":
+        dcp_filesystem._write_item = _no_space
+    if rank == 1 and failing_part == "train state":
+        parallel.checkpoint.save_plain = _no_space
+    try:
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    except CheckpointError as exc:
+        return {"error": str(exc), "listing": sorted(os.listdir(folder))}
+    return {"error": None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("failing_part", ["tensors", "train state"])
+def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_error(tmp_path, failing_part):
+    results = run_ranks(_save_on_two_ranks, 2, str(tmp_path / "ckpt"), failing_part, timeout=120)
+    for result in results:
+        assert result["error"] is not None and result["error"].startswith("no space left on "), result
+        assert "while saving step 2" in result["error"] and "previous checkpoint (step 1" in result["error"]
+    assert results[0]["listing"] == [STEP1]

@@ -1,0 +1,140 @@
+"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk. Real runs of the tiny
+demo, real files."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import train
+import trainer.scoring
+from parallel.checkpoint import CheckpointError, CheckpointManager
+from tests.planted_train import planted_score
+from tests.test_checkpoint_integrity import garbage_rank_json, overwrite_16_bytes_inside_a_tensor
+from tests.test_train_e2e import overrides, read_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLANTED_TRAIN = [sys.executable, "tests/planted_train.py"]
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    """The planted reward (groups with spread from a random model), and pytest's signal handlers kept."""
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def _checkpoints(tmp_path) -> CheckpointManager:
+    return CheckpointManager(str(tmp_path / "run" / "checkpoints"))
+
+
+# ---- damaged checkpoints ------------------------------------------------------------------------------------
+
+
+def test_a_run_resumes_from_the_newest_intact_checkpoint_and_says_which(tmp_path, planted, caplog):
+    train.main(overrides(str(tmp_path), steps=2))
+    damaged = overwrite_16_bytes_inside_a_tensor(_checkpoints(tmp_path).step_path(2))
+    with caplog.at_level("INFO"):
+        assert train.main(overrides(str(tmp_path), steps=3)) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "parallel.checkpoint"]
+    assert len(lines) == 1 and "step-00000002 is damaged" in lines[0] and damaged in lines[0], lines
+    assert "resumed from step 1" in caplog.text
+    assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1, 2, 3]  # step 2 redone
+    assert _checkpoints(tmp_path).complete_steps() == [1, 2, 3]
+    assert all(_checkpoints(tmp_path).validate(s) is None for s in (1, 2, 3))
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_in_one_line(tmp_path, planted):
+    train.main(overrides(str(tmp_path), steps=1))
+    step_1 = _checkpoints(tmp_path).step_path(1)
+    garbage_rank_json(step_1)
+    before = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    result = subprocess.run(
+        PLANTED_TRAIN + overrides(str(tmp_path), steps=2), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and last.startswith("error: no intact checkpoint to resume from in ")
+    assert "step-00000001 is damaged (file train_state/rank-00000.json does not match its content hash" in last
+    assert "--fresh" in last
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == before  # nothing moved aside, nothing redone
+    assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1]
+
+
+# ---- a full disk --------------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_in_the_warm_up_checkpoints_is_one_error_naming_the_intact_one(tmp_path, planted, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    real_write_item, real_save, saves = dcp_filesystem._write_item, CheckpointManager.save, []
+
+    def save(self, step, *args, **kwargs):
+        saves.append(step)
+        return real_save(self, step, *args, **kwargs)
+
+    def write_item(*args, **kwargs):
+        if len(saves) >= 2:  # the disk is full from the second warm-up checkpoint on
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_item(*args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", save)
+    monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
+    settings = {"training.sft_warmup_steps": 6, "training.sft_batch_size": 2, "checkpoint.warmup_interval": 2}
+    with pytest.raises(CheckpointError) as failed:
+        train.main(overrides(str(tmp_path), steps=1, **settings))
+    warmup = CheckpointManager(str(tmp_path / "run" / "checkpoints" / "warm-up"))
+    message = str(failed.value)
+    assert saves == [2, 4] and message.startswith("no space left on ") and "while saving step 4" in message
+    assert f"the previous checkpoint (step 2, {warmup.step_path(2)}) is intact" in message
+    assert os.listdir(warmup.folder) == ["step-00000002"] and warmup.validate(2) is None
+
+
+def _can_mount_a_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_a_tmpfs(), reason="needs a user and mount namespace to mount a small tmpfs")
+def test_a_real_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    """train.py on a 96 MiB tmpfs (in a private mount namespace; the run folder asks for 64 MiB free at the
+    start) fills it with checkpoints of ~10 MiB; the save that does not fit is the run's last act."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    argv = overrides(str(disk), steps=40, **{"checkpoint.keep_latest_k": 0})
+    check = (
+        "import json, os, sys; from parallel.checkpoint import CheckpointManager; "
+        f"m = CheckpointManager({str(disk / 'run' / 'checkpoints')!r}); "
+        "print(json.dumps({'listing': sorted(os.listdir(m.folder)), "
+        "'intact': [m.validate(s) is None for s in m.complete_steps()]}))"
+    )
+    script = (
+        f"mount -t tmpfs -o size=96m tmpfs {disk} && cd {ROOT} && "
+        f'{" ".join(PLANTED_TRAIN)} {" ".join(argv)}; echo exit=$? >&2; {sys.executable} -c "{check}"'
+    )
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    err = result.stderr.strip().splitlines()
+    assert err[-1] == "exit=2" and "Traceback" not in result.stderr, result.stderr
+    assert err[-2].startswith(f"error: no space left on tmpfs (mounted at {disk}) while saving step "), err[-2]
+    failed_step = int(err[-2].split("while saving step ")[1].split()[0])
+    assert f"the previous checkpoint (step {failed_step - 1}, " in err[-2] and err[-2].endswith("to resume")
+    state = json.loads(result.stdout.strip().splitlines()[-1])
+    assert state["listing"] == [f"step-{s:08d}" for s in range(1, failed_step)] and all(state["intact"]), state
