@@ -118,11 +118,47 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         )
 
 
+def _flat_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """DCP's flat keys ("model.layers.0.norm.weight") of a nested state dict, with each tensor's full shape."""
+    shapes = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            shapes.update(_flat_shapes(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            shapes[f"{prefix}{key}"] = tuple(value.shape)  # a DTensor's shape is the full one
+    return shapes
+
+
+def _check_layout(index: Metadata, state_dict: dict, checkpoint_id: str) -> None:
+    """The checkpoint's model tensors are the ones `state_dict` expects, with the same shapes: a checkpoint of
+    another model (preset, checkpoint) is named as such instead of failing deep inside the load."""
+    wanted = _flat_shapes(state_dict)
+    stored = {key: tuple(item.size) for key, item in index.state_dict_metadata.items() if hasattr(item, "size")}
+    advice = (
+        "it was written for another model. Resume with the model the run started with (model.preset or "
+        "model.hf_path in the run folder's config.json), or start over with --fresh"
+    )
+    for key, shape in wanted.items():
+        if key in stored and stored[key] != shape:
+            raise CheckpointError(
+                f"{checkpoint_id} holds {key} with shape {list(stored[key])}, this run's model has "
+                f"{list(shape)}: {advice}"
+            )
+    missing = sorted(key for key in wanted if key.startswith("model.") and key not in stored)
+    extra = sorted(key for key in stored if key.startswith("model.") and key not in wanted)
+    if missing or extra:
+        found = f"lacks {len(missing)} of this run's model tensors (first: {missing[0]})" if missing else ""
+        found += "; " if missing and extra else ""
+        found += f"holds {len(extra)} tensors this run's model lacks (first: {extra[0]})" if extra else ""
+        raise CheckpointError(f"{checkpoint_id} {found}: {advice}")
+
+
 def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None:
     """dcp.load of `state_dict` (tensors only) in place, with the safe reader and planner above.
 
     The index is checked first, so that a refusal is raised as itself: inside dcp.load a failed index read
-    becomes an AssertionError message, and a failed item read one CheckpointException for every rank."""
+    becomes an AssertionError message, and a failed item read one CheckpointException for every rank. So
+    are its tensors' names and shapes against `state_dict`'s (CheckpointError naming the first difference)."""
     reader = SafeFileSystemReader(checkpoint_id)
     index = reader.read_metadata()
     pickled = sorted(key for key, item in index.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata))
@@ -131,6 +167,7 @@ def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None
             f"{checkpoint_id} stores {pickled[0]!r} as a pickled object, which this project never writes; it was "
             f"not loaded (reading it could run code). Remove this checkpoint folder unless you trust whoever wrote it"
         )
+    _check_layout(index, state_dict, checkpoint_id)
     try:
         dcp.load(
             state_dict,

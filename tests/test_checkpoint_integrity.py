@@ -19,6 +19,8 @@ import torch
 from dist_utils import run_ranks
 
 import parallel.checkpoint
+from model.args import PRESETS
+from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
 from tests.test_parallel_checkpoint import _setup, _step
 
@@ -193,3 +195,17 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_error(tmp_path, 
         assert result["error"] is not None and result["error"].startswith("no space left on "), result
         assert "while saving step 2" in result["error"] and "previous checkpoint (step 1" in result["error"]
     assert results[0]["listing"] == [STEP1]
+
+
+def test_resuming_into_another_model_names_both_shapes(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    manager, _ = _saved_steps(folder, (1,))
+    other = build_model(PRESETS["tiny"].replace(hidden_size=32, intermediate_size=64), seed=0)
+    with pytest.raises(CheckpointError) as refused:
+        manager.resume(other, torch.optim.AdamW(other.parameters()))
+    message = str(refused.value)
+    assert "holds model.embed_tokens.weight with shape [256, 64], this run's model has [256, 32]" in message
+    assert "written for another model" in message and "--fresh" in message
+    fewer_layers = build_model(PRESETS["tiny"].replace(num_layers=1), seed=0)
+    with pytest.raises(CheckpointError, match=r"holds 12 tensors this run's model lacks \(first: model.layers.1"):
+        manager.resume(fewer_layers)

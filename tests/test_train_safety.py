@@ -1,5 +1,5 @@
-"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk. Real runs of the tiny
-demo, real files."""
+"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk, a resume with another
+model. Real runs of the tiny demo, real files."""
 
 import errno
 import json
@@ -67,6 +67,16 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_in_one_line(tmp_path
     assert "--fresh" in last
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == before  # nothing moved aside, nothing redone
     assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1]
+
+
+def test_resuming_with_another_model_preset_is_one_line_naming_both_shapes(tmp_path, planted, capsys):
+    train.main(overrides(str(tmp_path), steps=1))
+    with pytest.raises(SystemExit) as exited:
+        train.run_cli(overrides(str(tmp_path), steps=2, **{"model.preset": "tiny"}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1, err
+    assert "holds model.embed_tokens.weight with shape [512, 128], this run's model has [256, 64]" in err[0]
+    assert "written for another model" in err[0] and "--fresh" in err[0]
 
 
 # ---- a full disk --------------------------------------------------------------------------------------------
