@@ -110,6 +110,29 @@ def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_token
     return TorchEngine(model, max_seq_len=max_seq_len, device=device, seed=cfg.job.seed, **torch_engine_options(ro))
 
 
+def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
+    """Print one warning line when the checkpoint's weights hold NaN or inf (its answers would mean nothing);
+    returns the names of those tensors. Reads the safetensors files one tensor at a time."""
+    import glob
+
+    from safetensors import safe_open
+
+    from parallel.finite import nonfinite_names
+
+    names = []
+    for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                names += nonfinite_names([(key, f.get_tensor(key))])
+    if names:
+        print(
+            f"warning: {model_dir} holds NaN or inf in {len(names)} weight tensor{'s' if len(names) > 1 else ''} "
+            f"(first: {names[0]}); its answers, and this evaluation, mean nothing",
+            file=sys.stderr,
+        )
+    return names
+
+
 def main(argv=None) -> dict:
     from model.tokenizer import Tokenizer
 
@@ -117,6 +140,7 @@ def main(argv=None) -> dict:
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(cfg.model.hf_path)
+    warn_on_nonfinite_weights(model_dir)
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)

@@ -28,6 +28,7 @@ import torch
 
 from config import ConfigError, check_runnable, config_to_dict, parse_cli
 from parallel.checkpoint import CheckpointError
+from parallel.finite import NonFiniteStateError
 from rl.data import DataError
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.loop import Trainer, build
@@ -87,7 +88,8 @@ def main(argv=None) -> int:
 
 
 def run_cli(argv=None):
-    """`main` with the exits a shell expects: 2 for bad input, 143/130 after a signal, 1 for failures."""
+    """`main` with the exits a shell expects: 2 for bad input (a damaged run folder or a full disk included),
+    143/130 after a signal, 1 for failures (one line for a policy gone non-finite)."""
     try:
         sys.exit(main(argv))
     except ConfigError as exc:
@@ -99,6 +101,9 @@ def run_cli(argv=None):
     except DataError as exc:
         print(f"data error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteStateError as exc:  # not saved, not exported; the newest checkpoint is untouched
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except StopRequested as exc:
         print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)
         sys.exit(130 if exc.signal_name == "SIGINT" else 143)

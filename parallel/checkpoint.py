@@ -12,7 +12,8 @@ Layout of `folder`:
                                     bytes as they were written: parallel/checkpoint_files.py); written last
     step-00000140.tmp/              being written (or left by a crash): never loaded, removed later
 
-Saving: all ranks write into `step-N.tmp`, hashing what they write; each rank then reads its
+Saving: a policy or optimizer state with NaN or infinite values is refused before anything is written
+(NonFiniteStateError). All ranks write into `step-N.tmp`, hashing what they write; each rank then reads its
 own files back and compares; only when every rank's files read back as written does rank 0 write the
 manifest and rename the folder to `step-N` (one rename, atomic on POSIX file systems), and only then are
 older checkpoints pruned (the latest `keep` are kept; 0: all). A save that fails (a full disk, a file that
@@ -67,6 +68,7 @@ from parallel.checkpoint_files import (
     hashing_writer,
     verify,
 )
+from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
 from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
 from parallel.safe_dcp import CheckpointError, load_tensors
@@ -279,13 +281,17 @@ class CheckpointManager:
 
         train_state: this rank's values as plain data (parallel/plain_state.py: str-keyed dicts, lists,
         tuples, numbers, strings, tensors), e.g. step, tokens, data position, carried-over rollout groups;
-        RNG states are added automatically. Anything else raises PlainStateError before anything is written.
-        A save that fails raises CheckpointSaveError on every rank (see the module docstring).
+        RNG states are added automatically. Anything else raises PlainStateError before anything is written,
+        and so do NaN or infinite weights or optimizer state (NonFiniteStateError). A save that fails raises
+        CheckpointSaveError on every rank (see the module docstring).
         """
         # An optimizer that never stepped has no state; asking DCP for it would initialise it with a
         # zero-lr step (Adam's step count becomes 1), so a resumed run's first update would differ.
         with_optimizer = optimizer is not None and len(optimizer.state) > 0
         reshard_gathered(model)  # the fp32 master shards, not copies gathered by a forward without backward
+        problem = nonfinite_state(model, optimizer if with_optimizer else None)
+        if problem is not None:
+            raise NonFiniteStateError(f"step {step}: {problem}; it was not checkpointed ({self._previous()})")
         tensors, param_groups = self._dcp_state(model, optimizer if with_optimizer else None)
         extra = {
             "train_state": dict(train_state or {}),

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from model.hf import DEFAULT_MAX_SHARD_BYTES, remove_model_files, save_hf
 from model.hf_adapter import iter_hf_tensors, write_hf_config
+from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
 from parallel.plain_names import plain_named_parameters
 
@@ -87,11 +88,15 @@ def export_hf(
 
     dtype: cast the stored tensors (e.g. torch.bfloat16); default: the parameters' dtype. Older model files
     in `path` are replaced. Call outside forward/backward; FSDP units still gathered by a forward without
-    backward are resharded first, so the fp32 master weights are written.
+    backward are resharded first, so the fp32 master weights are written. Weights holding NaN or inf are
+    refused before anything is written (NonFiniteStateError).
     """
     if method not in ("dcp", "gather"):
         raise ValueError(f"export method must be 'dcp' or 'gather', got {method!r}")
     reshard_gathered(model)
+    problem = nonfinite_state(model)
+    if problem is not None:  # a NaN policy is never exported
+        raise NonFiniteStateError(f"{problem}; not exported to {path}")
     if not dist.is_initialized() or dist.get_world_size() == 1:
         save_hf(_local_tensors(model, dtype), path, args=model.args, max_shard_bytes=max_shard_bytes)
         return

@@ -4,7 +4,8 @@ Every kind of damage (bytes overwritten in place inside a tensor, random bytes o
 train state or DCP index, a truncated or missing file) is one finding: the newest intact checkpoint is
 resumed, with one log line naming the damaged step and file; with none intact the resume is refused and
 nothing is moved. A newer checkpoint must read back as written before an older one is pruned; a failed save
-(a full disk) removes its partial folder and says the previous checkpoint is intact.
+(a full disk) removes its partial folder and says the previous checkpoint is intact; NaN or infinite weights
+or optimizer state are never checkpointed or exported.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import parallel.checkpoint
 from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
+from parallel.hf_export import export_hf
 from tests.test_parallel_checkpoint import _setup, _step
 
 STEP1, STEP2 = "step-00000001", "step-00000002"
@@ -195,6 +197,36 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_error(tmp_path, 
         assert result["error"] is not None and result["error"].startswith("no space left on "), result
         assert "while saving step 2" in result["error"] and "previous checkpoint (step 1" in result["error"]
     assert results[0]["listing"] == [STEP1]
+
+
+def test_non_finite_weights_or_optimizer_state_are_never_checkpointed(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    manager, _ = _saved_steps(folder, (1,))
+    model, optimizer, scheduler = _setup(0)
+    _step(model, optimizer, scheduler)
+    with torch.no_grad():
+        model.norm.weight[3] = float("nan")
+    with pytest.raises(parallel.checkpoint.NonFiniteStateError) as refused:
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    assert "the policy's weights hold NaN or inf in 1 tensor (first: norm.weight)" in str(refused.value)
+    assert f"not checkpointed (the previous checkpoint (step 1, {manager.step_path(1)}) is intact" in str(refused.value)
+    with torch.no_grad():
+        model.norm.weight[3] = 1.0
+    optimizer.state[model.lm_head.weight]["exp_avg_sq"][0, 0] = float("inf")
+    with pytest.raises(parallel.checkpoint.NonFiniteStateError, match=r"optimizer's state tensors hold NaN or inf"):
+        manager.save(2, model, optimizer, scheduler, {"step": 2})
+    assert os.listdir(folder) == [STEP1]
+
+
+def test_non_finite_weights_are_never_exported(tmp_path):
+    model = build_model(PRESETS["tiny"], seed=0)
+    with torch.no_grad():
+        model.layers["1"].self_attn.q_proj.weight[0, 0] = float("inf")
+    with pytest.raises(
+        parallel.checkpoint.NonFiniteStateError, match=r"layers.1.self_attn.q_proj.weight\); not exported"
+    ):
+        export_hf(model, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
 
 
 def test_resuming_into_another_model_names_both_shapes(tmp_path):

@@ -1,5 +1,5 @@
-"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk, a resume with another
-model. Real runs of the tiny demo, real files."""
+"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk, a policy gone non-finite,
+a resume with another model. Real runs of the tiny demo, real files."""
 
 import errno
 import json
@@ -10,10 +10,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import eval as eval_command
 import train
+import trainer.loop
 import trainer.scoring
+from model.args import PRESETS
+from model.hf import save_hf
+from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
+from parallel.finite import NonFiniteStateError
 from tests.planted_train import planted_score
 from tests.test_checkpoint_integrity import garbage_rank_json, overwrite_16_bytes_inside_a_tensor
 from tests.test_train_e2e import overrides, read_rows
@@ -148,3 +155,93 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_check
     assert f"the previous checkpoint (step {failed_step - 1}, " in err[-2] and err[-2].endswith("to resume")
     state = json.loads(result.stdout.strip().splitlines()[-1])
     assert state["listing"] == [f"step-{s:08d}" for s in range(1, failed_step)] and all(state["intact"]), state
+
+
+# ---- a policy gone non-finite -------------------------------------------------------------------------------
+
+
+def _plant_after_step(monkeypatch, step: int, plant, before_its_checkpoint: bool = True) -> None:
+    """plant(trainer) right after `step`'s update, before its metrics row and checkpoint (or after them)."""
+    real_after_step = trainer.loop.Trainer.after_step
+
+    def after_step(self, at, row):
+        if at == step and before_its_checkpoint:
+            plant(self)
+        real_after_step(self, at, row)
+        if at == step and not before_its_checkpoint:
+            plant(self)
+
+    monkeypatch.setattr(trainer.loop.Trainer, "after_step", after_step)
+
+
+def _assert_nothing_saved_after_step_1(tmp_path):
+    assert _checkpoints(tmp_path).complete_steps() == [1] and _checkpoints(tmp_path).validate(1) is None
+    assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "finished.json").exists()
+
+
+def test_a_nan_planted_in_a_parameter_is_never_checkpointed_or_exported(tmp_path, planted, monkeypatch):
+    def nan_weight(trainer_):
+        with torch.no_grad():
+            trainer_.parts.policy.norm.weight[0] = float("nan")
+
+    _plant_after_step(monkeypatch, 2, nan_weight)
+    with pytest.raises(NonFiniteStateError, match=r"step 2: the policy's weights hold NaN or inf in 1 tensor"):
+        train.main(overrides(str(tmp_path), steps=3))
+    _assert_nothing_saved_after_step_1(tmp_path)
+
+
+def test_non_finite_optimizer_state_skips_the_updates_and_stops_without_a_nan_policy(tmp_path, planted, monkeypatch):
+    """AdamW moments gone NaN (as a damaged checkpoint once made them) turn the next update's weights NaN;
+    here that update is skipped before the step, counted, and the run stops without saving the bad state."""
+    seen = []
+
+    def nan_moment(trainer_):
+        optimizer = trainer_.parts.optimizer
+        optimizer.state[trainer_.parts.policy.norm.weight]["exp_avg_sq"][0] = float("nan")
+        seen.append(trainer_.parts.policy)
+
+    _plant_after_step(monkeypatch, 1, nan_moment, before_its_checkpoint=False)
+    settings = {"training.max_nonfinite_steps": 2, "training.mini_batch_size": 2}
+    with pytest.raises(NonFiniteStateError, match=r"step 2: the optimizer's state tensors hold NaN or inf"):
+        train.main(overrides(str(tmp_path), steps=3, **settings))
+    rows = [r for r in read_rows(str(tmp_path)) if "loss" in r]
+    assert [(r["step"], r["updates_skipped_nonfinite"]) for r in rows] == [(1, 0), (2, 2)]
+    assert all(torch.isfinite(p).all() for p in seen[0].parameters())  # the skipped updates left the weights
+    _assert_nothing_saved_after_step_1(tmp_path)
+
+
+def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(tmp_path, planted, monkeypatch):
+    real_step, steps = torch.optim.AdamW.step, {"n": 0}
+
+    def step_with_a_fault(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        steps["n"] += 1
+        if steps["n"] == 2:  # step 2's first update (one update per step here)
+            with torch.no_grad():
+                next(iter(self.state))[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_with_a_fault)
+    with pytest.raises(NonFiniteStateError, match=r"step 2, mini-batch 0: after the optimizer step the policy's"):
+        train.main(overrides(str(tmp_path), steps=3, **{"training.mini_batch_size": 4}))
+    _assert_nothing_saved_after_step_1(tmp_path)
+
+
+def test_eval_warns_on_non_finite_weights(tmp_path, capsys):
+    from model.tokenizer import train_bpe_tokenizer
+    from rl.data import synthetic_arithmetic_rows
+
+    rows = synthetic_arithmetic_rows(40, split="train", seed=1)
+    tokenizer = train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], vocab_size=300)
+    model = build_model(PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size), seed=3)
+    with torch.no_grad():
+        model.layers["0"].mlp.up_proj.weight[1, 2] = float("nan")
+    save_hf(model.named_parameters(), str(tmp_path / "hf"), args=model.args)
+    tokenizer.save(str(tmp_path / "hf"))
+    eval_command.main(
+        ["--model", str(tmp_path / "hf"), "--data", "synthetic", "--data.synthetic_num_eval=1", "--eval.k=1"]
+        + ["--eval.max_response_length=2", "--metrics.progress=false", "--data.max_prompt_length=1024"]
+        + ["--training.micro_batch_tokens=2048"]
+    )
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'hf'} holds NaN or inf in 1 weight tensor (first: model.layers.0.mlp.up_proj" in err

@@ -20,6 +20,7 @@ from model.hf import complete_hf_export
 from model.tokenizer import Tokenizer
 from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
+from parallel.finite import NonFiniteStateError
 from parallel.hf_export import export_hf
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
@@ -170,7 +171,10 @@ class Trainer:
     ) -> NoReturn:
         """Checkpoint the last completed step (at data `position`, default: now), then raise `error`."""
         if save:
-            self.save_checkpoint(position)
+            try:
+                self.save_checkpoint(position)
+            except NonFiniteStateError as refused:  # a NaN policy is not saved: the refusal is the error
+                raise refused from error
         raise error from cause
 
     def stop_if_requested(self, position: dict | None = None, *, save: bool = True) -> None:

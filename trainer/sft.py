@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel.checkpoint import CheckpointManager
+from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
 from trainer.packing import PackItem, pack_micro_batches
 from trainer.policy import sft_micro_batch_loss
@@ -101,6 +102,9 @@ class SFTWarmup:
         clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        problem = nonfinite_state(self.model)
+        if problem is not None:  # never trained on, checkpointed or exported (the last warm-up checkpoint stays)
+            raise NonFiniteStateError(f"supervised warm-up step {self.done}: {problem} after the update; stopping")
         self.schedule.step()
         self.done += 1
         return total

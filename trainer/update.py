@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.logprob import DEFAULT_CHUNK
+from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
 from rl.correction import mismatch_metrics
@@ -434,21 +435,36 @@ class TrainPhase:
         return tokens, seqs, float(len(groups))
 
     def _clip_and_step(self, step: int, index: int) -> float | None:
-        """Clip the global grad norm and step; a non-finite norm skips the update (None)."""
+        """Clip the global grad norm and step; returns the norm, or None for a skipped update.
+
+        The update is skipped, leaving the weights and AdamW's state as they were, when the gradient norm is
+        not finite or when the weights or AdamW's state already hold NaN or inf (parallel/finite.py: one
+        fused check, agreed by every rank); it counts as a non-finite update either way. Finite inputs and a
+        finite gradient give a finite AdamW step, so the check of the weights after the step can only fire on
+        an overflow or a fault: the run then stops without saving that state (NonFiniteStateError)."""
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
-        if not math.isfinite(norm):
+        problem = f"non-finite gradient norm {norm}" if not math.isfinite(norm) else None
+        problem = problem or nonfinite_state(self.model, self.optimizer)
+        if problem is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1
             log.warning(
-                "step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
+                "step %d, mini-batch %d: %s; update skipped (%d in a row)",
                 step,
                 index,
-                norm,
+                problem,
                 self.nonfinite_in_a_row,
             )
             return None
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        after = nonfinite_state(self.model)
+        if after is not None:
+            raise NonFiniteStateError(
+                f"step {step}, mini-batch {index}: after the optimizer step {after}, from finite weights, "
+                f"optimizer state and gradient norm {norm:.4g}; stopping without saving this state (the newest "
+                f"checkpoint is untouched)"
+            )
         return norm
