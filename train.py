@@ -88,8 +88,8 @@ def main(argv=None) -> int:
 
 
 def run_cli(argv=None):
-    """`main` with the exits a shell expects: 2 for bad input (a damaged run folder or a full disk included),
-    143/130 after a signal, 1 for failures (one line for a policy gone non-finite)."""
+    """`main` with the exits a shell expects: 2 for bad input (a busy or damaged run folder, a full disk
+    included), 143/130 after a signal, 1 for failures (one line for a policy gone non-finite)."""
     try:
         sys.exit(main(argv))
     except ConfigError as exc:

@@ -1,5 +1,5 @@
-"""train.py never loses or silently spoils a run: damaged checkpoints, a full disk, a policy gone non-finite,
-a resume with another model. Real runs of the tiny demo, real files."""
+"""train.py never loses or silently spoils a run: damaged checkpoints, a second run on the same folder, a full
+disk, a policy gone non-finite, a resume with another model. Real runs of the tiny demo, real files."""
 
 import errno
 import json
@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from parallel.finite import NonFiniteStateError
 from tests.planted_train import planted_score
 from tests.test_checkpoint_integrity import garbage_rank_json, overwrite_16_bytes_inside_a_tensor
 from tests.test_train_e2e import overrides, read_rows
+from trainer.run_lock import FolderBusyError, FolderLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANTED_TRAIN = [sys.executable, "tests/planted_train.py"]
@@ -84,6 +86,46 @@ def test_resuming_with_another_model_preset_is_one_line_naming_both_shapes(tmp_p
     assert exited.value.code == 2 and len(err) == 1, err
     assert "holds model.embed_tokens.weight with shape [512, 128], this run's model has [256, 64]" in err[0]
     assert "written for another model" in err[0] and "--fresh" in err[0]
+
+
+# ---- two runs, one folder -----------------------------------------------------------------------------------
+
+
+def _wait_for(condition, process, what: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            pytest.fail(f"waiting for {what}: {process.communicate()[1]}")
+        time.sleep(0.05)
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_and_takes_it_over_once_the_holder_is_gone(tmp_path):
+    argv = overrides(str(tmp_path), steps=400, **{"checkpoint.interval": 100})
+    first = subprocess.Popen(
+        PLANTED_TRAIN + argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    folder = str(tmp_path / "run")
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and '"loss"' in metrics.read_text(), first, "the first run's step 1")
+        seconds = [
+            subprocess.Popen(PLANTED_TRAIN + argv + extra, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for extra in ([], ["--fresh"])  # --fresh must not move the folder of a live run aside either
+        ]
+        for second in seconds:
+            _, stderr = second.communicate(timeout=300)
+            err = stderr.decode().strip().splitlines()
+            assert second.returncode == 2 and "Traceback" not in stderr.decode(), stderr.decode()
+            assert err[-1].startswith(f"error: run folder {folder} is in use by another run (pid {first.pid} on host ")
+        assert first.poll() is None and sorted(os.listdir(tmp_path)) == ["run"]  # the first run goes on, in place
+        with pytest.raises(FolderBusyError, match=f"pid {first.pid} on host"):
+            FolderLock(folder).acquire()
+    finally:
+        first.kill()  # SIGKILL: no clean-up of any kind; the kernel releases the lock with the process
+        first.communicate(timeout=60)
+    with FolderLock(folder):  # taken over: its holder is gone
+        pass
 
 
 # ---- a full disk --------------------------------------------------------------------------------------------

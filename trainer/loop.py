@@ -31,7 +31,8 @@ from trainer.evaluation import params_from_config, run_held_out_eval
 from trainer.loop_state import loop_position, restore_loop_position
 from trainer.memory import return_cached_memory
 from trainer.rollout_phase import RolloutError, collect_batch
-from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished, prepare_run_folder
+from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished, prepare_run_folder, run_folder_path
+from trainer.run_lock import FolderLock
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.setup import build_policy_and_engine, build_tokenizer, load_datasets
 from trainer.sft import discard_warmup_checkpoints, sft_warmup
@@ -76,10 +77,24 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder
     phase: TrainPhase
+    lock: FolderLock | None = None  # the main rank's lock on the run folder
 
 
 def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
-    """Run folder, tokenizer and data, then the policy, the rollout engine, the optimizer and its schedule."""
+    """Run folder (locked by the main rank until `Trainer.close`), tokenizer and data, then the policy, the
+    rollout engine, the optimizer and its schedule."""
+    lock = FolderLock(run_folder_path(cfg.job.run_dir, cfg.job.name)) if dist.is_main else None
+    try:
+        parts = _build(cfg, dist, fresh, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    parts.lock = lock
+    return parts
+
+
+def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> Components:
     run_path = prepare_run_folder(
         cfg.job.run_dir,
         cfg.job.name,
@@ -87,6 +102,7 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         is_main=dist.is_main,
         resume=cfg.checkpoint.resume,
         fresh=fresh,
+        lock=lock,
     )
     dist.barrier()
     tokenizer = build_tokenizer(cfg.model, cfg.data, run_path, is_main=dist.is_main, barrier=dist.barrier)
@@ -403,7 +419,11 @@ class Trainer:
             mark_finished(p.run_path, step)
 
     def close(self) -> None:
-        """On every way out: the signal handlers restored and the rollout engine shut down."""
-        if self.stop is not None:
-            self.stop.restore()
-        self.parts.engine.shutdown()
+        """On every way out: the signal handlers restored, the rollout engine shut down, the run folder released."""
+        try:
+            if self.stop is not None:
+                self.stop.restore()
+            self.parts.engine.shutdown()
+        finally:
+            if self.parts.lock is not None:
+                self.parts.lock.release()

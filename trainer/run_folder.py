@@ -13,6 +13,8 @@
         tokenizer/         the tokenizer the run trained (synthetic task without a tokenizer path)
         plots/panel.png    the monitoring panel drawn from metrics.jsonl
         eval/step_<N>.json one report per held-out evaluation
+        .lock              held by the run's main process while it runs: a second run on the folder is refused
+                           (trainer/run_lock.py)
 
 Rerunning the same command resumes an unfinished run; `--fresh` moves the folder aside to
 `<name>.old-<n>` (never deleted) and starts over.
@@ -28,6 +30,7 @@ import re
 import shutil
 
 from parallel.checkpoint import CheckpointManager
+from trainer.run_lock import FolderBusyError, FolderLock
 
 log = logging.getLogger("train")
 
@@ -50,17 +53,23 @@ def prepare_run_folder(
     min_free_bytes: int = MIN_FREE_BYTES,
     resume: bool = True,
     fresh: bool = False,
+    lock: FolderLock | None = None,
 ) -> str:
     """Create the run folder, prove it is writable and has room, and snapshot the configuration.
+
+    lock: the run's lock on the folder (trainer/run_lock.py), taken before anything else: a folder another
+    live run holds is refused (RunFolderError naming the holder), also with --fresh.
 
     fresh=True (train.py --fresh) first moves an existing folder aside to `<name>.old-<n>`, saying where.
     resume=False (checkpoint.resume = false) refuses a folder that already holds checkpoints: a fresh run
     there would have its own checkpoints shadowed and pruned by the earlier run's higher steps.
     """
-    path = os.path.abspath(os.path.join(run_dir, name))
+    path = run_folder_path(run_dir, name)
     if not is_main:
         return path
-    if fresh and os.path.lexists(path):
+    existed = os.path.lexists(path)
+    _lock(lock, path)  # first: a folder another run holds is neither moved aside nor used
+    if fresh and existed:
         n = 1
         while os.path.lexists(f"{path}.old-{n}"):
             n += 1
@@ -87,6 +96,7 @@ def prepare_run_folder(
         os.remove(probe)
     except OSError as exc:
         raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
+    _lock(lock, path)  # the new folder, when --fresh moved the earlier one (and its lock file) aside
     free = shutil.disk_usage(path).free
     if free < min_free_bytes:
         raise RunFolderError(
@@ -95,6 +105,22 @@ def prepare_run_folder(
         )
     _snapshot_config(path, config_dict)
     return path
+
+
+def run_folder_path(run_dir: str, name: str) -> str:
+    """The absolute path of run `name`'s folder under `run_dir`."""
+    return os.path.abspath(os.path.join(run_dir, name))
+
+
+def _lock(lock: FolderLock | None, path: str) -> None:
+    if lock is None:
+        return
+    try:
+        lock.acquire()
+    except FolderBusyError as exc:
+        raise RunFolderError(str(exc)) from None
+    except OSError as exc:
+        raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
