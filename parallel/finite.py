@@ -75,10 +75,11 @@ def count_on_every_rank(local: list[int]) -> list[int]:
 
 
 def describe(names: list[str], total: int, what: str) -> str:
-    """E.g. "the policy's weights hold NaN or inf in 3 tensors (first: layers.0.attn.wq.weight)"."""
-    where = "first on this rank" if _distributed() else "first"
+    """E.g. "the policy's weights hold NaN or inf in 3 tensors (first: layers.0.self_attn.q_proj.weight)";
+    under a process group the count is of the ranks' local shards."""
+    kind, where = ("shard", "first on this rank") if _distributed() else ("tensor", "first")
     first = f" ({where}: {names[0]})" if names else " (on another rank)"
-    return f"{what} hold NaN or inf in {total} tensor{'s' if total != 1 else ''}{first}"
+    return f"{what} hold NaN or inf in {total} {kind}{'s' if total != 1 else ''}{first}"
 
 
 def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str | None:

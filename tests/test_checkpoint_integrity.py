@@ -218,6 +218,42 @@ def test_non_finite_weights_or_optimizer_state_are_never_checkpointed(tmp_path):
     assert os.listdir(folder) == [STEP1]
 
 
+def _nan_in_one_shard(rank, world_size, folder):
+    """A NaN in rank 1's shard of an FSDP-sharded parameter: every rank must see it, and refuse to save."""
+    from torch.distributed.tensor import DTensor
+
+    from parallel.dims import ParallelDims
+    from parallel.finite import nonfinite_state
+
+    dims = ParallelDims(dp_shard=world_size, world_size=world_size)
+    dims.build_mesh("cpu")
+    model, optimizer, scheduler = _setup(0, dims)
+    before = nonfinite_state(model, optimizer)
+    weight = model.norm.weight
+    assert isinstance(weight, DTensor)
+    if rank == 1:
+        with torch.no_grad():
+            weight.to_local()[0] = float("nan")
+    found = nonfinite_state(model, optimizer)
+    try:
+        CheckpointManager(folder).save(1, model, optimizer, scheduler)
+    except parallel.checkpoint.NonFiniteStateError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    return {"before": before, "found": found, "refused": refused}
+
+
+@pytest.mark.multiprocess
+def test_a_nan_in_one_ranks_shard_is_seen_and_refused_on_every_rank(tmp_path):
+    results = run_ranks(_nan_in_one_shard, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert [r["before"] for r in results] == [None, None]
+    assert results[0]["found"] == "the policy's weights hold NaN or inf in 1 shard (on another rank)"
+    assert results[1]["found"] == "the policy's weights hold NaN or inf in 1 shard (first on this rank: norm.weight)"
+    assert all(r["refused"] is not None and r["found"] in r["refused"] for r in results)
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
 def test_non_finite_weights_are_never_exported(tmp_path):
     model = build_model(PRESETS["tiny"], seed=0)
     with torch.no_grad():
