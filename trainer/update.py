@@ -437,23 +437,21 @@ class TrainPhase:
     def _clip_and_step(self, step: int, index: int) -> float | None:
         """Clip the global grad norm and step; returns the norm, or None for a skipped update.
 
-        The update is skipped, leaving the weights and AdamW's state as they were, when the gradient norm is
-        not finite or when the weights or AdamW's state already hold NaN or inf (parallel/finite.py: one
-        fused check, agreed by every rank); it counts as a non-finite update either way. Finite inputs and a
-        finite gradient give a finite AdamW step, so the check of the weights after the step can only fire on
-        an overflow or a fault: the run then stops without saving that state (NonFiniteStateError)."""
+        A non-finite gradient norm skips the update (the weights and AdamW's state stay as they were) and
+        counts as a non-finite update. After the step the weights are checked (parallel/finite.py: one fused
+        reduction, agreed by every rank): weights gone NaN or inf cannot be taken back without a second copy
+        of the policy and its moments, so the run stops without saving that state (NonFiniteStateError) and a
+        rerun resumes from the newest checkpoint, which was verified finite when it was written."""
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
-        problem = f"non-finite gradient norm {norm}" if not math.isfinite(norm) else None
-        problem = problem or nonfinite_state(self.model, self.optimizer)
-        if problem is not None:
+        if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_in_a_row += 1
             log.warning(
-                "step %d, mini-batch %d: %s; update skipped (%d in a row)",
+                "step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
                 step,
                 index,
-                problem,
+                norm,
                 self.nonfinite_in_a_row,
             )
             return None
@@ -463,8 +461,7 @@ class TrainPhase:
         after = nonfinite_state(self.model)
         if after is not None:
             raise NonFiniteStateError(
-                f"step {step}, mini-batch {index}: after the optimizer step {after}, from finite weights, "
-                f"optimizer state and gradient norm {norm:.4g}; stopping without saving this state (the newest "
-                f"checkpoint is untouched)"
+                f"step {step}, mini-batch {index}: after the optimizer step {after} (gradient norm {norm:.4g}); "
+                f"stopping without saving this state: rerun the same command to resume from the newest checkpoint"
             )
         return norm
