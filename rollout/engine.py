@@ -91,6 +91,11 @@ class Completion:
             raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
 
 
+class EngineDied(RuntimeError):
+    """The engine's process ended (crashed, killed, or ended by its own crash handling): it serves no further
+    call. The trainer's state lives in the trainer's process and is intact; rollout/engine_process.py."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An inference engine that shares the GPUs with the trainer.

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import train
+import trainer.evaluation
 import trainer.loop
 import trainer.scoring
 import trainer.setup
@@ -104,3 +105,19 @@ def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monk
         if event == "release_memory":
             takes = next(j for j in range(i + 1, len(events)) if events[j] in ("update_weights", "resume_memory"))
             assert "return" in events[i + 1 : takes], events
+
+
+def test_cached_memory_is_returned_before_every_resume_including_evaluation(tmp_path, monkeypatch):
+    """The engine maps its KV cache back for evaluation too: the weight sync before it leaves its buckets (and
+    their flattened copies) in the trainer's allocator cache, which the engine cannot use."""
+    events = []
+    build_engine = trainer.setup.build_engine
+    monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
+    for module in (trainer.loop, trainer.setup, trainer.evaluation):
+        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=2, **{"eval.interval": 1, "eval.at_start": True, "eval.at_end": True})
+    assert train.main(argv) == 0
+    resumes = [i for i, event in enumerate(events) if event == "resume_memory"]
+    assert len(resumes) == 2 + 3  # each step's rollouts, and the evaluations at steps 0, 1 and 2
+    assert all(events[i - 1] == "return" for i in resumes), events

@@ -213,16 +213,11 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
 
 
 def _held_out_worker(rank, world, tokenizer, examples, run_path):
-    import types
-
-    import torch.distributed as dist
-
+    from trainer.distributed import init_distributed
     from trainer.evaluation import run_held_out_eval
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
-    dist_env = types.SimpleNamespace(
-        dp_rank=rank, dp_size=world, world_size=world, dp_group=dist.group.WORLD, is_main=rank == 0
-    )
+    dist_env = init_distributed(1, -1, 1)
     metrics = run_held_out_eval(engine, examples, tokenizer, _params(2), dist_env, run_path, step=0)
     return engine.calls, metrics["eval/avg_at_k"]
 

@@ -70,3 +70,64 @@ def test_control_groups_in_a_fake_world():
     out = subprocess.run([sys.executable, "-c", _FAKE_WORLD], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["fake", "fake", "0"]
+
+
+class _SlowEngine:
+    """Answers every sample "1" (correct) after `delay` seconds."""
+
+    group = None
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def resume_memory(self):
+        pass
+
+    def generate(self, prompts, params):
+        import time
+
+        from rollout.engine import Completion
+
+        time.sleep(self.delay)
+        return [Completion(p, s, [1], [-0.5], "stop") for p in range(len(prompts)) for s in range(params.n)]
+
+
+class _AnswerTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "Answer: " + "".join(str(i) for i in ids)
+
+
+def _late_eval_worker(rank, world, store_path, run_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rl.data import PromptExample
+    from rollout.engine import SamplingParams
+    from trainer.distributed import init_distributed
+    from trainer.evaluation import run_held_out_eval
+
+    # As above: the default group's timeout is shorter than one engine's evaluation (NCCL: 10 minutes).
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world,
+        store=dist.FileStore(store_path, world),
+        timeout=timedelta(seconds=SLOW / 2),
+    )
+    env = init_distributed(1, -1, 1)
+    problems = [PromptExample([k], "1", "t", []) for k in range(2)]
+    engine = _SlowEngine(SLOW if rank == 1 else 0.0)  # rank 1's engine evaluates for longer
+    metrics = run_held_out_eval(
+        engine, problems, _AnswerTokenizer(), SamplingParams(max_new_tokens=2, n=2), env, run_path, 0
+    )
+    return metrics["eval/avg_at_k"]
+
+
+@pytest.mark.multiprocess
+def test_evaluation_waits_for_a_slow_engine_on_the_control_group(tmp_path):
+    """The evaluation's merge waited on the data-parallel group (NCCL, no timeout given: 10 minutes) and a
+    rank whose engine finished first timed out there; it waits on the gloo control group now."""
+    got = run_ranks(_late_eval_worker, 2, str(tmp_path / "store"), str(tmp_path), timeout=60)
+    assert got == [1.0, 1.0]

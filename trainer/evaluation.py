@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
-from rollout.engine import Completion, Engine, SamplingParams
-from trainer.scoring import check_completions, rule_score
+from rollout.engine import Completion, Engine, EngineDied, SamplingParams
+from trainer.memory import return_cached_memory
+from trainer.scoring import EngineFailure, check_completions, rule_score
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
@@ -61,16 +62,30 @@ def evaluate(
     """
     examples = list(examples)
     ks = _checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
+    start = time.perf_counter()
+    results = problem_results(
+        engine, examples, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=prompts_per_call
+    )
+    elapsed = time.perf_counter() - start
+    if gather is not None:
+        results = gather(results)  # a rank with no share of the problems contributes nothing
+        if not results:
+            raise ValueError("evaluate() needs at least one example (none on any rank)")
+    return make_report(results, ks, params, strict_box, elapsed)
+
+
+def problem_results(
+    engine, examples: list, tokenizer, params: SamplingParams, *, strict_box: bool, progress, prompts_per_call
+) -> list[ProblemResult]:
+    """evaluate's generation and scoring of this process's examples, one ProblemResult each."""
     k = params.n
     chunk = prompts_per_call or max(len(examples), 1)
-
     owned = progress is True
     if owned:
         from observe.progress import Progress
 
         progress = Progress(total=len(examples), desc="eval", unit="problems")
     results: list[ProblemResult] = []
-    start = time.perf_counter()
     # Ranks that share one engine (SGLang's TP group) generate in one collective call: a rank without
     # problems still takes part, with no prompts, or its group would wait for it forever.
     starts = range(0, len(examples), chunk) if examples or getattr(engine, "group", None) is None else [0]
@@ -89,11 +104,12 @@ def evaluate(
     finally:
         if owned:
             progress.close()
-    elapsed = time.perf_counter() - start
-    if gather is not None:
-        results = gather(results)  # a rank with no share of the problems contributes nothing
-        if not results:
-            raise ValueError("evaluate() needs at least one example (none on any rank)")
+    return results
+
+
+def make_report(results: list[ProblemResult], ks, params: SamplingParams, strict_box: bool, elapsed: float) -> dict:
+    """evaluate's report of all results (see evaluate)."""
+    k = params.n
     report = summarize(results, ks)
     report["sampling"] = {
         "n": k,
@@ -274,10 +290,32 @@ def write_report(report: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _gather_over_dp(results: list, group) -> list:
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, results, group=group)
-    return [r for part in everyone for r in part]
+def _gather_outcomes(outcome: tuple, dist_env: DistEnv) -> list[tuple]:
+    """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
+    (trainer/distributed.py): a rank whose engine finished first waits here for the slowest, which can
+    take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
+    rollout.round_timeout_s."""
+    everyone = [None] * dist_env.world_size
+    dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
+    return everyone
+
+
+def _merged(everyone: list[tuple], local_error: BaseException | None) -> list[ProblemResult]:
+    """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
+    same share: the first one's is kept), or, when any rank failed, that failure raised on every rank:
+    an engine's death (EngineDied) first."""
+    for kind in ("died", "failed"):
+        failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == kind]
+        if failed:
+            if local_error is not None and (kind == "failed" or isinstance(local_error, EngineDied)):
+                raise local_error
+            rank, why = failed[0]
+            error = EngineDied if kind == "died" else EngineFailure
+            raise error(f"the evaluation failed on rank {rank}: {why}")
+    shares: dict[int, list] = {}
+    for dp_rank, (_, results) in everyone:
+        shares.setdefault(dp_rank, results)
+    return [r for dp_rank in sorted(shares) for r in shares[dp_rank]]
 
 
 def run_held_out_eval(
@@ -295,20 +333,34 @@ def run_held_out_eval(
 ) -> dict[str, float]:
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 
-    Data-parallel ranks split the problems and merge their results over the data-parallel group;
-    tensor-parallel peers evaluate the same share with the same weights and seeds.
+    The trainer's cached GPU memory is handed back before the engine takes its memory back
+    (trainer/memory.py). Data-parallel ranks split the problems and merge their results over the gloo
+    control group (`_gather_outcomes`); tensor-parallel peers evaluate the same share with the same
+    weights and seeds. A failure on any rank (the engine's death: EngineDied) is raised on every rank.
     """
-    engine.resume_memory()
+    return_cached_memory(dist_env)
     mine = examples[dist_env.dp_rank :: dist_env.dp_size]
-    gather = None
+    ks = _checked_pass_ks(params, mine, pass_at, None, gather=dist_env.world_size > 1 or None)
+    start = time.perf_counter()
+    try:
+        engine.resume_memory()
+        results = problem_results(
+            engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=None
+        )
+        outcome, local_error = ("ok", results), None
+    except Exception as exc:
+        if dist_env.world_size == 1:
+            raise
+        outcome, local_error = (
+            ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}"),
+            exc,
+        )
+    elapsed = time.perf_counter() - start
     if dist_env.world_size > 1:
-
-        def gather(results):
-            return _gather_over_dp(results, dist_env.dp_group)
-
-    report = evaluate(
-        engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, pass_at=pass_at, gather=gather
-    )
+        results = _merged(_gather_outcomes(outcome, dist_env), local_error)
+    if not results:
+        raise ValueError("evaluate() needs at least one example (none on any rank)")
+    report = make_report(results, ks, params, strict_box, elapsed)
     if dist_env.is_main:
         write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
     return flat_metrics(report)
