@@ -167,10 +167,14 @@ class DynamicBatchBuilder:
             correct = sum(group.acc)
             self._all_correct += correct == group.size
             self._all_wrong += correct == 0
-            values = group.acc if self.metric == "acc" else group.score
-            if not self.enabled or keep_group(values, self.tol):
+            if self.keeps(group):
                 self._kept.append((self._step, group))
                 self._kept_samples += group.size
+
+    def keeps(self, group: ScoredGroup) -> bool:
+        """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
+        values = group.acc if self.metric == "acc" else group.score
+        return not self.enabled or keep_group(values, self.tol)
 
     def full(self) -> bool:
         """True once the batch can be handed out (with dynamic sampling off: after one round)."""

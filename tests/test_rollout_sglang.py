@@ -28,7 +28,7 @@ from rollout.sglang_engine import (
 )
 from rollout.weight_sync import iter_weight_buckets, sync_weights
 from trainer.evaluation import evaluate
-from trainer.rollout_phase import generate_round
+from trainer.rollout_phase import generate_call
 from trainer.scoring import RewardSettings
 
 ARGS = PRESETS["tiny"]
@@ -421,9 +421,8 @@ def _retry_worker(rank, world, checkpoint):
     # The leader's batch is rank 0's prompt then rank 1's: request 1 (rank 1's) aborts on the first call.
     engine = engine_class(abort={(0, 1)})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     reward = RewardSettings(max_response_length=2, overlong_penalty=False)
-    groups, _, _ = generate_round(
-        engine, _Prompts([[1 + rank, 2]]), 1, SamplingParams(max_new_tokens=2), _Digits(), reward, retries=1
-    )
+    prompts = _Prompts([[1 + rank, 2]]).next_batch(1)
+    groups, _, _ = generate_call(engine, prompts, SamplingParams(max_new_tokens=2), _Digits(), reward, retries=1)
     calls = engine._engine.generate_calls if rank == 0 else None
     return len(groups), calls
 

@@ -543,3 +543,30 @@ def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handl
     assert len(shutdowns) == 1
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert not torch.distributed.is_initialized()
+
+
+def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_path, monkeypatch, signal_handlers):
+    """A round of 4 prompts x 4 samples in calls of 8 requests (2 prompts) is 2 calls; a SIGTERM during the
+    first stops the step after it: the second never runs, the last completed step is checkpointed."""
+    from trainer.signals import StopRequested
+
+    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    real_generate = TorchEngine.generate
+    calls = []
+
+    def generate_then_sigterm(self, prompts, params):
+        calls.append(len(prompts))
+        if len(calls) == 3:  # step 2's first call
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_generate(self, prompts, params)
+
+    monkeypatch.setattr(TorchEngine, "generate", generate_then_sigterm)
+    argv = overrides(
+        str(tmp_path),
+        steps=3,
+        **{"algorithm.dynamic_sampling": False, "rollout.requests_per_call": 8, "checkpoint.interval": 100},
+    )
+    with pytest.raises(StopRequested, match="stopped by SIGTERM after step 1"):
+        train.main(argv)
+    assert calls == [2, 2, 2]  # step 1: two calls; step 2: one, then the stop
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]

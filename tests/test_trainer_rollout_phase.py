@@ -8,7 +8,7 @@ from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
 from trainer.distributed import DistEnv
-from trainer.rollout_phase import collect_batch
+from trainer.rollout_phase import RoundStopped, collect_batch, prompts_per_call
 from trainer.scoring import EngineFailure, RewardSettings
 
 
@@ -123,3 +123,76 @@ def test_sglang_engine_groups_are_consecutive_ranks_on_their_first_gpu():
 
     with pytest.raises(ValueError, match="rollout.tp_size = 2 needs 2 ranks"):
         engine_group(2, SingleProcess())
+
+
+class RecordingProgress:
+    def __init__(self):
+        self.updates = []
+
+    def update(self, n=1, **postfix):
+        self.updates.append((n, postfix))
+
+
+def test_a_round_is_split_into_calls_and_the_display_advances_after_each():
+    # Prompts 0, 3, 6 are mixed (kept); 7 prompts per round in calls of at most 3: calls of 3, 3 and 1.
+    engine = PlantedEngine(lambda k: {0} if k % 3 == 0 else set())
+    seeds = []
+    generate = engine.generate
+    engine.generate = lambda prompts, params: seeds.append(params.seed) or generate(prompts, params)
+    sampler = PromptSampler(_examples(30), shuffle=False)
+    builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=1, on_shortfall="fill")
+    params = SamplingParams(max_new_tokens=4, n=4, seed=1)
+    reward = RewardSettings(max_response_length=4, overlong_penalty=False)
+    progress = RecordingProgress()
+    with pytest.warns(RuntimeWarning, match="kept 3 of 4 groups"):
+        batch, diag, _ = collect_batch(
+            1,
+            builder,
+            engine,
+            sampler,
+            7,
+            params,
+            AnswerTokenizer(),
+            reward,
+            SingleProcess(),
+            progress,
+            prompts_per_call=3,
+        )
+    assert engine.calls == [3, 3, 1] and diag["rounds"] == 1 and len(batch) == 3
+    assert len(set(seeds)) == 3  # each call its own random stream (the first keeps the round's seed)
+    # Kept groups after each call: prompt 0 in the first (0-2), 3 in the second (3-5), 6 in the third.
+    assert progress.updates == [
+        (1, {"rounds": 1, "calls": "1/3"}),
+        (1, {"rounds": 1, "calls": "2/3"}),
+        (1, {"rounds": 1, "calls": "3/3"}),
+    ]
+
+
+def test_a_stop_requested_between_calls_ends_the_round():
+    engine = PlantedEngine(lambda k: {0})
+    sampler = PromptSampler(_examples(30), shuffle=False)
+    builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=2)
+    asked = []
+    with pytest.raises(RoundStopped, match="step 1: stopped after generate call 2 of 3"):
+        collect_batch(
+            1,
+            builder,
+            engine,
+            sampler,
+            6,
+            SamplingParams(max_new_tokens=4, n=2),
+            AnswerTokenizer(),
+            RewardSettings(max_response_length=4, overlong_penalty=False),
+            SingleProcess(),
+            prompts_per_call=2,
+            stop_requested=lambda: asked.append(1) or len(asked) == 2,
+        )
+    assert engine.calls == [2, 2]  # the third call of the round never started
+
+
+def test_prompts_per_call_keeps_whole_groups_and_counts_the_engines_ranks():
+    # dapo_32b: 4096 requests per engine call, n = 16, 4 trainer ranks per SGLang engine (TP 4): 64 prompts
+    # per rank, so one engine call holds 64 x 16 x 4 = 4096 requests; its round (192 prompts a rank) is 3 calls.
+    assert prompts_per_call(4096, 16, 4) == 64
+    assert prompts_per_call(4096, 16) == 256
+    assert prompts_per_call(8, 16) == 1  # never less than one whole group

@@ -30,7 +30,7 @@ from trainer.distributed import DistEnv
 from trainer.evaluation import params_from_config, run_held_out_eval
 from trainer.loop_state import loop_position, restore_loop_position
 from trainer.memory import return_cached_memory
-from trainer.rollout_phase import RolloutError, collect_batch
+from trainer.rollout_phase import RolloutError, RoundStopped, collect_batch, prompts_per_call
 from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished, prepare_run_folder, run_folder_path
 from trainer.run_lock import FolderLock
 from trainer.scoring import EngineFailure, RewardSettings
@@ -170,6 +170,8 @@ class Trainer:
         )
         multiplier = rollout.gen_batch_multiplier if alg.dynamic_sampling else 1
         self.prompts_per_round = cfg.training.train_batch_size * multiplier
+        ranks_per_engine = rollout.tp_size if rollout.engine == "sglang" else 1
+        self.prompts_per_call = prompts_per_call(rollout.requests_per_call, rollout.n, ranks_per_engine)
 
     # --- Checkpoints, stops, weights ---------------------------------------------------------------
     def save_checkpoint(self, position: dict | None = None) -> None:
@@ -356,7 +358,11 @@ class Trainer:
                     self.reward,
                     self.dist,
                     progress=bar,
+                    prompts_per_call=self.prompts_per_call,
+                    stop_requested=lambda: self.stop.requested(self.dist),
                 )
+        except RoundStopped:
+            self.stop_with_checkpoint(StopRequested(self.stop.signal_name, self.state.step), before_step)
         except EngineFailure as exc:
             self.stop_with_checkpoint(
                 RuntimeError(
