@@ -30,6 +30,7 @@ from config import ConfigError, check_runnable, config_to_dict, parse_cli
 from parallel.checkpoint import CheckpointError
 from parallel.finite import NonFiniteStateError
 from rl.data import DataError
+from rollout.engine import EngineDied
 from trainer.distributed import init_distributed, shutdown_distributed
 from trainer.loop import Trainer, build
 from trainer.run_folder import RunFolderError, finished_run_report
@@ -89,7 +90,8 @@ def main(argv=None) -> int:
 
 def run_cli(argv=None):
     """`main` with the exits a shell expects: 2 for bad input (a busy or damaged run folder, a full disk
-    included), 143/130 after a signal, 1 for failures (one line for a policy gone non-finite)."""
+    included), 143/130 after a signal, 1 for failures (one line for a policy gone non-finite, and for a
+    rollout engine whose process died: the checkpoint is written, rerunning resumes)."""
     try:
         sys.exit(main(argv))
     except ConfigError as exc:
@@ -103,6 +105,9 @@ def run_cli(argv=None):
         sys.exit(2)
     except NonFiniteStateError as exc:  # not saved, not exported; the newest checkpoint is untouched
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except EngineDied as exc:
+        print(f"error: the rollout engine died: {exc}", file=sys.stderr)
         sys.exit(1)
     except StopRequested as exc:
         print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)

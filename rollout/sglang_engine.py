@@ -7,6 +7,10 @@ lazily, so this module imports (and its pure functions are tested) on machines w
 
 Engine start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static,
 enable_memory_saver=True, skip_tokenizer_init=True, dtype, random_seed)`; prompts go in as token ids.
+The engine lives in a child process that owns it (rollout/engine_process.py: SGLang's crash handling
+SIGKILLs the process tree of the process that owns the engine, and its first request installs a SIGTERM
+handler); every call below crosses that process's pipe. When that process ends, every call raises
+EngineDied on every rank of the group, and so does every later call.
 
 Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`,
 one sampling_params dict per request whose max_new_tokens is capped at what the context leaves (SGLang
@@ -15,7 +19,9 @@ The n samples of a prompt are n requests with n = 1, the prompt repeated n times
 slime do): 0.5.21 serves n > 1 by first prefilling each prompt alone, one request after another, before
 the batch runs (TokenizerManager._handle_batch_request). Outputs come back in request order, so grouped
 per prompt, the order of the protocol. A request SGLang aborts fails the whole call on every rank of
-the group, so the group retries (or gives up) together. Every output dict is translated by
+the group, so the group retries (or gives up) together; a prompt SGLang refuses as too long (a
+non-streaming abort with status 400) already makes SGLang's generate raise for the whole batch
+(srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason). Every output dict is translated by
 `completions_from_sglang`:
     token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
     logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
@@ -64,15 +70,30 @@ from collections.abc import Iterable
 import torch
 
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
-from rollout.engine import Completion, SamplingParams, validate_prompts
+from rollout.engine import Completion, EngineDied, SamplingParams, validate_prompts
+from rollout.engine_process import EngineCallError, EngineProcess, describe
 from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 SGLANG_VERSION = "0.5.21"
 
 _FINISH_TYPES = ("stop", "length", "abort")
-# Released for training; the CUDA graphs stay: 0.5.21 would back them up to host and restore them every
-# step, for ~1 GB per GPU that training does not need (the rehearsal's ledger, bench/RESULTS.md).
+# Released for training. Not the CUDA graphs: by default 0.5.21 does not capture them under the memory saver,
+# so releasing their tag frees nothing (rollout/sglang_memory.py); with SGLANG_MEMORY_SAVER_CUDA_GRAPH it would
+# back them up to host and restore them every step, for ~1-1.5 GB per GPU (the rehearsal's ledger).
 RELEASED_TAGS = ("kv_cache", "weights")
+
+
+def start_sglang(**server_args):
+    """The engine process's target in production: `sglang.Engine(**server_args)` of the pinned release."""
+    check_sglang_version()
+    import sglang
+
+    return sglang.Engine(**server_args)
+
+
+def _why(exc: BaseException) -> str:
+    """An error's message; the engine process's errors already name their type."""
+    return str(exc) if isinstance(exc, EngineCallError) else describe(exc)
 
 
 def check_sglang_version(installed: str | None = None) -> None:
@@ -185,7 +206,11 @@ class SGLangEngine:
         (size tp_size); its rank 0 owns the sglang.Engine. None: this process alone drives the engine.
     Every rank of `group` must make the same calls in the same order (they are collectives); a failure
     on the leader is raised on every rank.
+    engine_target: what the engine process builds from the server arguments (`start_sglang`; tests put
+        the strict model of tests/sglang_model.py there).
     """
+
+    engine_target = staticmethod(start_sglang)
 
     def __init__(
         self,
@@ -227,6 +252,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._pushed: set[str] = set()
         self._session_open = False
+        self._dead: str | None = None  # why the engine process ended, once it has
         launch = dict(
             model_path=model_path,
             tp_size=tp_size,
@@ -247,11 +273,15 @@ class SGLangEngine:
 
     # -- the SGLang boundary (the only methods that import sglang) --------------------------------
 
-    def _launch(self, **kwargs):
-        check_sglang_version()
-        import sglang
-
-        return sglang.Engine(**kwargs)
+    def _launch(self, **kwargs) -> EngineProcess:
+        """The engine process, which builds `engine_target(**kwargs)` (see rollout/engine_process.py)."""
+        if self.engine_target is start_sglang:
+            check_sglang_version()  # here, before a process starts
+        try:
+            return EngineProcess(self.engine_target, kwargs, name="the SGLang engine")
+        except EngineDied as exc:
+            self._dead = str(exc)
+            raise
 
     def _flatten_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
         """(payload, keep-alive): {"flattened_tensor", "metadata"} of SGLang's FlattenedTensorBucket."""
@@ -302,15 +332,29 @@ class SGLangEngine:
         return out[0]
 
     def _state(self) -> tuple:
-        return self._session_open, frozenset(self._released), frozenset(self._pushed)
+        return self._session_open, frozenset(self._released), frozenset(self._pushed), self._dead
 
     def _adopt(self, state: tuple) -> None:
-        self._session_open, released, pushed = state
+        self._session_open, released, pushed, self._dead = state
         self._released, self._pushed = set(released), set(pushed)
+
+    def _refuse_if_dead(self) -> None:
+        """Every rank of the group knows the same (adopted state), so all refuse without a collective."""
+        if self._dead is not None:
+            raise EngineDied(self._dead)
+
+    def _call(self, method: str, *args, **kwargs):
+        """The leader's call into the engine process; its death is recorded before it is raised."""
+        try:
+            return self._engine.call(method, *args, **kwargs)
+        except EngineDied as exc:
+            self._dead = str(exc)
+            raise
 
     def _leader_call(self, what: str, fn) -> None:
         """Run fn on the leader; then every rank adopts the leader's protocol state (what SGLang really
         did, also when fn failed part-way) and a failure there becomes an error on every rank."""
+        self._refuse_if_dead()
         if self.group is None:
             fn()
             return
@@ -321,11 +365,13 @@ class SGLangEngine:
             try:
                 fn()
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
+                error = _why(e)
         box = [(error, self._state())]
         dist.broadcast_object_list(box, src=self._leader, group=self.group)
         error, state = box[0]
         self._adopt(state)
+        if self._dead is not None:
+            raise EngineDied(self._dead)
         if error is not None:
             raise RuntimeError(f"SGLang engine {what} failed on the leader rank: {error}")
 
@@ -340,12 +386,13 @@ class SGLangEngine:
     def _end_session(self) -> None:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
-            self._check("end_weight_update", self._engine.end_weight_update())
+            self._check("end_weight_update", self._call("end_weight_update"))
             self._session_open = False
-            self._engine.flush_cache()
+            self._call("flush_cache")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
+        self._refuse_if_dead()
         bucket = list(named_tensors)
         seen = set()
         for name, tensor in bucket:
@@ -376,15 +423,18 @@ class SGLangEngine:
 
         def send():
             if "weights" in self._released:
-                self._engine.resume_memory_occupation(["weights"])
+                self._call("resume_memory_occupation", ["weights"])
                 self._released.discard("weights")
             if not self._session_open:
-                self._check("begin_weight_update", self._engine.begin_weight_update())
+                self._check("begin_weight_update", self._call("begin_weight_update"))
                 self._session_open = True
             self._check(
                 "update_weights_from_tensor",
-                self._engine.update_weights_from_tensor(
-                    named_tensors=per_rank, load_format="flattened_bucket", flush_cache=False
+                self._call(
+                    "update_weights_from_tensor",
+                    named_tensors=per_rank,
+                    load_format="flattened_bucket",
+                    flush_cache=False,
                 ),
             )
             self._pushed.update(seen)
@@ -400,13 +450,14 @@ class SGLangEngine:
 
         def release():
             self._end_session()
-            self._engine.release_memory_occupation(tags=list(RELEASED_TAGS))
+            self._call("release_memory_occupation", tags=list(RELEASED_TAGS))
             self._released, self._pushed = set(RELEASED_TAGS), set()
 
         self._leader_call("release_memory", release)
 
     def resume_memory(self) -> None:
         """Finish a weight update and take back the KV cache (see the module doc)."""
+        self._refuse_if_dead()
         if self._released and self._pushed != set(self.weight_shapes):
             missing = sorted(set(self.weight_shapes) - self._pushed)
             raise RuntimeError(
@@ -418,7 +469,7 @@ class SGLangEngine:
             self._end_session()
             rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
             if rest:
-                self._engine.resume_memory_occupation(rest)
+                self._call("resume_memory_occupation", rest)
                 self._released -= set(rest)
 
         self._leader_call("resume_memory", resume)
@@ -430,7 +481,8 @@ class SGLangEngine:
         if not flat:  # SGLang refuses an empty batch (GenerateReqInput: input_ids cannot be empty)
             return [[] for _ in rank_prompts]
         requests = [p for p in flat for _ in range(params.n)]
-        outputs = self._engine.generate(
+        outputs = self._call(
+            "generate",
             input_ids=requests,
             return_logprob=True,
             sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length),
@@ -454,6 +506,7 @@ class SGLangEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Every rank of the group passes its own prompts (possibly none: it still takes part); the leader
         runs them all as one SGLang batch."""
+        self._refuse_if_dead()
         problem = None
         try:
             if not isinstance(params, SamplingParams):
@@ -479,15 +532,18 @@ class SGLangEngine:
             except Exception as e:
                 if self.group is None:
                     raise
-                parts = [("error", f"{type(e).__name__}: {e}")] * len(gathered)
+                parts = [("error", _why(e))] * len(gathered)
             parts = [(status, value, self._state()) for status, value in parts]
         status, value, state = self._scatter(parts)
         self._adopt(state)
+        self._refuse_if_dead()
         if status == "error":
             raise RuntimeError(f"SGLang engine generate failed: {value}")
         return value
 
     def shutdown(self) -> None:
+        """End the engine process (SGLang's own shutdown first); also after it died. No collective."""
         if self._engine is not None:
-            self._engine.shutdown()
+            self._engine.close()
             self._engine = None
+        self._dead = self._dead or "the SGLang engine was shut down"

@@ -23,6 +23,13 @@ the engine starts) minus the weights. Whatever the trainer still holds at engine
 With enable_memory_saver (which we always set) the post-capture re-sizing is off
 (srt/arg_groups/overrides.py post_capture_kv_sizing_planned returns False), so this pre-capture rule
 is the one that applies.
+
+CUDA graphs: decode graphs (backend "full") and, on CUDA, prefill graphs (backend "breakable") are on by
+default (srt/model_executor/cuda_graph_config.py CudaGraphConfig, default_prefill_backend). Both are
+captured under the memory saver only with SGLANG_MEMORY_SAVER_CUDA_GRAPH set (full_cuda_graph_backend.py
+and breakable_cuda_graph_backend.py, their __init__; the variable defaults to off in srt/environ.py, and the
+breakable backend refuses it): releasing the "cuda_graph" tag frees nothing otherwise, so their memory
+stays for the engine's lifetime.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class EngineMemoryPlan:
     cuda_graph: int  # bytes per GPU held by captured CUDA graphs (estimate, see cuda_graph_bytes)
     other: int  # bytes per GPU no memory tag releases (estimate: CUDA context, communicators)
     kv_tokens: int  # tokens the KV pool holds
+    cuda_graph_releasable: bool = False  # SGLANG_MEMORY_SAVER_CUDA_GRAPH (module docstring): off by default
 
     def held(self, released: Iterable[str] = ()) -> int:
         """Bytes per GPU the engine holds with these memory tags released (release_memory_occupation)."""
@@ -61,6 +69,8 @@ class EngineMemoryPlan:
         unknown = released - set(MEMORY_TAGS)
         if unknown:
             raise ValueError(f"unknown SGLang memory tags {sorted(unknown)}; the tags are {list(MEMORY_TAGS)}")
+        if not self.cuda_graph_releasable:
+            released.discard("cuda_graph")
         by_tag = {"weights": self.weights, "kv_cache": self.kv_cache, "cuda_graph": self.cuda_graph}
         return self.other + sum(size for tag, size in by_tag.items() if tag not in released)
 
@@ -114,13 +124,35 @@ def decode_cuda_graph_max_bs(gpu_total_bytes: int, tp_size: int) -> int:
     return 512
 
 
-def cuda_graph_bytes(gpu_total_bytes: int, tp_size: int, max_bs: int | None = None) -> int:
-    """Estimate of the captured decode graphs' memory: SGLang's own reserve for them, 2 MiB per batch
-    slot of the largest captured batch (srt/arg_groups/memory_hook.py reserve_for_graph_mb); prefill
-    graphs are off by default and not counted."""
+def chunked_prefill_size(gpu_total_bytes: int) -> int:
+    """SGLang's default chunked_prefill_size by GPU size (handle_gpu_memory_settings), in tokens."""
+    mib = gpu_total_bytes / MIB
+    if mib < 20 * 1024:
+        return 2048
+    if mib < 60 * 1024:
+        return 4096
+    if mib < 160 * 1024:
+        return 8192
+    return 16384
+
+
+def prefill_cuda_graph_sizes(max_tokens: int) -> list[int]:
+    """The token counts prefill graphs are captured for, up to max_tokens (srt/arg_groups/cuda_graph_hook.py
+    generate_prefill_cuda_graph_batch_sizes); max_tokens defaults to chunked_prefill_size
+    (handle_gpu_memory_settings: prefill max_bs for a non-MLA model)."""
+    steps = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256), (4608, max_tokens, 512)]
+    return [size for lo, hi, step in steps for size in range(lo, hi + 1, step) if size <= max_tokens]
+
+
+def cuda_graph_bytes(gpu_total_bytes: int, tp_size: int, max_bs: int | None = None, prefill_graphs: bool = True) -> int:
+    """Estimate of the captured graphs' memory, SGLang's own reserve for them (srt/arg_groups/memory_hook.py
+    reserve_for_graph_mb, non-MLA model): 2 MiB per batch slot of the largest decode graph, plus 8 MiB per
+    captured prefill size when prefill graphs are on (the default on CUDA; prefill_cuda_graph_sizes), e.g.
+    256 x 2 + 58 x 8 = 976 MiB on an 80 GB GPU at TP < 4."""
     if max_bs is None:
         max_bs = decode_cuda_graph_max_bs(gpu_total_bytes, tp_size)
-    return max_bs * 2 * MIB
+    prefill = len(prefill_cuda_graph_sizes(chunked_prefill_size(gpu_total_bytes))) if prefill_graphs else 0
+    return (max_bs * 2 + prefill * 8) * MIB
 
 
 def max_running_requests(kv_tokens: int, context_length: int, requested: int | None = None) -> int:

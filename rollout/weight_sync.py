@@ -22,6 +22,8 @@ still take part in the gathers, which must move the same bytes on every rank. Wi
 holds its own full copy, so every rank passes its engine.
 With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
 `update_weights` gathers the ranks' buckets to the engine's leader.
+An engine whose process died (EngineDied) takes no more buckets, but its rank still takes part in every
+remaining gather, so the other ranks' sync completes; the death is raised at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
 from parallel.plain_names import plain_named_parameters
-from rollout.engine import Engine
+from rollout.engine import Engine, EngineDied
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,10 +108,15 @@ def sync_weights(
         dtype = getattr(engine, "dtype", None)
     if device is None:
         device = getattr(engine, "device", None)
-    sent = 0
+    sent, died = 0, None
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
-        if engine is not None:
-            engine.update_weights(bucket)
+        if engine is not None and died is None:
+            try:
+                engine.update_weights(bucket)
+            except EngineDied as exc:
+                died = exc
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket
+    if died is not None:
+        raise died
     return sent

@@ -5,6 +5,17 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
 
 * Start: the engine sizes its memory by rollout/sglang_memory.py (the release's KV-pool rule, cited
   there) from the memory free on its GPUs at start, and fails as SGLang does when nothing is left.
+* Crashes: an exception inside a scheduler request handler ends the engine's process: the scheduler
+  logs it and sends SIGQUIT to its parent, the process that owns the Engine (srt/managers/scheduler.py
+  run_scheduler_process), whose handler kills that process's tree, itself included, with SIGKILL
+  (srt/entrypoints/engine.py launch_phase_sigquit_handler, srt/managers/tokenizer_manager.py
+  SignalHandler.running_phase_sigquit_handler, srt/utils/common.py kill_process_tree). The model's
+  "scheduler" runs in the process that holds the model, so it sends SIGQUIT to that process, whose handler
+  (installed at start, as Engine's launch does) kills it: no caller can catch a crash. Run it in its own
+  process (rollout/engine_process.py), as the trainer runs SGLang; in the test process a crash ends pytest.
+* SIGTERM: the first request installs a handler that lets the engine drain and then leave with
+  sys.exit(0) out of the next call (TokenizerManager.auto_create_handle_loop, sigterm_watchdog); the
+  model raises SystemExit(0) from the first call after a SIGTERM.
 * Memory tags: release_memory_occupation with no tags releases all of GPU_MEMORY_ALL_TYPES
   (sglang/srt/constants.py) and asserts the scheduler is idle; resume_memory_occupation removes each tag
   from offload_tags (a set: resuming a tag that was not released raises KeyError) and maps the memory
@@ -12,44 +23,61 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   release_memory_occupation / resume_memory_occupation; srt/utils/torch_memory_saver_adapter.py
   _TorchMemorySaverAdapterReal.pause / resume). Mapping back more than the GPU has free fails. Resume
   has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either.
-* An exception inside a scheduler request handler ends the engine: the scheduler logs it and sends
-  SIGQUIT to its parent (srt/managers/scheduler.py run_scheduler_process); the model then refuses every
-  later call.
 * Weight-update sessions: begin_weight_update with a session open, end_weight_update without one, and
   update_weights_from_tensor outside one return (False, message); they do not raise
   (SchedulerWeightUpdaterManager.begin_weight_update / end_weight_update / update_weights_from_tensor).
 * Payloads: load_format "flattened_bucket" takes pre-serialized payloads, one per TP rank
-  (srt/entrypoints/engine.py Engine._serialize_tensors_per_rank); TP rank i deserializes only entry i
-  (srt/managers/tp_worker.py BaseTpWorker.deserialize_own_rank): fewer entries than ranks is an
-  IndexError in the scheduler, and an entry no rank opens keeps its CUDA IPC reference forever. Entries
-  are base64 strings or bytes (srt/utils/common.py normalize_serialized_named_tensor_payload).
-  Writing into released weights writes into unmapped memory (a CUDA error that ends the scheduler).
+  (srt/entrypoints/engine.py Engine._serialize_tensors_per_rank); entries are base64 strings or
+  bytes-like (srt/utils/common.py normalize_serialized_named_tensor_payload). TP rank i deserializes only
+  entry i (srt/managers/tp_worker.py BaseTpWorker.deserialize_own_rank): fewer entries than ranks is an
+  IndexError in the scheduler, and an entry no rank opens keeps its CUDA IPC reference forever. It is read
+  by MultiprocessingSerializer.deserialize, i.e. SafeUnpickler (srt/utils/common.py): a global outside
+  its ALLOWED_GLOBALS is "Blocked unsafe global" (the model allows a subset of that list: what the
+  payloads use), and torch.storage._load_from_bytes is a weights-only torch.load. The metadata is read
+  by attribute, each of name, shape, dtype, start_idx, end_idx, numel (srt/model_executor/
+  model_runner_components/weight_updater.py _update_weights_from_flattened_bucket; a dict has none).
+  Every failure there is a scheduler exception: a crash. Writing into released weights writes into
+  unmapped memory (a CUDA error, a crash too).
 * Generation: input_ids must not be empty (srt/managers/io_struct.py GenerateReqInput.
   _determine_batch_size); every request of a batch has the same n (GenerateReqInput._handle_parallel_sampling);
   a prompt of context_len tokens or more, or prompt + max_new_tokens beyond context_len, raises for the
   whole batch (srt/managers/tokenizer_manager.py TokenizerManager._validate_one_request); a prompt of
-  max_req_input_len = min(context_len - 1, kv tokens - 1) - 5 tokens or more is aborted
+  max_req_input_len = min(context_len - 1, kv tokens - 1) - 5 tokens or more is aborted with status 400
   (srt/managers/tp_worker.py TpModelWorker.get_worker_info, srt/managers/utils.py validate_input_length,
-  called from srt/managers/scheduler.py Scheduler.handle_generate_request). With n > 1 the tokenizer
-  manager first sends one prefix-caching request per prompt, one after another, and warns above 128
-  prompts (srt/managers/tokenizer_manager.py TokenizerManager._handle_batch_request); outputs come
-  prompt-major. Generating with the KV cache or weights released reads unmapped memory.
+  srt/managers/scheduler.py Scheduler.handle_generate_request, srt/managers/schedule_batch.py
+  Req.set_finish_with_abort), and a non-streaming request aborted with status 400 makes generate raise
+  ValueError for the whole batch (TokenizerManager._handle_abort_finish_reason, _collect_batch_responses);
+  other aborts come back as outputs with finish_reason type "abort". With n > 1 the tokenizer manager
+  first sends one prefix-caching request per prompt, one after another, and warns above 128 prompts
+  (TokenizerManager._handle_batch_request); outputs come prompt-major. Generating with the KV cache or
+  weights released reads unmapped memory (a crash).
 * Outputs (skip_tokenizer_init): {"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "output_token_logprobs": [(logprob, token id, None)]}}
   (TokenizerManager._handle_batch_output, BatchTokenIDOutput branch).
 
-CPU stand-ins: a "GPU" is a FakeGPU byte ledger; a CUDA IPC payload is a pickled, base64-encoded
-{"flattened_tensor", "metadata"} with a serial number. torch keeps a sent CUDA block in its IPC limbo
-(CudaIPCSentDataLimbo) until the receiver let go and torch.cuda.ipc_collect() runs; the model assumes the
-worst case, every dropped bucket stays reserved on the sender's GPU until ipc_collect.
+CPU stand-ins: a "GPU" is a FakeGPU byte ledger in shared memory (the trainer's process and the engine's
+see the same one); a CUDA IPC payload is a pickled, base64-encoded ((pid, serial number),
+{"flattened_tensor", "metadata"}) whose metadata are SimpleNamespaces with FlattenedTensorMetadata's
+fields (SafeUnpickler allows types.SimpleNamespace, and the reader reads attributes only). Building a
+bucket concatenates it (srt/weight_sync/tensor_bucket.py FlattenedTensorBucket.__init__, torch.cat):
+while the sender holds it, the bucket exists twice on the sender's GPU. torch keeps a sent CUDA block in
+its IPC limbo (CudaIPCSentDataLimbo) until the receiver let go and torch.cuda.ipc_collect() runs; the
+model assumes the worst case, every dropped bucket stays reserved on the sender's GPU until ipc_collect.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import io
 import itertools
+import multiprocessing
 import os
 import pickle
+import signal
+import sys
+import time
+import types
 
 import torch
 
@@ -62,13 +90,27 @@ MIB = 1 << 20
 
 class FakeGPU:
     """One GPU's bytes: what the trainer holds (tensors and allocator cache), what sent CUDA IPC blocks
-    keep in torch's limbo, and what the engine holds."""
+    keep in torch's limbo, and what the engine holds. Kept in shared memory, so the engine's process (to
+    which a FakeGPU passes as an argument of the engine process's target) and the trainer's see one GPU."""
 
     in_this_process: list[FakeGPU] = []
+    _FIELDS = ("total", "trainer", "limbo", "engine")
 
     def __init__(self, total: int, trainer: int = 0):
-        self.total, self.trainer, self.limbo, self.engine = total, trainer, 0, 0
+        self._cells = multiprocessing.get_context("spawn").RawArray("q", len(self._FIELDS))
+        self.total, self.trainer = total, trainer
         FakeGPU.in_this_process.append(self)
+
+    def __getattr__(self, name):
+        if name in FakeGPU._FIELDS:
+            return self._cells[FakeGPU._FIELDS.index(name)]
+        raise AttributeError(name)
+
+    def __setattr__(self, name, value):
+        if name in FakeGPU._FIELDS:
+            self._cells[FakeGPU._FIELDS.index(name)] = int(value)
+        else:
+            object.__setattr__(self, name, value)
 
     @property
     def free(self) -> int:
@@ -87,18 +129,15 @@ def install_cuda_ipc_model(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "ipc_collect", ipc_collect)
 
 
-class EngineDied(RuntimeError):
-    """SGLang's scheduler ended (run_scheduler_process: an exception in a handler sends SIGQUIT)."""
-
-
 class KeepAlive:
-    """The sender's flattened bucket; dropping it leaves its bytes in the IPC limbo of its GPU."""
+    """The sender's flattened bucket: held on its GPU; dropping it leaves its bytes in the GPU's IPC limbo."""
 
     def __init__(self, nbytes: int, gpu: FakeGPU | None):
         self.nbytes, self.gpu = nbytes, gpu
 
     def __del__(self):
         if self.gpu is not None:
+            self.gpu.trainer -= self.nbytes
             self.gpu.limbo += self.nbytes
 
 
@@ -106,23 +145,31 @@ _serials = itertools.count()
 
 
 def flatten_bucket(bucket, gpu: FakeGPU | None = None):
-    """CPU stand-in of FlattenedTensorBucket: one uint8 tensor and per-tensor metadata."""
+    """CPU stand-in of FlattenedTensorBucket(named_tensors=bucket): one uint8 tensor, the concatenation of
+    the bucket, and per-tensor metadata with FlattenedTensorMetadata's fields. The concatenation is a
+    second copy of the bucket on the sender's GPU while the bucket's tensors are still held: a GPU without
+    room for it fails as CUDA does."""
     parts, metadata, start = [], [], 0
     for name, tensor in bucket:
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
         metadata.append(
-            {
-                "name": name,
-                "shape": tuple(tensor.shape),
-                "dtype": tensor.dtype,
-                "start_idx": start,
-                "end_idx": start + raw.numel(),
-                "numel": tensor.numel(),
-                "device": str(tensor.device),
-            }
+            types.SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=start,
+                end_idx=start + raw.numel(),
+                numel=raw.numel(),
+            )
         )
         parts.append(raw)
         start += raw.numel()
+    if gpu is not None:
+        if gpu.free < start:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory: FlattenedTensorBucket concatenates {start} bytes with {gpu.free} free"
+            )
+        gpu.trainer += start
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return {"flattened_tensor": flat, "metadata": metadata}, KeepAlive(flat.numel(), gpu)
 
@@ -132,23 +179,64 @@ def serialize(payload) -> str:
     return base64.b64encode(pickle.dumps(((os.getpid(), next(_serials)), payload))).decode()
 
 
-def _deserialize(entry):
+# The globals of srt/utils/common.py SafeUnpickler.ALLOWED_GLOBALS that the stand-in payloads use: a subset,
+# so the model refuses all the release refuses (tests/test_rollout_sglang_contract.py checks it is one).
+ALLOWED_GLOBALS = {
+    ("builtins", "bytes"),
+    ("builtins", "dict"),
+    ("builtins", "int"),
+    ("builtins", "list"),
+    ("builtins", "str"),
+    ("builtins", "tuple"),
+    ("collections", "OrderedDict"),
+    ("types", "SimpleNamespace"),
+    ("torch", "Size"),
+    ("torch", "bfloat16"),
+    ("torch", "float16"),
+    ("torch", "float32"),
+    ("torch", "uint8"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """srt/utils/common.py SafeUnpickler.find_class: allowlisted globals only; torch.storage._load_from_bytes
+    becomes a weights-only torch.load (_safe_load_torch_storage)."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def deserialize(entry):
+    """normalize_serialized_named_tensor_payload, then MultiprocessingSerializer.deserialize."""
     if isinstance(entry, str):
         entry = base64.b64decode(entry, validate=True)
-    elif not isinstance(entry, (bytes, bytearray, memoryview)):
-        # srt/utils/common.py normalize_serialized_named_tensor_payload
+    elif isinstance(entry, (bytes, bytearray, memoryview)):
+        entry = bytes(entry)
+        if not (len(entry) >= 2 and entry[0] == 0x80 and entry[1] <= pickle.HIGHEST_PROTOCOL):
+            entry = base64.b64decode(entry, validate=True)
+    else:
         raise TypeError(
             "serialized_named_tensors entries must be base64 strings or bytes-like payloads, "
             f"got {type(entry).__name__}"
         )
-    return pickle.loads(bytes(entry))
+    return SafeUnpickler(io.BytesIO(entry)).load()
 
 
-def _reconstruct(payload):
+def reconstruct(payload):
+    """_update_weights_from_flattened_bucket: each metadata item is read by attribute, then
+    FlattenedTensorBucket.reconstruct_tensors slices, views and reshapes the flat tensor."""
     flat = payload["flattened_tensor"]
-    return [
-        (m["name"], flat[m["start_idx"] : m["end_idx"]].view(m["dtype"]).view(m["shape"])) for m in payload["metadata"]
-    ]
+    out = []
+    for meta in payload["metadata"]:
+        name, shape, dtype = meta.name, meta.shape, meta.dtype
+        start, end, _ = meta.start_idx, meta.end_idx, meta.numel
+        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+    return out
 
 
 def _output(ids, logprobs, reason, prompt_len, rid):
@@ -164,16 +252,75 @@ def _output(ids, logprobs, reason, prompt_len, rid):
     }
 
 
+class InThisProcess:
+    """Hosts a StrictSGLang in the calling process behind EngineProcess's `call` / `close`, for tests of the
+    protocol in which nothing crashes: a crash ends the hosting process, as SGLang's ends the process that
+    owns its Engine. Attributes read through to the model."""
+
+    def __init__(self, engine: StrictSGLang):
+        self.engine = engine
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _kill_own_tree(signum=None, frame=None) -> None:
+    """launch_phase_sigquit_handler: kill_process_tree(os.getpid()): the children, then this process."""
+    for child in _children(os.getpid()):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 class StrictSGLang:
     """sglang.Engine 0.5.21 as the module docstring describes it; loads pushed weights into a torch model.
 
     gpus: one FakeGPU per TP rank (default: tp_size GPUs of 80 GiB with nothing else on them).
     abort: (call number, request number) pairs whose request the scheduler aborts (calls count from 0).
     untagged_bytes, disable_cuda_graph: passed to plan_engine_memory.
+    Test controls, by call kind ("generate", "release", "resume", "begin", "end", "update", "flush"):
+    crash: {kind: k}: the scheduler hits an exception in the k-th call of that kind (from 1) and the
+        process ends as SGLang's does; delay: {kind: seconds} spent inside each such call; announce: a file
+        that gets each call's kind as a line when the call starts (tests wait for a phase with it).
     """
 
-    def __init__(self, *, gpus=None, abort=(), untagged_bytes=MIB, disable_cuda_graph=False, **launch):
+    def __init__(
+        self,
+        *,
+        gpus=None,
+        abort=(),
+        untagged_bytes=MIB,
+        disable_cuda_graph=False,
+        crash=None,
+        delay=None,
+        announce=None,
+        **launch,
+    ):
         assert launch.get("enable_memory_saver") and launch.get("skip_tokenizer_init"), launch
+        # Engine's launch installs its SIGQUIT handler in the process that owns the engine (main thread only).
+        signal.signal(signal.SIGQUIT, _kill_own_tree)
         self.launch = launch
         self.tp_size = launch["tp_size"]
         self.gpus = gpus if gpus is not None else [FakeGPU(80 << 30) for _ in range(self.tp_size)]
@@ -198,18 +345,28 @@ class StrictSGLang:
         self.offload_tags: set[str] = set()
         self.session = None
         self.running = 0  # requests the scheduler is working on (is_fully_idle is False while > 0)
-        self.dead: str | None = None
         self.abort = set(abort)
+        self.crash, self.delay, self.announce = dict(crash or {}), dict(delay or {}), announce
         self.calls: list = []
+        self.counts: collections.Counter = collections.Counter()
         self.generate_calls = 0
         self.serial_prefix_requests = 0  # n > 1: one prefix-caching request per prompt, one after another
         self.warnings: list[str] = []
         self.max_new_tokens: list[list[int]] = []
         self.opened: set = set()
+        self.sigterm_handler_installed = False
+        self.gracefully_exit = False
         # Injected failures: {"begin" | "update": message} makes that call return (False, message) once, as
         # the release does when a runner's update fails.
         self.fail_next: dict[str, str] = {}
         self._hold()
+
+    def read(self, name: str):
+        """An attribute's value (tests read the model's state through the engine process)."""
+        value = getattr(self, name)
+        if name == "model":
+            return {n: p.detach().clone() for n, p in value.named_parameters()}
+        return value
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -218,36 +375,50 @@ class StrictSGLang:
         for gpu in self.gpus:
             gpu.engine = held
 
-    def _alive(self, what: str) -> None:
-        self.calls.append(what)
-        if self.dead is not None:
-            raise EngineDied(f"SGLang's scheduler is gone ({self.dead}); {what} cannot be served")
+    def _call(self, kind: str, record=None) -> None:
+        """Every call: recorded, announced, delayed; the injected crash; SIGTERM's drain-and-exit."""
+        self.calls.append(kind if record is None else record)
+        self.counts[kind] += 1
+        if self.announce:
+            with open(self.announce, "a") as f:
+                f.write(kind + "\n")
+        time.sleep(self.delay.get(kind, 0.0))
+        if self.gracefully_exit:  # sigterm_watchdog: the requests drained, the engine leaves
+            sys.exit(0)
+        if self.crash.get(kind) == self.counts[kind]:
+            self._die(RuntimeError(f"injected scheduler failure in {kind} call {self.counts[kind]}"))
 
     def _die(self, error: Exception):
-        """run_scheduler_process: the handler's exception ends the scheduler (SIGQUIT to the parent)."""
-        self.dead = f"{type(error).__name__}: {error}"
-        raise error
+        """run_scheduler_process: log the exception, SIGQUIT the process that owns the engine (this one)."""
+        print(f"Scheduler hit an exception: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGQUIT)
+        while True:  # the handler runs at the next bytecode and does not return
+            time.sleep(1)
+
+    def _on_sigterm(self, signum, frame):
+        self.gracefully_exit = True  # SignalHandler.sigterm_handler
 
     # -- memory --------------------------------------------------------------------------------
 
     def release_memory_occupation(self, tags=None):
-        self._alive(("release", tuple(tags or ())))
+        self._call("release", ("release", tuple(tags or ())))
         if self.running:
             self._die(AssertionError("release_memory_occupation should be called only when server is idle."))
         tags = list(tags) if tags else list(MEMORY_TAGS)
         self.offload_tags.update(tags)
         if "kv_cache" in tags:
-            self.flush_cache(record=False)
+            self._flush()
         self._hold()
 
     def resume_memory_occupation(self, tags=None):
-        self._alive(("resume", tuple(tags or ())))
+        self._call("resume", ("resume", tuple(tags or ())))
         tags = list(tags) if tags else list(MEMORY_TAGS)
+        before = self.plan.held(self.offload_tags)
         for tag in tags:
             if tag not in self.offload_tags:
                 self._die(KeyError(tag))  # offload_tags.remove(tag)
             self.offload_tags.remove(tag)
-        need = self.plan.held(set(MEMORY_TAGS) - set(tags)) - self.plan.other
+        need = self.plan.held(self.offload_tags) - before  # what is mapped back now
         for rank, gpu in enumerate(self.gpus):
             if gpu.free < need:
                 self._die(
@@ -258,15 +429,17 @@ class StrictSGLang:
                 )
         self._hold()
 
-    def flush_cache(self, record=True):
-        if record:
-            self._alive("flush")
-        return type("FlushCacheReqOutput", (), {"success": self.running == 0})()
+    def flush_cache(self):
+        self._call("flush")
+        return self._flush()
+
+    def _flush(self):
+        return types.SimpleNamespace(success=self.running == 0)  # FlushCacheReqOutput
 
     # -- weight updates ------------------------------------------------------------------------
 
     def begin_weight_update(self, selector="all"):
-        self._alive("begin")
+        self._call("begin")
         if self.session is not None:
             return False, "a weight-update session is already open; call end_weight_update() first"
         if "begin" in self.fail_next:
@@ -275,39 +448,28 @@ class StrictSGLang:
         return True, "Success"
 
     def end_weight_update(self):
-        self._alive("end")
+        self._call("end")
         if self.session is None:
             return False, "no weight-update session is open; call begin_weight_update() first"
         self.session = None
         return True, "Success"
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self._alive("update")
+        self._call("update")
         assert load_format == "flattened_bucket", load_format
         if self.session is None:
             return False, ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
-        if len(named_tensors) < self.tp_size:
-            self._die(
-                IndexError(
-                    f"TP rank {len(named_tensors)} has no payload: {len(named_tensors)} for "
-                    f"{self.tp_size} ranks (deserialize_own_rank)"
-                )
-            )
         if len(named_tensors) > self.tp_size:
             raise AssertionError(
                 f"{len(named_tensors)} payloads for {self.tp_size} TP ranks: the extra ones are "
                 "never opened, so their CUDA IPC references are never released"
             )
-        decoded = [_deserialize(entry) for entry in named_tensors]
-        serials = [serial for serial, _ in decoded]
-        if len(set(serials)) != len(serials) or self.opened & set(serials):
-            self._die(RuntimeError("a CUDA IPC payload was opened twice: each TP rank needs its own serialization"))
-        self.opened.update(serials)
-        if "weights" in self.offload_tags:
-            self._die(RuntimeError("CUDA error: an illegal memory access (the weights are released)"))
+        try:
+            tensors = self._open_payloads(named_tensors)
+        except Exception as error:  # the TP workers' deserialisation and load run in the scheduler
+            self._die(error)
         if "update" in self.fail_next:
             return False, self.fail_next.pop("update")
-        tensors = [_reconstruct(payload) for _, payload in decoded]
         names = [[n for n, _ in t] for t in tensors]
         assert all(n == names[0] for n in names), "TP ranks received different buckets"
         params = dict(self.model.named_parameters())
@@ -316,13 +478,32 @@ class StrictSGLang:
                 params[from_hf_name(hf_name)].copy_(tensor)
         self.session["loaded"] = True
         if flush_cache:
-            self.flush_cache(record=False)
+            self._flush()
         return True, "Success"
+
+    def _open_payloads(self, named_tensors) -> list:
+        """What each TP rank does with its entry; any failure is an exception in the scheduler."""
+        if len(named_tensors) < self.tp_size:
+            raise IndexError(
+                f"TP rank {len(named_tensors)} has no payload: {len(named_tensors)} for "
+                f"{self.tp_size} ranks (deserialize_own_rank)"
+            )
+        decoded = [deserialize(entry) for entry in named_tensors]
+        serials = [serial for serial, _ in decoded]
+        if len(set(serials)) != len(serials) or self.opened & set(serials):
+            raise RuntimeError("a CUDA IPC payload was opened twice: each TP rank needs its own serialization")
+        self.opened.update(serials)
+        if "weights" in self.offload_tags:
+            raise RuntimeError("CUDA error: an illegal memory access (the weights are released)")
+        return [reconstruct(payload) for _, payload in decoded]
 
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **kwargs):
-        self._alive("generate")
+        self._call("generate")
+        if not self.sigterm_handler_installed:  # TokenizerManager.auto_create_handle_loop, at the first request
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.sigterm_handler_installed = True
         assert not kwargs, kwargs
         if not input_ids:
             raise ValueError("input_ids cannot be empty.")
@@ -354,7 +535,18 @@ class StrictSGLang:
                     "Sending a single large batch with parallel sampling (n > 1) has not been well optimized."
                 )
         self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
+        outputs = self._answers(input_ids, sampling_params, n)
+        return outputs[0] if single and n == 1 else outputs
+
+    def _answers(self, input_ids, sampling_params, n) -> list[dict]:
+        """[len(prompt) % 256, copy number % 256] per request; aborts as the scheduler gives them."""
         max_input = min(self.context_len - 1, self.plan.kv_tokens - 1) - 5
+        too_long = [len(p) for p in input_ids if len(p) >= max_input]
+        if too_long:  # validate_input_length's abort, status 400: _handle_abort_finish_reason raises
+            raise ValueError(
+                f"Input length ({too_long[0]} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate."
+            )
         call, self.generate_calls = self.generate_calls, self.generate_calls + 1
         outputs, request, seen = [], 0, {}
         for prompt, sp in zip(input_ids, sampling_params):
@@ -363,21 +555,16 @@ class StrictSGLang:
                 copy = seen.get(key, 0)
                 seen[key] = copy + 1
                 rid = f"{call}-{request}"
-                if (call, request) in self.abort or len(prompt) >= max_input:
-                    reason = {
-                        "type": "abort",
-                        "message": f"request {rid} aborted",
-                        "status_code": 400,
-                        "err_type": None,
-                    }
-                    outputs.append(_output([], [], reason, len(prompt), rid))
+                if (call, request) in self.abort:
+                    reason = {"type": "abort", "message": f"request {rid} aborted", "status_code": None}
+                    outputs.append(_output([], [], dict(reason, err_type=None), len(prompt), rid))
                 else:
                     ids = [len(prompt) % 256, copy % 256][: sp["max_new_tokens"]]
                     outputs.append(
                         _output(ids, [-1.0, -2.0][: len(ids)], {"type": "length", "length": len(ids)}, len(prompt), rid)
                     )
                 request += 1
-        return outputs[0] if single and n == 1 else outputs
+        return outputs
 
     def shutdown(self):
         self.calls.append("shutdown")

@@ -1,15 +1,29 @@
 """rollout/sglang_engine.py without a GPU: output translation, sampling params, version pin, and the
 engine's protocol driven against tests/sglang_model.py, a strict model of sglang 0.5.21 (memory tags,
-idle rule, weight-update sessions, one payload per TP rank, the KV pool sized from free memory), single
-process and on gloo ranks. The real engine is exercised by the `sglang`-marked test and
-bench/sglang_smoke.py."""
+idle rule, weight-update sessions, one payload per TP rank and how it is read, the KV pool sized from free
+memory), single process and on gloo ranks. Here the model is hosted in the test's process (InThisProcess)
+and its crashes are recorded instead of ending that process; tests/test_rollout_sglang_process.py runs it
+in its own process, as the trainer runs SGLang. The real engine is exercised by the `sglang`-marked test
+and bench/sglang_smoke.py."""
 
+import base64
 import importlib.util
+import pickle
+import signal
 
 import pytest
 import torch
 from dist_utils import run_ranks
-from sglang_model import MIB, EngineDied, FakeGPU, StrictSGLang, flatten_bucket, install_cuda_ipc_model, serialize
+from sglang_model import (
+    MIB,
+    FakeGPU,
+    InThisProcess,
+    StrictSGLang,
+    deserialize,
+    flatten_bucket,
+    install_cuda_ipc_model,
+    serialize,
+)
 
 from model.args import PRESETS, num_params
 from model.hf import save_hf
@@ -119,13 +133,33 @@ def test_missing_sglang_is_a_clear_error(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
+class Crashed(Exception):
+    """What the strict model's scheduler raised; in SGLang it ends the engine's process (see `crashes`)."""
+
+
+@pytest.fixture(autouse=True)
+def crashes(monkeypatch):
+    """The model hosted in this process records a crash as Crashed instead of ending the process, and the
+    signal handlers it installs (SIGQUIT at start, SIGTERM at the first request) are put back afterwards."""
+
+    def crash(self, error):
+        raise Crashed(f"{type(error).__name__}: {error}")
+
+    monkeypatch.setattr(StrictSGLang, "_die", crash)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGQUIT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def engine_class(trainer_gpu=None, **model_options):
-    """SGLangEngine whose sglang.Engine is the strict model and whose CUDA IPC payloads are CPU stand-ins."""
+    """SGLangEngine whose sglang.Engine is the strict model (in this process) and whose CUDA IPC payloads
+    are CPU stand-ins."""
 
     class Engine(SGLangEngine):
         def _launch(self, **kwargs):
             assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"]
-            return StrictSGLang(**model_options, **kwargs)
+            return InThisProcess(StrictSGLang(**model_options, **kwargs))
 
         def _flatten_bucket(self, bucket):
             return flatten_bucket(bucket, trainer_gpu)
@@ -238,17 +272,15 @@ def _strict(checkpoint, **options):
 
 def test_strict_model_memory_tags_and_idle_rule(checkpoint):
     sglang = _strict(checkpoint)
-    with pytest.raises(KeyError):
+    with pytest.raises(Crashed, match="KeyError"):
         sglang.resume_memory_occupation(["kv_cache"])  # offload_tags.remove of a tag never released
-    with pytest.raises(EngineDied, match="KeyError"):
-        sglang.generate(input_ids=[[1]], sampling_params={"max_new_tokens": 1})  # the scheduler is gone
     sglang = _strict(checkpoint)
     sglang.running = 1
-    with pytest.raises(AssertionError, match="only when server is idle"):
+    with pytest.raises(Crashed, match="AssertionError: .*only when server is idle"):
         sglang.release_memory_occupation()
     sglang = _strict(checkpoint)
     sglang.release_memory_occupation(["kv_cache"])
-    with pytest.raises(RuntimeError, match="illegal memory access"):
+    with pytest.raises(Crashed, match="illegal memory access"):
         sglang.generate(input_ids=[[1]], sampling_params={"max_new_tokens": 1})
     with pytest.raises(ValueError, match="input_ids cannot be empty"):
         _strict(checkpoint).generate(input_ids=[], sampling_params=[])
@@ -273,35 +305,87 @@ def test_strict_model_weight_sessions_and_payloads(checkpoint):
         sglang.update_weights_from_tensor(two + [serialize(payload)], load_format="flattened_bucket")
     assert sglang.update_weights_from_tensor(two, load_format="flattened_bucket") == (True, "Success")
     assert torch.equal(sglang.model.norm.weight, torch.zeros(ARGS.hidden_size))
-    with pytest.raises(IndexError, match="TP rank 1 has no payload"):
+    with pytest.raises(Crashed, match="TP rank 1 has no payload"):
         sglang.update_weights_from_tensor([serialize(payload)], load_format="flattened_bucket")
     sglang = _strict(checkpoint, tp_size=2)
     sglang.begin_weight_update()
     one = serialize(payload)
-    with pytest.raises(RuntimeError, match="opened twice"):
+    with pytest.raises(Crashed, match="opened twice"):
         sglang.update_weights_from_tensor([one, one], load_format="flattened_bucket")
 
 
+def _pickled(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+class Unlisted:
+    """A class of no module SGLang's unpickler allows."""
+
+
+def test_strict_model_reads_payloads_as_sglang_does(checkpoint):
+    """SafeUnpickler allows listed globals only, and the weight updater reads each metadata item by attribute
+    (srt/utils/common.py SafeUnpickler, weight_updater.py _update_weights_from_flattened_bucket): the model
+    before them unpickled anything and read dict metadata, so it accepted both payloads below."""
+    weight = torch.arange(ARGS.hidden_size, dtype=torch.float32)
+    payload, keep = flatten_bucket([("model.norm.weight", weight)])
+    serial, opened = deserialize(serialize(payload))
+    assert [m.name for m in opened["metadata"]] == ["model.norm.weight"]
+    as_dicts = dict(payload, metadata=[vars(m) for m in payload["metadata"]])
+    unlisted = dict(payload, extra=Unlisted())
+    with pytest.raises(RuntimeError, match=r"Blocked unsafe global \(test_rollout_sglang.Unlisted\)"):
+        deserialize(_pickled(((0, 0), unlisted)))
+    sglang = _strict(checkpoint)
+    sglang.begin_weight_update()
+    with pytest.raises(Crashed, match="AttributeError: 'dict' object has no attribute 'name'"):
+        sglang.update_weights_from_tensor([_pickled(((0, 1), as_dicts))], load_format="flattened_bucket")
+    with pytest.raises(Crashed, match="Blocked unsafe global"):
+        sglang.update_weights_from_tensor([_pickled(((0, 2), unlisted))], load_format="flattened_bucket")
+    # Bytes are taken raw or as base64; anything else is refused (normalize_serialized_named_tensor_payload).
+    assert deserialize(serialize(payload).encode())[0] != serial
+    with pytest.raises(TypeError, match="base64 strings or bytes-like"):
+        deserialize(123)
+    assert sglang.update_weights_from_tensor([serialize(payload)], load_format="flattened_bucket")[0]
+    assert torch.equal(sglang.model.norm.weight, weight)
+
+
+def test_a_prompt_sglang_aborts_with_status_400_fails_the_whole_generate(checkpoint):
+    """A prompt of max_req_input_len tokens or more is aborted with status 400 (validate_input_length), and a
+    non-streaming 400 abort raises ValueError out of generate (_handle_abort_finish_reason): the model before
+    it returned an abort entry among the outputs."""
+    sglang = _strict(checkpoint, context_length=64)
+    limit = min(64 - 1, sglang.plan.kv_tokens - 1) - 5
+    out = sglang.generate(input_ids=[[1] * (limit - 1)], sampling_params=[{"max_new_tokens": 1}])
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"
+    with pytest.raises(ValueError, match=f"Input length \\({limit} tokens\\) exceeds the maximum allowed length"):
+        sglang.generate(input_ids=[[1], [1] * limit], sampling_params=[{"max_new_tokens": 1}] * 2)
+    engine = engine_class()(checkpoint, dtype=torch.float32, context_length=64)
+    engine.context_length = 10**6  # our own prompt check off: SGLang's is the one that refuses
+    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
+        engine.generate([[1] * limit], SamplingParams(max_new_tokens=1))
+
+
 def test_strict_model_memory_accounting(checkpoint):
-    gpu = FakeGPU(64 * MIB)
+    gpu = FakeGPU(1024 * MIB)  # room for SGLang's CUDA-graph reserve on a GPU this small: 352 MiB
     sglang = _strict(checkpoint, gpus=[gpu], untagged_bytes=MIB)
     plan = sglang.plan
     weights = num_params(ARGS) * 4
-    # The KV pool from the free-memory rule: (63 MiB - weights) - 63 MiB * 0.5, 2 * 2 * 16 * 2 * 4 bytes a token.
+    # The KV pool from the free-memory rule: (1023 MiB - weights) - 1023 MiB * 0.5, 2 * 2 * 16 * 2 * 4 bytes a token.
     assert plan.weights == weights
-    assert plan.kv_tokens == int(63 * MIB - weights - 63 * MIB * 0.5) // 512
-    assert gpu.engine == plan.held() and gpu.free == 64 * MIB - plan.held()
+    assert plan.kv_tokens == int(1023 * MIB - weights - 1023 * MIB * 0.5) // 512
+    assert gpu.engine == plan.held() and gpu.free == 1024 * MIB - plan.held()
     sglang.release_memory_occupation()
-    assert gpu.engine == MIB  # released tags give their memory back; the untagged share stays
+    # Released tags give their memory back; the untagged share and the CUDA graphs (not captured under the
+    # memory saver by default) stay.
+    assert plan.cuda_graph > 0 and gpu.engine == MIB + plan.cuda_graph
     sglang.resume_memory_occupation(["weights"])
-    gpu.trainer = gpu.free - (plan.kv_cache + plan.cuda_graph) + 1  # training left one byte too much behind
-    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+    gpu.trainer = gpu.free - plan.kv_cache + 1  # training left one byte too much behind
+    with pytest.raises(Crashed, match="CUDA out of memory"):
         sglang.resume_memory_occupation(["kv_cache", "cuda_graph"])
     # What the trainer still holds when the engine starts comes out of the KV pool.
-    crowded = _strict(checkpoint, gpus=[FakeGPU(64 * MIB, trainer=16 * MIB)], untagged_bytes=MIB)
-    assert abs((plan.kv_tokens - crowded.plan.kv_tokens) * 512 - 0.5 * 16 * MIB) <= 512
+    crowded = _strict(checkpoint, gpus=[FakeGPU(1024 * MIB, trainer=256 * MIB)], untagged_bytes=MIB)
+    assert abs((plan.kv_tokens - crowded.plan.kv_tokens) * 512 - 0.5 * 256 * MIB) <= 512
     with pytest.raises(ValueError, match="leave no memory for the KV cache"):
-        _strict(checkpoint, gpus=[FakeGPU(64 * MIB, trainer=63 * MIB)], untagged_bytes=MIB // 2)
+        _strict(checkpoint, gpus=[FakeGPU(1024 * MIB, trainer=1023 * MIB)], untagged_bytes=MIB // 2)
 
 
 # -- defects of the SGLang path ---------------------------------------------------------------------
@@ -311,7 +395,7 @@ def test_ipc_handles_are_collected_after_each_bucket(checkpoint, monkeypatch):
     """Each bucket sent as CUDA IPC handles stays in torch's IPC limbo until torch.cuda.ipc_collect();
     without it the whole sync is still reserved when the engine maps its KV cache back."""
     install_cuda_ipc_model(monkeypatch)
-    gpu = FakeGPU(64 * MIB)
+    gpu = FakeGPU(1024 * MIB)
     engine = engine_class(trainer_gpu=gpu, gpus=[gpu], untagged_bytes=MIB)(
         checkpoint, dtype=torch.float32, mem_fraction_static=0.5
     )
@@ -323,7 +407,7 @@ def test_ipc_handles_are_collected_after_each_bucket(checkpoint, monkeypatch):
         engine.update_weights(bucket)
         limbo.append(gpu.limbo)
     assert len(limbo) > 3 and max(limbo) == 0
-    gpu.trainer = gpu.total - gpu.engine - (plan.kv_cache + plan.cuda_graph) - plan.weights // 2
+    gpu.trainer = gpu.total - gpu.engine - plan.kv_cache - plan.weights // 2
     engine.resume_memory()  # fits only if at most half the weights' bytes are still in limbo
     _assert_holds(engine._engine, trainer)
 

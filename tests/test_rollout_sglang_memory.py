@@ -8,10 +8,12 @@ from rollout.sglang_memory import (
     MIB,
     EngineMemoryError,
     EngineMemoryPlan,
+    chunked_prefill_size,
     cuda_graph_bytes,
     kv_cell_bytes,
     max_running_requests,
     plan_engine_memory,
+    prefill_cuda_graph_sizes,
     weight_bytes_per_rank,
 )
 
@@ -78,16 +80,37 @@ def test_what_the_trainer_holds_at_start_shrinks_the_pool():
     assert abs((empty.kv_tokens - busy.kv_tokens) * cell - 0.9 * 10 * GIB) <= cell
     # The engine's untagged share is spent before its baseline: pre = 79 - 1 GiB.
     assert empty.kv_tokens == int((78 * GIB - empty.weights) - 78 * GIB * 0.1) // cell
-    # Decode graphs of up to 512 requests on an 80 GB GPU with tp >= 4, 2 MiB each.
-    assert empty.cuda_graph == 512 * 2 * MIB == cuda_graph_bytes(80 * GIB, 8)
-    assert cuda_graph_bytes(80 * GIB, 2) == 256 * 2 * MIB
+    # Decode graphs of up to 512 requests on an 80 GB GPU with tp >= 4, 2 MiB each, and the 58 prefill graphs.
+    assert empty.cuda_graph == (512 * 2 + 58 * 8) * MIB == cuda_graph_bytes(80 * GIB, 8)
+    assert cuda_graph_bytes(80 * GIB, 2) == (256 * 2 + 58 * 8) * MIB
+
+
+def test_prefill_cuda_graphs_are_counted():
+    """Prefill graphs are on by default on CUDA (cuda_graph_config.py default_prefill_backend): SGLang reserves
+    8 MiB for each captured size (memory_hook.py reserve_for_graph_mb), sizes up to chunked_prefill_size."""
+    # chunked_prefill_size 8192 on an 80 GB GPU: 4..32 by 4 (8 sizes), 48..256 by 16 (14), 288..512 by 32 (8),
+    # 576..1024 by 64 (8), 1280..4096 by 256 (12), 4608..8192 by 512 (8): 58 sizes.
+    assert chunked_prefill_size(80 * GIB) == 8192 and len(prefill_cuda_graph_sizes(8192)) == 58
+    assert prefill_cuda_graph_sizes(8192)[:3] == [4, 8, 12] and prefill_cuda_graph_sizes(8192)[-1] == 8192
+    # 16 GB: chunked prefill 2048 -> 8 + 14 + 8 + 8 + 4 (1280..2048 by 256) = 42 sizes; 141 GB: 8192; 192 GB: 16384.
+    assert len(prefill_cuda_graph_sizes(chunked_prefill_size(16 * GIB))) == 42
+    assert chunked_prefill_size(141 * 10**9) == 8192 and chunked_prefill_size(192 * GIB) == 16384
+    assert cuda_graph_bytes(80 * GIB, 2, prefill_graphs=False) == 256 * 2 * MIB
+    # The old estimate counted decode graphs only: 58 x 8 MiB = 464 MiB per GPU were missing.
+    assert cuda_graph_bytes(80 * GIB, 2) - 256 * 2 * MIB == 464 * MIB
 
 
 def test_held_by_released_tags():
     plan = EngineMemoryPlan(weights=100, kv_cache=20, cuda_graph=3, other=7, kv_tokens=5)
     assert plan.held() == 130
     assert plan.held(["kv_cache", "weights"]) == 10
-    assert plan.held(("kv_cache", "weights", "cuda_graph")) == 7
+    # Graphs are not captured under the memory saver unless SGLANG_MEMORY_SAVER_CUDA_GRAPH is set: their tag
+    # frees nothing (full_cuda_graph_backend.py, breakable_cuda_graph_backend.py).
+    assert plan.held(("kv_cache", "weights", "cuda_graph")) == 10
+    releasable = EngineMemoryPlan(
+        weights=100, kv_cache=20, cuda_graph=3, other=7, kv_tokens=5, cuda_graph_releasable=True
+    )
+    assert releasable.held(("kv_cache", "weights", "cuda_graph")) == 7
     with pytest.raises(ValueError, match="unknown SGLang memory tags"):
         plan.held(["activations"])
 

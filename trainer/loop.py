@@ -4,6 +4,8 @@ Algorithm 1 (`Trainer.step`), and the phases around the loop (resume, warm-up, e
 Every way out of a run goes through `Trainer.close`: the rollout engine is shut down and the signal
 handlers restored, also when a step fails. Every stop after the first step's data went out checkpoints
 the last completed step first (`Trainer.stop_with_checkpoint`), so a rerun of the same command resumes.
+That includes the death of an engine's process (EngineDied, rollout/engine_process.py): the policy lives
+in the trainer's process and is intact, so every rank checkpoints and stops (`Trainer.engine_died`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from parallel.finite import NonFiniteStateError
 from parallel.hf_export import export_hf
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Engine, SamplingParams
+from rollout.engine import Engine, EngineDied, SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.distributed import DistEnv
 from trainer.evaluation import params_from_config, run_held_out_eval
@@ -200,9 +202,45 @@ class Trainer:
         if self.stop.requested(self.dist):
             self.stop_with_checkpoint(StopRequested(self.stop.signal_name, self.state.step), position, save=save)
 
+    def engine_died(self, exc: EngineDied, position: dict | None = None) -> NoReturn:
+        """An engine's process is gone; the policy, in this process, is intact: checkpoint the last completed
+        step (at data `position`, default: now) and stop with EngineDied on every rank."""
+        self.stop_with_checkpoint(
+            EngineDied(f"{exc}. Checkpoint of step {self.state.step} saved; rerun the same command to resume"),
+            position,
+            cause=exc,
+        )
+
+    def engine_call(self, what: str, fn, position: dict | None = None) -> None:
+        """fn(), a call into the rollout engine, on every rank; then all ranks agree (one all-reduce on the
+        gloo control group) on how it went. If it failed on any rank, every rank checkpoints (the policy is
+        intact) and stops: with EngineDied when an engine's process died, else with the engine's error."""
+        error = None
+        try:
+            fn()
+        except Exception as exc:
+            error = exc
+        status = 2.0 if isinstance(error, EngineDied) else 1.0 if error is not None else 0.0
+        worst = self.dist.all_reduce([status], op="max", group="world")[0]
+        if worst == 2.0:
+            died = error if isinstance(error, EngineDied) else None
+            self.engine_died(died or EngineDied(f"the rollout engine of another rank died during {what}"), position)
+        if worst == 1.0:
+            self.stop_with_checkpoint(
+                RuntimeError(
+                    f"the rollout engine failed during {what}: {error or 'on another rank (see its log)'}. "
+                    f"Checkpoint of step {self.state.step} saved; rerun to resume (with the cause fixed)"
+                ),
+                position,
+                cause=error,
+            )
+
     def sync_weights(self) -> None:
         """Push the policy's weights into the rollout engine in place."""
-        sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
+        bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb << 20
+        self.engine_call(
+            "weight sync", lambda: sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=bucket_bytes)
+        )
 
     def progress(self, total, desc: str, unit: str) -> Progress:
         return Progress(
@@ -256,29 +294,32 @@ class Trainer:
                 interval=cfg.checkpoint.warmup_interval if cfg.checkpoint.enabled else 0,
                 stop=self.stop,
             )
-        self.sync_weights()
         self.state.sft_done = True
         if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
             self.save_checkpoint()
         discard_warmup_checkpoints(warmup_checkpoints, self.dist.is_main)
+        self.sync_weights()
         log.info("supervised warm-up: %d steps in %.1fs", training.sft_warmup_steps, time.perf_counter() - start)
 
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p = self.parts
         with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
-            return run_held_out_eval(
-                p.engine,
-                p.eval_set,
-                p.tokenizer,
-                self.eval_params,
-                self.dist,
-                p.run_path,
-                step,
-                strict_box=self.cfg.algorithm.strict_box,
-                progress=bar,
-                pass_at=self.cfg.eval.pass_at,
-            )
+            try:
+                return run_held_out_eval(
+                    p.engine,
+                    p.eval_set,
+                    p.tokenizer,
+                    self.eval_params,
+                    self.dist,
+                    p.run_path,
+                    step,
+                    strict_box=self.cfg.algorithm.strict_box,
+                    progress=bar,
+                    pass_at=self.cfg.eval.pass_at,
+                )
+            except EngineDied as exc:  # raised on every rank: run_held_out_eval agrees on failures
+                self.engine_died(exc)
 
     def evaluate_at_start(self) -> None:
         """The held-out accuracy before DAPO (eval.at_start), unless the run resumes past step 0."""
@@ -298,9 +339,10 @@ class Trainer:
         before_step = loop_position(p.sampler, p.builder)
         # Lines 3-8: generate, score and filter groups until the batch is full.
         return_cached_memory(self.dist)  # the engine takes its memory back: the trainer's cached blocks first
-        p.engine.resume_memory()
+        self.engine_call("resume", p.engine.resume_memory, before_step)
         groups, filter_stats, seconds = self.rollouts(step, before_step)
-        p.engine.release_memory()  # colocated: the KV cache makes room for training activations
+        # Colocated: the KV cache makes room for training activations.
+        self.engine_call("release", p.engine.release_memory, before_step)
         self.stop_if_requested(before_step)
         # Lines 9-12: advantages, then the DAPO loss over each mini-batch and an AdamW step.
         train_stats, seconds["train"] = self.train(step, groups)
@@ -309,7 +351,12 @@ class Trainer:
         # The new policy into the engine for the next step's rollouts.
         sync_start = time.perf_counter()
         return_cached_memory(self.dist)  # the first bucket maps the engine's weights back
-        self.sync_weights()
+        try:
+            self.sync_weights()
+        except EngineDied:  # the step is done and checkpointed: a resume does not redo it, so log it now
+            row["time/step"] = time.perf_counter() - step_start
+            self.metrics.write(step, row)
+            raise
         row["time/sync"] = time.perf_counter() - sync_start
         row["time/step"] = time.perf_counter() - step_start
         row["tokens_per_s"] = row["train_tokens"] / max(row["time/step"], 1e-9)
@@ -361,6 +408,8 @@ class Trainer:
                     prompts_per_call=self.prompts_per_call,
                     stop_requested=lambda: self.stop.requested(self.dist),
                 )
+        except EngineDied as exc:
+            self.engine_died(exc, before_step)
         except RoundStopped:
             self.stop_with_checkpoint(StopRequested(self.stop.signal_name, self.state.step), before_step)
         except EngineFailure as exc:

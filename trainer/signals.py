@@ -1,5 +1,7 @@
 """Graceful stop on SIGTERM / SIGINT: the first signal asks the loop to stop at the next phase boundary
-(it then writes a checkpoint and exits non-zero); a second signal exits at once."""
+(a rollout round's next one is the end of its current generate call; it then writes a checkpoint and exits
+non-zero); a second signal exits at once. The rollout engine's process ignores both (rollout/engine_process.py):
+the trainer shuts it down on its way out."""
 
 from __future__ import annotations
 

@@ -1,0 +1,219 @@
+"""An inference engine in a process of its own, driven over a pipe.
+
+Why: SGLang 0.5.21's crash and signal handling assume SGLang owns the process it runs in (paths inside
+the sglang 0.5.21 wheel):
+  * a scheduler that hits an exception sends SIGQUIT to its parent process (srt/managers/scheduler.py
+    run_scheduler_process), whose handler kills its own process tree, itself included, with SIGKILL
+    (srt/entrypoints/engine.py launch_phase_sigquit_handler, replaced at the first request by
+    srt/managers/tokenizer_manager.py SignalHandler.running_phase_sigquit_handler; both call
+    srt/utils/common.py kill_process_tree); with SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION the scheduler
+    SIGKILLs its whole process group as well;
+  * the first request installs a SIGTERM handler that drains the requests and ends the engine
+    (tokenizer_manager.py TokenizerManager.auto_create_handle_loop, sigterm_watchdog).
+With `sglang.Engine` inside a trainer rank, an engine crash SIGKILLs the rank (no checkpoint) and a
+preemption's SIGTERM ends the engine under the trainer's feet. So the engine lives in a child process that
+owns it: SGLang's "parent" is that child, and its handlers end the child and its subtree, never the trainer.
+
+The child (spawned: a fresh interpreter that inherits no CUDA state):
+  * starts a session of its own (os.setsid): a terminal's Ctrl-C, sent to the foreground process group,
+    does not reach it, and SGLang's process-group kill stays inside the engine's own group;
+  * ignores SIGINT and SIGTERM from its first instruction (the dispositions are set around the spawn and
+    inherited) and again after every call (SGLang's first request installs its own SIGTERM handler):
+    ending the engine is the trainer's decision. On a signal the trainer finishes its phase, checkpoints
+    and shuts the engine down (trainer/signals.py); SGLang's own processes inherit the ignored signals;
+  * dies with the trainer (prctl PR_SET_PDEATHSIG = SIGKILL), as SGLang's schedulers die with it
+    (srt/utils/common.py kill_itself_when_parent_died): a trainer killed outright leaves no engine behind;
+  * serves one call at a time: (method, args, kwargs) in, ("ok", result) or ("error", "Type: message") out.
+    Weight updates stay in place: their CUDA IPC payloads are already strings (SGLang's
+    MultiprocessingSerializer, output_str=True), which the child passes on as they came.
+
+The trainer sees the child's end as EngineDied (the pipe closed, or the process gone while it waited), with
+its exit status: a SIGKILL is how SGLang's own crash handling ends. `close` asks the engine to shut down,
+waits, then SIGKILLs the engine's process group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from rollout.engine import EngineDied
+
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+POLL_S = 1.0  # how often a waiting trainer checks that the engine process still lives
+
+
+class EngineCallError(RuntimeError):
+    """A call raised inside the engine process; the process serves on."""
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _ignore_terminal_signals() -> None:
+    for sig in TERMINAL_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the process that started it ends (Linux; elsewhere the pipe's EOF ends it)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent ended before the request above took effect
+        os._exit(1)
+
+
+def _reply(conn, status: str, value) -> None:
+    try:
+        conn.send((status, value))
+    except Exception as exc:  # an unpicklable result: say so instead of dying
+        conn.send(("error", f"the engine's result could not be sent back: {describe(exc)}"))
+
+
+def serve(conn, target: Callable[..., object], kwargs: dict, parent_pid: int) -> None:
+    """The child's main: build target(**kwargs), then answer calls until "shutdown" or the pipe closes."""
+    os.setsid()
+    _ignore_terminal_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)  # blocked around the spawn, see EngineProcess
+    _die_with_parent(parent_pid)
+    conn.send(("session", os.getpgrp()))
+    try:
+        engine = target(**kwargs)
+    except BaseException as exc:
+        _reply(conn, "error", describe(exc))
+        return
+    _reply(conn, "ok", None)
+    while True:
+        try:
+            method, args, call_kwargs = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            method, args, call_kwargs = "shutdown", (), {}
+        try:
+            result = ("ok", getattr(engine, method)(*args, **call_kwargs))
+        except Exception as exc:
+            result = ("error", describe(exc))
+        _ignore_terminal_signals()  # SGLang's first request installs its own SIGTERM handler
+        if method == "shutdown":
+            try:
+                _reply(conn, *result)
+            except OSError:
+                pass
+            return
+        _reply(conn, *result)
+
+
+class EngineProcess:
+    """`target(**kwargs)` built and driven in a child process (see the module docstring).
+
+    target: a picklable callable (a module-level function or class, or a functools.partial of one)
+        that returns the engine; its methods are what `call` reaches.
+    name: how messages name the engine ("the SGLang engine").
+    Raises EngineCallError when the target raises, EngineDied when the child ends while it starts.
+    """
+
+    def __init__(self, target: Callable[..., object], kwargs: dict, *, name: str = "the engine"):
+        from multiprocessing import resource_tracker
+
+        self.name, self.dead, self.group = name, None, None
+        # Started first: its start unblocks SIGINT / SIGTERM, which would undo the blocking below.
+        resource_tracker.ensure_running()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_end = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child_end, target, kwargs, os.getpid()), name="engine")
+        # The child must ignore SIGINT / SIGTERM from its first instruction (a Ctrl-C while it imports would
+        # end it), and ignored dispositions survive exec. Blocked meanwhile, a signal meant for this process
+        # stays pending (Linux never discards a blocked signal) and reaches its own handler afterwards.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in TERMINAL_SIGNALS}
+        try:
+            self.process.start()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            child_end.close()  # only the child holds it now: its end closes the pipe
+        # Ended before multiprocessing joins its children at exit (a non-daemon child: SGLang's engine starts
+        # processes of its own, which a daemon may not), also when the owner never called close().
+        self._finalizer = multiprocessing.util.Finalize(self, self._shutdown, exitpriority=10)
+        try:
+            self.group = self._receive("start")
+            self._receive("start")
+        except BaseException:
+            self.close(timeout_s=10)
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def call(self, method: str, *args, **kwargs):
+        """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied."""
+        if self.dead is not None:
+            raise EngineDied(self.dead)
+        try:
+            self._conn.send((method, args, kwargs))
+        except OSError:
+            self._died(method)
+        return self._receive(method)
+
+    def _receive(self, what: str):
+        while not self._conn.poll(POLL_S):
+            if not self.process.is_alive() and not self._conn.poll(0):
+                self._died(what)
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._died(what)
+        if status == "error":
+            raise EngineCallError(value)
+        return value
+
+    def _died(self, what: str) -> NoReturn:
+        self.process.join(timeout=10)
+        code = self.process.exitcode
+        how = (
+            "still running"
+            if code is None
+            else f"killed by {signal.Signals(-code).name}"
+            if code < 0
+            else f"exit code {code}"
+        )
+        self.dead = f"{self.name} process (pid {self.pid}) ended during {what} ({how})"
+        self._end_group()
+        raise EngineDied(self.dead)
+
+    def _end_group(self) -> None:
+        """SIGKILL what is left of the engine's process group (SGLang's own processes)."""
+        if self.group is not None:
+            try:
+                os.killpg(self.group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.group = None
+        self.process.join(timeout=10)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Shut the engine down (its own shutdown), wait up to timeout_s, then end its process group."""
+        self._finalizer.cancel()
+        self._shutdown(timeout_s)
+
+    def _shutdown(self, timeout_s: float = 60.0) -> None:
+        if self.dead is None and self.process.is_alive():
+            try:
+                self._conn.send(("shutdown", (), {}))
+                if self._conn.poll(timeout_s):
+                    self._conn.recv()
+            except (OSError, EOFError):
+                pass
+            self.process.join(timeout=timeout_s)
+        self.dead = self.dead or f"{self.name} was shut down"
+        self._end_group()
+        self._conn.close()

@@ -1,0 +1,220 @@
+"""The SGLang engine in its own process (rollout/engine_process.py), with the strict model of sglang 0.5.21
+(tests/sglang_model.py) as the process's target: the model's crashes end that process the way SGLang's end
+the process that owns the Engine (SIGQUIT to it, whose handler SIGKILLs its tree), and the trainer's side
+sees EngineDied, never the signal. Each test starts one engine process (a fresh interpreter: seconds)."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from sglang_model import StrictSGLang, flatten_bucket, serialize
+
+from model.args import PRESETS
+from model.hf import save_hf
+from model.hf_adapter import to_hf_name
+from model.qwen2 import build_model
+from rollout.engine import EngineDied, SamplingParams
+from rollout.engine_process import EngineCallError
+from rollout.sglang_engine import SGLangEngine
+from rollout.weight_sync import sync_weights
+
+ARGS = PRESETS["tiny"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def engine_class(**model_options):
+    """SGLangEngine whose engine process builds the strict model; CUDA IPC payloads are CPU stand-ins."""
+
+    class Engine(SGLangEngine):
+        engine_target = functools.partial(StrictSGLang, **model_options)
+
+        def _flatten_bucket(self, bucket):
+            return flatten_bucket(bucket)
+
+        def _serialize(self, payload):
+            return serialize(payload)
+
+    return Engine
+
+
+def children(pid: int | None = None) -> set[int]:
+    """Live (not zombie) child processes of `pid` (default: this one), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def engine_children(before: set[int]) -> set[int]:
+    """Children of this process started since `before`, but multiprocessing's resource tracker (one per
+    process, started with the first spawned process, ends with this process)."""
+    from multiprocessing import resource_tracker
+
+    return children() - before - {resource_tracker._resource_tracker._pid}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    save_hf(build_model(ARGS, seed=0), str(tmp_path / "hf"))
+    return str(tmp_path / "hf")
+
+
+def _named(model):
+    return [(to_hf_name(n), p.detach()) for n, p in model.named_parameters()]
+
+
+def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
+    before = children()
+    engine = engine_class()(checkpoint, dtype=torch.float32)
+    process = engine._engine
+    assert process.pid in children() and os.getsid(process.pid) == process.pid != os.getsid(0)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, n=2))
+    assert [c.token_ids for c in out] == [[3, 0], [3, 1]]
+    engine.release_memory()
+    trainer = build_model(ARGS, seed=5)
+    sync_weights(trainer, engine, bucket_bytes=50_000)  # the payload strings cross the pipe as they are
+    engine.resume_memory()
+    pushed = process.call("read", "model")
+    for name, param in trainer.named_parameters():
+        assert torch.equal(pushed[name], param), name
+    with pytest.raises(EngineCallError, match="ValueError: input_ids cannot be empty"):
+        process.call("generate", input_ids=[], sampling_params=[])  # an error inside: the process serves on
+    assert process.call("read", "calls")[-1] == "generate"
+    engine.shutdown()
+    assert process.process.exitcode == 0 and engine_children(before) == set()
+    with pytest.raises(EngineDied, match="shut down"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("phase", ["release"])  # every phase, in train.py: tests/test_train_engine_process.py
+def test_a_scheduler_crash_ends_only_the_engine_process(checkpoint, phase):
+    """SGLang's crash path (SIGQUIT to the engine's owner, which SIGKILLs its tree) ends the engine process;
+    the call raises EngineDied naming it, every later call raises at once, and no process is left."""
+    before = children()
+    engine = engine_class(crash={phase: 1})(checkpoint, dtype=torch.float32)
+    pid = engine._engine.pid
+    trainer = build_model(ARGS, seed=5)
+    steps = {
+        "generate": lambda: engine.generate([[1, 2]], SamplingParams(max_new_tokens=2)),
+        "release": engine.release_memory,
+        "update": lambda: sync_weights(trainer, engine, bucket_bytes=50_000),
+        "resume": engine.resume_memory,
+    }
+    with pytest.raises(EngineDied, match=rf"the SGLang engine process \(pid {pid}\) ended during .*killed by SIGKILL"):
+        for name in ("generate", "release", "update", "resume"):
+            steps[name]()
+    assert engine_children(before) == set()
+    for call in steps.values():
+        with pytest.raises(EngineDied, match=f"pid {pid}"):
+            call()
+    engine.shutdown()
+
+
+def test_a_killed_engine_process_and_a_sigquit_are_engine_deaths(checkpoint, tmp_path):
+    before = children()
+    announce = str(tmp_path / "calls")
+    engine = engine_class(delay={"generate": 30.0}, announce=announce)(checkpoint, dtype=torch.float32)
+    pid = engine._engine.pid
+    started = time.monotonic()
+    killer = subprocess.Popen(
+        [sys.executable, "-c", _KILL_WHEN_ANNOUNCED, announce, "generate", str(pid), str(int(signal.SIGKILL))]
+    )
+    with pytest.raises(EngineDied, match=r"ended during generate \(killed by SIGKILL\)"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    assert time.monotonic() - started < 25  # noticed while waiting, not after the call's 30 s
+    killer.wait(timeout=30)
+    engine.shutdown()
+    # SIGQUIT is SGLang's own "a child failed" signal: its handler kills the engine's process tree.
+    engine = engine_class()(checkpoint, dtype=torch.float32)
+    os.kill(engine._engine.pid, signal.SIGQUIT)
+    with pytest.raises(EngineDied, match="killed by SIGKILL"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    engine.shutdown()
+    assert engine_children(before) == set()
+
+
+_KILL_WHEN_ANNOUNCED = """
+import os, sys, time
+path, what, pid, sig = sys.argv[1:]
+while not (os.path.exists(path) and what in open(path).read().split()):
+    time.sleep(0.02)
+os.kill(int(pid), int(sig))
+"""
+
+
+_TRAINER_WITH_AN_ENGINE = """
+import functools, os, signal, sys
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+import torch
+from sglang_model import StrictSGLang
+from rollout.engine import SamplingParams
+from rollout.sglang_engine import SGLangEngine
+
+class Engine(SGLangEngine):
+    engine_target = functools.partial(StrictSGLang)
+
+if __name__ == "__main__":
+    seen = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: seen.append(signal.Signals(signum).name))
+    engine = Engine({checkpoint!r}, dtype=torch.float32)
+    engine.generate([[1]], SamplingParams(max_new_tokens=1))  # SGLang installs its SIGTERM handler now
+    os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground process group
+    os.kill(engine._engine.pid, signal.SIGTERM)  # a launcher signalling every process of the job
+    out = engine.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    engine.shutdown()
+    print(seen, out[0].token_ids, engine._engine is None)
+"""
+
+
+def test_terminal_signals_reach_the_trainer_and_not_the_engine(checkpoint):
+    """A Ctrl-C (SIGINT to the process group) and a SIGTERM sent to the engine process itself after its first
+    request (SGLang's drain-and-exit handler installed) leave the engine serving: stopping is the trainer's
+    decision, made by its own handlers."""
+    script = _TRAINER_WITH_AN_ENGINE.format(root=ROOT, checkpoint=checkpoint)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[0] == "['SIGINT'] [2] True"
+
+
+def _leader_crash_worker(rank, world, checkpoint):
+    import torch.distributed as dist
+
+    engine = engine_class(crash={"update": 2})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
+    engine.generate([[1 + rank]], SamplingParams(max_new_tokens=1))
+    engine.release_memory()
+    trainer = build_model(ARGS, seed=5)
+    try:
+        sync_weights(trainer, engine, bucket_bytes=50_000)  # every rank finishes the gathers, then raises
+    except EngineDied as exc:
+        died = str(exc)
+    try:
+        engine.resume_memory()
+    except EngineDied as exc:
+        again = str(exc)
+    engine.shutdown()
+    return died, again == died
+
+
+@pytest.mark.multiprocess
+def test_the_leaders_engine_death_is_raised_on_every_rank_of_its_group(checkpoint):
+    results = run_ranks(_leader_crash_worker, 2, checkpoint, timeout=120)
+    assert results[0] == results[1]
+    died, same = results[0]
+    assert same and "ended during update_weights_from_tensor (killed by SIGKILL)" in died

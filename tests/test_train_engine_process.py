@@ -1,0 +1,175 @@
+"""train.py with the SGLang engine in its own process (the strict model of sglang 0.5.21 standing for it,
+tests/strict_engine_train.py): the engine dying in each phase stops every rank with EngineDied after a
+checkpoint of the last completed step, and a signal in each phase checkpoints, exits 143 / 130 and leaves
+no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+import train
+from config import load_config
+from model.args import get_preset
+from model.hf import save_hf
+from model.qwen2 import build_model
+from parallel.checkpoint import CheckpointManager
+from rollout.engine import EngineDied
+from tests.dist_utils import run_ranks
+from tests.strict_engine_train import use_strict_model
+from tests.test_rollout_sglang_process import children, engine_children
+from tests.test_train_e2e import CONFIGS, overrides, read_rows
+from trainer.setup import build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The demo preset as an HF checkpoint (what SGLang loads) with the synthetic task's tokenizer."""
+    path = tmp_path_factory.mktemp("hf")
+    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"), ["data.synthetic_num_train=64"])
+    build_tokenizer(cfg.model, cfg.data, str(path), is_main=True, barrier=lambda: None)
+    save_hf(build_model(get_preset("demo"), seed=0), str(path / "hf"))
+    return str(path)
+
+
+def sglang_argv(run_dir, hf_dir, steps=2, **extra):
+    settings = {
+        "model.preset": "",
+        "model.hf_path": os.path.join(hf_dir, "hf"),
+        "model.tokenizer_path": os.path.join(hf_dir, "tokenizer"),
+        "rollout.engine": "sglang",
+        "algorithm.dynamic_sampling": False,  # every group is trained on: the model's answers have no spread
+        "checkpoint.interval": 100,  # a checkpoint after a stop is the stop's own
+    }
+    settings.update(extra)
+    return overrides(str(run_dir), steps=steps, **settings)
+
+
+def saved_steps(run_dir):
+    return CheckpointManager(os.path.join(run_dir, "run", "checkpoints")).complete_steps()
+
+
+# The calls of a 2-step run: step 1 generate (1), release (1), sync: resume ["weights"] (1) and begin, update
+# per bucket (1, 2, ...); step 2 resume ["kv_cache"] (2), generate (2), release (2), ...
+@pytest.mark.parametrize(
+    "phase, call, during",
+    [
+        ("generate", 2, "generate"),
+        ("release", 2, "release_memory_occupation"),
+        ("resume", 2, "resume_memory_occupation"),
+        ("update", 1, "update_weights_from_tensor"),
+    ],
+)
+def test_the_engine_dying_in_each_phase_checkpoints_the_last_step(tmp_path, hf_dir, monkeypatch, phase, call, during):
+    use_strict_model(monkeypatch.setattr, crash={phase: call})
+    before = children()
+    with pytest.raises(EngineDied, match=rf"ended during {during} \(killed by SIGKILL\)\. Checkpoint of step 1 saved"):
+        train.main(sglang_argv(tmp_path, hf_dir))
+    # Step 1 completed in every case (the update crashed after its training): a new checkpoint of it, and its row.
+    assert saved_steps(tmp_path) == [1]
+    assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1]
+    assert engine_children(before) == set()
+
+
+def _marked(marker: str) -> list[int]:
+    """Processes whose environment carries `marker` (every descendant of a run, reparented or not)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def run_script(argv, options, *, signal_at=None, timeout=300):
+    """tests/strict_engine_train.py ARGV in a session of its own; signal_at = (phase, signal, to the group):
+    sent once the phase is announced. Returns (exit code, stderr, processes of the run left afterwards)."""
+    marker = f"DAPO_TEST_RUN={uuid.uuid4().hex}"
+    env = dict(os.environ, STRICT_SGLANG=json.dumps(options), DAPO_TEST_RUN=marker.split("=")[1])
+    process = subprocess.Popen(
+        [sys.executable, "tests/strict_engine_train.py", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    if signal_at is not None:
+        phase, sig, to_group = signal_at
+        deadline = time.monotonic() + timeout
+        announced = options["announce"]
+        while not (os.path.exists(announced) and phase in open(announced).read().split()):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.02)
+        (os.killpg if to_group else os.kill)(process.pid, sig)
+    _, stderr = process.communicate(timeout=timeout)
+    time.sleep(0.5)  # a process killed by the run's end needs a moment to leave /proc
+    return process.returncode, stderr, _marked(marker)
+
+
+def test_an_engine_death_exits_1_with_one_line_and_the_same_command_resumes(tmp_path, hf_dir, monkeypatch):
+    argv = sglang_argv(tmp_path, hf_dir, steps=3)
+    code, stderr, left = run_script(argv, {"crash": {"generate": 2}})
+    last = stderr.strip().splitlines()[-1]
+    assert code == 1 and left == [], stderr[-3000:]
+    assert last.startswith("error: the rollout engine died: the SGLang engine process (pid ") and last.endswith(
+        "ended during generate (killed by SIGKILL). Checkpoint of step 1 saved; rerun the same command to resume"
+    ), last
+    assert "Traceback" not in stderr and saved_steps(tmp_path) == [1]
+    use_strict_model(monkeypatch.setattr)
+    assert train.main(argv) == 0  # resumed at step 2
+    assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "phase, sig, to_group, code",
+    [
+        ("generate", signal.SIGTERM, False, 143),  # a launcher's SIGTERM to the trainer
+        ("train", signal.SIGINT, True, 130),  # Ctrl-C: SIGINT to the whole foreground process group
+        ("update", signal.SIGTERM, False, 143),  # during the weight sync
+    ],
+)
+def test_a_signal_in_each_phase_checkpoints_and_leaves_no_process(tmp_path, hf_dir, phase, sig, to_group, code):
+    announce = str(tmp_path / "calls")
+    options = {"announce": announce, "delay": {"generate": 1.0, "update": 1.0}, "train_delay": 1.0}
+    code_, stderr, left = run_script(sglang_argv(tmp_path, hf_dir, steps=4), options, signal_at=(phase, sig, to_group))
+    assert code_ == code and left == [], stderr[-3000:]
+    assert "a checkpoint was saved: run the same command again to resume" in stderr.strip().splitlines()[-1]
+    # The first announced phase is step 1's: a signal during its generation stops before training it.
+    assert saved_steps(tmp_path) == ([0] if phase == "generate" else [1])
+
+
+def _engine_group_run(rank, world, argv):
+    try:
+        train.main(argv)
+    except EngineDied as exc:
+        return str(exc)
+
+
+@pytest.mark.multiprocess
+def test_an_engine_death_stops_every_rank_of_its_group(tmp_path, hf_dir, monkeypatch):
+    use_strict_model(monkeypatch.setattr, crash={"generate": 2})
+    argv = sglang_argv(tmp_path, hf_dir, **{"rollout.tp_size": 2, "parallelism.dp_shard": 2})
+    died = run_ranks(_engine_group_run, 2, argv, timeout=300)
+    assert all("ended during generate (killed by SIGKILL). Checkpoint of step 1 saved" in d for d in died), died
+    assert saved_steps(tmp_path) == [1]
+
+
+def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
+    """A launcher's SIGKILL after its grace period: the engine process dies with its trainer (PR_SET_PDEATHSIG)."""
+    announce = str(tmp_path / "calls")
+    options = {"announce": announce, "delay": {"generate": 30.0}}
+    code, _, left = run_script(sglang_argv(tmp_path, hf_dir), options, signal_at=("generate", signal.SIGKILL, False))
+    assert code == -signal.SIGKILL and left == []
