@@ -54,6 +54,7 @@ class EngineShare:
     released_tags: tuple[str, ...]
     kv_tokens: int
     note: str = ""
+    flattens_buckets: bool = False  # a weight bucket is concatenated on the GPU before it is sent
 
 
 def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
@@ -84,6 +85,7 @@ def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> Engin
         tuple(RELEASED_TAGS),
         plan.kv_tokens,
         f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens",
+        flattens_buckets=True,  # SGLang's FlattenedTensorBucket (rollout/sglang_engine.py)
     )
 
 
@@ -122,6 +124,9 @@ class StandInEngine:
 
     def update_weights(self, named_tensors) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
+        if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
+            del flat
 
     def shutdown(self) -> None:
         pass
