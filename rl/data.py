@@ -152,6 +152,8 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a directory; a prompt set is one parquet file in the DAPO-Math-17k schema")
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
     if os.path.getsize(path) == 0:
@@ -185,7 +187,37 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:  # a damaged row group behind an intact footer
         raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
-    return table.to_pylist()
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as exc:  # pyarrow reads string columns unchecked and decodes them here
+        column, row = _first_undecodable_cell(table)
+        raise DataError(
+            f"{path}: column {column!r}, row {row} holds a string that is not UTF-8 ({exc.reason}): parquet "
+            "strings are UTF-8; write the file again with its text encoded as UTF-8"
+        ) from None
+
+
+def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
+    """(column, row) of the first string in `table` that is not UTF-8, by bisection over each failing
+    column's prefixes (log2(rows) conversions of that column, on the error path only)."""
+
+    def decodes(column, end: int) -> bool:
+        try:
+            column.slice(0, end).to_pylist()
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    for name in table.column_names:
+        column = table.column(name)
+        if decodes(column, len(column)):
+            continue
+        good, bad = 0, len(column)  # the first `good` rows decode; the first `bad` rows do not
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if decodes(column, middle) else (good, middle)
+        return name, good
+    return None, None
 
 
 def load_prompts(

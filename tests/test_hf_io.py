@@ -335,12 +335,12 @@ def test_wrong_architecture_and_missing_files(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="model_type 'llama'"):
         load_hf(str(path))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(CheckpointError, match="nowhere/config.json not found"):
         load_hf(str(tmp_path / "nowhere"))
     os.remove(path / "model.safetensors")
     config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"):
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_hf(str(path))
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.norm.weight": "gone.safetensors"}})
