@@ -96,3 +96,19 @@ def test_gradients_match_transformers():
     worst = max(_max_err(p.grad, hf_params[to_hf_name(n)].grad) for n, p in ours.named_parameters())
     print(f"max |grad - HF grad| = {worst:.2e}")
     assert worst <= TOL
+
+
+def test_a_float64_model_keeps_float64_in_the_norm_and_the_rotary_embedding():
+    # Float64 references (and float64 runs) need float64 throughout: the fp32 statistic of RMSNorm
+    # and the fp32 rotation are "at least fp32", never a cast down.
+    from model.qwen2 import RMSNorm, _rotate_half, apply_rotary, rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(0)
+    x = (1 + torch.rand(2, 3, 64, generator=gen, dtype=torch.float64) / 3) * (1 + 2**-30)  # not fp32-representable
+    norm = RMSNorm(64, eps=1e-6).double()
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (norm(x) - want).abs().max().item() <= 8 * torch.finfo(torch.float64).eps * want.abs().max().item()
+    heads = x.view(2, 3, 4, 16).transpose(1, 2)  # [B, H, T, D]
+    cos, sin = rotary_cos_sin(torch.arange(3).expand(2, 3), 16, 1e4)
+    rotated = heads * cos.unsqueeze(1) + _rotate_half(heads) * sin.unsqueeze(1)
+    assert (apply_rotary(heads, cos, sin) - rotated).abs().max().item() <= 8 * torch.finfo(torch.float64).eps * 2
