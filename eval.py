@@ -69,6 +69,8 @@ def resolve_checkpoint(path: str) -> str:
 def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     """The tokenizer directory: --tokenizer, else the checkpoint's, else the run folder's."""
     if explicit:
+        if not os.path.isfile(os.path.join(explicit, "tokenizer.json")):
+            raise ConfigError(f"--tokenizer {explicit}: no tokenizer.json there; pass the folder that holds it")
         return explicit
     for candidate in dict.fromkeys((model_dir, model_arg)):
         if os.path.isfile(os.path.join(candidate, "tokenizer.json")):

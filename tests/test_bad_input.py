@@ -180,6 +180,23 @@ def test_the_scripts_print_no_traceback_for_a_truncated_checkpoint(hf_checkpoint
     assert proc.stderr.strip().splitlines()[-1].startswith(f"eval.py: checkpoint error: {message}")
 
 
+def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_in_both_commands(hf_checkpoint, tmp_path, capsys):
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--model.tokenizer_path={empty}", f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"configuration error: model.tokenizer_path = '{empty}' holds no tokenizer.json: set model.tokenizer_path "
+        "to the folder that holds the checkpoint's tokenizer"
+    )
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--tokenizer", str(empty), "--data", "synthetic"])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"eval.py: configuration error: --tokenizer {empty}: no tokenizer.json there; pass the folder that holds it"
+    )
+
+
 # ------------------------------------------------------------------------------------------ bugs keep tracebacks
 
 
