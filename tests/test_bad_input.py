@@ -112,6 +112,10 @@ DAMAGE = {
         "{ckpt}/model.safetensors is not a readable safetensors file (Error while deserializing header: "
         "incomplete metadata, file not fully covered): it is damaged or was not copied whole",
     ),
+    "truncated-tokenizer": (
+        lambda f: (f / "tokenizer.json").write_bytes((f / "tokenizer.json").read_bytes()[:100]),
+        "{ckpt}/tokenizer.json is not a readable tokenizer (",
+    ),
     "misshaped-tensor": (
         _misshape,
         "checkpoint {ckpt} does not match the model: wrong shapes (1): model.norm.weight is (32,) but the "
