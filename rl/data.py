@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from rl.prompt_row import GroundTruth, RowSkipped, read_row
+from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +97,16 @@ def rows_to_examples(
     for row_number, row in enumerate(rows):
         stats.rows += 1
         try:
-            parsed = read_row(row)
+            messages = read_messages(row)
+            key = tuple((m["role"], m["content"]) for m in messages)
+            if key in seen:  # before the other fields are read: DAPO-Math-17k is 99% repeats
+                stats.duplicates += 1
+                continue
+            parsed = read_row(row, messages)
         except RowSkipped as skipped:
             reason = str(skipped)
             stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
             stats.note_problem(row_number, reason)
-            continue
-        key = tuple((m["role"], m["content"]) for m in parsed.messages)
-        if key in seen:
-            stats.duplicates += 1
             continue
         seen.add(key)
         ids = tokenizer.encode_chat(parsed.messages)

@@ -113,21 +113,29 @@ def _messages(prompt) -> list[dict[str, str]]:
     if not prompt:
         raise RowSkipped("prompt is an empty list")
     messages = []
-    for message in prompt:
+    for message in prompt:  # every row of a file passes here (duplicates included): str takes the short path
         if not isinstance(message, Mapping):
             raise RowSkipped(f"a 'prompt' message is {_kind(message)}, not a {{role, content}} record")
-        role = _text(message.get("role"), "a 'prompt' message's role")
+        role, content = message.get("role"), message.get("content")
+        role = role if type(role) is str else _text(role, "a 'prompt' message's role")
         if role not in CHAT_ROLES:
             raise RowSkipped(f"a 'prompt' message has role {role!r}; the chat template knows {', '.join(CHAT_ROLES)}")
-        messages.append({"role": role, "content": _text(message.get("content"), "a 'prompt' message's content")})
+        content = content if type(content) is str else _text(content, "a 'prompt' message's content")
+        messages.append({"role": role, "content": content})
     return messages
 
 
-def read_row(row) -> PromptRow:
-    """The fields of one row of the schema, read as the module docstring says; RowSkipped with the reason."""
+def read_messages(row) -> list[dict[str, str]]:
+    """The prompt messages of one row (what identifies a duplicate); RowSkipped with the reason."""
     if not isinstance(row, Mapping):
         raise RowSkipped(f"the row is {_kind(row)}, not a record")
-    messages = _messages(row.get("prompt"))
+    return _messages(row.get("prompt"))
+
+
+def read_row(row, messages: list[dict[str, str]] | None = None) -> PromptRow:
+    """The fields of one row of the schema, read as the module docstring says; RowSkipped with the reason.
+    `messages`: the row's `read_messages`, when the caller has read them already."""
+    messages = read_messages(row) if messages is None else messages
     ground_truth = _ground_truth(row.get("reward_model"))
     source = row.get("data_source")
     data_source = "unknown" if source is None or source == "" else _text(source, "data_source") or "unknown"
