@@ -60,7 +60,7 @@ def resolve_checkpoint(path: str) -> str:
         return os.path.join(path, "hf")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    raise FileNotFoundError(
+    raise ConfigError(
         f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
         "hf/ export (no hf/config.json)"
     )
@@ -69,11 +69,13 @@ def resolve_checkpoint(path: str) -> str:
 def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     """The tokenizer directory: --tokenizer, else the checkpoint's, else the run folder's."""
     if explicit:
+        if not os.path.isfile(os.path.join(explicit, "tokenizer.json")):
+            raise ConfigError(f"--tokenizer {explicit}: no tokenizer.json there; pass the folder that holds it")
         return explicit
     for candidate in dict.fromkeys((model_dir, model_arg)):
         if os.path.isfile(os.path.join(candidate, "tokenizer.json")):
             return candidate
-    raise FileNotFoundError(
+    raise ConfigError(
         f"no tokenizer.json in {model_dir}"
         + (f" or {model_arg}" if model_arg != model_dir else "")
         + "; pass --tokenizer DIR"
@@ -115,13 +117,12 @@ def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
     returns the names of those tensors. Reads the safetensors files one tensor at a time."""
     import glob
 
-    from safetensors import safe_open
-
+    from model.hf import open_safetensors
     from parallel.finite import nonfinite_names
 
     names = []
     for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for key in f.keys():
                 names += nonfinite_names([(key, f.get_tensor(key))])
     if names:
@@ -172,18 +173,20 @@ def main(argv=None) -> dict:
 def run_cli(argv=None) -> None:
     """`main` with the exit a shell expects for bad input: one line naming the problem, exit code 2.
 
-    Bad input is a configuration problem (ConfigError), a missing checkpoint or tokenizer
-    (FileNotFoundError), an unusable data file (rl.data.DataError: missing, empty, not parquet, no rows,
-    missing columns) or an impossible setting (ValueError); anything else is a failure and keeps its traceback.
+    Bad input is what trainer/input_errors.py lists, as for train.py: a configuration problem (ConfigError,
+    including a missing checkpoint or tokenizer), an unusable data file (rl.data.DataError) or a damaged
+    checkpoint (CheckpointError). Anything else is a failure and keeps its traceback.
     """
     try:
         main(argv)
-    except (FileNotFoundError, ValueError) as exc:
-        from rl.data import DataError
+    except Exception as exc:
+        from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
 
-        kind = "data error: " if isinstance(exc, DataError) else ""
-        print(f"eval.py: {kind}{exc}", file=sys.stderr)
-        sys.exit(2)
+        line = input_error_line(exc)
+        if line is None:
+            raise
+        print(f"eval.py: {line}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -26,14 +26,13 @@ import sys
 
 import torch
 
-from config import ConfigError, check_runnable, config_to_dict, parse_cli
-from parallel.checkpoint import CheckpointError
+from config import check_runnable, config_to_dict, parse_cli
 from parallel.finite import NonFiniteStateError
-from rl.data import DataError
 from rollout.engine import EngineDied
 from trainer.distributed import init_distributed, shutdown_distributed
+from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
 from trainer.loop import Trainer, build
-from trainer.run_folder import RunFolderError, finished_run_report
+from trainer.run_folder import finished_run_report
 from trainer.signals import StopRequested
 
 log = logging.getLogger("train")
@@ -89,20 +88,12 @@ def main(argv=None) -> int:
 
 
 def run_cli(argv=None):
-    """`main` with the exits a shell expects: 2 for bad input (a busy or damaged run folder, a full disk
-    included), 143/130 after a signal, 1 for failures (one line for a policy gone non-finite, and for a
-    rollout engine whose process died: the checkpoint is written, rerunning resumes)."""
+    """`main` with the exits a shell expects: 2 for bad input (one line: trainer/input_errors.py; a busy or
+    damaged run folder and a full disk included), 143/130 after a signal, 1 for failures: one line for a policy
+    gone non-finite and for a rollout engine whose process died (the checkpoint is written, rerunning resumes),
+    a traceback for anything else."""
     try:
         sys.exit(main(argv))
-    except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except (RunFolderError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except DataError as exc:
-        print(f"data error: {exc}", file=sys.stderr)
-        sys.exit(2)
     except NonFiniteStateError as exc:  # not saved, not exported; the newest checkpoint is untouched
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -112,6 +103,12 @@ def run_cli(argv=None):
     except StopRequested as exc:
         print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)
         sys.exit(130 if exc.signal_name == "SIGINT" else 143)
+    except Exception as exc:
+        line = input_error_line(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

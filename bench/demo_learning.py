@@ -3,8 +3,10 @@ before and after DAPO and the wall time, as a table and one JSON line.
 
     python bench/demo_learning.py [--run-dir DIR] [extra --section.key=value overrides...]
 
-The demo's promise: within 4 minutes on a 2-core CPU, held-out accuracy improves by at least 15 points
-(absolute) from the supervised warm-up's level. The baseline is the same run's accuracy before DAPO.
+The demo's promise (README): within 6 minutes on a 2-core CPU (the idle AVX-512 machine of bench/RESULTS.md
+takes under 3; a CPU twice as slow must fit too), held-out accuracy improves by at least 15 points (absolute)
+from the supervised warm-up's level (17-19 points measured with the AVX-512 and AVX2 code paths). The baseline
+is the same run's accuracy before DAPO.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
                 "gain_points": round(gain, 1),
                 "wall_s": round(wall, 1),
                 "run_dir": run_dir,
-                "meets_target": gain >= 15.0 and wall <= 240,
+                "meets_target": gain >= 15.0 and wall <= 360,
             }
         )
     )

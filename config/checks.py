@@ -3,7 +3,6 @@ machine can run the settings (the rules are in trainer/machine.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from config.loader import ConfigError
@@ -59,14 +58,23 @@ def check_runnable(cfg: Config, machine=None) -> None:
                 f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
                 "set model.hf_path to a Qwen2.5 checkpoint directory"
             )
-        with open(config_json) as f:
-            max_positions = json.load(f).get("max_position_embeddings")
+        from model.hf_adapter import read_hf_config
+
+        # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
+        max_positions = read_hf_config(model.hf_path).max_position_embeddings
     else:
         max_positions = PRESETS[model.preset].max_position_embeddings
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
         raise ConfigError(
             f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
             "folder holding tokenizer.json, or leave it empty"
+        )
+    tokenizer_key = "model.tokenizer_path" if model.tokenizer_path else "model.hf_path"
+    tokenizer_dir = model.tokenizer_path or model.hf_path
+    if tokenizer_dir and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise ConfigError(
+            f"{tokenizer_key} = {tokenizer_dir!r} holds no tokenizer.json: set model.tokenizer_path to the folder "
+            "that holds the checkpoint's tokenizer"
         )
     for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
         path = getattr(data, key)
@@ -82,8 +90,9 @@ def check_runnable(cfg: Config, machine=None) -> None:
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )
         if path != "synthetic" and not os.path.isfile(path):
+            problem = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
             raise ConfigError(
-                f"data.{key} = {path!r} does not exist: set data.{key} to a parquet file in the "
+                f"data.{key} = {path!r} {problem}: set data.{key} to a parquet file in the "
                 f"{what} schema, or to 'synthetic'"
             )
     if data.train_path != "synthetic" and not (model.tokenizer_path or model.hf_path):

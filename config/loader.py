@@ -213,6 +213,11 @@ def _read_file(schema: _Schema, path: str, values: dict, origins: dict, chain: t
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:  # the message carries "(at line L, column C)"
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes the whole file first; TOML files are UTF-8 by definition
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at line {line}): save the file as UTF-8"
+        ) from None
     base = data.pop("base", None)
     if base is not None:
         if not isinstance(base, str):

@@ -13,9 +13,11 @@ most `max_shard_bytes`, so a sharded trainer can hand over one gathered tensor a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -50,10 +52,24 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 # ---------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def open_safetensors(file: str, device: str = "cpu") -> Iterator:
+    """safetensors' `safe_open`, with a damaged file (a header that does not parse or does not cover the
+    file: truncated, appended to, not safetensors) reported as a CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt", device=device) as f:
+            yield f
+    except SafetensorError as exc:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({exc}): it is damaged or was not copied whole; "
+            "copy or export the checkpoint again"
+        ) from None
+
+
 def _checkpoint_files(path: str) -> dict[str, list[str]]:
     """{safetensors file: [HF tensor names]} from an index, or from the single `model.safetensors`."""
-    from safetensors import safe_open
-
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
         weight_map = read_json(index_path).get("weight_map")
@@ -68,23 +84,30 @@ def _checkpoint_files(path: str) -> dict[str, list[str]]:
         return files
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.isfile(single):
-        raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="pt") as f:
+        raise CheckpointError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with open_safetensors(single) as f:
         return {single: list(f.keys())}
 
 
+def _names(names, shown: int = 8) -> str:
+    """A sorted list of tensor names for a message: the first `shown`, then how many more."""
+    names = sorted(names)
+    return (str(names[:shown])[:-1] + f", ... and {len(names) - shown} more]") if len(names) > shown else str(names)
+
+
 def _mismatch_report(where: str, missing, unexpected, misshaped) -> str:
-    parts = [f"{where} does not match the model:"]
+    """One line: what does not match, each kind with its count (long lists shortened)."""
+    parts = []
     if missing:
-        parts.append(f"  missing tensors ({len(missing)}): {sorted(missing)}")
+        parts.append(f"missing tensors ({len(missing)}): {_names(missing)}")
     if unexpected:
-        parts.append(f"  unexpected tensors ({len(unexpected)}): {sorted(unexpected)}")
+        parts.append(f"unexpected tensors ({len(unexpected)}): {_names(unexpected)}")
     if misshaped:
         parts.append(
-            f"  wrong shapes ({len(misshaped)}): "
+            f"wrong shapes ({len(misshaped)}): "
             + ", ".join(f"{n} is {tuple(got)} but the model needs {tuple(want)}" for n, got, want in sorted(misshaped))
         )
-    return "\n".join(parts)
+    return f"{where} does not match the model: " + "; ".join(parts)
 
 
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
@@ -95,8 +118,6 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
     versions write it): it is accepted only if it equals the embedding, and then dropped.
     Old checkpoints' `rotary_emb.inv_freq` buffers are derived values and are skipped.
     """
-    from safetensors import safe_open
-
     args = read_hf_config(path)
     with torch.device("meta"):
         model = Qwen2(args)
@@ -105,7 +126,7 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
 
     shapes, owner = {}, {}
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in names:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
@@ -124,12 +145,12 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
     device = torch.device(device)
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with open_safetensors(file, str(device)) as f:
             for name in files[file]:
                 if name in want:
                     state[from_hf_name(name)] = f.get_tensor(name).to(dtype)
     if tied_head:
-        with safe_open(owner["lm_head.weight"], framework="pt", device=str(device)) as f:
+        with open_safetensors(owner["lm_head.weight"], str(device)) as f:
             head = f.get_tensor("lm_head.weight").to(dtype)
         if not torch.equal(head, state["embed_tokens.weight"]):
             raise CheckpointError(

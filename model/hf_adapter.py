@@ -191,55 +191,66 @@ def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _rope_theta(config: Mapping) -> float:
+def _rope_theta(config: Mapping, source: str) -> float:
     """RoPE base from a config written by transformers 4.x (`rope_theta`) or 5.x (`rope_parameters`)."""
     scaling = config.get("rope_scaling")
     params = config.get("rope_parameters") or {}
-    for source in (scaling or {}, params):
-        kind = source.get("rope_type", source.get("type", "default"))
+    for part in (scaling or {}, params):
+        if not isinstance(part, Mapping):
+            raise CheckpointError(f"{source} has a RoPE setting {part!r} that is not a JSON object")
+        kind = part.get("rope_type", part.get("type", "default"))
         if kind != "default":
-            raise CheckpointError(f"config.json asks for RoPE scaling type {kind!r}; only plain RoPE is supported")
+            raise CheckpointError(f"{source} asks for RoPE scaling type {kind!r}; only plain RoPE is supported")
     if "rope_theta" in params:
         return float(params["rope_theta"])
     return float(config.get("rope_theta", 10000.0))
 
 
-def args_from_hf_config(config: Mapping) -> ModelArgs:
-    """ModelArgs from a HF Qwen2 `config.json` dict. Other architectures and unsupported options are refused."""
+# The sizes a Qwen2 config.json must state, each a positive integer.
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def args_from_hf_config(config: Mapping, source: str = "config.json") -> ModelArgs:
+    """ModelArgs from a HF Qwen2 `config.json` dict. Other architectures, unsupported options and values of
+    the wrong type are refused with a CheckpointError naming `source` (the file the dict was read from)."""
     model_type = config.get("model_type")
     if model_type != HF_MODEL_TYPE:
-        raise CheckpointError(f"config.json has model_type {model_type!r}; expected {HF_MODEL_TYPE!r}")
+        raise CheckpointError(f"{source} has model_type {model_type!r}; expected {HF_MODEL_TYPE!r}")
     architectures = config.get("architectures")
     if architectures is not None and list(architectures) != [HF_ARCHITECTURE]:
-        raise CheckpointError(f"config.json has architectures {list(architectures)}; expected [{HF_ARCHITECTURE!r}]")
-    missing = [
-        k
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        if k not in config
-    ]
+        raise CheckpointError(f"{source} has architectures {list(architectures)}; expected [{HF_ARCHITECTURE!r}]")
+    missing = [k for k in _REQUIRED_SIZES if k not in config]
     if missing:
-        raise CheckpointError(f"config.json lacks required keys: {', '.join(missing)}")
+        raise CheckpointError(f"{source} lacks required keys: {', '.join(missing)}")
+    for key in (*_REQUIRED_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = config.get(key)
+        optional = key not in _REQUIRED_SIZES and value is None
+        if not optional and (type(value) is not int or value <= 0):  # bool is not a size
+            raise CheckpointError(f"{source} has {key} = {value!r}; it must be a positive integer")
     if config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"config.json has hidden_act {config['hidden_act']!r}; Qwen2 uses 'silu'")
+        raise CheckpointError(f"{source} has hidden_act {config['hidden_act']!r}; Qwen2 uses 'silu'")
     if config.get("use_sliding_window", False):
-        raise CheckpointError("config.json enables use_sliding_window; only full attention is supported")
+        raise CheckpointError(f"{source} enables use_sliding_window; only full attention is supported")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim * heads != config["hidden_size"]:
-        raise CheckpointError(f"config.json head_dim {head_dim} x {heads} heads != hidden_size {config['hidden_size']}")
-    return ModelArgs(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,  # HF: absent means multi-head attention
-        intermediate_size=config["intermediate_size"],
-        rope_theta=_rope_theta(config),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),  # Qwen2Config's default
-        max_position_embeddings=config.get("max_position_embeddings", 32768),
-        init_std=float(config.get("initializer_range", 0.02)),
-    )
+        raise CheckpointError(f"{source} head_dim {head_dim} x {heads} heads != hidden_size {config['hidden_size']}")
+    try:
+        return ModelArgs(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,  # HF: absent means multi-head attention
+            intermediate_size=config["intermediate_size"],
+            rope_theta=_rope_theta(config, source),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),  # Qwen2Config's default
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            init_std=float(config.get("initializer_range", 0.02)),
+        )
+    except (TypeError, ValueError) as exc:  # float() of a non-number; ModelArgs' own shape rules
+        raise CheckpointError(f"{source}: {exc}") from None
 
 
 def hf_config_from_args(args: ModelArgs, *, dtype: torch.dtype = torch.float32) -> dict:
@@ -277,10 +288,22 @@ def hf_config_from_args(args: ModelArgs, *, dtype: torch.dtype = torch.float32) 
 
 
 def read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found")
-    with open(path) as f:
-        return json.load(f)
+    """The JSON object in the checkpoint file `path`. A file that is missing, unreadable, not UTF-8, not JSON
+    or not an object is a CheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def write_json(path: str, value: dict) -> None:
@@ -291,7 +314,8 @@ def write_json(path: str, value: dict) -> None:
 
 def read_hf_config(path: str) -> ModelArgs:
     """ModelArgs of the checkpoint directory `path`, from its config.json alone (no tensor is read)."""
-    return args_from_hf_config(read_json(os.path.join(path, CONFIG_NAME)))
+    config_path = os.path.join(path, CONFIG_NAME)
+    return args_from_hf_config(read_json(config_path), source=config_path)
 
 
 def write_hf_config(path: str, args: ModelArgs, dtype: torch.dtype) -> None:

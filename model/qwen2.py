@@ -22,7 +22,8 @@ from model.args import ModelArgs
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), the statistic computed in fp32 (as HF Qwen2)."""
+    """y = w * x / sqrt(mean(x^2) + eps), the statistic computed in fp32 at least (as HF Qwen2; a float64
+    model keeps float64)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
+        x32 = x.to(torch.promote_types(dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
@@ -55,9 +56,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D] rotated by cos/sin [B, T, D] (computed in fp32, cast back to x's dtype)."""
+    """x [B, H, T, D] rotated by cos/sin [B, T, D] (computed in fp32 at least, cast back to x's dtype)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x.float() * cos + _rotate_half(x.float()) * sin).to(x.dtype)
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (wide * cos + _rotate_half(wide) * sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

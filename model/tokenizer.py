@@ -39,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from model.chat_template import qwen25_template, render_template, template_from_config
+from model.hf_adapter import CheckpointError
 
 __all__ = [
     "Tokenizer",
@@ -108,10 +109,14 @@ def _without_offsets(value):
 
 
 def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        value = json.load(f)
+    """A tokenizer folder's JSON file; one that is not UTF-8 JSON holding an object is a CheckpointError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -151,7 +156,10 @@ class Tokenizer:
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
             raise FileNotFoundError(f"{tok_path} not found (a tokenizer directory needs tokenizer.json)")
-        tokenizer = _HFTokenizer.from_file(tok_path)
+        try:
+            tokenizer = _HFTokenizer.from_file(tok_path)
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise CheckpointError(f"{tok_path} is not a readable tokenizer ({exc})") from None
         config_path = os.path.join(path, CONFIG_FILE)
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
         template_path = os.path.join(path, TEMPLATE_FILE)

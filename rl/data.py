@@ -1,8 +1,8 @@
 """Prompt sets in the DAPO-Math-17k schema, the built-in synthetic arithmetic task, and a resumable sampler.
 
-A row of the schema (one parquet row, or one dict here):
+A row of the schema (one parquet row, or one dict here; what each field may hold: rl/prompt_row.py):
     {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
-     "reward_model": {"style": "rule", "ground_truth": str}, "extra_info": {...}}
+     "reward_model": {"style": "rule", "ground_truth": str | [str, ...]}, "extra_info": {...}}
 
 The synthetic task writes rows of exactly this schema, so the demo and the tests exercise the same
 reader as a real DAPO-Math-17k file. Its rows also carry a worked solution in
@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from model.tokenizer import CHAT_ROLES
+from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,11 @@ DAPO_PROMPT_TEMPLATE = (
 
 @dataclass
 class PromptExample:
-    """One usable prompt: its chat messages, token ids and the ground truth the scorer compares with."""
+    """One usable prompt: its chat messages, token ids and the ground truth the scorer compares with (one
+    answer, or a tuple of accepted answers: rl/prompt_row.py)."""
 
     prompt_ids: list[int]
-    ground_truth: str
+    ground_truth: GroundTruth
     data_source: str
     messages: list[dict]
     solution: str | None = None  # worked solution, when the data set has one (synthetic task)
@@ -45,15 +46,24 @@ class PromptExample:
 class LoadStats:
     rows: int = 0
     duplicates: int = 0
-    missing_fields: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped for it (rl/prompt_row.py)
     truncated: int = 0
     dropped_too_long: int = 0
     first_problem: str | None = None
 
+    @property
+    def skipped_rows(self) -> int:
+        return sum(self.skipped.values())
+
+    def note_problem(self, row_number: int, problem: str) -> None:
+        if self.first_problem is None:
+            self.first_problem = f"row {row_number}: {problem}"
+
     def summary(self, path: str, kept: int) -> str:
+        reasons = "; ".join(f"{count} x {reason}" for reason, count in self.skipped.items())
         return (
             f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
-            f"{self.missing_fields} rows missing fields skipped, {self.truncated} left-truncated, "
+            f"{self.skipped_rows} rows skipped{f' ({reasons})' if reasons else ''}, {self.truncated} left-truncated, "
             f"{self.dropped_too_long} dropped as too long)"
         )
 
@@ -66,30 +76,16 @@ class DataError(ValueError):
     """A data file that cannot be used, with the file and the first problem named."""
 
 
-def _row_problem(row: dict) -> str | None:
-    """Why a row is unusable (None if it is usable)."""
-    prompt = row.get("prompt")
-    if not isinstance(prompt, (list, tuple)) or not prompt:
-        return "field 'prompt' is missing or not a non-empty list of {role, content}"
-    for message in prompt:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
-            return "a 'prompt' message lacks 'role' or string 'content'"
-        if message["role"] not in CHAT_ROLES:
-            return f"a 'prompt' message has role {message['role']!r}; the chat template knows {', '.join(CHAT_ROLES)}"
-    reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") in (None, ""):
-        return "field 'reward_model.ground_truth' is missing"
-    return None
-
-
 def rows_to_examples(
     rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", source_name: str = "<rows>"
 ) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
 
-    Duplicates are rows whose prompt messages are identical (the official DAPO-Math-17k file repeats each
-    prompt about 100 times). Prompts longer than `max_prompt_length` tokens are left-truncated (keeping
-    the end of the prompt, where the generation prompt is) or dropped, per `overflow`.
+    Each row is read by rl/prompt_row.py: a row it cannot use is skipped and counted under its reason in
+    the load summary (logged as a warning). Duplicates are rows whose prompt messages are identical (the
+    official DAPO-Math-17k file repeats each prompt about 100 times). Prompts longer than
+    `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
+    prompt is) or dropped, per `overflow`.
     """
     if overflow not in ("truncate_left", "drop"):
         raise ValueError(f"prompt overflow policy must be 'truncate_left' or 'drop', got {overflow!r}")
@@ -100,37 +96,34 @@ def rows_to_examples(
     examples: list[PromptExample] = []
     for row_number, row in enumerate(rows):
         stats.rows += 1
-        problem = _row_problem(row)
-        if problem is not None:
-            stats.missing_fields += 1
-            if stats.first_problem is None:
-                stats.first_problem = f"row {row_number}: {problem}"
-            continue
-        messages = [{"role": str(m["role"]), "content": m["content"]} for m in row["prompt"]]
-        key = tuple((m["role"], m["content"]) for m in messages)
-        if key in seen:
-            stats.duplicates += 1
+        try:
+            messages = read_messages(row)
+            key = tuple((m["role"], m["content"]) for m in messages)
+            if key in seen:  # before the other fields are read: DAPO-Math-17k is 99% repeats
+                stats.duplicates += 1
+                continue
+            parsed = read_row(row, messages)
+        except RowSkipped as skipped:
+            reason = str(skipped)
+            stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
+            stats.note_problem(row_number, reason)
             continue
         seen.add(key)
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(parsed.messages)
         if len(ids) > max_prompt_length:
             if overflow == "drop":
                 stats.dropped_too_long += 1
-                if stats.first_problem is None:
-                    stats.first_problem = (
-                        f"row {row_number}: prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}"
-                    )
+                stats.note_problem(row_number, f"prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}")
                 continue
             ids = ids[-max_prompt_length:]
             stats.truncated += 1
-        extra = row.get("extra_info") or {}
         examples.append(
             PromptExample(
                 prompt_ids=ids,
-                ground_truth=str(row["reward_model"]["ground_truth"]),
-                data_source=str(row.get("data_source") or "unknown"),
-                messages=messages,
-                solution=extra.get("solution") if isinstance(extra, dict) else None,
+                ground_truth=parsed.ground_truth,
+                data_source=parsed.data_source,
+                messages=parsed.messages,
+                solution=parsed.solution,
                 index=len(examples),
             )
         )
@@ -139,7 +132,7 @@ def rows_to_examples(
             f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
             f"{stats.first_problem or 'the file is empty'}"
         )
-    log.info(stats.summary(source_name, len(examples)))
+    (log.warning if stats.skipped else log.info)(stats.summary(source_name, len(examples)))
     return examples, stats
 
 
@@ -152,6 +145,8 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a directory; a prompt set is one parquet file in the DAPO-Math-17k schema")
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path}")
     if os.path.getsize(path) == 0:
@@ -185,7 +180,37 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:  # a damaged row group behind an intact footer
         raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
-    return table.to_pylist()
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as exc:  # pyarrow reads string columns unchecked and decodes them here
+        column, row = _first_undecodable_cell(table)
+        raise DataError(
+            f"{path}: column {column!r}, row {row} holds a string that is not UTF-8 ({exc.reason}): parquet "
+            "strings are UTF-8; write the file again with its text encoded as UTF-8"
+        ) from None
+
+
+def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
+    """(column, row) of the first string in `table` that is not UTF-8, by bisection over each failing
+    column's prefixes (log2(rows) conversions of that column, on the error path only)."""
+
+    def decodes(column, end: int) -> bool:
+        try:
+            column.slice(0, end).to_pylist()
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    for name in table.column_names:
+        column = table.column(name)
+        if decodes(column, len(column)):
+            continue
+        good, bad = 0, len(column)  # the first `good` rows decode; the first `bad` rows do not
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if decodes(column, middle) else (good, middle)
+        return name, good
+    return None, None
 
 
 def load_prompts(

@@ -4,6 +4,8 @@ Reward (the DAPO recipe's `math_dapo` rule):
 
     R(o, a) = +1 if the final answer of o equals a, else -1
 
+(a may be a list of accepted answers: +1 when the final answer equals any of them.)
+
 Only the last `SCORED_CHARS` = 300 characters of a response are read (the longest MATH-500 answer
 has 159 characters; reading more only costs time). The final answer is found as follows:
 
@@ -33,25 +35,28 @@ BOXED_CHARS = 100
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 
-def compute_score(solution: str, ground_truth: str, strict_box: bool = False) -> dict:
+def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: bool = False) -> dict:
     """Score one response: `{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}`.
 
-    `pred` is the normalised "Answer:" text, or the verbatim boxed content in the boxed modes, or
-    None when nothing could be extracted.
+    `ground_truth` is the answer, or a sequence of accepted answers: correct when the prediction matches
+    any of them (each compared as a single answer is). `pred` is the normalised "Answer:" text, or the
+    verbatim boxed content in the boxed modes, or None when nothing could be extracted.
     """
-    if not isinstance(solution, str) or not isinstance(ground_truth, str):
+    answers = (ground_truth,) if isinstance(ground_truth, str) else ()
+    answers = tuple(ground_truth) if isinstance(ground_truth, (list, tuple)) else answers
+    if not isinstance(solution, str) or not answers or not all(isinstance(a, str) for a in answers):
         raise TypeError(
-            f"compute_score expects str solution and ground_truth, got "
-            f"{type(solution).__name__} and {type(ground_truth).__name__}"
+            f"compute_score expects a str solution and a str ground_truth (or a non-empty sequence of str), "
+            f"got {type(solution).__name__} and {ground_truth!r}"
         )
     window = solution[-SCORED_CHARS:]
-    answers = [] if strict_box else _ANSWER_LINE.findall(window)
-    if answers:
-        pred = normalize_final_answer(answers[-1])
-        correct = pred == normalize_final_answer(ground_truth)
+    found = [] if strict_box else _ANSWER_LINE.findall(window)
+    if found:
+        pred = normalize_final_answer(found[-1])
+        correct = any(pred == normalize_final_answer(answer) for answer in answers)
     else:
         pred = last_boxed_content(window[-BOXED_CHARS:])
-        correct = pred is not None and pred == ground_truth
+        correct = pred is not None and pred in answers
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 

@@ -416,12 +416,22 @@ def test_validate_checks_programmatic_edits():
 ONE_GPU = Machine(cuda_devices=1, cuda_capability=(9, 0))
 
 
+def _checkpoint_dir(path, max_positions: int) -> None:
+    """What check_runnable reads of a checkpoint directory: a Qwen2 config.json, and a tokenizer.json (present)."""
+    from model.args import PRESETS
+    from model.hf_adapter import hf_config_from_args
+
+    args = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=max_positions)
+    (path / "config.json").write_text(json.dumps(hf_config_from_args(args)))
+    (path / "tokenizer.json").write_text("{}")
+
+
 def test_check_runnable_names_each_missing_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.hf_path is not set: set model\.hf_path"):
         check_runnable(load_config(None), ONE_GPU)
     with pytest.raises(ConfigError, match=r"model\.hf_path = '.*' is not a checkpoint directory \(no config\.json\)"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    _checkpoint_dir(tmp_path, max_positions=131072)
     with pytest.raises(ConfigError, match=r"data\.train_path = 'x\.parquet' does not exist"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.train_path=x.parquet"]), ONE_GPU)
     with pytest.raises(ConfigError, match=r"data\.eval_path is not set: set data\.eval_path"):
@@ -442,13 +452,13 @@ def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path)
     check_runnable(load_config(None, small), ONE_GPU)  # 1000 tokens = the tiny preset's 1024 positions minus 24
     with pytest.raises(ConfigError, match=r"= 1100 tokens exceed the model's max_position_embeddings = 1024"):
         check_runnable(load_config(None, small + ["eval.max_response_length=1000"]), ONE_GPU)
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    _checkpoint_dir(tmp_path, max_positions=4096)
     with pytest.raises(ConfigError, match=r"= 22528 tokens exceed the model's max_position_embeddings = 4096"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
 
 
 def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    _checkpoint_dir(tmp_path, max_positions=131072)
     no_eval = [
         f"model.hf_path={tmp_path}",
         "data.eval_path=",
@@ -467,7 +477,7 @@ def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):
 
 
 def test_check_runnable_reads_the_data_files_footers(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    _checkpoint_dir(tmp_path, max_positions=131072)
     empty, rows = tmp_path / "empty.parquet", tmp_path / "rows.parquet"
     empty.write_bytes(b"")
     write_parquet_rows(synthetic_arithmetic_rows(3), str(rows))

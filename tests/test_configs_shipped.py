@@ -10,6 +10,7 @@ import pytest
 
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
+from model.hf_adapter import hf_config_from_args
 from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION
 from trainer.machine import Machine
@@ -105,7 +106,10 @@ def test_recipe_placeholders_pass_dry_run_but_not_training(tmp_path):
     cfg = load("dapo_32b.toml")  # loading is what --dry-run does: it must succeed
     with pytest.raises(ConfigError, match=r"model\.hf_path is not set: set model\.hf_path"):
         check_runnable(cfg, GPU_NODE)
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    # What check_runnable reads of a checkpoint folder: a Qwen2 config.json and the presence of tokenizer.json.
+    args = PRESETS["qwen2.5-32b"]
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args)))
+    (tmp_path / "tokenizer.json").write_text("{}")
     cfg.model.hf_path = str(tmp_path)
     with pytest.raises(ConfigError, match=r"data\.train_path is not set: set data\.train_path"):
         check_runnable(cfg, GPU_NODE)

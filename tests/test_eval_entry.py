@@ -15,6 +15,7 @@ import torch
 
 import eval as eval_command
 import trainer.evaluation as evaluation
+from config import ConfigError
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -373,7 +374,7 @@ def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_pat
         report.pop("time_s")
     assert first == second and first["sampling"]["temperature"] == 0.0
     assert first["sampling"]["top_p"] == 1.0 and first["sampling"]["top_k"] == -1  # no filter shown that is unused
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(ConfigError, match="nowhere"):
         eval_command.main(["--model", str(tmp_path / "nowhere"), "--data", "synthetic"])
     with pytest.raises(SystemExit) as exit_info:
         eval_command.run_cli(["--model", str(checkpoint), "--data", "synthetic", "--eval.greedy=true", "--eval.k=4"])

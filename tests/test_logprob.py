@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from numerics import assert_close_to_float64
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -33,11 +34,16 @@ def _run(fn, hidden, weight, targets, upstream, **kw):
 
 
 def _assert_within(actual, expected, tol, what):
-    """max |a - e| <= tol * max(1, max |e|): a normwise bound, since fp32 rounding of values of size
-    ~10 is itself ~1e-6 in absolute terms, in the naive computation as much as in the chunked one."""
+    """max |a - e| <= tol * max(1, max |e|): a normwise bound. Used in float64 only, with tol = 1e-12: the values
+    are sums of at most V = 300 products of size <= ~10, whose float64 rounding is <= 300 * eps64 * 10 = 7e-13."""
     err = (actual.double() - expected.double()).abs().max().item()
     scale = max(1.0, expected.double().abs().max().item())
     assert err <= tol * scale, f"{what}: max abs error {err:.3g} exceeds {tol:g} x {scale:.3g}"
+
+
+def _float64(args):
+    """The same inputs in float64 (a lower-precision input's values exactly), for the reference's float64 value."""
+    return tuple(a.detach().double().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args)
 
 
 # N = 48 tokens: chunk 16 divides it, 7 and 13 do not, 1 is the extreme, 100 exceeds N (one chunk).
@@ -49,9 +55,10 @@ def test_chunked_matches_naive_fp32(chunk_size, temperature, entropy_grad):
     kw = dict(temperature=temperature, entropy_grad=entropy_grad)
     got = _run(token_logprobs, *args, chunk_size=chunk_size, **kw)
     want = _run(naive_token_logprobs, *args, **kw)
+    want64 = _run(naive_token_logprobs, *_float64(args), **kw)
     for key in want:
         assert got[key].dtype == torch.float32
-        _assert_within(got[key], want[key], 1e-6, key)
+        assert_close_to_float64(got[key], want[key], want64[key], key)
 
 
 @pytest.mark.parametrize("chunk_size", [5, 48])
@@ -67,6 +74,8 @@ def test_chunked_matches_naive_fp64_to_rounding(chunk_size, entropy_grad):
 
 
 def test_hand_computed_values():
+    # fp32 log-softmax over 3 logits of size <= 1.1: a few roundings of values <= 2, within 8 ulps (eps32 * 8 =
+    # 1e-6) of the exact value.
     # h = [1], W = [[0], [ln 2], [ln 3]]: logits (0, ln 2, ln 3), p = (1/6, 2/6, 3/6).
     hidden = torch.tensor([[1.0]])
     weight = torch.tensor([[0.0], [math.log(2.0)], [math.log(3.0)]])
@@ -103,18 +112,20 @@ def test_frozen_head_gets_no_gradient():
     logp, _ = token_logprobs(hidden, weight, targets, chunk_size=7)
     (grad_h,) = torch.autograd.grad(logp.sum(), hidden)
     (want,) = torch.autograd.grad(naive_token_logprobs(hidden, weight, targets)[0].sum(), hidden)
-    _assert_within(grad_h, want, 1e-6, "grad_hidden")
+    hidden64, weight64 = _float64((hidden, weight))
+    (want64,) = torch.autograd.grad(naive_token_logprobs(hidden64, weight64, targets)[0].sum(), hidden64)
+    assert_close_to_float64(grad_h, want, want64, "grad_hidden")
 
 
 def test_bf16_inputs_follow_naive_bf16():
     args = _inputs(dtype=torch.bfloat16)
     got = _run(token_logprobs, *args, chunk_size=7, entropy_grad=True)
     want = _run(naive_token_logprobs, *args, entropy_grad=True)
+    want64 = _run(naive_token_logprobs, *_float64(args), entropy_grad=True)
     assert got["logp"].dtype == torch.float32 and got["grad_weight"].dtype == torch.bfloat16
-    # Same bf16 logits, fp32 softmax: values agree closely; bf16 gradients to bf16 resolution.
-    _assert_within(got["logp"], want["logp"], 1e-6, "logp")
-    _assert_within(got["grad_hidden"], want["grad_hidden"], 1e-2, "grad_hidden")
-    _assert_within(got["grad_weight"], want["grad_weight"], 1e-2, "grad_weight")
+    # Same bf16 logits, fp32 softmax; bf16 gradients: each within the naive bf16 computation's own rounding.
+    for key in ("logp", "grad_hidden", "grad_weight"):
+        assert_close_to_float64(got[key], want[key], want64[key], key)
 
 
 class _LargestTensor(TorchDispatchMode):

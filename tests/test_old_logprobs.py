@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from dist_utils import OneProcess
+from numerics import assert_close_to_float64
 
 from config import Config
 from model.args import PRESETS
@@ -16,7 +17,13 @@ from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
 from trainer.packing import pack_micro_batches
 from trainer.scoring import Sample
-from trainer.update import TrainPhase, fill_old_logprobs, old_logprob_source, pack_items_for_groups
+from trainer.update import (
+    ROLLOUT_LOGP_TOLERANCE,
+    TrainPhase,
+    fill_old_logprobs,
+    old_logprob_source,
+    pack_items_for_groups,
+)
 
 ARGS = PRESETS["tiny"]
 MAX_RESPONSE = 8
@@ -119,20 +126,42 @@ def _train(model, groups, cfg):
     return stats, optimizer.grads
 
 
+def _sample_logprobs(model, groups) -> torch.Tensor:
+    """log pi(token) of every sampled token, each sample run alone through `model` (in its dtype)."""
+    out = []
+    with torch.no_grad():
+        for group in groups:
+            for s in group.payload:
+                ids = torch.tensor([s.example.prompt_ids + s.response_ids])
+                logits = model(ids)[0, len(s.example.prompt_ids) - 1 : -1]
+                logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+                out.append(logp.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1))
+    return torch.cat(out)
+
+
 def test_the_engine_log_probs_as_pi_old_leave_the_step_unchanged():
     model = build_model(ARGS, seed=0)
     groups = _engine_groups(model)
     recompute = _train(model, groups, _config(**FP32_TORCH, algorithm__old_logprobs="recompute"))
     rollout = _train(model, groups, _config(**FP32_TORCH))  # auto: the engine's log-probs
+    recompute64 = _train(model.double(), groups, _config(**FP32_TORCH, algorithm__old_logprobs="recompute"))
     assert rollout[0]["updates"] == recompute[0]["updates"] == 2
+    # The engine's log-probs are the trainer's within fp32 rounding, and so is every number of the step: each
+    # measured against the trainer in float64 (tests/numerics.py).
+    engine = torch.tensor([lp for group in groups for s in group.payload for lp in s.rollout_logprobs])
+    trainer, trainer64 = _sample_logprobs(model.float(), groups), _sample_logprobs(model.double(), groups)
+    assert_close_to_float64(engine, trainer, trainer64, "engine log-probs")
     for key in ("loss", "pg_clipfrac", "ppo_kl", "entropy", "grad_norm"):
-        assert rollout[0][key] == pytest.approx(recompute[0][key], abs=1e-5), key
-    for got, want in zip(rollout[1], recompute[1]):  # every update's gradients
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    # The mismatch is still measured (on the first mini-batch's loss pass) and agrees with the recompute.
-    assert 0 <= rollout[0]["mismatch/max_abs_logp"] < 1e-5
-    assert 0 <= recompute[0]["mismatch/max_abs_logp"] < 1e-5
+        values = [
+            torch.tensor(run[0][key], dtype=dtype)
+            for run, dtype in ((rollout, torch.float32), (recompute, torch.float32), (recompute64, torch.float64))
+        ]
+        assert_close_to_float64(*values, key)
+    flat = [[g for update in run[1] for g in update] for run in (rollout, recompute, recompute64)]  # every update's
+    assert_close_to_float64(*flat, "gradients")
+    # The mismatch is still measured (on the first mini-batch's loss pass), below the trainer's own threshold.
+    assert 0 <= rollout[0]["mismatch/max_abs_logp"] < ROLLOUT_LOGP_TOLERANCE
+    assert 0 <= recompute[0]["mismatch/max_abs_logp"] < ROLLOUT_LOGP_TOLERANCE
 
 
 def test_carried_over_samples_and_inexact_log_probs_are_recomputed():

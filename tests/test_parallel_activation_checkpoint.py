@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from numerics import assert_close_to_float64
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.args import PRESETS
@@ -42,9 +43,9 @@ def _batch():
     return tokens, positions, docs
 
 
-def _run(mode="none", selective="op", compile_backend=None):
+def _run(mode="none", selective="op", compile_backend=None, dtype=torch.float32):
     """Gradients and backward op counts of one forward/backward with the given checkpointing."""
-    model = build_model(ARGS, seed=0)
+    model = build_model(ARGS, seed=0).to(dtype)
     apply_ac(model, mode, selective=selective)
     if compile_backend:
         apply_compile(model, backend=compile_backend)
@@ -69,6 +70,19 @@ def baseline():
     return _run("none")
 
 
+@pytest.fixture(scope="module")
+def baseline64():
+    return _run("none", dtype=torch.float64)[1]
+
+
+def _assert_same_gradients(grads, base_grads, base_grads64, what):
+    """Recomputation runs the same forward again: gradients equal within fp32 rounding (tests/numerics.py)."""
+    names = list(base_grads)
+    assert_close_to_float64(
+        [grads[n] for n in names], [base_grads[n] for n in names], [base_grads64[n] for n in names], what
+    )
+
+
 @pytest.mark.parametrize(
     "mode,selective,rerun_blocks",
     [
@@ -78,7 +92,7 @@ def baseline():
         ("selective", 1, 4),  # every block: the same as full
     ],
 )
-def test_checkpointing_keeps_gradients_and_recomputes_as_intended(baseline, mode, selective, rerun_blocks):
+def test_checkpointing_keeps_gradients_and_recomputes_as_intended(baseline, baseline64, mode, selective, rerun_blocks):
     base_model, base_grads, base_counts = baseline
     model, grads, counts = _run(mode, selective)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in base_model.named_parameters()]
@@ -87,7 +101,7 @@ def test_checkpointing_keeps_gradients_and_recomputes_as_intended(baseline, mode
         f"AC {mode}/{selective}: max grad error {error:.3g}; backward matmuls {_matmuls(counts)} "
         f"vs {_matmuls(base_counts)} without AC; silu {counts['silu']} vs {base_counts['silu']}"
     )
-    assert error < 1e-6
+    _assert_same_gradients(grads, base_grads, baseline64, f"AC {mode}/{selective}")
     assert _matmuls(counts) == _matmuls(base_counts) + rerun_blocks * MM_PER_BLOCK
     # SwiGLU's forward silu runs again in every checkpointed block (the backward itself uses silu_backward).
     checkpointed = ARGS.num_layers if (mode == "full" or selective == "op") else rerun_blocks
@@ -103,12 +117,12 @@ def test_selective_op_policy_saves_matmuls_but_not_elementwise(baseline):
 
 
 @pytest.mark.parametrize("mode,selective", [("full", "op"), ("selective", "op")])
-def test_checkpointing_under_compile_matches(baseline, mode, selective):
+def test_checkpointing_under_compile_matches(baseline, baseline64, mode, selective):
     _, base_grads, _ = baseline
     _, grads, _ = _run(mode, selective, compile_backend="aot_eager")
     error = max((grads[n] - base_grads[n]).abs().max().item() for n in grads)
     print(f"AC {mode}/{selective} + compile: max grad error {error:.3g}")
-    assert error < 1e-6
+    _assert_same_gradients(grads, base_grads, baseline64, f"AC {mode}/{selective} + compile")
 
 
 def test_bad_options_are_refused():

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from numerics import assert_close_to_float64
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -41,8 +42,13 @@ def _grads(fn, hidden, weight, targets, g_logp, g_ent, entropy_grad):
     return logp.detach(), ent.detach(), gh, gw
 
 
-def _reference(dtype, entropy_grad):
-    hidden, weight, targets, g_logp, g_ent = _inputs(dtype)
+def _reference(dtype, entropy_grad, compute_dtype=None):
+    """The single-device values and gradients for the inputs of `dtype`, computed in `compute_dtype` (default:
+    the same dtype; float64 for the float64 value of fp32 inputs)."""
+    inputs = _inputs(dtype)
+    hidden, weight, targets, g_logp, g_ent = (
+        t.to(compute_dtype or dtype) if t.is_floating_point() else t for t in inputs
+    )
 
     def fn(h, w, t, eg):
         return naive_token_logprobs(h, w, t, temperature=0.7, entropy_grad=eg)
@@ -117,15 +123,19 @@ def sharded_results():
 
 
 @pytest.mark.parametrize("form", ["plain", "dtensor"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_vocab_parallel_matches_single_device(sharded_results, form, dtype, tol, entropy_grad):
+def test_vocab_parallel_matches_single_device(sharded_results, form, dtype, entropy_grad):
     ref = _reference(dtype, entropy_grad)
     for rank, results in enumerate(sharded_results):
         got = results[(form, dtype, entropy_grad)]
         errors = [(a - b).abs().max().item() for a, b in zip(got, ref)]
         print(f"{form} {dtype} entropy_grad={entropy_grad} rank {rank}: max |err| logp, entropy, dh, dW = {errors}")
-        assert max(errors) < tol, errors
+        if dtype == torch.float64:
+            # Sums of at most V = 32 terms of size < 10 (H = 8 products each): float64 rounding < 1e-13.
+            assert max(errors) < 1e-12, errors
+        else:  # within fp32 rounding, measured against the reference in float64 (tests/numerics.py)
+            assert_close_to_float64(got, ref, _reference(dtype, entropy_grad, torch.float64), f"{form} rank {rank}")
     assert ref[2].abs().max() > 1e-2 and ref[3].abs().max() > 1e-2  # gradients are not trivially zero
 
 

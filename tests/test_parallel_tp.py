@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_ranks
+from numerics import assert_close_to_float64
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from model.args import PRESETS
@@ -72,11 +73,13 @@ def test_plan_placements(results, preset):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
 def test_vocab_sharded_logits_equal_single_process(results, preset):
     (tokens, positions, docs), ranks = results
-    ref = build_model(PRESETS[preset], seed=0)(tokens, positions, docs)
+    ref = build_model(PRESETS[preset], seed=0)(tokens, positions, docs).detach()
+    ref64 = build_model(PRESETS[preset], seed=0).double()(tokens, positions, docs).detach()
     for out in ranks:
         error = (out[preset, "logits"] - ref).abs().max().item()
         print(f"TP=2 {preset} logits (packed rows): max error {error:.3g}")
-        assert error < 1e-5
+        # Within fp32 rounding, measured against the single process in float64 (tests/numerics.py).
+        assert_close_to_float64(out[preset, "logits"], ref, ref64, f"TP=2 {preset} logits")
     assert ranks[0]["tiny", "logits placement"] == Shard(2) and ranks[0]["tiny", "local vocab"] == 128
 
 

@@ -35,7 +35,7 @@ def test_deduplicates_and_counts_skipped_rows():
     rows = [_row("a"), _row("a"), _row("b"), {"prompt": [{"role": "user", "content": "c"}]}, _row("a")]
     examples, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=10)
     assert [e.messages[0]["content"] for e in examples] == ["a", "b"]
-    assert (stats.rows, stats.duplicates, stats.missing_fields) == (5, 2, 1)
+    assert (stats.rows, stats.duplicates, stats.skipped_rows) == (5, 2, 1)
     assert "row 3" in stats.first_problem and "ground_truth" in stats.first_problem
 
 
@@ -43,7 +43,7 @@ def test_a_role_the_chat_template_does_not_know_skips_the_row_and_names_it():
     odd = _row("b")
     odd["prompt"] = [{"role": "human", "content": "b"}]
     examples, stats = rows_to_examples([_row("a"), odd], CharTokenizer(), max_prompt_length=10)
-    assert [e.messages[0]["content"] for e in examples] == ["a"] and stats.missing_fields == 1
+    assert [e.messages[0]["content"] for e in examples] == ["a"] and stats.skipped_rows == 1
     assert (
         stats.first_problem
         == "row 1: a 'prompt' message has role 'human'; the chat template knows system, user, assistant"

@@ -14,6 +14,7 @@ from model.hf import load_hf
 from model.qwen2 import build_model
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
+from trainer.update import ROLLOUT_LOGP_TOLERANCE
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -66,8 +67,10 @@ def assert_trained(run_dir, steps):
         for key in ("loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl", "reward/mean", "token_prob/mean"):
             assert row[key] is not None and torch.isfinite(torch.tensor(row[key])), (key, row)
         assert row["groups/in_batch"] == 4 and row["grad_norm"] > 0
-        # The engine's log-probs of the sampled tokens equal the trainer's (both fp32 here).
-        assert row["mismatch/max_abs_logp"] < 1e-4
+        # The engine's log-probs of the sampled tokens are the trainer's (both fp32 here): the gap stays below the
+        # threshold at which the trainer stops taking them as pi_old. That the gap is fp32 rounding is checked
+        # against float64 in tests/test_old_logprobs.py and tests/test_rollout_torch_engine.py.
+        assert row["mismatch/max_abs_logp"] < ROLLOUT_LOGP_TOLERANCE
     initial = build_model(get_preset("demo"), seed=0)
     exported = load_hf(os.path.join(run_dir, "run", "hf"))
     changed = [n for n, p in exported.named_parameters() if not torch.equal(p, initial.get_parameter(n))]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from rl.data import PromptExample
 from rl.filter import ScoredGroup
+from rl.prompt_row import GroundTruth
 from rl.reward import compute_score, overlong_penalty
 
 
@@ -60,7 +61,12 @@ def response_text(tokenizer, token_ids: Sequence[int], stop_ids: Collection[int]
 
 
 def rule_score(
-    tokenizer, token_ids: Sequence[int], ground_truth: str, *, stop_ids: Collection[int] = (), strict_box: bool = False
+    tokenizer,
+    token_ids: Sequence[int],
+    ground_truth: GroundTruth,
+    *,
+    stop_ids: Collection[int] = (),
+    strict_box: bool = False,
 ) -> dict:
     """compute_score (rl/reward.py) of a completion's `response_text`: {"score", "acc", "pred"}."""
     return compute_score(response_text(tokenizer, token_ids, stop_ids), ground_truth, strict_box=strict_box)

@@ -150,7 +150,7 @@ def fill_old_logprobs(
             mb.old_logp = mb.rollout_logp.float()
             continue
         logp, _ = micro_batch_logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=False)
-        mb.old_logp = logp.float()
+        mb.old_logp = logp  # in the log-probs' statistics dtype: fp32, or fp64 for a float64 model
         recomputed.append(mb)
     return recomputed
 

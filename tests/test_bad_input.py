@@ -1,0 +1,289 @@
+"""Bad input to train.py and eval.py ends with one line naming the file and the problem and exit code 2, alike in
+both commands: a damaged Hugging Face checkpoint (built with transformers' save_pretrained, then damaged), a
+TOML file or a parquet string that is not UTF-8, a directory given as a data file. A bug is not bad input: it
+keeps its traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import eval as eval_command
+import train
+from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
+from rl.data import DataError, read_parquet_rows, synthetic_arithmetic_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The demo recipe shrunk to one tiny step with no evaluation and no warm-up (nothing here gets that far).
+SMALL = [
+    "--training.steps=1",
+    "--training.train_batch_size=2",
+    "--training.mini_batch_size=2",
+    "--training.sft_warmup_steps=0",
+    "--rollout.n=2",
+    "--data.max_prompt_length=256",
+    "--data.synthetic_num_train=16",
+    "--rollout.max_response_length=8",
+    "--eval.max_response_length=8",
+    "--algorithm.overlong_buffer=4",
+    "--training.micro_batch_tokens=512",
+    "--algorithm.dynamic_sampling=false",
+    "--eval.interval=0",
+    "--eval.at_start=false",
+    "--eval.at_end=false",
+    "--data.eval_path=",
+    "--metrics.plot=false",
+    "--metrics.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny Qwen2 checkpoint written by transformers itself, with a tokenizer for its vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("hf") / "good"
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(str(folder))
+    rows = synthetic_arithmetic_rows(40, split="train", seed=0)
+    texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
+    train_bpe_tokenizer(texts, 512).save(str(folder))
+    return folder
+
+
+def _edit_config(folder, change):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+def _misshape(folder):
+    from safetensors.torch import load_file, save_file
+
+    path = str(folder / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:32].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _truncate(folder):
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# kind: (damage, the message after "checkpoint error: ", where {ckpt} is the damaged folder)
+DAMAGE = {
+    "no-hidden-size": (
+        lambda f: _edit_config(f, lambda c: c.pop("hidden_size")),
+        "{ckpt}/config.json lacks required keys: hidden_size",
+    ),
+    "size-as-text": (
+        lambda f: _edit_config(f, lambda c: c.update(hidden_size="64")),
+        "{ckpt}/config.json has hidden_size = '64'; it must be a positive integer",
+    ),
+    "invalid-json": (
+        lambda f: (f / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64,'),
+        "{ckpt}/config.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 43",
+    ),
+    "other-model-type": (
+        lambda f: _edit_config(f, lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])),
+        "{ckpt}/config.json has model_type 'llama'; expected 'qwen2'",
+    ),
+    "truncated-safetensors": (
+        _truncate,
+        "{ckpt}/model.safetensors is not a readable safetensors file (Error while deserializing header: "
+        "incomplete metadata, file not fully covered): it is damaged or was not copied whole",
+    ),
+    "truncated-tokenizer": (
+        lambda f: (f / "tokenizer.json").write_bytes((f / "tokenizer.json").read_bytes()[:100]),
+        "{ckpt}/tokenizer.json is not a readable tokenizer (",
+    ),
+    "misshaped-tensor": (
+        _misshape,
+        "checkpoint {ckpt} does not match the model: wrong shapes (1): model.norm.weight is (32,) but the "
+        "model needs (64,)",
+    ),
+}
+
+
+def _damaged(hf_checkpoint, tmp_path, kind):
+    import shutil
+
+    folder = tmp_path / kind
+    shutil.copytree(hf_checkpoint, folder)
+    damage, message = DAMAGE[kind]
+    damage(folder)
+    return folder, message.format(ckpt=folder)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_the_undamaged_checkpoint_is_accepted(hf_checkpoint):
+    from model.hf import load_hf
+
+    assert load_hf(str(hf_checkpoint)).args.hidden_size == 64  # the damage below is what each test refuses
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_train_refuses_a_damaged_hf_checkpoint_in_one_line(kind, hf_checkpoint, tmp_path, capsys):
+    folder, message = _damaged(hf_checkpoint, tmp_path, kind)
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={folder}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
+    assert info.value.code == 2
+    assert _one_line(capsys).startswith(f"checkpoint error: {message}")
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_eval_refuses_a_damaged_hf_checkpoint_in_one_line(kind, hf_checkpoint, tmp_path, capsys):
+    folder, message = _damaged(hf_checkpoint, tmp_path, kind)
+    argv = ["--model", str(folder), "--data", "synthetic", "--data.synthetic_num_eval=2", "--metrics.progress=false"]
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(argv)
+    assert info.value.code == 2
+    assert _one_line(capsys).startswith(f"eval.py: checkpoint error: {message}")
+
+
+def _run(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_scripts_print_no_traceback_for_a_truncated_checkpoint(hf_checkpoint, tmp_path):
+    folder, message = _damaged(hf_checkpoint, tmp_path, "truncated-safetensors")
+    proc = _run(
+        "train.py", "--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={folder}",
+        f"--job.run_dir={tmp_path / 'runs'}", *SMALL,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"checkpoint error: {message}")
+    proc = _run("eval.py", "--model", str(folder), "--data", "synthetic", "--metrics.progress=false")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"eval.py: checkpoint error: {message}")
+
+
+def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_in_both_commands(hf_checkpoint, tmp_path, capsys):
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--model.tokenizer_path={empty}", f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"configuration error: model.tokenizer_path = '{empty}' holds no tokenizer.json: set model.tokenizer_path "
+        "to the folder that holds the checkpoint's tokenizer"
+    )
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--tokenizer", str(empty), "--data", "synthetic"])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"eval.py: configuration error: --tokenizer {empty}: no tokenizer.json there; pass the folder that holds it"
+    )
+
+
+# ------------------------------------------------------------------------------------------ bugs keep tracebacks
+
+
+def test_a_value_error_from_a_bug_keeps_its_traceback_in_both_commands(hf_checkpoint, tmp_path, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(eval_command, "load_eval_set", bug)
+    with pytest.raises(ValueError, match="a bug, not bad input"):  # propagates: exit 1 with its traceback
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--data", "synthetic", "--metrics.progress=false"])
+    monkeypatch.setattr(train, "build", bug)
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(ValueError, match="a bug, not bad input"):
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
+
+
+# ------------------------------------------------------------------------------------------ text that is not UTF-8
+
+
+def test_a_toml_file_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path, capsys):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(
+        b'base = "%s"\n[job]\n# caf\xe9\nname = "x"\n' % os.path.join(ROOT, "configs/demo_cpu.toml").encode()
+    )
+    expected = f"configuration error: {path}: not UTF-8 text (byte 0xe9 at line 3): save the file as UTF-8"
+    with pytest.raises(SystemExit) as info:
+        train.run_cli(["--config", str(path), "--dry-run"])
+    assert info.value.code == 2 and _one_line(capsys) == expected
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--config", str(path), "--model", "x"])
+    assert info.value.code == 2 and _one_line(capsys) == f"eval.py: {expected}"
+
+
+def _prompt_file_with_undecodable_content(path, rows: int, bad_row: int):
+    """A DAPO-schema parquet file whose prompt content in `bad_row` holds Latin-1 bytes in a string column."""
+    contents = [f"What is {i} + 1?".encode() for i in range(rows)]
+    contents[bad_row] = "Caf\u00e9 au lait: 3 + 1?".encode("latin-1")
+    content = pa.array(contents, pa.binary()).view(pa.string())  # a string column, its bytes unchecked
+    messages = pa.StructArray.from_arrays([pa.array(["user"] * rows), content], names=["role", "content"])
+    prompt = pa.ListArray.from_arrays(pa.array(range(rows + 1), pa.int32()), messages)
+    reward_model = pa.array([{"style": "rule", "ground_truth": str(i + 1)} for i in range(rows)])
+    pq.write_table(pa.table({"data_source": ["s"] * rows, "prompt": prompt, "reward_model": reward_model}), str(path))
+
+
+def test_a_parquet_string_that_is_not_utf8_names_the_file_column_and_row(tmp_path):
+    path = tmp_path / "latin1.parquet"
+    _prompt_file_with_undecodable_content(path, rows=1000, bad_row=637)
+    with pytest.raises(DataError) as info:
+        read_parquet_rows(str(path))
+    assert str(info.value) == (
+        f"{path}: column 'prompt', row 637 holds a string that is not UTF-8 (invalid continuation byte): parquet "
+        "strings are UTF-8; write the file again with its text encoded as UTF-8"
+    )
+
+
+def test_both_commands_refuse_a_parquet_string_that_is_not_utf8_in_one_line(hf_checkpoint, tmp_path, capsys):
+    path = tmp_path / "latin1.parquet"
+    _prompt_file_with_undecodable_content(path, rows=4, bad_row=2)
+    expected = f"data error: {path}: column 'prompt', row 2 holds a string that is not UTF-8"
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL, f"--data.train_path={path}"])
+    assert info.value.code == 2 and _one_line(capsys).startswith(expected)
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--data", str(path), "--metrics.progress=false"])
+    assert info.value.code == 2 and _one_line(capsys).startswith(f"eval.py: {expected}")
+
+
+# ------------------------------------------------------------------------------------------ a directory as a file
+
+
+def test_a_directory_given_as_a_data_file_is_named_as_a_directory(hf_checkpoint, tmp_path, capsys):
+    folder = tmp_path / "dapo-math-17k"
+    folder.mkdir()
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL, f"--data.train_path={folder}"])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"configuration error: data.train_path = '{folder}' is a directory, not a file: set data.train_path to a "
+        "parquet file in the DAPO-Math-17k schema, or to 'synthetic'"
+    )
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--data", str(folder), "--metrics.progress=false"])
+    assert info.value.code == 2 and _one_line(capsys) == (
+        f"eval.py: data error: {folder} is a directory; a prompt set is one parquet file in the DAPO-Math-17k schema"
+    )
