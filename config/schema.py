@@ -74,9 +74,8 @@ class JobConfig:
     name: str = _folder_name("dapo")  # run name; the run's folder is run_dir/name
     run_dir: str = bounded("runs", bool, "must not be empty")  # root folder holding one folder per run
     seed: int = at_least(0, 0)  # seed for model initialisation and sampling
-    # intra-op threads of each process; 0 = torch's default, or with parallelism.cpu_offload the node's cores
-    # divided by its processes (torchrun sets 1 thread): trainer/threads.py
-    cpu_threads: int = at_least(0, 0, " (0 = automatic)")
+    # 0: torch's default (1 under torchrun), or with parallelism.cpu_offload the node's cores / its processes
+    cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (trainer/threads.py)
 
     @property
     def run_path(self) -> str:
