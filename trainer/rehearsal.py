@@ -257,13 +257,14 @@ class _Phases:
         opt, alg = cfg.optimizer, cfg.algorithm
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
         optimizer = torch.optim.AdamW(
             policy.parameters(),
             lr=opt.lr,
             betas=tuple(opt.betas),
             eps=opt.eps,
             weight_decay=opt.weight_decay,
-            foreach=not cfg.parallelism.cpu_offload,
+            foreach=not ledger.offload,
         )
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
