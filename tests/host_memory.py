@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
 
 def _status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -34,3 +36,12 @@ def reset_peak() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return rss()
+
+
+def return_freed_memory_at_once(threshold: int = 128 << 10) -> None:
+    """Make glibc serve every allocation of `threshold` bytes or more with its own mapping, returned to the
+    kernel when freed. By default the threshold adapts (up to 32 MB) to the blocks a process frees, and
+    freed tensors below it stay in the heap, resident: on a CPU rank the resident set then follows the
+    allocator's history, not the tensors alive. For measurements of what a process holds."""
+    if not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold):
+        raise OSError("mallopt(M_MMAP_THRESHOLD) failed")

@@ -13,10 +13,10 @@ from torch.distributed.tensor import DTensor
 from config import load_config
 from model.args import ModelArgs
 from model.hf import CheckpointError, load_hf, save_hf
-from model.hf_adapter import hf_config_from_args
 from model.qwen2 import build_model
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak
+from tests.qwen2_checkpoint import write_qwen2_checkpoint
 from trainer.setup import build_sharded_policy
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -45,19 +45,8 @@ SLACK = 4 * MiB
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """A bf16 checkpoint written by transformers' save_pretrained in 40 MB files (6 files and an index)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     path = str(tmp_path_factory.mktemp("qwen2-bf16"))
-    config = hf_config_from_args(ARGS, dtype=STORED)
-    with torch.device("meta"):
-        hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "architectures"}))
-    hf = hf.to_empty(device="cpu").to(STORED)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in hf.parameters():  # every tensor random, biases and norms too, so a misplaced row shows
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    hf.save_pretrained(path, max_shard_size="40MB")
-    del hf
+    write_qwen2_checkpoint(path, ARGS, dtype=STORED, max_shard_size="40MB")
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     return path
