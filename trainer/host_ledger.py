@@ -183,10 +183,11 @@ def host_facts(cfg, policy, args) -> HostFacts:
     from model.args import num_params
     from model.hf_adapter import DTYPES
     from parallel.hf_load import load_transient_bytes
+    from trainer.disk_needs import checkpoint_dtype_and_bytes
 
     reh, offload = cfg.rehearse, cfg.parallelism.cpu_offload
     process = int(reh.host_process_gb * GB)
-    stored, checkpoint_bytes = _checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
+    stored, checkpoint_bytes = checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in policy.parameters()]
     engine_dtype_bytes = DTYPES[cfg.rollout.dtype].itemsize
     pinned = sum(pinned_block_bytes(t.numel() * t.element_size()) for t in shards) if offload else 0
@@ -204,22 +205,3 @@ def host_facts(cfg, policy, args) -> HostFacts:
         engines_per_node=max(1, ranks_per_node // cfg.rollout.tp_size) if sglang else 0,
         checkpoint_bytes=checkpoint_bytes or num_params(args) * stored.itemsize,
     )
-
-
-def _checkpoint_dtype_and_bytes(hf_path: str, args):
-    """(stored dtype, bytes on disk) of the checkpoint at hf_path; (bfloat16, 0) without one: Qwen2.5's
-    releases are stored in bf16."""
-    import os
-
-    import torch
-
-    if not hf_path:
-        return torch.bfloat16, 0
-    from safetensors import safe_open
-
-    from model.hf import checkpoint_layout
-
-    layout = checkpoint_layout(hf_path, args)
-    with safe_open(layout.files["model.embed_tokens.weight"], framework="pt") as f:
-        dtype = f.get_slice("model.embed_tokens.weight")[:0].dtype  # reads no data
-    return dtype, sum(os.path.getsize(file) for file in set(layout.files.values()))

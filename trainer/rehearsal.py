@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from model.args import ModelArgs, get_preset, num_params
+from trainer.disk_needs import run_disk_bytes
 from trainer.host_ledger import HostLedger, host_facts
 from trainer.memory_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 
@@ -488,7 +489,14 @@ def main(cfg) -> int:
     print(ledger.table())
     print("host memory per rank and per node (GB):")
     print(host.table())
+    disk = run_disk_bytes(cfg, rehearsal_args(cfg))
+    print(
+        f"disk: checkpoint in {disk['checkpoint_in'] / GB:.1f} GB; a training checkpoint "
+        f"{disk['training_checkpoint'] / GB:.1f} GB, {disk['training_checkpoints_at_once'] / GB:.1f} GB at most at "
+        f"once; HF export {disk['hf_export'] / GB:.1f} GB; total {disk['total'] / GB:.1f} GB"
+    )
     result = {"rehearsal": ledger.to_dict(), "host": host.to_dict(), "world_size": reh.world_size}
+    result["disk_gb"] = {k: round(v / GB, 3) for k, v in disk.items()}
     print(json.dumps({**result, "fits": failure is None, "failure": failure}))
     if failure:
         print(f"does not fit: {failure}", file=sys.stderr)
