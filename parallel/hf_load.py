@@ -18,7 +18,7 @@ Why a file is opened per tensor: safetensors maps the whole file (torch.UntypedS
 every page a read touches stays resident in the process until the mapping is released, that is until the
 handle and every view of it are gone. Kept open for all the tensors of a 4 GB file, a rank slicing columns
 (TP's row-wise layers: each row of the tensor is touched) would hold most of the file. Opening costs one
-header parse (a few hundred KB of JSON for the largest files).
+header parse (a few KB of JSON).
 
 torch.distributed.checkpoint's HuggingFaceStorageReader does the same slicing (`get_slice` per read item,
 offsets from the same DTensor function), but holds each file open while it serves all the file's reads, needs
@@ -61,7 +61,6 @@ def _read(file: str, name: str, region: Region) -> torch.Tensor:
         return f.get_slice(name)[region]
 
 
-@torch.no_grad()
 def _fill(local: torch.Tensor, part: torch.Tensor) -> None:
     if local.device.type != "cpu":
         part = part.to(local.device)  # in the stored dtype: the cast then runs on the device, not in host memory
@@ -82,6 +81,7 @@ def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
             raise tied_head_differs_error(path)
 
 
+@torch.no_grad()
 def load_hf_shards(model: nn.Module, path: str) -> None:
     """Fill `model`'s allocated parameters (after `to_empty`) from the HF checkpoint directory `path`; each
     rank reads only its own regions. Call on every rank; no collective is run.
