@@ -198,3 +198,28 @@ def test_sglang_keeps_nothing_released_in_host_memory_only_its_processes():
     gpu.record("release", {"params": 0}, 10**8)
     host = HostLedger.of(gpu.rows, 10**12, facts, offload=False)
     assert [r.node / GB for r in host.rows] == [8, 8 * 2 + 2 * 2, 8 * 2 + 2 * 2]
+
+
+def test_the_host_and_disk_figures_of_the_32b_and_7b_headers():
+    """dapo_32b.toml's and dapo_7b.toml's host-memory and disk comments, recomputed from the presets."""
+    from model.args import PRESETS, num_params
+    from model.hf_adapter import hf_shapes
+    from trainer.disk_needs import run_disk_bytes
+
+    args = PRESETS["qwen2.5-32b"]
+    shards = [-(-shape[0] // 8) * shape[1:].numel() * 4 for shape in hf_shapes(args).values()]
+    assert round(sum(shards) / GB, 1) == 16.4
+    assert round(sum(pinned_block_bytes(b) for b in shards) / GB, 1) == 29.5  # parameters, and gradients
+    assert round(2 * sum(shards) / GB, 1) == 32.8  # AdamW's moments
+    disk = run_disk_bytes(load_config(os.path.join(CONFIGS, "dapo_32b.toml")), args)
+    assert [round(disk[k] / GB, 1) for k in ("checkpoint_in", "training_checkpoint", "hf_export")] == [
+        65.5,
+        393.2,
+        131.1,
+    ]
+    assert round(disk["training_checkpoints_at_once"] / disk["training_checkpoint"]) == 3
+    assert round(disk["total"] / 1e12, 2) == 1.38
+    assert round(2 * num_params(args) / GB, 1) == 65.5
+    disk = run_disk_bytes(load_config(os.path.join(CONFIGS, "dapo_7b.toml")), PRESETS["qwen2.5-7b"])
+    assert [round(disk[k] / GB, 1) for k in ("checkpoint_in", "training_checkpoint", "hf_export")] == [15.2, 91.4, 30.5]
+    assert round(disk["total"] / GB) == 320

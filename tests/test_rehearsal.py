@@ -157,6 +157,9 @@ def test_dapo_32b_fits_8_gpus_of_80_gb(capsys):
     assert train.main(["--config", os.path.join(CONFIGS, "dapo_32b.toml"), "--rehearse"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["fits"] and result["world_size"] == 8 and result["rehearsal"]["gpu_gb"] == 80
+    host = result["host"]
+    assert host["ranks_per_node"] == 8 and host["peak_node_gb"] < 1000  # the host of every phase, load included
+    assert [p["phase"] for p in host["phases"]] == [p["phase"] for p in result["rehearsal"]["phases"]]
 
 
 @pytest.mark.multiprocess
