@@ -34,6 +34,7 @@ from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
 from trainer.loop import Trainer, build
 from trainer.run_folder import finished_run_report
 from trainer.signals import StopRequested
+from trainer.threads import set_intra_op_threads
 
 log = logging.getLogger("train")
 
@@ -59,8 +60,9 @@ def main(argv=None) -> int:
     trainer, finished = None, False
     try:
         torch.manual_seed(cfg.job.seed)
-        if cfg.job.cpu_threads:
-            torch.set_num_threads(cfg.job.cpu_threads)
+        threads, why = set_intra_op_threads(cfg.job.cpu_threads, cpu_offload=cfg.parallelism.cpu_offload)
+        if dist.is_main:
+            log.info("intra-op CPU threads per process: %d (%s)", threads, why)
         report = (
             finished_run_report(cfg.job.run_dir, cfg.job.name, cfg.training.steps)
             if cfg.checkpoint.resume and not cli.fresh

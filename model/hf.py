@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,7 +43,15 @@ from model.hf_adapter import (
 )
 from model.qwen2 import Qwen2
 
-__all__ = ["CheckpointError", "load_hf", "save_hf", "remove_model_files", "complete_hf_export"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointLayout",
+    "checkpoint_layout",
+    "load_hf",
+    "save_hf",
+    "remove_model_files",
+    "complete_hf_export",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -110,22 +119,26 @@ def _mismatch_report(where: str, missing, unexpected, misshaped) -> str:
     return f"{where} does not match the model: " + "; ".join(parts)
 
 
-def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
-    """Our Qwen2 from a HF checkpoint directory: config.json + model.safetensors, or shards + index.
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where each tensor of a checked HF checkpoint lives: {HF name: safetensors file} for every tensor the
+    model needs, and the file of a tied checkpoint's stored `lm_head.weight` (None when it stores none)."""
 
-    Every tensor is checked against the model first; all missing, unexpected and mis-shaped tensors
-    are reported in one `CheckpointError`. A tied checkpoint may also store `lm_head.weight` (some HF
-    versions write it): it is accepted only if it equals the embedding, and then dropped.
-    Old checkpoints' `rotary_emb.inv_freq` buffers are derived values and are skipped.
+    files: dict[str, str]
+    tied_head_file: str | None
+
+
+def checkpoint_layout(path: str, args: ModelArgs) -> CheckpointLayout:
+    """Check the checkpoint directory `path` against a model of `args`, reading only the files' headers.
+
+    All missing, unexpected and mis-shaped tensors are reported in one `CheckpointError`. A tied checkpoint
+    may also store `lm_head.weight` (some HF versions write it): its shape must be the embedding's; whoever
+    loads it checks that it equals the embedding and drops it. Old checkpoints' `rotary_emb.inv_freq`
+    buffers are derived values and are skipped.
     """
-    args = read_hf_config(path)
-    with torch.device("meta"):
-        model = Qwen2(args)
     want = hf_shapes(args)
-    files = _checkpoint_files(path)
-
     shapes, owner = {}, {}
-    for file, names in files.items():
+    for file, names in _checkpoint_files(path).items():
         with open_safetensors(file) as f:
             for name in names:
                 if name.endswith("rotary_emb.inv_freq"):
@@ -141,22 +154,42 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
         misshaped.append(("lm_head.weight", shapes["lm_head.weight"], want["model.embed_tokens.weight"]))
     if missing or unexpected or misshaped:
         raise CheckpointError(_mismatch_report(f"checkpoint {path}", missing, unexpected, misshaped))
+    return CheckpointLayout({n: owner[n] for n in want}, owner["lm_head.weight"] if tied_head else None)
+
+
+def tied_head_differs_error(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
+        "lm_head.weight that differs from model.embed_tokens.weight"
+    )
+
+
+def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
+    """Our Qwen2 from a HF checkpoint directory: config.json + model.safetensors, or shards + index.
+
+    The checkpoint is checked first (`checkpoint_layout`). A tied checkpoint's stored `lm_head.weight` is
+    accepted only if it equals the embedding, and then dropped. A sharded model reads only its own rows
+    instead (parallel/hf_load.py).
+    """
+    args = read_hf_config(path)
+    with torch.device("meta"):
+        model = Qwen2(args)
+    layout = checkpoint_layout(path, args)
 
     device = torch.device(device)
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    by_file: dict[str, list[str]] = {}
+    for name, file in layout.files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
         with open_safetensors(file, str(device)) as f:
-            for name in files[file]:
-                if name in want:
-                    state[from_hf_name(name)] = f.get_tensor(name).to(dtype)
-    if tied_head:
-        with open_safetensors(owner["lm_head.weight"], str(device)) as f:
+            for name in names:
+                state[from_hf_name(name)] = f.get_tensor(name).to(dtype)
+    if layout.tied_head_file:
+        with open_safetensors(layout.tied_head_file, str(device)) as f:
             head = f.get_tensor("lm_head.weight").to(dtype)
         if not torch.equal(head, state["embed_tokens.weight"]):
-            raise CheckpointError(
-                f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
-                "lm_head.weight that differs from model.embed_tokens.weight"
-            )
+            raise tied_head_differs_error(path)
         del head
     # assign=True makes the loaded tensors the parameters themselves: no second copy is allocated.
     model.load_state_dict(state, strict=True, assign=True)

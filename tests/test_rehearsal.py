@@ -55,7 +55,7 @@ def _measured(rank, world_size, cfg):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_ledger_matches_the_measured_peak_of_every_phase(world_size):
     cfg = small_config(world_size)
-    ledger, _ = rehearse(cfg)
+    ledger, _, _ = rehearse(cfg)
     predicted = {row.phase: row.trainer_peak for row in ledger.rows}
     measured = run_ranks(_measured, world_size, cfg)
     for rank_peaks in measured:
@@ -127,7 +127,7 @@ def test_the_optimizer_step_holds_the_state_and_one_foreach_temporary():
     """AdamW's foreach step on 8 fake ranks: 2 x the sharded fp32 parameters of state, plus one temporary
     of their size, not the global-shape tensors of DTensor's sharding propagation."""
     cfg = small_config(8, **{"model.preset": "qwen2.5-0.5b", "rehearse.gpu_memory_gb": 80.0})
-    ledger, _ = rehearse(cfg)
+    ledger, _, _ = rehearse(cfg)
     rows = {row.phase: row for row in ledger.rows}
     params = rows["rollout"].trainer["params"]
     assert rows["train: optimizer step"].trainer["optimizer"] == pytest.approx(3 * params, rel=0.02)
@@ -157,6 +157,9 @@ def test_dapo_32b_fits_8_gpus_of_80_gb(capsys):
     assert train.main(["--config", os.path.join(CONFIGS, "dapo_32b.toml"), "--rehearse"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["fits"] and result["world_size"] == 8 and result["rehearsal"]["gpu_gb"] == 80
+    host = result["host"]
+    assert host["ranks_per_node"] == 8 and host["peak_node_gb"] < 1000  # the host of every phase, load included
+    assert [p["phase"] for p in host["phases"]] == [p["phase"] for p in result["rehearsal"]["phases"]]
 
 
 @pytest.mark.multiprocess

@@ -6,7 +6,7 @@ For each phase, on one GPU:
 
   trainer peak      tensors the trainer has allocated at the phase's peak, by part (parameters, gradients,
                     optimizer state, gathered FSDP units, activations and temporaries); parts that live in
-                    host memory (cpu_offload) are listed but not counted;
+                    host memory (cpu_offload) are kept apart, for the host ledger (trainer/host_ledger.py);
   allocator reserve memory the caching allocator keeps for the trainer beyond that peak: it holds on to
                     the largest footprint since the last empty_cache(), and no other process (the engine)
                     can use it;
@@ -56,11 +56,15 @@ def parts_from_tracker(snapshot: dict) -> dict[str, int]:
 class PhaseRow:
     phase: str
     trainer: dict[str, int]  # bytes on the GPU at the phase's peak, by part
-    host: int  # bytes of trainer state kept in host memory (cpu_offload), not counted
+    host_parts: dict[str, int]  # bytes of the phase's peak kept in host memory (cpu_offload), by part
     reserve: int
     context: int
     engine: int
     note: str = ""
+
+    @property
+    def host(self) -> int:
+        return sum(self.host_parts.values())
 
     @property
     def trainer_peak(self) -> int:
@@ -80,19 +84,29 @@ class MemoryLedger:
     reserved: int = 0  # what the trainer's caching allocator holds now
 
     def record(
-        self, phase: str, parts: dict[str, int], engine_bytes: int, note: str = "", host: int | None = None
+        self,
+        phase: str,
+        parts: dict[str, int],
+        engine_bytes: int,
+        note: str = "",
+        host: dict[str, int] | None = None,
+        on_host: tuple[str, ...] = HOST_PARTS_WHEN_OFFLOADED,
     ) -> PhaseRow:
         """Add a phase whose trainer peak has these parts; the allocator's reserve grows to the peak.
 
-        host: bytes of `parts` that live in host memory; default: with offload, all parameters,
-        gradients and optimizer state."""
+        host: bytes by part that live in host memory besides `parts` (all on the GPU); default: with
+        offload, the parts named in `on_host` of `parts` (parameters, gradients and optimizer state; an
+        offloaded optimizer step also runs its temporaries there)."""
         if host is None:
-            gpu = {k: (0 if self.offload and k in HOST_PARTS_WHEN_OFFLOADED else int(v)) for k, v in parts.items()}
-            host = sum(int(v) for k, v in parts.items() if self.offload and k in HOST_PARTS_WHEN_OFFLOADED)
+            moved = on_host if self.offload else ()
+            gpu = {k: (0 if k in moved else int(v)) for k, v in parts.items()}
+            host = {k: int(v) for k, v in parts.items() if k in moved and v}
         else:
             gpu = {k: int(v) for k, v in parts.items()}
         peak = sum(gpu.values())
-        row = PhaseRow(phase, gpu, host, max(0, self.reserved - peak), self.context_bytes, int(engine_bytes), note)
+        row = PhaseRow(
+            phase, gpu, dict(host), max(0, self.reserved - peak), self.context_bytes, int(engine_bytes), note
+        )
         self.reserved = max(self.reserved, peak)
         self.rows.append(row)
         return row
@@ -122,11 +136,6 @@ class MemoryLedger:
                 f"{r.context / GB:>9.1f}{r.engine / GB:>8.1f}{r.total / GB:>8.1f}{flag}"
                 + (f"  ({r.note})" if r.note else "")
             )
-        if self.offload:
-            lines.append(
-                f"host memory (cpu_offload): {max(r.host for r in self.rows) / GB:.1f} GB of sharded "
-                "parameters, gradients and optimizer state per rank"
-            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -138,7 +147,7 @@ class MemoryLedger:
                     "phase": r.phase,
                     "total_gb": round(r.total / GB, 3),
                     "trainer_gb": {k: round(v / GB, 3) for k, v in r.trainer.items()},
-                    "host_gb": round(r.host / GB, 3),
+                    "offloaded_gb": {k: round(v / GB, 3) for k, v in r.host_parts.items()},
                     "reserve_gb": round(r.reserve / GB, 3),
                     "context_gb": round(r.context / GB, 3),
                     "engine_gb": round(r.engine / GB, 3),

@@ -18,7 +18,9 @@ phases in their real order, through the functions train.py itself calls:
 
 PyTorch's memory trackers (torch.distributed._tools: MemTracker for the build, FSDPMemTracker after it)
 measure the trainer's tensors of each phase at its peak; trainer/memory_ledger.py adds the allocator's
-reserve, the CUDA context and the engine's share and checks each phase against the GPU's memory.
+reserve, the CUDA context and the engine's share and checks each phase against the GPU's memory;
+trainer/host_ledger.py adds what each rank and each node keeps in host memory (the checkpoint load, the
+CPU-offloaded state in its pinned blocks, the processes) and checks each phase against a node's memory.
 The fake device is the CPU (FSDP cannot run fake CUDA tensors without CUDA): with cpu_offload the
 ledger moves parameters, gradients and optimizer state to host memory instead.
 """
@@ -33,7 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from model.args import ModelArgs, get_preset, num_params
-from trainer.memory_ledger import GB, PARTS, MemoryLedger, parts_from_tracker
+from trainer.disk_needs import run_disk_bytes
+from trainer.host_ledger import HostLedger, host_facts
+from trainer.memory_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -160,18 +164,25 @@ def longest_micro_batch(cfg, device):
     return replace(mb.to(device), document_ids=None)
 
 
-def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> StandInEngine:
+def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> _Phases:
     """train.py's phases in order on `dist_env` (fake or real ranks); each phase becomes a ledger row.
+    Returns the run (its `policy` and `engine`).
 
-    Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool).
+    Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool); the
+    error's `phases` is the run so far.
     """
     from trainer.memory import observe_cache_returns
 
     run = _Phases(cfg, dist_env, ledger)
     # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
     with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
-        run.build(fill)
-        return run.step()
+        try:
+            run.build(fill)
+            run.step()
+        except RehearsalError as exc:
+            exc.phases = run
+            raise
+    return run
 
 
 class _Phases:
@@ -204,13 +215,14 @@ class _Phases:
             from torch.distributed.tensor import DTensor
 
             host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
-        return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), host
+        return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), {"params": host}
 
     def start_engine(self, cfg_, policy, device, max_prompt_length, dist_env_):
         """build_policy_and_engine's engine: a stand-in sized from the memory free at this moment."""
         from trainer.setup import DTYPES
 
         cfg, ledger = self.cfg, self.ledger
+        self.policy = policy
         peak, host = self.built("peak", policy)
         ledger.record("load + shard", peak, 0, host=host)
         now, host = self.built("current", policy)
@@ -241,13 +253,14 @@ class _Phases:
         parts, host = self.built("peak", self.policy)
         self.ledger.record("build done", parts, self.engine.held(), host=host)
 
-    def phase(self, name, fn, note=""):
+    def phase(self, name, fn, note="", on_host=HOST_PARTS_WHEN_OFFLOADED):
         self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
         with self.tracker:
             fn()
-        return self.ledger.record(name, _gpu_parts(self.tracker, "peak"), self.engine.held(), note)
+        parts = _gpu_parts(self.tracker, "peak")
+        return self.ledger.record(name, parts, self.engine.held(), note, on_host=on_host)
 
-    def step(self) -> StandInEngine:
+    def step(self) -> None:
         """One step of train.py's loop after the build (see the module docstring)."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -262,13 +275,14 @@ class _Phases:
         opt, alg = cfg.optimizer, cfg.algorithm
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
         optimizer = torch.optim.AdamW(
             policy.parameters(),
             lr=opt.lr,
             betas=tuple(opt.betas),
             eps=opt.eps,
             weight_decay=opt.weight_decay,
-            foreach=not cfg.parallelism.cpu_offload,
+            foreach=not ledger.offload,
         )
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
@@ -304,7 +318,8 @@ class _Phases:
         policy.train()
         phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK), tokens)
         phase("train: forward+backward", train_micro_batch, tokens)
-        phase("train: optimizer step", optimizer_step)
+        # Offloaded, the step runs on the CPU: its temporaries are host memory too.
+        phase("train: optimizer step", optimizer_step, on_host=(*HOST_PARTS_WHEN_OFFLOADED, "activations"))
         # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
         return_cached_memory(self.dist_env)
         phase(
@@ -314,7 +329,6 @@ class _Phases:
         )
         return_cached_memory(self.dist_env)
         phase("resume", engine.resume_memory)
-        return engine
 
 
 def _restart(tracker) -> None:
@@ -421,9 +435,9 @@ def fake_dist_env(cfg, world_size: int):
     return DistEnv(0, world_size, 0, torch.device("cpu"), dims)
 
 
-def rehearse(cfg) -> tuple[MemoryLedger, str | None]:
-    """The ledger of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, and the first failure
-    (None when every phase ran and fits)."""
+def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
+    """The GPU and host ledgers of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, nodes of
+    host_memory_gb, and the first failure (None when every phase ran and fits)."""
     from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
 
     reh = cfg.rehearse
@@ -436,20 +450,30 @@ def rehearse(cfg) -> tuple[MemoryLedger, str | None]:
         dist_env = fake_dist_env(run_cfg, reh.world_size)
         with fake_tensor_mode(), sharding_propagation_apart():
             try:
-                run_phases(run_cfg, dist_env, ledger)
+                run = run_phases(run_cfg, dist_env, ledger)
             except RehearsalError as exc:
-                failure = str(exc)
+                failure, run = str(exc), exc.phases
+        facts = host_facts(cfg, run.policy, run.args)  # shard shapes, on the fake mesh: no tensor is made
+    host = HostLedger.of(ledger.rows, int(reh.host_memory_gb * GB), facts, offload=offload)
     if (row := ledger.first_overflow()) is not None:
         short = (
             f"phase '{row.phase}' needs {row.total / GB:.1f} GB of {ledger.gpu_bytes / GB:.0f} GB per GPU: "
             f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short"
         )
         failure = short if failure is None or failure.startswith(f"phase '{row.phase}'") else f"{short}; {failure}"
-    return ledger, failure
+    if (row := host.first_overflow()) is not None:
+        short = (
+            f"host memory: phase '{row.phase}' needs {row.node / GB:.1f} GB of {host.node_bytes / GB:.0f} GB per "
+            f"node ({facts.ranks_per_node} ranks of {row.rank_total / GB:.1f} GB and the engines' processes): "
+            f"{(row.node - host.node_bytes) / GB:.1f} GB short"
+        )
+        failure = short if failure is None else f"{failure}; {short}"
+    return ledger, host, failure
 
 
 def main(cfg) -> int:
-    """Print the ledger's table and JSON line; 2 when a phase does not fit (naming it and the shortfall)."""
+    """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
+    node's host memory (naming it and the shortfall)."""
     from config import ConfigError
 
     reh = cfg.rehearse
@@ -458,7 +482,7 @@ def main(cfg) -> int:
             "the rehearsal needs an architecture: set model.hf_path, model.preset or rehearse.preset "
             "(e.g. --rehearse.preset=qwen2.5-32b)"
         )
-    ledger, failure = rehearse(cfg)
+    ledger, host, failure = rehearse(cfg)
     par = cfg.parallelism
     print(
         f"rehearsal: {cfg.job.name} as rank 0 of {reh.world_size} x {reh.gpu_memory_gb:g} GB "
@@ -466,12 +490,19 @@ def main(cfg) -> int:
         f"{cfg.training.micro_batch_tokens:,} tokens, engine {cfg.rollout.engine} tp {cfg.rollout.tp_size}, "
         f"mem_fraction_static {cfg.rollout.mem_fraction_static})"
     )
+    print("GPU memory per GPU (GB):")
     print(ledger.table())
+    print("host memory per rank and per node (GB):")
+    print(host.table())
+    disk = run_disk_bytes(cfg, rehearsal_args(cfg))
     print(
-        json.dumps(
-            {"rehearsal": ledger.to_dict(), "world_size": reh.world_size, "fits": failure is None, "failure": failure}
-        )
+        f"disk: checkpoint in {disk['checkpoint_in'] / GB:.1f} GB; a training checkpoint "
+        f"{disk['training_checkpoint'] / GB:.1f} GB, {disk['training_checkpoints_at_once'] / GB:.1f} GB at most at "
+        f"once; HF export {disk['hf_export'] / GB:.1f} GB; total {disk['total'] / GB:.1f} GB"
     )
+    result = {"rehearsal": ledger.to_dict(), "host": host.to_dict(), "world_size": reh.world_size}
+    result["disk_gb"] = {k: round(v / GB, 3) for k, v in disk.items()}
+    print(json.dumps({**result, "fits": failure is None, "failure": failure}))
     if failure:
         print(f"does not fit: {failure}", file=sys.stderr)
         return 2

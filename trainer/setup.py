@@ -13,6 +13,7 @@ from model.hf import load_hf
 from model.hf_adapter import DTYPES, read_hf_config
 from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
+from parallel.hf_load import load_hf_shards
 from parallel.parallelize import parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from trainer.memory import return_cached_memory
@@ -140,11 +141,14 @@ def build_sharded_policy(
         1. the module on the meta device (no memory anywhere);
         2. parallelize_qwen2 (TP, AC, compile, FSDP) on the meta parameters;
         3. to_empty: only this rank's shards are allocated (in host memory with cpu_offload);
-        4. the checkpoint (or the preset's seeded initialisation) read on the CPU and copied into the
-           shards, then dropped (`fill=False` skips it: a rehearsal needs no values).
+        4. the values (`fill=False` skips them: a rehearsal needs none): from a checkpoint, each rank reads
+           only the rows of its own shards, one tensor at a time (parallel/hf_load.py); a preset's seeded
+           initialisation is built whole on the CPU, copied into the shards and dropped (presets are the
+           small models of tests and demos).
 
     Nothing full-size ever reaches the GPU, so an engine started afterwards sizes its KV pool from what
-    the trainer really keeps (SGLang sizes it from the memory free when it starts).
+    the trainer really keeps (SGLang sizes it from the memory free when it starts); and no rank holds a
+    full-size checkpoint in host memory.
     """
     dtype = DTYPES[model_cfg.dtype]
     with torch.device("meta"):
@@ -152,7 +156,9 @@ def build_sharded_policy(
     model.attention_backend = model_cfg.attention_backend
     parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelism)
     model.to_empty(device="cpu" if parallelism.cpu_offload else dist_env.device)
-    if fill:
+    if fill and model_cfg.hf_path:
+        load_hf_shards(model, model_cfg.hf_path)
+    elif fill:
         source = build_policy(model_cfg, torch.device("cpu"), seed=seed)
         copy_into_shards(model, ((name, p.detach()) for name, p in source.named_parameters()))
         del source
