@@ -16,7 +16,7 @@ or a run folder, whose `hf/` export is then used; it clears model.preset), `--da
 (a parquet file in the DAPO-Math-17k schema, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
 report to a file. The command prints a table (one row per data source, then the overall row) followed
-by one JSON line with the full report. The evaluation itself is trainer/evaluation.py.
+by one JSON line with the full report. The evaluation itself is evaluation/evaluate.py.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import logging
 import os
 import sys
 
-from config import Config, ConfigError, config_parser, parse_config_args
-from trainer.evaluation import evaluate, format_table, load_eval_set, params_from_config, write_report
+from config import Config, config_parser, parse_config_args
+from errors import ConfigError, report
+from evaluation.evaluate import evaluate, format_table, load_eval_set, params_from_config, write_report
 
 
 def _short_flags(args: argparse.Namespace) -> list[str]:
@@ -171,22 +172,16 @@ def main(argv=None) -> dict:
 
 
 def run_cli(argv=None) -> None:
-    """`main` with the exit a shell expects for bad input: one line naming the problem, exit code 2.
-
-    Bad input is what trainer/input_errors.py lists, as for train.py: a configuration problem (ConfigError,
-    including a missing checkpoint or tokenizer), an unusable data file (rl.data.DataError) or a damaged
-    checkpoint (CheckpointError). Anything else is a failure and keeps its traceback.
-    """
+    """`main` with the exits a shell expects, as train.py's (errors.py): bad input (a configuration problem,
+    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint) is one line and
+    exit code 2; anything else is a failure and keeps its traceback."""
     try:
         main(argv)
     except Exception as exc:
-        from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
-
-        line = input_error_line(exc)
-        if line is None:
+        code = report(exc, prefix="eval.py: ")
+        if code is None:
             raise
-        print(f"eval.py: {line}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def _load(rank, world_size, path, layout, whole_first):
     from torch.distributed.tensor import DTensor
 
     from config import load_config
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
     from trainer.setup import build_policy, build_sharded_policy, copy_into_shards
 
     return_freed_memory_at_once()

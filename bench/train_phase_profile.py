@@ -38,7 +38,7 @@ VARIANTS = {
 PIECES = [
     ("old log-prob pass", "fill_old_logprobs", "trainer/update.py"),
     ("packing", "pack_micro_batches", "trainer/packing.py"),
-    ("loss forward", "dapo_micro_batch_loss", "trainer/policy.py"),
+    ("loss forward", "dapo_micro_batch_loss", "trainer/losses.py"),
     ("output head + log-prob (all passes)", "token_logprobs", "model/logprob.py"),
     ("attention (all passes)", "attend", ".py"),
     ("backward", "backward", "torch/_tensor.py"),
@@ -48,10 +48,10 @@ PIECES = [
 
 def build(policy: str, micro_batch_tokens: int, extra: list[str]):
     from config import load_config
+    from parallel.dist_env import init_distributed
     from rl.data import PromptSampler
     from rl.filter import DynamicBatchBuilder
     from rollout.engine import SamplingParams
-    from trainer.distributed import init_distributed
     from trainer.rollout_phase import collect_batch
     from trainer.scoring import RewardSettings
     from trainer.setup import build_engine, build_policy, build_tokenizer, load_datasets

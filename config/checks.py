@@ -1,12 +1,12 @@
 """The checks that only matter when a run starts: the paths exist, the sequences fit the model, and this
-machine can run the settings (the rules are in trainer/machine.py)."""
+machine can run the settings (the rules are in preflight/machine.py)."""
 
 from __future__ import annotations
 
 import os
 
-from config.loader import ConfigError
 from config.schema import Config
+from errors import ConfigError
 from model.args import PRESETS
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
@@ -19,9 +19,9 @@ def evaluates(cfg: Config) -> bool:
 def check_machine(cfg: Config, machine=None) -> None:
     """Refuse, in one error, every setting this machine cannot run, with the override that runs here.
 
-    `machine`: a trainer.machine.Machine; None probes this one. The rules are in trainer/machine.py.
+    `machine`: a preflight.machine.Machine; None probes this one. The rules are in preflight/machine.py.
     """
-    from trainer.machine import machine_fixes, probe_machine
+    from preflight.machine import machine_fixes, probe_machine
 
     machine = probe_machine() if machine is None else machine
     fixes, launch = machine_fixes(cfg, machine)

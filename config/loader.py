@@ -23,11 +23,9 @@ import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
+from errors import ConfigError
+
 Rule = tuple[str, bool, str]  # (key, holds, what it demands) as yielded by a `rules()` method
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key, its source and the failed rule."""
 
 
 # ---------------------------------------------------------------------------------------- bounds

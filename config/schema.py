@@ -75,7 +75,7 @@ class JobConfig:
     run_dir: str = bounded("runs", bool, "must not be empty")  # root folder holding one folder per run
     seed: int = at_least(0, 0)  # seed for model initialisation and sampling
     # 0: torch's default (1 under torchrun), or with parallelism.cpu_offload the node's cores / its processes
-    cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (trainer/threads.py)
+    cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (parallel/cpu_threads.py)
 
     @property
     def run_path(self) -> str:
@@ -267,7 +267,7 @@ class RehearseConfig:
     gpu_memory_gb: float = above(80.0, 0)  # memory of one GPU, GB (1e9 bytes)
     preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
     context_gb: float = at_least(1.0, 0)  # trainer's CUDA context, NCCL buffers and allocator slack, GB per GPU
-    # Host memory (trainer/host_ledger.py). The default node is the recipes' target, below the smallest
+    # Host memory (preflight/host_ledger.py). The default node is the recipes' target, below the smallest
     # common node of 8 x 80 GB GPUs: AWS p4de.24xlarge has 1,152 GiB (1,237 GB); DGX A100 640GB, DGX H100 and
     # AWS p5.48xlarge have 2 TB (2 TiB), GCP a3-highgpu-8g 1,872 GB, Azure ND H100 v5 1,900 GiB (vendor specs).
     host_memory_gb: float = above(1000.0, 0)  # host memory of one node, GB (1e9 bytes)

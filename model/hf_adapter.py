@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from errors import CheckpointError
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
 
@@ -60,10 +61,6 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or tensor set that does not match the model it is meant for."""
 
 
 # ---------------------------------------------------------------------------------------------------

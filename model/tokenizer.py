@@ -38,8 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from errors import CheckpointError
 from model.chat_template import qwen25_template, render_template, template_from_config
-from model.hf_adapter import CheckpointError
 
 __all__ = [
     "Tokenizer",

@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from errors import CheckpointError
 from parallel.checkpoint_files import (
     HASH_NAME,
     NO_SPACE,
@@ -71,7 +72,7 @@ from parallel.checkpoint_files import (
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
 from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
-from parallel.safe_dcp import CheckpointError, load_tensors
+from parallel.safe_dcp import load_tensors
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded: the message names the file and what to do."""
+from errors import CheckpointError
 
 
 class UnsafeCheckpointError(CheckpointError):

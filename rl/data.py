@@ -17,6 +17,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from errors import DataError
 from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 
 log = logging.getLogger(__name__)
@@ -70,10 +71,6 @@ class LoadStats:
 
 # The columns a prompt file must have (the rest of the schema is optional).
 SCHEMA_COLUMNS = ("prompt", "reward_model")
-
-
-class DataError(ValueError):
-    """A data file that cannot be used, with the file and the first problem named."""
 
 
 def rows_to_examples(

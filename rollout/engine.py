@@ -23,6 +23,8 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from errors import RunStopped
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -91,9 +93,12 @@ class Completion:
             raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
 
 
-class EngineDied(RuntimeError):
+class EngineDied(RunStopped, RuntimeError):
     """The engine's process ended (crashed, killed, or ended by its own crash handling): it serves no further
     call. The trainer's state lives in the trainer's process and is intact; rollout/engine_process.py."""
+
+    def line(self) -> str:
+        return f"error: the rollout engine died: {self}"
 
 
 @runtime_checkable

@@ -7,18 +7,18 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+import evaluation.evaluate
 import train
-import trainer.evaluation
 import trainer.loop
 import trainer.scoring
 import trainer.setup
 from config import load_config
 from model.args import get_preset
 from model.qwen2 import build_model
+from preflight.rehearsal import fake_dist_env, fake_job
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides
-from trainer.rehearsal import fake_dist_env, fake_job
 from trainer.setup import build_policy_and_engine, build_sharded_policy
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -47,7 +47,7 @@ def test_the_engine_starts_when_the_policy_holds_only_its_shards():
 
 
 def _sharded_values(rank, world_size, layout):
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = load_config(
         os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout
@@ -113,7 +113,7 @@ def test_cached_memory_is_returned_before_every_resume_including_evaluation(tmp_
     events = []
     build_engine = trainer.setup.build_engine
     monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (trainer.loop, trainer.setup, trainer.evaluation):
+    for module in (trainer.loop, trainer.setup, evaluation.evaluate):
         monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=2, **{"eval.interval": 1, "eval.at_start": True, "eval.at_end": True})

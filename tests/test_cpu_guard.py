@@ -19,10 +19,10 @@ from model.args import get_preset
 from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
+from preflight.machine import Machine, machine_fixes, probe_machine
 from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION
 from tests.dist_utils import run_ranks
-from trainer.machine import Machine, machine_fixes, probe_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(

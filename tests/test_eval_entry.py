@@ -1,4 +1,4 @@
-"""trainer/evaluation.py: planted accuracies through a fake engine come back exactly; eval.py, the command over it,
+"""evaluation/evaluate.py: planted accuracies through a fake engine come back exactly; eval.py, the command over it,
 takes train.py's configuration and runs end to end on CPU."""
 
 import io
@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import eval as eval_command
-import trainer.evaluation as evaluation
+import evaluation.evaluate as evaluation
 from config import ConfigError
+from evaluation.evaluate import evaluate, flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -25,7 +26,6 @@ from rl.data import rows_to_examples, synthetic_arithmetic_rows
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, SamplingParams
 from rollout.torch_engine import TorchEngine
-from trainer.evaluation import evaluate, flat_metrics, format_table
 from trainer.scoring import EngineFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,8 +214,8 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
 
 
 def _held_out_worker(rank, world, tokenizer, examples, run_path):
-    from trainer.distributed import init_distributed
-    from trainer.evaluation import run_held_out_eval
+    from evaluation.evaluate import run_held_out_eval
+    from parallel.dist_env import init_distributed
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
     dist_env = init_distributed(1, -1, 1)

@@ -5,8 +5,8 @@ from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
-from trainer.loop_state import loop_position, restore_loop_position
 from trainer.scoring import Sample
+from trainer.state import loop_position, restore_loop_position
 
 
 def _group(i):

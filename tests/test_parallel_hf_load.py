@@ -64,7 +64,7 @@ def _local_bytes(model) -> int:
 def _load_and_measure(rank, world_size, path, layout):
     """Build the sharded policy twice: without values (what the build itself keeps resident: module, FSDP and
     DTensor objects), then from the checkpoint; the second build's high-water mark above its start."""
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(path, layout)
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
@@ -146,7 +146,7 @@ def _tied_checkpoint(path: str, head_differs: bool) -> None:
 
 
 def _load_tied(rank, world_size, path):
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(path, ["parallelism.dp_shard=2", "parallelism.param_dtype=float32"])
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
@@ -172,7 +172,7 @@ def test_a_tied_checkpoint_with_a_stored_head_loads_sharded_and_a_different_head
 
 def test_one_process_reads_the_checkpoint_as_load_hf_does(checkpoint):
     """No process group: the parameters are plain tensors, read whole; the values are load_hf's."""
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(checkpoint, ["parallelism.param_dtype=float32"])
     dist_env = init_distributed(1, -1, 1)

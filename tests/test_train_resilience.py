@@ -13,7 +13,7 @@ import torch
 
 import train
 import trainer.loop
-import trainer.policy
+import trainer.losses
 import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    real_loss = trainer.policy.policy_loss
+    real_loss = trainer.losses.policy_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -38,7 +38,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
             loss = loss * float("nan")
         return loss, metrics
 
-    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
     argv = overrides(
         str(tmp_path),
         steps=4,
@@ -60,7 +60,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 
 def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    real_loss = trainer.policy.policy_loss
+    real_loss = trainer.losses.policy_loss
     poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
     calls = {"n": 0}
 
@@ -69,7 +69,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] >= poison_from["call"] else loss), metrics
 
-    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
     settings = {
         "training.max_nonfinite_steps": 3,
         "training.mini_batch_size": 2,
@@ -442,32 +442,32 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tm
 
 def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
     """train.main on this rank; with crash_after, every rank dies after that many warm-up steps (no signal)."""
-    import trainer.sft
+    import trainer.warmup
     from model.hf import load_hf
 
     trainer.scoring.compute_score = planted_score
     if crash_after is not None:
-        real_step = trainer.sft.SFTWarmup.step
+        real_step = trainer.warmup.SFTWarmup.step
 
         def step(self):
             if self.done == crash_after:
                 raise RuntimeError("killed (simulated)")
             return real_step(self)
 
-        trainer.sft.SFTWarmup.step = step
+        trainer.warmup.SFTWarmup.step = step
         try:
             train.main(argv)
         except RuntimeError as exc:
             return str(exc)
         finally:
-            trainer.sft.SFTWarmup.step = real_step
+            trainer.warmup.SFTWarmup.step = real_step
     steps_run = []
-    real_step = trainer.sft.SFTWarmup.step
-    trainer.sft.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
+    real_step = trainer.warmup.SFTWarmup.step
+    trainer.warmup.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
     try:
         train.main(argv)
     finally:
-        trainer.sft.SFTWarmup.step = real_step
+        trainer.warmup.SFTWarmup.step = real_step
     run = next(a.split("=", 1)[1] for a in argv if a.startswith("--job.run_dir="))
     exported = load_hf(os.path.join(run, "run", "hf"))
     return {"steps_run": steps_run, "params": dict(exported.named_parameters()) if rank == 0 else None}
@@ -516,7 +516,7 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
+        f"checkpoint error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
         f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
         f"the run folder aside) or remove {tmp_path}/run/checkpoints"
     )

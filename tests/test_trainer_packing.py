@@ -8,8 +8,8 @@ from numerics import assert_close_to_float64
 
 from model.args import get_preset
 from model.qwen2 import build_model
+from trainer.losses import micro_batch_logprobs
 from trainer.packing import PackItem, pack, pack_micro_batches, plan_micro_batches
-from trainer.policy import micro_batch_logprobs
 
 
 def _items(seed=0, n=5):
@@ -91,7 +91,7 @@ def test_padding_to_a_multiple_adds_a_separate_document_that_predicts_nothing():
 def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     from rl.correction import truncated_is_weights
     from rl.loss import policy_loss
-    from trainer.policy import dapo_micro_batch_loss
+    from trainer.losses import dapo_micro_batch_loss
 
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), seed=1)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from parallel.dims import ParallelDims
+from parallel.dist_env import DistEnv
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
-from trainer.distributed import DistEnv
 from trainer.rollout_phase import RoundStopped, collect_batch, prompts_per_call
 from trainer.scoring import EngineFailure, RewardSettings
 

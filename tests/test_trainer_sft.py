@@ -7,10 +7,10 @@ from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from parallel.dims import ParallelDims
+from parallel.dist_env import DistEnv
 from rl.data import PromptExample
-from trainer.distributed import DistEnv
-from trainer.sft import sft_warmup
 from trainer.signals import StopRequested
+from trainer.warmup import sft_warmup
 
 ARGS = PRESETS["tiny"]
 STEPS = 6

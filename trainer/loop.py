@@ -17,37 +17,38 @@ from typing import NoReturn
 
 import torch
 
-from config import Config, ConfigError, config_to_dict
+from config import Config, config_to_dict
+from errors import ConfigError
+from evaluation.evaluate import params_from_config, run_held_out_eval
 from model.hf import complete_hf_export
 from model.tokenizer import Tokenizer
 from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
+from parallel.device_memory import return_cached_memory
+from parallel.dist_env import DistEnv
 from parallel.finite import NonFiniteStateError
 from parallel.hf_export import export_hf
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine, EngineDied, SamplingParams
 from rollout.weight_sync import sync_weights
-from trainer.distributed import DistEnv
-from trainer.evaluation import params_from_config, run_held_out_eval
-from trainer.loop_state import loop_position, restore_loop_position
-from trainer.memory import return_cached_memory
 from trainer.rollout_phase import RolloutError, RoundStopped, collect_batch, prompts_per_call
 from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished, prepare_run_folder, run_folder_path
 from trainer.run_lock import FolderLock
 from trainer.scoring import EngineFailure, RewardSettings
 from trainer.setup import build_policy_and_engine, build_tokenizer, load_datasets
-from trainer.sft import discard_warmup_checkpoints, sft_warmup
 from trainer.signals import GracefulStop, StopRequested
+from trainer.state import loop_position, restore_loop_position
 from trainer.step_metrics import MetricsWriter, rollout_metrics, training_mfu
 from trainer.update import TrainPhase
+from trainer.warmup import discard_warmup_checkpoints, sft_warmup
 
 log = logging.getLogger("train")
 
 
 @dataclasses.dataclass
 class TrainState:
-    """Where the run stands: checkpointed with every step, beside the data position (trainer/loop_state.py)."""
+    """Where the run stands: checkpointed with every step, beside the data position (trainer/state.py)."""
 
     step: int = 0  # the last completed DAPO step
     sft_done: bool = False  # the supervised warm-up has run (it is not repeated on resume)

@@ -12,7 +12,7 @@ also carries the layout that maps its response tokens to an [S, L] grid:
 With `share_prompts`, the consecutive samples of one group hold their common prompt once:
 [prompt | response_1 | ... | response_G], each response at positions P..P+R_i-1; response token 0 of
 every sample is predicted by the prompt's last state, token k > 0 by the sample's own token k - 1.
-trainer/shared_prompt_attention.py attends such a row so that every sample sees exactly what it sees
+model/shared_prompt_attention.py attends such a row so that every sample sees exactly what it sees
 alone, and the linear layers run over P + sum R_i tokens instead of G P + sum R_i.
 """
 
@@ -92,7 +92,7 @@ class MicroBatch:
         """The model's attention context for a shared-prompt row; None: the model's own (per document)."""
         if self.prompt_segments is None:
             return None
-        from trainer.shared_prompt_attention import SharedPromptContext
+        from model.shared_prompt_attention import SharedPromptContext
 
         return SharedPromptContext(self.prompt_segments, self.response_segments, self.tokens.shape[1])
 

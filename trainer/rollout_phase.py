@@ -25,7 +25,7 @@ from trainer.step_metrics import add_totals, sample_totals
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 
 def generate_call(

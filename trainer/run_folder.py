@@ -29,16 +29,13 @@ import os
 import re
 import shutil
 
+from errors import RunFolderError
 from parallel.checkpoint import CheckpointManager
 from trainer.run_lock import FolderBusyError, FolderLock
 
 log = logging.getLogger("train")
 
 WARMUP_CHECKPOINTS = os.path.join("checkpoints", "warm-up")
-
-
-class RunFolderError(RuntimeError):
-    """The run folder cannot be used; raised before any work starts."""
 
 
 MIN_FREE_BYTES = 64 << 20

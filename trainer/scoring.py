@@ -2,7 +2,7 @@
 
     score_i = R_rule(o_i) + R_length(|o_i|)      R_rule = +1 / -1 (rl/reward.py), R_length = Eq. 13
 
-R_rule reads `response_text(o_i)`, the text evaluation (trainer/evaluation.py) scores too: the same tokens get the
+R_rule reads `response_text(o_i)`, the text evaluation (evaluation/evaluate.py) scores too: the same tokens get the
 same reward in training and in evaluation.
 
 The groups carry their samples as payload; dynamic sampling (rl/filter.py) reads `acc` (before the

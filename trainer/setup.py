@@ -13,16 +13,16 @@ from model.hf import load_hf
 from model.hf_adapter import DTYPES, read_hf_config
 from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
+from parallel.device_memory import return_cached_memory
 from parallel.hf_load import load_hf_shards
 from parallel.parallelize import parallelize_qwen2
 from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
-from trainer.memory import return_cached_memory
 
 if TYPE_CHECKING:
     from config import Config
     from config.schema import DataConfig, ModelConfig, ParallelismConfig
+    from parallel.dist_env import DistEnv
     from rollout.engine import Engine
-    from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +196,8 @@ def torch_engine_options(rollout) -> dict:
 def engine_group(tp_size: int, dist_env: DistEnv):
     """The process group of the `tp_size` consecutive ranks that share one SGLang engine (one per GPU of
     the engine), and the first GPU of that engine on this node. Every rank creates every group. A gloo
-    control group (trainer/distributed.py): its ranks wait in it while the leader generates."""
-    from trainer.distributed import new_control_group
+    control group (parallel/dist_env.py): its ranks wait in it while the leader generates."""
+    from parallel.dist_env import new_control_group
 
     if dist_env.world_size == 1:
         if tp_size != 1:

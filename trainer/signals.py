@@ -10,20 +10,26 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+from errors import RunStopped
+
 if TYPE_CHECKING:
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 log = logging.getLogger("train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopRequested(Exception):
-    """Raised by the loop after it saved a checkpoint in response to a signal."""
+class StopRequested(RunStopped):
+    """Raised by the loop after it saved a checkpoint in response to a signal (exit 130 for SIGINT, else 143)."""
 
     def __init__(self, signal_name: str, step: int, phase: str = "step"):
         super().__init__(f"stopped by {signal_name} after {phase} {step}")
         self.signal_name, self.step = signal_name, step
+        self.exit_code = 130 if signal_name == "SIGINT" else 143
+
+    def line(self) -> str:
+        return f"training {self}; a checkpoint was saved: run the same command again to resume"
 
 
 class GracefulStop:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from config import MetricsConfig
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 log = logging.getLogger("train")
 

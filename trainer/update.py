@@ -25,13 +25,13 @@ from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
 from rl.correction import mismatch_metrics
 from rl.reward import overlong_filter_mask
+from trainer.losses import dapo_micro_batch_loss, micro_batch_logprobs
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
-from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
 
 if TYPE_CHECKING:
     from config import Config
     from config.schema import AlgorithmConfig, RolloutConfig, TrainingConfig
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def old_logprob_source(cfg: Config) -> str:
 
 
 def shares_prompts(cfg: Config, dist_env: DistEnv, device: torch.device) -> bool:
-    """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
+    """Whether micro-batches hold one prompt copy per group (model/shared_prompt_attention.py): asked for,
     and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
     are per document; compiled blocks are not checked with it)."""
     backend = cfg.model.attention_backend

@@ -11,15 +11,15 @@ phases in their real order, through the functions train.py itself calls:
     release                       engine.release_memory()
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
-    train: forward + backward     trainer/policy.py dapo_micro_batch_loss, backward
+    train: forward + backward     trainer/losses.py dapo_micro_batch_loss, backward
     train: optimizer step         parallel/grad_clip.py clip_grad_norm_, AdamW step, zero_grad
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        engine.resume_memory() at the next step's start
 
 PyTorch's memory trackers (torch.distributed._tools: MemTracker for the build, FSDPMemTracker after it)
-measure the trainer's tensors of each phase at its peak; trainer/memory_ledger.py adds the allocator's
+measure the trainer's tensors of each phase at its peak; preflight/gpu_ledger.py adds the allocator's
 reserve, the CUDA context and the engine's share and checks each phase against the GPU's memory;
-trainer/host_ledger.py adds what each rank and each node keeps in host memory (the checkpoint load, the
+preflight/host_ledger.py adds what each rank and each node keeps in host memory (the checkpoint load, the
 CPU-offloaded state in its pinned blocks, the processes) and checks each phase against a node's memory.
 The fake device is the CPU (FSDP cannot run fake CUDA tensors without CUDA): with cpu_offload the
 ledger moves parameters, gradients and optimizer state to host memory instead.
@@ -35,9 +35,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from model.args import ModelArgs, get_preset, num_params
-from trainer.disk_needs import run_disk_bytes
-from trainer.host_ledger import HostLedger, host_facts
-from trainer.memory_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
+from preflight.disk_needs import run_disk_bytes
+from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
+from preflight.host_ledger import HostLedger, host_facts
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -171,10 +171,10 @@ def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> _P
     Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool); the
     error's `phases` is the run so far.
     """
-    from trainer.memory import observe_cache_returns
+    from parallel.device_memory import observe_cache_returns
 
     run = _Phases(cfg, dist_env, ledger)
-    # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
+    # train.py's return_cached_memory (parallel/device_memory.py) empties the allocator: the ledger's reserve follows.
     with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
         try:
             run.build(fill)
@@ -265,10 +265,10 @@ class _Phases:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         from model.logprob import DEFAULT_CHUNK
+        from parallel.device_memory import return_cached_memory
         from parallel.grad_clip import clip_grad_norm_
         from rollout.weight_sync import sync_weights
-        from trainer.memory import return_cached_memory
-        from trainer.policy import dapo_micro_batch_loss
+        from trainer.losses import dapo_micro_batch_loss
         from trainer.update import fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
@@ -320,7 +320,7 @@ class _Phases:
         phase("train: forward+backward", train_micro_batch, tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         phase("train: optimizer step", optimizer_step, on_host=(*HOST_PARTS_WHEN_OFFLOADED, "activations"))
-        # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
+        # train.py hands the cached memory back before the engine maps memory again (parallel/device_memory.py).
         return_cached_memory(self.dist_env)
         phase(
             "weight sync",
@@ -427,7 +427,7 @@ def sharding_propagation_apart():
 
 def fake_dist_env(cfg, world_size: int):
     from parallel.dims import ParallelDims
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
     par = cfg.parallelism
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
@@ -474,7 +474,7 @@ def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
 def main(cfg) -> int:
     """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
     node's host memory (naming it and the shortfall)."""
-    from config import ConfigError
+    from errors import ConfigError
 
     reh = cfg.rehearse
     if not (cfg.model.hf_path or cfg.model.preset or reh.preset):

@@ -1,6 +1,6 @@
 """Host-memory ledger of a colocated run, phase by phase, per rank and per node.
 
-The GPU ledger (trainer/memory_ledger.py) keeps apart what the trainer holds in host memory; this ledger
+The GPU ledger (preflight/gpu_ledger.py) keeps apart what the trainer holds in host memory; this ledger
 adds what else lives there. For each phase, one rank (its process and its GPU's share of the engine):
 
     process     the trainer process itself: interpreter, torch, CUDA and NCCL host state (assumed:
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.memory_ledger import GB, PhaseRow
+from preflight.gpu_ledger import GB, PhaseRow
 
 HOST_PARTS = ("process", "load", "params", "grads", "optimizer", "temps", "staging", "engine")
 _LABELS = {"optimizer": "optim"}
@@ -183,7 +183,7 @@ def host_facts(cfg, policy, args) -> HostFacts:
     from model.args import num_params
     from model.hf_adapter import DTYPES
     from parallel.hf_load import load_transient_bytes
-    from trainer.disk_needs import checkpoint_dtype_and_bytes
+    from preflight.disk_needs import checkpoint_dtype_and_bytes
 
     reh, offload = cfg.rehearse, cfg.parallelism.cpu_offload
     process = int(reh.host_process_gb * GB)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 _observers = []  # called after each return (the rehearsal's ledger records it)
 

@@ -23,15 +23,15 @@ import torch
 from parallel.checkpoint import CheckpointManager
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
+from trainer.losses import sft_micro_batch_loss
 from trainer.packing import PackItem, pack_micro_batches
-from trainer.policy import sft_micro_batch_loss
 from trainer.signals import StopRequested
 from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
+    from parallel.dist_env import DistEnv
     from rl.data import PromptExample
-    from trainer.distributed import DistEnv
     from trainer.signals import GracefulStop
 
 log = logging.getLogger("train")

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from parallel.device_memory import return_cached_memory
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
 from rollout.engine import Completion, Engine, EngineDied, SamplingParams
-from trainer.memory import return_cached_memory
 from trainer.scoring import EngineFailure, check_completions, rule_score
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
+    from parallel.dist_env import DistEnv
     from rl.data import PromptExample
-    from trainer.distributed import DistEnv
 
 
 def evaluate(
@@ -292,7 +292,7 @@ def write_report(report: dict, path: str) -> None:
 
 def _gather_outcomes(outcome: tuple, dist_env: DistEnv) -> list[tuple]:
     """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
-    (trainer/distributed.py): a rank whose engine finished first waits here for the slowest, which can
+    (parallel/dist_env.py): a rank whose engine finished first waits here for the slowest, which can
     take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
     rollout.round_timeout_s."""
     everyone = [None] * dist_env.world_size
@@ -334,7 +334,7 @@ def run_held_out_eval(
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 
     The trainer's cached GPU memory is handed back before the engine takes its memory back
-    (trainer/memory.py). Data-parallel ranks split the problems and merge their results over the gloo
+    (parallel/device_memory.py). Data-parallel ranks split the problems and merge their results over the gloo
     control group (`_gather_outcomes`); tensor-parallel peers evaluate the same share with the same
     weights and seeds. A failure on any rank (the engine's death: EngineDied) is raised on every rank.
     """
