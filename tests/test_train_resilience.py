@@ -517,8 +517,8 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"checkpoint error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this "
-        f"trainer; it is not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
-        f"the run folder aside) or remove {tmp_path}/run/checkpoints"
+        f"trainer; it is not loaded, because unpickling a file can run any code in it. Start the run over "
+        f"(train.py --fresh moves the run folder aside) or remove {tmp_path}/run/checkpoints"
     )
 
 
