@@ -29,7 +29,8 @@ import sys
 
 from config import Config, config_parser, parse_config_args
 from errors import ConfigError, report
-from evaluation.evaluate import evaluate, format_table, load_eval_set, params_from_config, write_report
+from evaluation.evaluate import evaluate, load_eval_set, params_from_config
+from evaluation.report import format_table, write_report
 
 
 def _short_flags(args: argparse.Namespace) -> list[str]:

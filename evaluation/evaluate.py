@@ -1,34 +1,24 @@
-"""Evaluation: k samples per problem, scored as training scores them, reported as avg@k / pass@k / maj@k.
-
-One library for both entry points: train.py evaluates its engine's current weights every
-`eval.interval` steps (`run_held_out_eval`, each data-parallel rank on its share of the problems), and
-eval.py evaluates a checkpoint. A response is scored by trainer/scoring.py (`check_completions`, then
-`rule_score` on `response_text`), so the same tokens get the same reward in training and in evaluation.
-The estimators and the majority-vote rules are in rl/eval_metrics.py.
-"""
+"""k samples per problem from an engine, each scored as training scores it: rollout/engine.py
+`check_completions`, then rl/reward.py `rule_score` on `response_text`, so the same tokens get the same reward
+in training and in evaluation. The estimators and the majority-vote rules are in rl/eval_metrics.py; the
+report in evaluation/report.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
-from parallel.device_memory import return_cached_memory
+from evaluation.report import make_report
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
-from rl.eval_metrics import ProblemResult, pass_ks, summarize
-from rollout.engine import Completion, Engine, EngineDied, SamplingParams
-from trainer.scoring import EngineFailure, check_completions, rule_score
+from rl.eval_metrics import ProblemResult, pass_ks
+from rl.reward import rule_score
+from rollout.engine import Completion, SamplingParams, check_completions
 
 if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
-    from parallel.dist_env import DistEnv
-    from rl.data import PromptExample
+    pass
 
 
 def evaluate(
@@ -61,7 +51,7 @@ def evaluate(
     token included) and truncated_share (samples that hit max_new_tokens).
     """
     examples = list(examples)
-    ks = _checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
+    ks = checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
     start = time.perf_counter()
     results = problem_results(
         engine, examples, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=prompts_per_call
@@ -107,23 +97,7 @@ def problem_results(
     return results
 
 
-def make_report(results: list[ProblemResult], ks, params: SamplingParams, strict_box: bool, elapsed: float) -> dict:
-    """evaluate's report of all results (see evaluate)."""
-    k = params.n
-    report = summarize(results, ks)
-    report["sampling"] = {
-        "n": k,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "max_new_tokens": params.max_new_tokens,
-        "strict_box": strict_box,
-    }
-    report["time_s"] = elapsed
-    return report
-
-
-def _checked_pass_ks(params, examples: list, pass_at, prompts_per_call, gather) -> tuple[int, ...]:
+def checked_pass_ks(params, examples: list, pass_at, prompts_per_call, gather) -> tuple[int, ...]:
     """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
@@ -202,9 +176,9 @@ def score_completions(
 ) -> list[ProblemResult]:
     """One ProblemResult per example from its k completions (grouped by prompt, as engines return them).
 
-    Each response is scored as training scores it (trainer/scoring.py `rule_score` on `response_text`:
+    Each response is scored as training scores it (rl/reward.py `rule_score` on `response_text`:
     special tokens, such as the final <|im_end|>, are not part of the answer). An engine answer with
-    missing, aborted or misgrouped completions raises trainer.scoring.EngineFailure.
+    missing, aborted or misgrouped completions raises rollout.engine.EngineFailure.
     """
     check_completions(completions, len(examples), k)
     results = []
@@ -236,131 +210,3 @@ def _refuse_repeats(examples: Sequence) -> None:
                 "repeat=1) and set the samples per problem with SamplingParams.n = k"
             )
         seen[key] = i
-
-
-def _pass_keys(row: dict) -> list[str]:
-    return sorted((key for key in row if key.startswith("pass@")), key=lambda key: int(key[5:]))
-
-
-def format_table(report: dict) -> str:
-    """A fixed-width table: one row per data source, then "overall"; accuracies in percent."""
-    k = report["k"]
-    metric_keys = [f"avg@{k}", *_pass_keys(report["overall"]), f"maj@{k}"]
-    rows = [(source, row) for source, row in report["by_source"].items()] + [("overall", report["overall"])]
-    width = max(len("source"), *(len(name) for name, _ in rows))
-    header = f"{'source':<{width}}  {'problems':>8}" + "".join(f"  {m:>8}" for m in metric_keys)
-    header += f"  {'mean len':>8}  {'truncated':>9}"
-    lines = [header, "-" * len(header)]
-    for name, row in rows:
-        if name == "overall" and len(rows) > 1:
-            lines.append("-" * len(header))
-        line = f"{name:<{width}}  {row['num_problems']:>8}" + "".join(f"  {100 * row[m]:>7.1f}%" for m in metric_keys)
-        length, truncated = row.get("response_length/mean"), row.get("truncated_share")
-        line += f"  {length:>8.1f}" if length is not None else f"  {'-':>8}"
-        line += f"  {100 * truncated:>8.1f}%" if truncated is not None else f"  {'-':>9}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
-    """The report as flat metrics for metrics.jsonl: eval/avg_at_k, eval/pass_at_<j>, eval/pass_at_k,
-    eval/maj_at_k, eval/response_length/mean, eval/truncated_share, and eval/<source>/avg_at_k."""
-    k = report["k"]
-    overall = report["overall"]
-    out = {f"{prefix}avg_at_k": overall[f"avg@{k}"], f"{prefix}maj_at_k": overall[f"maj@{k}"]}
-    for key in _pass_keys(overall):
-        out[f"{prefix}pass_at_{key[5:]}"] = overall[key]
-    if f"pass@{k}" in overall:
-        out[f"{prefix}pass_at_k"] = overall[f"pass@{k}"]
-    for key in ("response_length/mean", "truncated_share"):
-        if key in overall:
-            out[prefix + key] = overall[key]
-    for source, row in report["by_source"].items():
-        out[f"{prefix}{source}/avg_at_k"] = row[f"avg@{k}"]
-    return out
-
-
-def write_report(report: dict, path: str) -> None:
-    """Write the report as indented JSON (folders created; replaced atomically)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def _gather_outcomes(outcome: tuple, dist_env: DistEnv) -> list[tuple]:
-    """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
-    (parallel/dist_env.py): a rank whose engine finished first waits here for the slowest, which can
-    take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
-    rollout.round_timeout_s."""
-    everyone = [None] * dist_env.world_size
-    dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
-    return everyone
-
-
-def _merged(everyone: list[tuple], local_error: BaseException | None) -> list[ProblemResult]:
-    """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
-    same share: the first one's is kept), or, when any rank failed, that failure raised on every rank:
-    an engine's death (EngineDied) first."""
-    for kind in ("died", "failed"):
-        failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == kind]
-        if failed:
-            if local_error is not None and (kind == "failed" or isinstance(local_error, EngineDied)):
-                raise local_error
-            rank, why = failed[0]
-            error = EngineDied if kind == "died" else EngineFailure
-            raise error(f"the evaluation failed on rank {rank}: {why}")
-    shares: dict[int, list] = {}
-    for dp_rank, (_, results) in everyone:
-        shares.setdefault(dp_rank, results)
-    return [r for dp_rank in sorted(shares) for r in shares[dp_rank]]
-
-
-def run_held_out_eval(
-    engine: Engine,
-    examples: Sequence[PromptExample],
-    tokenizer: Tokenizer,
-    params: SamplingParams,
-    dist_env: DistEnv,
-    run_path: str,
-    step: int,
-    *,
-    strict_box: bool = False,
-    progress=None,
-    pass_at: Sequence[int] = (),
-) -> dict[str, float]:
-    """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
-
-    The trainer's cached GPU memory is handed back before the engine takes its memory back
-    (parallel/device_memory.py). Data-parallel ranks split the problems and merge their results over the gloo
-    control group (`_gather_outcomes`); tensor-parallel peers evaluate the same share with the same
-    weights and seeds. A failure on any rank (the engine's death: EngineDied) is raised on every rank.
-    """
-    return_cached_memory(dist_env)
-    mine = examples[dist_env.dp_rank :: dist_env.dp_size]
-    ks = _checked_pass_ks(params, mine, pass_at, None, gather=dist_env.world_size > 1 or None)
-    start = time.perf_counter()
-    try:
-        engine.resume_memory()
-        results = problem_results(
-            engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=None
-        )
-        outcome, local_error = ("ok", results), None
-    except Exception as exc:
-        if dist_env.world_size == 1:
-            raise
-        outcome, local_error = (
-            ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}"),
-            exc,
-        )
-    elapsed = time.perf_counter() - start
-    if dist_env.world_size > 1:
-        results = _merged(_gather_outcomes(outcome, dist_env), local_error)
-    if not results:
-        raise ValueError("evaluate() needs at least one example (none on any rank)")
-    report = make_report(results, ks, params, strict_box, elapsed)
-    if dist_env.is_main:
-        write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
-    return flat_metrics(report)

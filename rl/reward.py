@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
 from rl.math_normalize import last_boxed_content, normalize_final_answer
+from rl.prompt_row import GroundTruth
 
 SCORED_CHARS = 300
 BOXED_CHARS = 100
@@ -58,6 +59,33 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
         pred = last_boxed_content(window[-BOXED_CHARS:])
         correct = pred is not None and pred in answers
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+def response_text(tokenizer, token_ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+    """The text the reward reads, in training and in evaluation alike.
+
+    A completion holds the generated ids only (no padding), ending with the stop token when it finished
+    with "stop". The ids are decoded with special tokens skipped, as verl's reward managers decode the
+    valid response ids: the stop token (<|im_end|>, <|endoftext|>) and any other special token the policy
+    wrote inside its text are not text. A final stop id that is not a special token of the tokenizer is
+    dropped as well: it ended the response and is no part of the answer.
+    """
+    ids = list(token_ids)
+    if ids and ids[-1] in stop_ids:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def rule_score(
+    tokenizer,
+    token_ids: Sequence[int],
+    ground_truth: GroundTruth,
+    *,
+    stop_ids: Collection[int] = (),
+    strict_box: bool = False,
+) -> dict:
+    """compute_score (rl/reward.py) of a completion's `response_text`: {"score", "acc", "pred"}."""
+    return compute_score(response_text(tokenizer, token_ids, stop_ids), ground_truth, strict_box=strict_box)
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import evaluation.evaluate
+import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
@@ -15,6 +15,7 @@ import trainer.setup
 from config import load_config
 from model.args import get_preset
 from model.qwen2 import build_model
+from parallel.device_memory import observe_cache_returns
 from preflight.rehearsal import fake_dist_env, fake_job
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
@@ -95,10 +96,9 @@ def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monk
     events = []
     build_engine = trainer.setup.build_engine
     monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (trainer.loop, trainer.setup):
-        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    assert train.main(overrides(str(tmp_path), steps=2)) == 0
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    with observe_cache_returns(lambda: events.append("return")):
+        assert train.main(overrides(str(tmp_path), steps=2)) == 0
     assert events.count("release_memory") == 2
     # After each release, the first call that takes memory back comes after a return of the cache.
     for i, event in enumerate(events):
@@ -113,11 +113,10 @@ def test_cached_memory_is_returned_before_every_resume_including_evaluation(tmp_
     events = []
     build_engine = trainer.setup.build_engine
     monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (trainer.loop, trainer.setup, evaluation.evaluate):
-        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=2, **{"eval.interval": 1, "eval.at_start": True, "eval.at_end": True})
-    assert train.main(argv) == 0
+    with observe_cache_returns(lambda: events.append("return")):
+        assert train.main(argv) == 0
     resumes = [i for i, event in enumerate(events) if event == "resume_memory"]
     assert len(resumes) == 2 + 3  # each step's rollouts, and the evaluations at steps 0, 1 and 2
     assert all(events[i - 1] == "return" for i in resumes), events

@@ -16,7 +16,8 @@ import torch
 import eval as eval_command
 import evaluation.evaluate as evaluation
 from config import ConfigError
-from evaluation.evaluate import evaluate, flat_metrics, format_table
+from evaluation.evaluate import evaluate
+from evaluation.report import flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -24,9 +25,8 @@ from model.tokenizer import train_bpe_tokenizer
 from observe.progress import Progress
 from rl.data import rows_to_examples, synthetic_arithmetic_rows
 from rl.reward import compute_score
-from rollout.engine import Completion, Engine, SamplingParams
+from rollout.engine import Completion, Engine, EngineFailure, SamplingParams
 from rollout.torch_engine import TorchEngine
-from trainer.scoring import EngineFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,7 +214,7 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
 
 
 def _held_out_worker(rank, world, tokenizer, examples, run_path):
-    from evaluation.evaluate import run_held_out_eval
+    from evaluation.held_out import run_held_out_eval
     from parallel.dist_env import init_distributed
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import rl.reward
 import train
 import trainer.loop
 import trainer.losses
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_loss = trainer.losses.policy_loss
     calls = {"n": 0}
 
@@ -59,7 +60,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 
 
 def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_loss = trainer.losses.policy_loss
     poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
     calls = {"n": 0}
@@ -83,7 +84,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
 
 
 def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_generate = TorchEngine.generate
     calls = {"n": 0}
 
@@ -119,7 +120,7 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
         return planted_score(solution, ground_truth)
 
     monkeypatch.setattr(trainer.update.TrainPhase, "run", counting_run)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     argv = overrides(str(tmp_path), steps=4, **{"algorithm.on_shortfall": "raise", "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
@@ -145,7 +146,7 @@ def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_chec
         return planted_score(solution, ground_truth)
 
     monkeypatch.setattr(TorchEngine, "generate", counting_generate)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
@@ -224,7 +225,7 @@ def signal_handlers():
 
 
 def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     phases = []
 
     class Recording:
@@ -269,7 +270,7 @@ def _folder_state(root):
 def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     tmp_path, monkeypatch, caplog, signal_handlers
 ):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
     train.main(argv)
     first = read_rows(str(tmp_path))
@@ -294,7 +295,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
 
 
 def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
     train.main(argv)
     earlier = _folder_state(tmp_path / "run")
@@ -348,7 +349,7 @@ def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
 def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
     from trainer.signals import StopRequested
 
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_eval = trainer.loop.run_held_out_eval
 
     def eval_then_sigterm(*args, **kwargs):
@@ -445,7 +446,7 @@ def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
     import trainer.warmup
     from model.hf import load_hf
 
-    trainer.scoring.compute_score = planted_score
+    rl.reward.compute_score = planted_score
     if crash_after is not None:
         real_step = trainer.warmup.SFTWarmup.step
 
@@ -496,7 +497,7 @@ def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_
 
 
 def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_path, monkeypatch, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     train.main(overrides(str(tmp_path), steps=1))
     step_1 = tmp_path / "run" / "checkpoints" / "step-00000001"
     # What an older version left (and anyone could plant): a pickled train state, listed in the manifest.
@@ -536,7 +537,7 @@ def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handl
         raise KeyError("broken scorer (simulated)")
 
     monkeypatch.setattr(TorchEngine, "shutdown", counting_shutdown)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     with pytest.raises(RuntimeError, match=r"broken scorer \(simulated\)'. Checkpoint of step 0 saved"):
         train.main(overrides(str(tmp_path), steps=2, **{"algorithm.dynamic_sampling": False}))
@@ -550,7 +551,7 @@ def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_pat
     first stops the step after it: the second never runs, the last completed step is checkpointed."""
     from trainer.signals import StopRequested
 
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_generate = TorchEngine.generate
     calls = []
 

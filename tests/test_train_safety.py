@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import eval as eval_command
+import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
@@ -34,7 +35,7 @@ PLANTED_TRAIN = [sys.executable, "tests/planted_train.py"]
 @pytest.fixture
 def planted(monkeypatch):
     """The planted reward (groups with spread from a random model), and pytest's signal handlers kept."""
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield
     for sig, handler in saved.items():

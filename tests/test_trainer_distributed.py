@@ -102,7 +102,7 @@ def _late_eval_worker(rank, world, store_path, run_path):
 
     import torch.distributed as dist
 
-    from evaluation.evaluate import run_held_out_eval
+    from evaluation.held_out import run_held_out_eval
     from parallel.dist_env import init_distributed
     from rl.data import PromptExample
     from rollout.engine import SamplingParams

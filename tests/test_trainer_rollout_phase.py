@@ -7,9 +7,9 @@ from parallel.dims import ParallelDims
 from parallel.dist_env import DistEnv
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Completion, SamplingParams
+from rollout.engine import Completion, EngineFailure, SamplingParams
 from trainer.rollout_phase import RoundStopped, collect_batch, prompts_per_call
-from trainer.scoring import EngineFailure, RewardSettings
+from trainer.scoring import RewardSettings
 
 
 def SingleProcess():

@@ -19,7 +19,8 @@ import torch
 
 from config import Config, config_to_dict
 from errors import ConfigError
-from evaluation.evaluate import params_from_config, run_held_out_eval
+from evaluation.evaluate import params_from_config
+from evaluation.held_out import run_held_out_eval
 from model.hf import complete_hf_export
 from model.tokenizer import Tokenizer
 from observe.progress import Progress
@@ -30,12 +31,12 @@ from parallel.finite import NonFiniteStateError
 from parallel.hf_export import export_hf
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Engine, EngineDied, SamplingParams
+from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
 from rollout.weight_sync import sync_weights
 from trainer.rollout_phase import RolloutError, RoundStopped, collect_batch, prompts_per_call
 from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished, prepare_run_folder, run_folder_path
 from trainer.run_lock import FolderLock
-from trainer.scoring import EngineFailure, RewardSettings
+from trainer.scoring import RewardSettings
 from trainer.setup import build_policy_and_engine, build_tokenizer, load_datasets
 from trainer.signals import GracefulStop, StopRequested
 from trainer.state import loop_position, restore_loop_position

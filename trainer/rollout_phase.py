@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from rl.data import PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Engine, EngineDied, SamplingParams
-from trainer.scoring import EngineFailure, RewardSettings, score_groups
+from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
+from trainer.scoring import RewardSettings, score_groups
 from trainer.step_metrics import add_totals, sample_totals
 
 if TYPE_CHECKING:
