@@ -31,6 +31,7 @@ from config import Config, config_parser, parse_config_args
 from errors import ConfigError, report
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
+from rollout.engine_spec import EngineSpec
 
 
 def _short_flags(args: argparse.Namespace) -> list[str]:
@@ -84,36 +85,6 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_tokens: int):
-    """The [rollout] section's engine over the checkpoint, on the GPU when there is one."""
-    import torch
-
-    ro = cfg.rollout
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ro.engine == "sglang":
-        from rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(
-            model_dir, tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static, dtype=ro.dtype, seed=cfg.job.seed
-        )
-    from model.hf import load_hf
-    from model.hf_adapter import DTYPES
-    from rollout.torch_engine import TorchEngine
-    from trainer.setup import torch_engine_options
-
-    model = load_hf(model_dir, dtype=DTYPES[ro.dtype], device=device)
-    # The engine never needs more context than the longest prompt plus the response budget.
-    max_seq_len = min(model.args.max_position_embeddings, longest_prompt + max_new_tokens)
-    if max_seq_len < longest_prompt + max_new_tokens:
-        print(
-            f"warning: the model's context of {max_seq_len} tokens leaves the longest prompt "
-            f"{max_seq_len - longest_prompt} of the {max_new_tokens} new tokens asked for; longer responses "
-            f"end with finish reason 'length'",
-            file=sys.stderr,
-        )
-    return TorchEngine(model, max_seq_len=max_seq_len, device=device, seed=cfg.job.seed, **torch_engine_options(ro))
-
-
 def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
     """Print one warning line when the checkpoint's weights hold NaN or inf (its answers would mean nothing);
     returns the names of those tensors. Reads the safetensors files one tensor at a time."""
@@ -149,7 +120,8 @@ def main(argv=None) -> dict:
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
     # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
     per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
-    engine = build_engine(cfg, model_dir, max((len(e.prompt_ids) for e in examples), default=0), params.max_new_tokens)
+    longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
+    engine = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     try:
         report = evaluate(
             engine,

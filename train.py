@@ -30,7 +30,8 @@ from config import check_runnable, config_to_dict, parse_cli
 from errors import report
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
-from trainer.loop import Trainer, build
+from trainer.build import build
+from trainer.loop import Trainer
 from trainer.run_folder import finished_run_report
 
 log = logging.getLogger("train")

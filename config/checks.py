@@ -100,7 +100,7 @@ def check_runnable(cfg: Config, machine=None) -> None:
             f"model.tokenizer_path is not set: data.train_path = {data.train_path!r} needs the "
             "tokenizer of model.hf_path or model.tokenizer_path (only the synthetic task trains its own)"
         )
-    longest = data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+    longest = cfg.engine_max_seq_len
     if max_positions is not None and longest > max_positions:
         raise ConfigError(
             f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "

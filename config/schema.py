@@ -152,6 +152,12 @@ class RolloutConfig:
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the log-probs pi(o_t | ...) the loss reads: the sampling temperature, the
+        engine's log_softmax(logits / T); 1 for greedy rollouts (T = 0)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
 
 @dataclass
 class AlgorithmConfig:
@@ -290,6 +296,28 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """The longest held-out response: eval.max_response_length, else the rollout's."""
+        return self.eval.max_response_length or self.rollout.max_response_length
+
+    @property
+    def engine_max_new_tokens(self) -> int:
+        """The longest response the rollout engine generates: a rollout's, or an evaluation's if longer."""
+        return max(self.rollout.max_response_length, self.eval_max_new_tokens)
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """The longest sequence the rollout engine holds: the longest prompt and the longest response."""
+        return self.data.max_prompt_length + self.engine_max_new_tokens
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one generation round draws: train_batch_size, x gen_batch_multiplier with dynamic sampling
+        (the recipe over-samples so that enough groups survive the filter of Eq. 11)."""
+        multiplier = self.rollout.gen_batch_multiplier if self.algorithm.dynamic_sampling else 1
+        return self.training.train_batch_size * multiplier
+
     def rules(self) -> Iterator[Rule]:
         """The rules that span sections."""
         alg, ro = self.algorithm, self.rollout
@@ -310,7 +338,7 @@ class Config:
             f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: "
             "a packed micro-batch must hold the longest sample",
         )
-        engine_len = self.data.max_prompt_length + max(ro.max_response_length, self.eval.max_response_length or 0)
+        engine_len = self.engine_max_seq_len
         yield (
             "rollout.kv_cache_blocks",
             ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len,

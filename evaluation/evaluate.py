@@ -129,7 +129,7 @@ def params_from_config(cfg, stop_token_ids, seed: int | None = None) -> Sampling
     Greedy decoding is temperature 0 with no filter (the configuration's rules hold eval.k to 1 for it)."""
     ev = cfg.eval
     return SamplingParams(
-        max_new_tokens=ev.max_response_length or cfg.rollout.max_response_length,
+        max_new_tokens=cfg.eval_max_new_tokens,
         temperature=0.0 if ev.greedy else ev.temperature,
         top_p=1.0 if ev.greedy else ev.top_p,
         top_k=-1 if ev.greedy else ev.top_k,

@@ -5,14 +5,16 @@ This process plays rank 0 of an N-rank job (`[rehearse] world_size`) on PyTorch'
 data), so a 32B policy on 8 or 128 ranks needs seconds to minutes and no memory. It runs train.py's
 phases in their real order, through the functions train.py itself calls:
 
-    load + shard, engine start    trainer/setup.py build_policy_and_engine (the engine is a stand-in
-                                  that holds memory by the engine's rules, rollout/sglang_memory.py)
+    load + shard, engine start    train.py's build order (trainer/build.py build_policy_and_engine):
+                                  parallel/sharded_policy.py, then the engine of rollout/engine_spec.py as
+                                  a stand-in that holds memory by the engine's rules (rollout/sglang_memory.py)
     rollout                       engine.resume_memory(): the engine holds everything
     release                       engine.release_memory()
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
-    train: forward + backward     trainer/losses.py dapo_micro_batch_loss, backward
-    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, AdamW step, zero_grad
+    train: forward + backward     trainer/losses.py DAPOLoss, backward
+    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, trainer/update.py build_optimizer's
+                                  AdamW step, zero_grad
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        engine.resume_memory() at the next step's start
 
@@ -38,6 +40,7 @@ from model.args import ModelArgs, get_preset, num_params
 from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
+from rollout.engine_spec import EngineSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -61,22 +64,22 @@ class EngineShare:
     flattens_buckets: bool = False  # a weight bucket is concatenated on the GPU before it is sent
 
 
-def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
+def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
     """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
     (rollout/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
     from rollout.sglang_engine import RELEASED_TAGS, context_length_for
     from rollout.sglang_memory import EngineMemoryError, plan_engine_memory
 
-    max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+    ro = spec.rollout
     try:
         plan = plan_engine_memory(
             args,
-            tp_size=cfg.rollout.tp_size,
-            dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
+            tp_size=ro.tp_size,
+            dtype_bytes=DTYPE_BYTES[ro.dtype],
             gpu_total_bytes=gpu_bytes,
             gpu_free_bytes_at_start=max(free_bytes, 0),
-            mem_fraction_static=cfg.rollout.mem_fraction_static,
-            context_length=context_length_for(cfg.data.max_prompt_length, max_new),
+            mem_fraction_static=ro.mem_fraction_static,
+            context_length=context_length_for(spec.max_prompt_length, spec.max_new_tokens),
         )
     except EngineMemoryError as exc:
         raise RehearsalError(
@@ -88,25 +91,23 @@ def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> Engin
         plan.other,
         tuple(RELEASED_TAGS),
         plan.kv_tokens,
-        f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens",
+        f"SGLang TP {ro.tp_size}: KV pool {plan.kv_tokens:,} tokens",
         flattens_buckets=True,  # SGLang's FlattenedTensorBucket (rollout/sglang_engine.py)
     )
 
 
-def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
+def torch_engine_share(spec: EngineSpec, args: ModelArgs) -> EngineShare:
     """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
     max_batch_size slots x the longest sequence that it frees while the trainer runs."""
-    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
-    seq = cfg.data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
-    kv = 2 * args.num_layers * cfg.rollout.max_batch_size * args.num_kv_heads * seq * args.head_dim * nbytes
-    logits = cfg.rollout.max_batch_size * args.vocab_size * 4  # one decode step's fp32 logits
-    slots = cfg.rollout.max_batch_size * seq
+    nbytes, seq, batch = DTYPE_BYTES[spec.rollout.dtype], spec.max_seq_len, spec.rollout.max_batch_size
+    kv = 2 * args.num_layers * batch * args.num_kv_heads * seq * args.head_dim * nbytes
+    logits = batch * args.vocab_size * 4  # one decode step's fp32 logits
     return EngineShare(
         {"weights": num_params(args) * nbytes, "kv_cache": kv},
         logits,
         ("kv_cache",),
-        slots,
-        f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens",
+        batch * seq,
+        f"torch engine: KV cache {batch} x {seq} tokens",
     )
 
 
@@ -147,7 +148,7 @@ def _gpu_parts(tracker, kind: str) -> dict[str, int]:
 
 def rehearsal_args(cfg) -> ModelArgs:
     if cfg.model.hf_path:
-        from trainer.setup import policy_args
+        from parallel.sharded_policy import policy_args
 
         return policy_args(cfg.model)
     return get_preset(cfg.model.preset or cfg.rehearse.preset)
@@ -217,21 +218,20 @@ class _Phases:
             host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
         return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), {"params": host}
 
-    def start_engine(self, cfg_, policy, device, max_prompt_length, dist_env_):
-        """build_policy_and_engine's engine: a stand-in sized from the memory free at this moment."""
-        from trainer.setup import DTYPES
-
+    def start_engine(self, policy: torch.nn.Module) -> StandInEngine:
+        """The engine train.py starts once the policy is sharded (rollout/engine_spec.py): a stand-in sized
+        from the memory free at this moment."""
         cfg, ledger = self.cfg, self.ledger
-        self.policy = policy
         peak, host = self.built("peak", policy)
         ledger.record("load + shard", peak, 0, host=host)
         now, host = self.built("current", policy)
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
-        if cfg.rollout.engine == "sglang":
-            share = sglang_share(cfg, self.args, ledger.gpu_bytes, free)
+        spec = EngineSpec.from_config(cfg)
+        if spec.kind == "sglang":
+            share = sglang_share(spec, self.args, ledger.gpu_bytes, free)
         else:
-            share = torch_engine_share(cfg, self.args)
-        engine = StandInEngine(share, DTYPES[cfg.rollout.dtype])
+            share = torch_engine_share(spec, self.args)
+        engine = StandInEngine(share, spec.dtype)
         row = ledger.record("engine start", now, engine.held(), share.note, host=host)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         if share.kv_tokens < longest:
@@ -244,12 +244,18 @@ class _Phases:
         return engine
 
     def build(self, fill: bool) -> None:
-        from trainer.setup import build_policy_and_engine
+        """train.py's build order (trainer/build.py build_policy_and_engine): the sharded policy (its values
+        only with `fill`: the memory of a rank's checkpoint read), the allocator's cache handed back, the engine."""
+        from parallel.device_memory import return_cached_memory
+        from parallel.sharded_policy import fill_policy, shard_policy
 
+        cfg = self.cfg
         with self.build_tracker:
-            self.policy, self.engine = build_policy_and_engine(
-                self.cfg, self.dist_env, start_engine=self.start_engine, fill=fill
-            )
+            self.policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env)
+            if fill:
+                fill_policy(self.policy, cfg.model, seed=cfg.job.seed)
+            return_cached_memory(self.dist_env)
+            self.engine = self.start_engine(self.policy)
         parts, host = self.built("peak", self.policy)
         self.ledger.record("build done", parts, self.engine.held(), host=host)
 
@@ -264,50 +270,32 @@ class _Phases:
         """One step of train.py's loop after the build (see the module docstring)."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        from model.logprob import DEFAULT_CHUNK
         from parallel.device_memory import return_cached_memory
         from parallel.grad_clip import clip_grad_norm_
         from rollout.weight_sync import sync_weights
-        from trainer.losses import dapo_micro_batch_loss
-        from trainer.update import fill_old_logprobs
+        from trainer.losses import DAPOLoss, GlobalCounts
+        from trainer.update import build_optimizer, fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
-        opt, alg = cfg.optimizer, cfg.algorithm
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
-        optimizer = torch.optim.AdamW(
-            policy.parameters(),
-            lr=opt.lr,
-            betas=tuple(opt.betas),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            foreach=not ledger.offload,
-        )
+        optimizer, _ = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not ledger.offload)
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        dapo_loss = DAPOLoss.from_config(cfg.algorithm, cfg.rollout)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
 
-        def train_micro_batch():
-            loss, _ = dapo_micro_batch_loss(
-                policy,
-                mb,
-                global_num_tokens=float(mb.targets.numel()),
-                global_num_seqs=1.0,
-                global_num_groups=1.0,
-                temperature=temperature,
-                clip_low=alg.clip_low,
-                clip_high=alg.clip_high,
-                clip_c=alg.clip_c,
-                agg=alg.loss_agg,
-                norm_len=cfg.rollout.max_response_length,
-                chunk_size=DEFAULT_CHUNK,
-            )
+        def old_logprobs() -> None:
+            fill_old_logprobs(policy, [mb], dapo_loss.temperature, dapo_loss.chunk_size)
+
+        def train_micro_batch() -> None:
+            loss, _ = dapo_loss(policy, mb, GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0))
             loss.backward()
 
-        def optimizer_step():
-            clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max(opt.grad_clip, 1e-6))
+        def optimizer_step() -> None:
+            grads = [p for p in policy.parameters() if p.grad is not None]
+            clip_grad_norm_(grads, max(cfg.optimizer.grad_clip, 1e-6))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -316,7 +304,7 @@ class _Phases:
         if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
             ledger.empty_cache(self.allocated_on_gpu())
         policy.train()
-        phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK), tokens)
+        phase("train: old log-probs", old_logprobs, tokens)
         phase("train: forward+backward", train_micro_batch, tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         phase("train: optimizer step", optimizer_step, on_host=(*HOST_PARTS_WHEN_OFFLOADED, "activations"))

@@ -59,7 +59,7 @@ Protocol state (update session open, released tags, weights pushed since the rel
 the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
 group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
 believing what SGLang did not do. The group should be a gloo group with a timeout longer than the
-slowest generation (trainer/setup.py engine_group): non-leader ranks wait in it while the leader generates.
+slowest generation (rollout/engine_spec.py engine_group): non-leader ranks wait in it while the leader generates.
 """
 
 from __future__ import annotations

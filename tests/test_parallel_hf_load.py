@@ -14,10 +14,10 @@ from config import load_config
 from model.args import ModelArgs
 from model.hf import CheckpointError, load_hf, save_hf
 from model.qwen2 import build_model
+from parallel.sharded_policy import build_sharded_policy, shard_policy
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak
 from tests.qwen2_checkpoint import write_qwen2_checkpoint
-from trainer.setup import build_sharded_policy
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 MiB = 1 << 20
@@ -69,7 +69,7 @@ def _load_and_measure(rank, world_size, path, layout):
     cfg = _config(path, layout)
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
     start = reset_peak()
-    skeleton = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=0, fill=False)  # kept alive
+    skeleton = shard_policy(cfg.model, cfg.parallelism, dist_env)  # kept alive
     build_overhead = peak() - start
     start = reset_peak()
     policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=0)

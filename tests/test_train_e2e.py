@@ -8,6 +8,7 @@ import torch
 
 import rl.reward
 import train
+import trainer.build
 import trainer.loop
 import trainer.scoring
 from model.args import get_preset
@@ -133,7 +134,7 @@ def test_dry_run_prints_the_resolved_config_without_building_a_model(config, cap
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run must not touch a model")
 
-    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", refuse)
+    monkeypatch.setattr(trainer.build, "build_policy_and_engine", refuse)
     assert train.main(["--config", os.path.join(CONFIGS, config), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert set(resolved) >= {"model", "rollout", "algorithm", "training", "parallelism"}

@@ -13,6 +13,7 @@ import torch
 
 import rl.reward
 import train
+import trainer.build
 import trainer.loop
 import trainer.losses
 import trainer.scoring
@@ -206,7 +207,7 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
         train.main(argv)
     tokenizer_dir = str(tmp_path / "tokenizer")
     train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
-    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
+    monkeypatch.setattr(trainer.build, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
     with pytest.raises(
         ConfigError,
         match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
@@ -278,7 +279,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
     files = _folder_state(tmp_path)
     for name in ("build_policy_and_engine", "load_datasets", "build_tokenizer"):
-        monkeypatch.setattr(trainer.loop, name, lambda *a, **k: pytest.fail("a finished run built something"))
+        monkeypatch.setattr(trainer.build, name, lambda *a, **k: pytest.fail("a finished run built something"))
     caplog.clear()
     with caplog.at_level("INFO", logger="train"):
         assert train.main(argv) == 0

@@ -15,7 +15,7 @@ def _slow_engine_worker(rank, world, store_path):
     import torch.distributed as dist
 
     from parallel.dist_env import init_distributed
-    from trainer.setup import engine_group
+    from rollout.engine_spec import engine_group
 
     # The default group gets a timeout shorter than one generation (NCCL's is 10 minutes, rounds take hours).
     dist.destroy_process_group()
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
 from parallel.dist_env import init_distributed
-from trainer.setup import engine_group
+from rollout.engine_spec import engine_group
 env = init_distributed(1, -1, 1)
 group, gpu = engine_group(4, env)
 print(dist.get_backend(env.control_group), dist.get_backend(group), gpu)

@@ -11,12 +11,18 @@ overlong penalty, the recipe's default) or `score`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rl.reward import overlong_penalty, rule_score
-from rollout.engine import check_completions
+from rollout.engine import Completion, check_completions
+
+if TYPE_CHECKING:
+    from config import Config
+    from model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -31,25 +37,44 @@ class Sample:
     step: int = 0  # the training step whose rollout generated it (carried-over samples are older)
 
 
+# A prompt's G samples from generation to packing: dynamic sampling (rl/filter.py) reads their acc or score,
+# the update packs the samples.
+RolloutGroup: TypeAlias = ScoredGroup[list[Sample]]
+
+
 @dataclass(frozen=True)
 class RewardSettings:
+    """The reward's settings: L_max (rollout.max_response_length) and the soft overlong punishment's buffer
+    L_cache and factor (Eq. 13), and the rule reward's boxed-only mode."""
+
     max_response_length: int
     overlong_penalty: bool = True
     overlong_buffer: int = 4096
     overlong_penalty_factor: float = 1.0
     strict_box: bool = False
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> RewardSettings:
+        alg = cfg.algorithm
+        return cls(
+            cfg.rollout.max_response_length,
+            alg.overlong_penalty,
+            alg.overlong_buffer,
+            alg.overlong_penalty_factor,
+            alg.strict_box,
+        )
+
 
 def score_groups(
     examples: list[PromptExample],
-    completions,
+    completions: Sequence[Completion],
     n: int,
-    tokenizer,
+    tokenizer: Tokenizer,
     settings: RewardSettings,
     stop_ids: set[int],
     step: int = 0,
-) -> list[ScoredGroup]:
-    """Score the n completions of every prompt; one ScoredGroup (payload: list[Sample]) per prompt."""
+) -> list[RolloutGroup]:
+    """Score the n completions of every prompt; one RolloutGroup per prompt."""
     check_completions(completions, len(examples), n)
     groups = []
     for p, example in enumerate(examples):
