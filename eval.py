@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from config import Config, config_parser, parse_config_args
 from errors import ConfigError, report
@@ -41,7 +42,7 @@ def _short_flags(args: argparse.Namespace) -> list[str]:
     return flags + ([f"model.tokenizer_path={args.tokenizer}"] if args.tokenizer is not None else [])
 
 
-def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
+def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """The configuration (`--config`, then the short flags, then `--section.key=value`) and the flags."""
     parser = config_parser(
         "Evaluate a policy with avg@k / pass@k / maj@k.",
@@ -107,7 +108,7 @@ def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
     return names
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
     cfg, args = parse_cli(argv)
@@ -144,7 +145,7 @@ def main(argv=None) -> dict:
     return report
 
 
-def run_cli(argv=None) -> None:
+def run_cli(argv: list[str] | None = None) -> None:
     """`main` with the exits a shell expects, as train.py's (errors.py): bad input (a configuration problem,
     including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint) is one line and
     exit code 2; anything else is a failure and keeps its traceback."""

@@ -37,7 +37,7 @@ from trainer.run_folder import finished_run_report
 log = logging.getLogger("train")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg, cli = parse_cli(argv)
     if cli.rehearse:
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             shutdown_distributed(clean=finished)
 
 
-def run_cli(argv=None) -> None:
+def run_cli(argv: list[str] | None = None) -> None:
     """`main` with the exits a shell expects (errors.py): bad input is one line and exit code 2 (a busy or
     damaged run folder and a full disk included); a signal stops with a checkpoint and 143 / 130; a policy gone
     non-finite or a rollout engine whose process died is one line and 1 (the newest checkpoint is intact,

@@ -9,7 +9,7 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from evaluation.report import make_report
 from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
@@ -18,21 +18,27 @@ from rl.reward import rule_score
 from rollout.engine import Completion, SamplingParams, check_completions
 
 if TYPE_CHECKING:
-    pass
+    from config import Config
+    from model.tokenizer import Tokenizer
+    from observe.progress import Progress
+    from rl.data import PromptExample
+    from rollout.engine import Engine
+
+Gather = Callable[[list[ProblemResult]], list[ProblemResult]]
 
 
 def evaluate(
-    engine,
-    examples: Sequence,
-    tokenizer,
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
     params: SamplingParams,
     *,
     strict_box: bool = False,
-    progress=None,
+    progress: Progress | bool | None = None,
     pass_at: Sequence[int] | None = None,
     prompts_per_call: int | None = None,
-    gather: Callable[[list[ProblemResult]], list[ProblemResult]] | None = None,
-) -> dict:
+    gather: Gather | None = None,
+) -> dict[str, Any]:
     """Generate `params.n` (= k) samples for each example, score them, and summarise.
 
     examples: distinct problems (rl/data.py PromptExample: prompt_ids, ground_truth, data_source);
@@ -65,16 +71,25 @@ def evaluate(
 
 
 def problem_results(
-    engine, examples: list, tokenizer, params: SamplingParams, *, strict_box: bool, progress, prompts_per_call
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    *,
+    strict_box: bool,
+    progress: Progress | bool | None,
+    prompts_per_call: int | None,
 ) -> list[ProblemResult]:
     """evaluate's generation and scoring of this process's examples, one ProblemResult each."""
     k = params.n
     chunk = prompts_per_call or max(len(examples), 1)
     owned = progress is True
-    if owned:
+    if progress is True:
         from observe.progress import Progress
 
-        progress = Progress(total=len(examples), desc="eval", unit="problems")
+        shown: Progress | None = Progress(total=len(examples), desc="eval", unit="problems")
+    else:
+        shown = progress or None
     results: list[ProblemResult] = []
     # Ranks that share one engine (SGLang's TP group) generate in one collective call: a rank without
     # problems still takes part, with no prompts, or its group would wait for it forever.
@@ -88,16 +103,22 @@ def problem_results(
                     batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
                 )
             )
-            if progress is not None and progress is not False and batch:
+            if shown is not None and batch:
                 done = results[-len(batch) :]
-                progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
+                shown.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
     finally:
-        if owned:
-            progress.close()
+        if owned and shown is not None:
+            shown.close()
     return results
 
 
-def checked_pass_ks(params, examples: list, pass_at, prompts_per_call, gather) -> tuple[int, ...]:
+def checked_pass_ks(
+    params: SamplingParams,
+    examples: Sequence[PromptExample],
+    pass_at: Sequence[int] | None,
+    prompts_per_call: int | None,
+    gather: Gather | bool | None,
+) -> tuple[int, ...]:
     """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
@@ -123,7 +144,7 @@ def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> Samplin
     return dataclasses.replace(params, seed=zlib.crc32(f"{params.seed}-{begin}-{batch[0].index}".encode()))
 
 
-def params_from_config(cfg, stop_token_ids, seed: int | None = None) -> SamplingParams:
+def params_from_config(cfg: Config, stop_token_ids: Sequence[int], seed: int | None = None) -> SamplingParams:
     """Evaluation SamplingParams from a config.Config: eval.k samples at eval.temperature / eval.top_p /
     eval.top_k, responses of eval.max_response_length tokens (default: rollout.max_response_length).
     Greedy decoding is temperature 0 with no filter (the configuration's rules hold eval.k to 1 for it)."""
@@ -139,7 +160,7 @@ def params_from_config(cfg, stop_token_ids, seed: int | None = None) -> Sampling
     )
 
 
-def load_eval_set(cfg, tokenizer) -> list:
+def load_eval_set(cfg: Config, tokenizer: Tokenizer) -> list[PromptExample]:
     """The held-out problems of `data.eval_path` (a parquet file, or the synthetic task's eval split),
     prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
     data = cfg.data
@@ -166,9 +187,9 @@ def load_eval_set(cfg, tokenizer) -> list:
 
 
 def score_completions(
-    examples: Sequence,
+    examples: Sequence[PromptExample],
     completions: Sequence[Completion],
-    tokenizer,
+    tokenizer: Tokenizer,
     k: int,
     *,
     strict_box: bool = False,

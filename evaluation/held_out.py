@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -18,21 +18,26 @@ from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
+    from observe.progress import Progress
     from parallel.dist_env import DistEnv
     from rl.data import PromptExample
 
 
-def _gather_outcomes(outcome: tuple, dist_env: DistEnv) -> list[tuple]:
+# What a rank reports after its share: ("ok", its results) or ("died" | "failed", why).
+Outcome = tuple[str, "list[ProblemResult] | str"]
+
+
+def _gather_outcomes(outcome: Outcome, dist_env: DistEnv) -> list[tuple[int, Outcome]]:
     """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
     (parallel/dist_env.py): a rank whose engine finished first waits here for the slowest, which can
     take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
     rollout.round_timeout_s."""
-    everyone = [None] * dist_env.world_size
+    everyone: list[Any] = [None] * dist_env.world_size
     dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
     return everyone
 
 
-def _merged(everyone: list[tuple], local_error: BaseException | None) -> list[ProblemResult]:
+def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | None) -> list[ProblemResult]:
     """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
     same share: the first one's is kept), or, when any rank failed, that failure raised on every rank:
     an engine's death (EngineDied) first."""
@@ -44,8 +49,9 @@ def _merged(everyone: list[tuple], local_error: BaseException | None) -> list[Pr
             rank, why = failed[0]
             error = EngineDied if kind == "died" else EngineFailure
             raise error(f"the evaluation failed on rank {rank}: {why}")
-    shares: dict[int, list] = {}
+    shares: dict[int, list[ProblemResult]] = {}
     for dp_rank, (_, results) in everyone:
+        assert not isinstance(results, str)  # every rank reported "ok"
         shares.setdefault(dp_rank, results)
     return [r for dp_rank in sorted(shares) for r in shares[dp_rank]]
 
@@ -60,7 +66,7 @@ def run_held_out_eval(
     step: int,
     *,
     strict_box: bool = False,
-    progress=None,
+    progress: Progress | None = None,
     pass_at: Sequence[int] = (),
 ) -> dict[str, float]:
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
@@ -79,14 +85,13 @@ def run_held_out_eval(
         results = problem_results(
             engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=None
         )
-        outcome, local_error = ("ok", results), None
+        outcome: Outcome = ("ok", results)
+        local_error = None
     except Exception as exc:
         if dist_env.world_size == 1:
             raise
-        outcome, local_error = (
-            ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}"),
-            exc,
-        )
+        outcome = ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}")
+        local_error = exc
     elapsed = time.perf_counter() - start
     if dist_env.world_size > 1:
         results = _merged(_gather_outcomes(outcome, dist_env), local_error)

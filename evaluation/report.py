@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from rl.eval_metrics import ProblemResult, summarize
 from rollout.engine import SamplingParams
 
 
-def make_report(results: list[ProblemResult], ks, params: SamplingParams, strict_box: bool, elapsed: float) -> dict:
+def make_report(
+    results: list[ProblemResult], ks: Sequence[int], params: SamplingParams, strict_box: bool, elapsed: float
+) -> dict[str, Any]:
     """evaluate's report of all results (see evaluate)."""
     k = params.n
     report = summarize(results, ks)

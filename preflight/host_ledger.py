@@ -49,8 +49,15 @@ so they pass through the page cache once per node; the run's own checkpoints pas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from preflight.gpu_ledger import GB, PhaseRow
+
+if TYPE_CHECKING:
+    import torch
+
+    from config import Config
+    from model.args import ModelArgs
 
 HOST_PARTS = ("process", "load", "params", "grads", "optimizer", "temps", "staging", "engine")
 _LABELS = {"optimizer": "optim"}
@@ -98,7 +105,15 @@ class HostLedger:
     rows: list[HostRow] = field(default_factory=list)
 
     @classmethod
-    def of(cls, gpu_rows: list[PhaseRow], node_bytes: int, facts: HostFacts, *, offload: bool, device_is_host=False):
+    def of(
+        cls,
+        gpu_rows: list[PhaseRow],
+        node_bytes: int,
+        facts: HostFacts,
+        *,
+        offload: bool,
+        device_is_host: bool = False,
+    ) -> HostLedger:
         ledger = cls(node_bytes, facts, offload, device_is_host)
         for row in gpu_rows:
             ledger.add(row)
@@ -175,7 +190,7 @@ class HostLedger:
         }
 
 
-def host_facts(cfg, policy, args) -> HostFacts:
+def host_facts(cfg: Config, policy: torch.nn.Module, args: ModelArgs) -> HostFacts:
     """The HostFacts of the job `cfg` describes ([rehearse], [parallelism], [rollout], [model]), from this
     rank's (possibly fake) sharded `policy` of architecture `args`."""
     from torch.distributed.tensor import DTensor

@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,11 +44,24 @@ from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLed
 from preflight.host_ledger import HostLedger, host_facts
 from rollout.engine_spec import EngineSpec
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from config import Config
+    from model.qwen2 import Qwen2
+    from parallel.dist_env import DistEnv
+    from preflight.gpu_ledger import PhaseRow
+    from trainer.packing import MicroBatch
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class RehearsalError(Exception):
     """A phase does not fit: the message names the phase and the shortfall."""
+
+    phases: _Phases | None = None  # the run up to the phase that failed (run_phases)
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -127,7 +142,7 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
-    def update_weights(self, named_tensors) -> None:
+    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
         if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
@@ -140,13 +155,13 @@ class StandInEngine:
 # ---------------------------------------------------------------------------------------- the phases
 
 
-def _gpu_parts(tracker, kind: str) -> dict[str, int]:
+def _gpu_parts(tracker: MemTracker, kind: str) -> dict[str, int]:
     """The tracker's snapshot of the device that plays the GPU (the CPU; meta tensors hold no memory)."""
     snapshot = tracker.get_tracker_snapshot(kind)
     return parts_from_tracker(next((s for d, s in snapshot.items() if d.type == "cpu"), {}))
 
 
-def rehearsal_args(cfg) -> ModelArgs:
+def rehearsal_args(cfg: Config) -> ModelArgs:
     if cfg.model.hf_path:
         from parallel.sharded_policy import policy_args
 
@@ -154,7 +169,7 @@ def rehearsal_args(cfg) -> ModelArgs:
     return get_preset(cfg.model.preset or cfg.rehearse.preset)
 
 
-def longest_micro_batch(cfg, device):
+def longest_micro_batch(cfg: Config, device: torch.device) -> MicroBatch:
     """The heaviest micro-batch the trainer meets: one sample filling training.micro_batch_tokens."""
     from trainer.packing import PackItem, pack
 
@@ -165,7 +180,7 @@ def longest_micro_batch(cfg, device):
     return replace(mb.to(device), document_ids=None)
 
 
-def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> _Phases:
+def run_phases(cfg: Config, dist_env: DistEnv, ledger: MemoryLedger, *, fill: bool = False) -> _Phases:
     """train.py's phases in order on `dist_env` (fake or real ranks); each phase becomes a ledger row.
     Returns the run (its `policy` and `engine`).
 
@@ -190,7 +205,7 @@ class _Phases:
     """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
     FSDPMemTracker (which knows FSDP's parameter states) from then on."""
 
-    def __init__(self, cfg, dist_env, ledger: MemoryLedger):
+    def __init__(self, cfg: Config, dist_env: DistEnv, ledger: MemoryLedger):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.args = rehearsal_args(cfg)
@@ -198,8 +213,10 @@ class _Phases:
             cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (cfg.model.preset or cfg.rehearse.preset))
         )
         self.dist_env, self.ledger = dist_env, ledger
-        self.build_tracker, self.tracker = MemTracker(), None
-        self.policy = self.engine = None
+        self.build_tracker = MemTracker()
+        self.tracker: FSDPMemTracker | None = None  # from the build's end on
+        self.policy: Qwen2 | None = None
+        self.engine: StandInEngine | None = None
 
     def allocated_on_gpu(self) -> int:
         if self.tracker is not None:
@@ -207,7 +224,7 @@ class _Phases:
         # Until the engine starts, the build holds the sharded parameters: in host memory with cpu_offload.
         return 0 if self.ledger.offload else sum(_gpu_parts(self.build_tracker, "current").values())
 
-    def built(self, kind, policy):
+    def built(self, kind: str, policy: torch.nn.Module) -> tuple[dict[str, int], dict[str, int]]:
         """(GPU parts, host bytes) of the build: it allocates parameters only. Sharded parameters are in
         host memory with cpu_offload; unsharded ones are wherever the build put them: the device."""
         total = sum(_gpu_parts(self.build_tracker, kind).values())
@@ -251,15 +268,22 @@ class _Phases:
 
         cfg = self.cfg
         with self.build_tracker:
-            self.policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env)
+            self.policy = policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env)
             if fill:
-                fill_policy(self.policy, cfg.model, seed=cfg.job.seed)
+                fill_policy(policy, cfg.model, seed=cfg.job.seed)
             return_cached_memory(self.dist_env)
-            self.engine = self.start_engine(self.policy)
-        parts, host = self.built("peak", self.policy)
-        self.ledger.record("build done", parts, self.engine.held(), host=host)
+            self.engine = engine = self.start_engine(policy)
+        parts, host = self.built("peak", policy)
+        self.ledger.record("build done", parts, engine.held(), host=host)
 
-    def phase(self, name, fn, note="", on_host=HOST_PARTS_WHEN_OFFLOADED):
+    def phase(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        note: str = "",
+        on_host: tuple[str, ...] = HOST_PARTS_WHEN_OFFLOADED,
+    ) -> PhaseRow:
+        assert self.tracker is not None and self.engine is not None, "the phases after the build"
         self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
         with self.tracker:
             fn()
@@ -277,6 +301,7 @@ class _Phases:
         from trainer.update import build_optimizer, fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
+        assert policy is not None and engine is not None, "step() follows build()"
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
@@ -319,7 +344,7 @@ class _Phases:
         phase("resume", engine.resume_memory)
 
 
-def _restart(tracker) -> None:
+def _restart(tracker: MemTracker) -> None:
     """Start a new peak on a tracker that is running (it measures the peak since it was entered)."""
     tracker.__exit__(None, None, None)
     tracker.__enter__()
@@ -329,7 +354,7 @@ def _restart(tracker) -> None:
 
 
 @contextlib.contextmanager
-def fake_job(world_size: int):
+def fake_job(world_size: int) -> Iterator[None]:
     """Rank 0 of a `world_size`-rank job on PyTorch's fake process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -356,7 +381,7 @@ def _forget_fake_meshes() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def fake_tensor_mode():
+def fake_tensor_mode() -> FakeTensorMode:
     """FakeTensorMode in which plain tensors stay plain: an op whose tensor inputs are all real (the
     micro-batch's token ids, a meta-device module's parameters) runs for real; everything else, and
     every factory call off the meta device, is fake.
@@ -371,12 +396,12 @@ def fake_tensor_mode():
 
     meta = torch.device("meta")
 
-    def runs_for_real(args, kwargs) -> bool:
+    def runs_for_real(args: Sequence[object], kwargs: Mapping[str, object] | None) -> bool:
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
             return False
         device = (kwargs or {}).get("device")
-        if device is not None and torch.device(device) == meta:
+        if device is not None and torch.device(device) == meta:  # type: ignore[call-overload]  # a device spec
             return True
         if not tensors:
             return False  # a factory call: what the run allocates
@@ -384,17 +409,23 @@ def fake_tensor_mode():
         return device is None or not any(t.is_meta for t in tensors)
 
     class PlainStaysPlain(FakeTensorMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(
+            self,
+            func: torch._ops.OpOverload,
+            types: Sequence[type],
+            args: Sequence[object] = (),
+            kwargs: Mapping[str, object] | None = None,
+        ) -> object:
             if runs_for_real(args, kwargs):
                 with unset_fake_temporarily():
                     return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     return PlainStaysPlain(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
-def sharding_propagation_apart():
+def sharding_propagation_apart() -> Iterator[None]:
     """Let DTensor's sharding propagation use a fake mode of its own.
 
     It reuses the active fake mode when it finds one (torch.distributed.tensor._sharding_prop:
@@ -413,7 +444,7 @@ def sharding_propagation_apart():
         sharding_prop.detect_fake_mode = detect
 
 
-def fake_dist_env(cfg, world_size: int):
+def fake_dist_env(cfg: Config, world_size: int) -> DistEnv:
     from parallel.dims import ParallelDims
     from parallel.dist_env import DistEnv
 
@@ -423,7 +454,7 @@ def fake_dist_env(cfg, world_size: int):
     return DistEnv(0, world_size, 0, torch.device("cpu"), dims)
 
 
-def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
+def rehearse(cfg: Config) -> tuple[MemoryLedger, HostLedger, str | None]:
     """The GPU and host ledgers of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, nodes of
     host_memory_gb, and the first failure (None when every phase ran and fits)."""
     from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
@@ -440,7 +471,9 @@ def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
             try:
                 run = run_phases(run_cfg, dist_env, ledger)
             except RehearsalError as exc:
+                assert exc.phases is not None  # run_phases attaches the run so far
                 failure, run = str(exc), exc.phases
+        assert run.policy is not None  # built before the engine, whose start is the first phase that can fail
         facts = host_facts(cfg, run.policy, run.args)  # shard shapes, on the fake mesh: no tensor is made
     host = HostLedger.of(ledger.rows, int(reh.host_memory_gb * GB), facts, offload=offload)
     if (row := ledger.first_overflow()) is not None:
@@ -449,17 +482,17 @@ def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
             f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short"
         )
         failure = short if failure is None or failure.startswith(f"phase '{row.phase}'") else f"{short}; {failure}"
-    if (row := host.first_overflow()) is not None:
+    if (host_row := host.first_overflow()) is not None:
         short = (
-            f"host memory: phase '{row.phase}' needs {row.node / GB:.1f} GB of {host.node_bytes / GB:.0f} GB per "
-            f"node ({facts.ranks_per_node} ranks of {row.rank_total / GB:.1f} GB and the engines' processes): "
-            f"{(row.node - host.node_bytes) / GB:.1f} GB short"
+            f"host memory: phase '{host_row.phase}' needs {host_row.node / GB:.1f} GB of {host.node_bytes / GB:.0f} "
+            f"GB per node ({facts.ranks_per_node} ranks of {host_row.rank_total / GB:.1f} GB and the engines' "
+            f"processes): {(host_row.node - host.node_bytes) / GB:.1f} GB short"
         )
         failure = short if failure is None else f"{failure}; {short}"
     return ledger, host, failure
 
 
-def main(cfg) -> int:
+def main(cfg: Config) -> int:
     """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
     node's host memory (naming it and the shortfall)."""
     from errors import ConfigError

@@ -16,6 +16,7 @@ import torch
 from config import config_to_dict
 from errors import ConfigError
 from model.args import get_preset
+from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.device_memory import return_cached_memory
 from parallel.sharded_policy import build_sharded_policy
@@ -54,7 +55,7 @@ class Components:
     train_set: list[PromptExample]
     eval_set: list[PromptExample]
     sampler: PromptSampler
-    policy: torch.nn.Module
+    policy: Qwen2
     engine: Engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -132,7 +133,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     )
 
 
-def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[torch.nn.Module, Engine]:
+def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (parallel/sharded_policy.py:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout engine,
     which sizes its KV pool from the memory free when it starts."""

@@ -9,10 +9,9 @@ are never materialised, and prompt positions never reach the head at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from model.logprob import DEFAULT_CHUNK, token_logprobs
@@ -23,10 +22,16 @@ from trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
     from config.schema import AlgorithmConfig, LossAgg, RolloutConfig
+    from model.qwen2 import Qwen2
 
 
 def micro_batch_logprobs(
-    model, mb: MicroBatch, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK, with_entropy: bool = True
+    model: Qwen2,
+    mb: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) / T-tempered, and the entropy, on the micro-batch's [S, L] response grid."""
     hidden = model(mb.tokens, mb.positions, mb.document_ids, context=mb.attention_context(), return_hidden=True)
@@ -89,11 +94,12 @@ class DAPOLoss:
             is_cap=algorithm.truncated_is_cap,
         )
 
-    def __call__(self, model: nn.Module, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, dict]:
+    def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, dict[str, Any]]:
         """This micro-batch's share of the mini-batch loss, and its metrics (rl/loss.py's, plus the entropy and
         token-probability sums over its valid tokens and its log-probs [S, L])."""
         logp, entropy = micro_batch_logprobs(model, mb, temperature=self.temperature, chunk_size=self.chunk_size)
         assert entropy is not None  # asked for: with_entropy defaults to True
+        assert mb.old_logp is not None, "pi_old is filled before the updates (trainer/update.py)"
         # Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
         # carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the
         # clip stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only
@@ -131,7 +137,9 @@ class DAPOLoss:
         return loss, metrics
 
 
-def sft_micro_batch_loss(model, mb: MicroBatch, *, global_num_tokens, chunk_size: int = DEFAULT_CHUNK):
+def sft_micro_batch_loss(
+    model: Qwen2, mb: MicroBatch, *, global_num_tokens: float, chunk_size: int = DEFAULT_CHUNK
+) -> torch.Tensor:
     """Supervised warm-up: -sum log p(solution tokens) / tokens in the whole batch (teacher forcing)."""
     logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size, with_entropy=False)
     return -(logp * mb.mask).sum() / global_num_tokens

@@ -132,7 +132,9 @@ def agreed_call(dist_env: DistEnv, step: int, round_number: int, call: Callable[
         failure.__cause__, outcome = exc, Outcome.FAILED
     worst = agree(dist_env, outcome)
     if worst == Outcome.ENGINE_DIED:
-        raise failure if outcome == Outcome.ENGINE_DIED else EngineDied("the rollout engine of another rank died")
+        if failure is not None and outcome == Outcome.ENGINE_DIED:
+            raise failure
+        raise EngineDied("the rollout engine of another rank died")
     if worst == Outcome.FAILED:
         raise failure or RolloutError(f"step {step}: the rollout phase failed on another rank (see its log)")
     if worst == Outcome.ENGINE_FAILED:
@@ -200,7 +202,7 @@ class RolloutPhase:
             top_p=ro.top_p,
             top_k=ro.top_k,
             n=ro.n,
-            stop_token_ids=tokenizer.stop_ids,
+            stop_token_ids=tuple(tokenizer.stop_ids),
             seed=cfg.job.seed,
         )
         ranks_per_engine = ro.tp_size if ro.engine == "sglang" else 1

@@ -201,6 +201,8 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
     reports = {}
     for file in glob.glob(os.path.join(path, "eval", "step_*.json")):
         match = re.search(r"step_(\d+)\.json$", file)
+        if match is None:
+            continue
         try:
             with open(file, encoding="utf-8") as f:
                 report = json.load(f)

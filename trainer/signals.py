@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from errors import RunStopped
 
@@ -33,10 +34,10 @@ class StopRequested(RunStopped):
 
 
 class GracefulStop:
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None  # what stopped the run (this process's signal, or another rank's)
         self.received: str | None = None  # the signal this process itself received
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> GracefulStop:
         for sig in SIGNALS:
@@ -48,7 +49,7 @@ class GracefulStop:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         # Only this process's own second signal exits at once: a stop first seen on another rank (launchers
         # do not deliver to every rank at the same instant) must not turn this rank's first one into it.

@@ -31,6 +31,7 @@ from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 if TYPE_CHECKING:
     from config import Config
     from config.schema import AlgorithmConfig, OptimizerConfig, TrainingConfig
+    from model.qwen2 import Qwen2
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
     from trainer.scoring import RolloutGroup
@@ -39,7 +40,13 @@ log = logging.getLogger(__name__)
 
 
 def pack_items_for_groups(
-    groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool, group_offset: int = 0, step: int = 0
+    groups: list[RolloutGroup],
+    *,
+    adv_eps: float,
+    norm_by_std: bool,
+    overlong_filter: bool,
+    group_offset: int = 0,
+    step: int = 0,
 ) -> list[list[PackItem]]:
     """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
     out = []
@@ -132,7 +139,7 @@ def needs_recompute(mb: MicroBatch, source: str) -> bool:
 
 @torch.no_grad()
 def fill_old_logprobs(
-    model,
+    model: Qwen2,
     micro_batches: list[MicroBatch],
     temperature: float,
     chunk_size: int,
@@ -164,7 +171,12 @@ def build_optimizer(
     the first `warmup_steps` rollout steps that update the policy (TrainPhase.run), then constant (the
     paper's schedule). foreach: torch's choice by default (the rehearsal names the one a run takes)."""
     optimizer = torch.optim.AdamW(
-        params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay, foreach=foreach
+        params,
+        lr=opt.lr,
+        betas=(opt.betas[0], opt.betas[1]),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        foreach=foreach,
     )
     warmup = max(1, opt.warmup_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -263,7 +275,7 @@ class TrainPhase:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         dist_env: DistEnv,
@@ -283,7 +295,7 @@ class TrainPhase:
     @classmethod
     def from_config(
         cls,
-        model: torch.nn.Module,
+        model: Qwen2,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         cfg: Config,
@@ -366,6 +378,7 @@ class TrainPhase:
             for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
         ]
         for mb in recomputed:
+            assert mb.old_logp is not None  # just filled
             probe.add(mb.old_logp, mb)
         return recomputed
 

@@ -30,6 +30,7 @@ from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
     from config.schema import TrainingConfig
+    from model.qwen2 import Qwen2
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.checkpoint import CheckpointManager
@@ -49,7 +50,7 @@ class SFTWarmup:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2,
         examples: Sequence[PromptExample],
         tokenizer: Tokenizer,
         dist_env: DistEnv,
@@ -81,7 +82,7 @@ class SFTWarmup:
     def from_config(
         cls,
         training: TrainingConfig,
-        model: torch.nn.Module,
+        model: Qwen2,
         examples: Sequence[PromptExample],
         tokenizer: Tokenizer,
         dist_env: DistEnv,
@@ -117,7 +118,7 @@ class SFTWarmup:
         self.model.train()
         picked = self.rng.sample(self.solved, min(self.share, len(self.solved)))
         stop = self.tokenizer.stop_ids[0]
-        items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution) + [stop]) for e in picked]
+        items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution or "") + [stop]) for e in picked]
         micro_batches = equalize_micro_batch_count(
             pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env
         )
