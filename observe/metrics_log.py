@@ -78,6 +78,8 @@ class MetricsLogger:
         """Drop the lines of steps > `step` (they will be logged again after a resume); returns how many."""
         if not self.active:
             return 0
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.path} is closed")
         self._file.flush()
         rows = read_metrics(self.path)
         kept = [row for row in rows if row["step"] <= step]
