@@ -29,6 +29,7 @@ remaining gather, so the other ranks' sync completes; the death is raised at the
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def iter_weight_buckets(
     bucket_bytes: int = 1 << 30,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-):
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
 
     A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
@@ -66,7 +67,8 @@ def iter_weight_buckets(
         from parallel.fsdp import reshard_gathered
 
         reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
-    bucket, size = [], 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
     with torch.no_grad():
         for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
             if dtype is not None and tensor.dtype != dtype:
