@@ -4,11 +4,15 @@ machine can run the settings (the rules are in preflight/machine.py)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from config.schema import Config
 from errors import ConfigError
 from model.args import PRESETS
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
+
+if TYPE_CHECKING:
+    from preflight.machine import Machine
 
 
 def evaluates(cfg: Config) -> bool:
@@ -16,7 +20,7 @@ def evaluates(cfg: Config) -> bool:
     return bool(cfg.eval.interval or cfg.eval.at_start or cfg.eval.at_end)
 
 
-def check_machine(cfg: Config, machine=None) -> None:
+def check_machine(cfg: Config, machine: Machine | None = None) -> None:
     """Refuse, in one error, every setting this machine cannot run, with the override that runs here.
 
     `machine`: a preflight.machine.Machine; None probes this one. The rules are in preflight/machine.py.
@@ -35,7 +39,7 @@ def check_machine(cfg: Config, machine=None) -> None:
     raise ConfigError("\n".join(lines))
 
 
-def check_runnable(cfg: Config, machine=None) -> None:
+def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and

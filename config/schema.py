@@ -22,19 +22,19 @@ LossAgg = Literal[
 ]
 
 
-def _sampling_temperature(default: float):
+def _sampling_temperature(default: float) -> float:
     return bounded(default, lambda v: v >= 0, "must be >= 0 (0 = greedy)")
 
 
-def _nucleus(default: float):
+def _nucleus(default: float) -> float:
     return bounded(default, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
-def _top_k(default: int):
+def _top_k(default: int) -> int:
     return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
 
 
-def _folder_name(default: str):
+def _folder_name(default: str) -> str:
     return bounded(
         default,
         lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
@@ -42,27 +42,27 @@ def _folder_name(default: str):
     )
 
 
-def _preset(default: str):
+def _preset(default: str) -> str:
     return bounded(default, lambda v: not v or v in PRESETS, f"unknown preset; known presets: {', '.join(PRESETS)}")
 
 
-def _share(default: float):
+def _share(default: float) -> float:
     return bounded(default, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 
 
-def _fraction(default: float, note: str = ""):
+def _fraction(default: float, note: str = "") -> float:
     return bounded(default, lambda v: 0 < v < 1, f"must be in (0, 1){note}")
 
 
-def _betas(default: tuple[float, float]):
+def _betas(default: tuple[float, float]) -> tuple[float, float]:
     return bounded(default, lambda v: all(0 <= b < 1 for b in v), "both betas must be in [0, 1)")
 
 
-def _degree_or_rest(default: int):
+def _degree_or_rest(default: int) -> int:
     return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (all remaining ranks) or >= 1")
 
 
-def _optional_count(default: int | None, none_means: str):
+def _optional_count(default: int | None, none_means: str) -> int | None:
     return bounded(default, lambda v: v is None or v >= 1, f"must be >= 1 (or none: {none_means})")
 
 

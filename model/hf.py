@@ -17,8 +17,9 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from model.hf_adapter import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
+    TensorSource,
     from_hf_name,
     hf_shapes,
     is_model_file,
@@ -42,6 +44,9 @@ from model.hf_adapter import (
     write_json,
 )
 from model.qwen2 import Qwen2
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 __all__ = [
     "CheckpointError",
@@ -98,13 +103,20 @@ def _checkpoint_files(path: str) -> dict[str, list[str]]:
         return {single: list(f.keys())}
 
 
-def _names(names, shown: int = 8) -> str:
+def _names(names: Collection[str], shown: int = 8) -> str:
     """A sorted list of tensor names for a message: the first `shown`, then how many more."""
-    names = sorted(names)
-    return (str(names[:shown])[:-1] + f", ... and {len(names) - shown} more]") if len(names) > shown else str(names)
+    ordered = sorted(names)
+    if len(ordered) <= shown:
+        return str(ordered)
+    return str(ordered[:shown])[:-1] + f", ... and {len(ordered) - shown} more]"
 
 
-def _mismatch_report(where: str, missing, unexpected, misshaped) -> str:
+def _mismatch_report(
+    where: str,
+    missing: Collection[str],
+    unexpected: Collection[str],
+    misshaped: Sequence[tuple[str, torch.Size, torch.Size]],
+) -> str:
     """One line: what does not match, each kind with its count (long lists shortened)."""
     parts = []
     if missing:
@@ -215,7 +227,10 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def save_hf(
-    model_or_state_dict, path: str, args: ModelArgs | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    model_or_state_dict: TensorSource,
+    path: str,
+    args: ModelArgs | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write config.json + safetensors that `transformers.Qwen2ForCausalLM.from_pretrained` loads.
 
@@ -244,7 +259,7 @@ def save_hf(
     seen: set[str] = set()
     unexpected, misshaped, duplicated = [], [], []
 
-    def flush():
+    def flush() -> None:
         nonlocal shard, shard_bytes
         if shard:
             tmp = os.path.join(path, f".tmp-shard-{len(written):05d}.safetensors")
@@ -290,6 +305,7 @@ def save_hf(
                 os.remove(tmp)
         raise
 
+    assert dtype is not None  # every tensor of `want` arrived (checked above), so the dtype is known
     _publish(path, written, total_bytes)
     write_hf_config(path, args, dtype)
 
@@ -311,7 +327,7 @@ def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) 
             json.dump(index, f, indent=2, sort_keys=True)
 
 
-def remove_model_files(path: str, keep: list[str] = ()) -> None:
+def remove_model_files(path: str, keep: Collection[str] = ()) -> None:
     """Delete the weight files and index of an older checkpoint in `path` (all but `keep`); other files stay."""
     for name in os.listdir(path):
         if is_model_file(name) and name not in keep:
@@ -323,13 +339,13 @@ def remove_model_files(path: str, keep: list[str] = ()) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _id_list(value) -> list[int]:
+def _id_list(value: Any) -> list[int]:  # a JSON value: an id, a list of ids or null
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def complete_hf_export(path: str, tokenizer, model_source: str | None = None) -> None:
+def complete_hf_export(path: str, tokenizer: Tokenizer, model_source: str | None = None) -> None:
     """Add to the checkpoint in `path` (config.json + weights) what makes it generate as training did.
 
     - the tokenizer's files (`tokenizer.save`: a loaded tokenizer's files unchanged, with its chat template);

@@ -23,6 +23,8 @@ Without tensor parallelism this is `model.logprob.token_logprobs`, so the traine
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -35,18 +37,18 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        hidden,
-        weight,
-        targets,
-        vocab_offset,
-        tp_group,
-        temperature,
-        chunk_size,
-        with_entropy,
-        entropy_grad,
-        reduce_hidden_grad,
-    ):
+        ctx: Any,  # autograd's context object, which also carries this function's own settings
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_offset: int,
+        tp_group: dist.ProcessGroup,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+        reduce_hidden_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         local = targets - vocab_offset
         local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
         logp, lse, entropy = chunked_forward(
@@ -67,7 +69,9 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
         hidden, weight, local, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden, grad_weight = chunked_backward(
@@ -83,7 +87,7 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             need_h,
             need_w,
         )
-        if need_h and ctx.reduce_hidden_grad:
+        if grad_hidden is not None and ctx.reduce_hidden_grad:  # need_h
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 

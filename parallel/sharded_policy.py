@@ -83,7 +83,7 @@ def shard_policy(model_cfg: ModelConfig, parallelism: ParallelismConfig, dist_en
     return model
 
 
-def fill_policy(model: torch.nn.Module, model_cfg: ModelConfig, *, seed: int) -> None:
+def fill_policy(model: Qwen2, model_cfg: ModelConfig, *, seed: int) -> None:
     """Step 4: this rank's shards from the checkpoint's rows, or from the preset's initialisation at `seed`."""
     if model_cfg.hf_path:
         load_hf_shards(model, model_cfg.hf_path)

@@ -54,10 +54,9 @@ from typing import TYPE_CHECKING
 from preflight.gpu_ledger import GB, PhaseRow
 
 if TYPE_CHECKING:
-    import torch
-
     from config import Config
     from model.args import ModelArgs
+    from model.qwen2 import Qwen2
 
 HOST_PARTS = ("process", "load", "params", "grads", "optimizer", "temps", "staging", "engine")
 _LABELS = {"optimizer": "optim"}
@@ -190,7 +189,7 @@ class HostLedger:
         }
 
 
-def host_facts(cfg: Config, policy: torch.nn.Module, args: ModelArgs) -> HostFacts:
+def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     """The HostFacts of the job `cfg` describes ([rehearse], [parallelism], [rollout], [model]), from this
     rank's (possibly fake) sharded `policy` of architecture `args`."""
     from torch.distributed.tensor import DTensor

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -142,7 +142,7 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
-    def update_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
         if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])

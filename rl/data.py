@@ -15,10 +15,17 @@ import hashlib
 import logging
 import os
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from errors import DataError
 from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +81,12 @@ SCHEMA_COLUMNS = ("prompt", "reward_model")
 
 
 def rows_to_examples(
-    rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", source_name: str = "<rows>"
+    rows: Iterable[Mapping[str, object]],
+    tokenizer: Tokenizer,
+    *,
+    max_prompt_length: int,
+    overflow: str = "truncate_left",
+    source_name: str = "<rows>",
 ) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
 
@@ -187,11 +199,11 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
         ) from None
 
 
-def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
+def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
     """(column, row) of the first string in `table` that is not UTF-8, by bisection over each failing
     column's prefixes (log2(rows) conversions of that column, on the error path only)."""
 
-    def decodes(column, end: int) -> bool:
+    def decodes(column: pa.ChunkedArray, end: int) -> bool:
         try:
             column.slice(0, end).to_pylist()
             return True
@@ -211,7 +223,7 @@ def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
+    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
 ) -> list[PromptExample]:
     """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
     rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
@@ -289,7 +301,8 @@ def synthetic_arithmetic_rows(
     operators, limit = SYNTHETIC_LEVELS[difficulty]
     rng = random.Random(f"{seed}-{difficulty}")
     style_rng = random.Random(f"{seed}-{difficulty}-{split}-style")
-    rows, seen = [], set()
+    rows: list[dict[str, object]] = []
+    seen: set[str] = set()
     while len(rows) < num:
         a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
         text = f"{a} {op} {b}"
@@ -336,7 +349,7 @@ class PromptSampler:
     cursor: int = 0
     _order: list[int] = field(default_factory=list, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.examples:
             raise ValueError("PromptSampler needs at least one example")
         if not 0 <= self.dp_rank < self.dp_size:
@@ -353,7 +366,7 @@ class PromptSampler:
         """This rank's share of the next `global_batch_size` prompts (wrapping into a new epoch)."""
         if global_batch_size % self.dp_size:
             raise ValueError(f"global batch of {global_batch_size} prompts does not divide over {self.dp_size} ranks")
-        picked = []
+        picked: list[int] = []
         while len(picked) < global_batch_size:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0

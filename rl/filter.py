@@ -67,7 +67,7 @@ class ScoredGroup(Generic[Payload]):
     acc: tuple[bool, ...]
     score: tuple[float, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
         if len(acc) == 0 or len(acc) != len(score):
             raise ValueError(f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}")
@@ -137,6 +137,7 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._carry: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group), oldest first
         self._step: int | None = None
         self._last_step: int | None = None
+        self._kept: list[tuple[int, ScoredGroup[Payload]]]  # (step generated, group) of the current step, oldest first
         self._reset_step_state()
 
     # -- step lifecycle ---------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
         """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        self._require_step("add_round")
+        step = self._require_step("add_round")
         if self._rounds >= self.max_rounds:
             raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
         self._rounds += 1
@@ -171,7 +172,7 @@ class DynamicBatchBuilder(Generic[Payload]):
             self._all_correct += correct == group.size
             self._all_wrong += correct == 0
             if self.keeps(group):
-                self._kept.append((self._step, group))
+                self._kept.append((step, group))
                 self._kept_samples += group.size
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
@@ -234,7 +235,7 @@ class DynamicBatchBuilder(Generic[Payload]):
     # -- internals --------------------------------------------------------------------------------
 
     def _reset_step_state(self) -> None:
-        self._kept: list[tuple[int, ScoredGroup[Payload]]] = []
+        self._kept = []
         self._rounds = 0
         self._from_carry = 0
         self._dropped_stale = 0
@@ -245,11 +246,15 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._all_correct = 0
         self._all_wrong = 0
 
-    def _require_step(self, caller: str) -> None:
+    def _require_step(self, caller: str) -> int:
+        """The step in progress; RuntimeError naming `caller` between steps."""
         if self._step is None:
             raise RuntimeError(f"{caller}: call start_step(step) first")
+        return self._step
 
-    def _diagnostics(self, batch, surplus, shortfall) -> dict[str, float]:
+    def _diagnostics(
+        self, batch: Sequence[tuple[int, ScoredGroup]], surplus: Sequence[tuple[int, ScoredGroup]], shortfall: int
+    ) -> dict[str, float]:
         generated = self._generated_groups
         kept_new = len(self._kept) - self._from_carry
 

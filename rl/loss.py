@@ -125,7 +125,16 @@ def policy_loss(
     return loss, _metrics(valid, *terms)
 
 
-def _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, clip_high, clip_c):
+def _token_losses(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per-token losses [B, T], zero where not valid, and the terms the metrics read (Eq. 10, dual clip).
 
         r = exp(clamp(logp - old_logp, -20, 20))
@@ -159,7 +168,13 @@ def _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, cl
 
 
 @torch.no_grad()
-def _metrics(valid, log_ratio, ratio, clip_binds, dual_binds) -> dict[str, torch.Tensor]:
+def _metrics(
+    valid: torch.Tensor,
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    clip_binds: torch.Tensor,
+    dual_binds: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """The detached metrics of `policy_loss` over the valid tokens (see its Returns)."""
     dtype = ratio.dtype
     num_tokens = valid.sum()
@@ -176,7 +191,15 @@ def _metrics(valid, log_ratio, ratio, clip_binds, dual_binds) -> dict[str, torch
 
 
 def _aggregate(
-    per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len
+    per_token: torch.Tensor,
+    valid: torch.Tensor,
+    agg: str,
+    global_num_tokens: Count | None,
+    global_num_seqs: Count | None,
+    group_ids: torch.Tensor | None,
+    group_num_tokens: torch.Tensor | None,
+    global_num_groups: Count | None,
+    norm_len: float | None,
 ) -> torch.Tensor:
     """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring).
 
@@ -200,7 +223,14 @@ def _aggregate(
     return row_loss.sum() / _count(global_num_seqs, num_rows, per_token, "global_num_seqs")
 
 
-def _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups):
+def _group_token_mean(
+    per_token: torch.Tensor,
+    row_sum: torch.Tensor,
+    row_tokens: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    group_num_tokens: torch.Tensor | None,
+    global_num_groups: Count | None,
+) -> torch.Tensor:
     batch = per_token.shape[0]
     if group_ids is None or group_ids.shape != (batch,) or group_ids.is_floating_point():
         raise ValueError(
@@ -238,7 +268,17 @@ def _count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: s
     return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
 
 
-def _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg):
+def _check_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+    agg: str,
+) -> None:
     if logp.dim() != 2:
         raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
     named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}

@@ -25,11 +25,15 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, SupportsIndex, cast
 
 import torch
 
 from rl.math_normalize import last_boxed_content, normalize_final_answer
 from rl.prompt_row import GroundTruth
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 SCORED_CHARS = 300
 BOXED_CHARS = 100
@@ -51,6 +55,7 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
             f"got {type(solution).__name__} and {ground_truth!r}"
         )
     window = solution[-SCORED_CHARS:]
+    pred: str | None
     found = [] if strict_box else _ANSWER_LINE.findall(window)
     if found:
         pred = normalize_final_answer(found[-1])
@@ -61,7 +66,7 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
-def response_text(tokenizer, token_ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+def response_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
     """The text the reward reads, in training and in evaluation alike.
 
     A completion holds the generated ids only (no padding), ending with the stop token when it finished
@@ -77,7 +82,7 @@ def response_text(tokenizer, token_ids: Sequence[int], stop_ids: Collection[int]
 
 
 def rule_score(
-    tokenizer,
+    tokenizer: Tokenizer,
     token_ids: Sequence[int],
     ground_truth: GroundTruth,
     *,
@@ -117,18 +122,18 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return (expected - length) / buffer_len * factor
 
 
-def require_int(name: str, value, kind: str = "an int") -> int:
+def require_int(name: str, value: object, kind: str = "an int") -> int:
     """`value` as a Python int; any integer type (int, numpy and 0-d torch integers) passes, floats and
     bools are refused with a TypeError naming `name`."""
     try:
         if isinstance(value, bool):
             raise TypeError
-        return operator.index(value)
+        return operator.index(cast(SupportsIndex, value))  # anything else raises the TypeError caught below
     except TypeError:
         raise TypeError(f"{name} must be {kind}, got {value!r}") from None
 
 
-def _token_count(name: str, value) -> int:
+def _token_count(name: str, value: object) -> int:
     return require_int(f"overlong_penalty: {name}", value, "an int number of tokens")
 
 

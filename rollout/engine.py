@@ -51,7 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     seed: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Accept any iterable of ints for stop tokens but store a tuple so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -86,7 +86,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
         if self.finish_reason not in ("stop", "length", "abort"):

@@ -20,6 +20,7 @@ from model.hf_adapter import DTYPES
 if TYPE_CHECKING:
     from config import Config
     from config.schema import RolloutConfig
+    from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
     from rollout.engine import Engine
 
@@ -60,7 +61,7 @@ class EngineSpec:
             "flex_decode": ro.flex_decode,
         }
 
-    def start_beside(self, policy: torch.nn.Module, dist_env: DistEnv) -> Engine:
+    def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> Engine:
         """The engine of a training run, started after the policy is sharded (the torch engine: its own
         full copy, filled from the shards, every rank taking part in the gathers)."""
         if self.kind == "torch":

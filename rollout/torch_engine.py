@@ -31,7 +31,8 @@ This engine is not tensor-parallel: every rank that runs it holds a full copy of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ from rollout.engine import Completion, SamplingParams, validate_prompts
 from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
+
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
+    from rollout.paged_flex import FlexDecodeContext
+
+# The decode step: (tokens [B], positions [B], block tables [B, W], per-layer k and v caches) -> logits [B, V].
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 
 
 class TorchEngine:
@@ -63,7 +71,7 @@ class TorchEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2,
         *,
         max_batch_size: int,
         max_seq_len: int,
@@ -76,7 +84,7 @@ class TorchEngine:
         block_size: int = 16,
         kv_cache_blocks: int | None = None,
         flex_decode: bool = False,
-    ):
+    ) -> None:
         args = getattr(model, "args", None)
         if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
             raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
@@ -103,7 +111,7 @@ class TorchEngine:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
         first = next(model.parameters())
-        self.model = model
+        self.model: Qwen2 | None = model  # None once shut down
         self.args: ModelArgs = args
         self.device = first.device
         self.dtype = first.dtype
@@ -119,14 +127,16 @@ class TorchEngine:
         self._cache: PagedKVCache | None = None
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
-        self._decode_context = DecodeContext
-        self._gather_out = None  # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        self._decode_context: type[DecodeContext] | type[FlexDecodeContext] = DecodeContext
+        # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        self._gather_out: tuple[torch.Tensor, torch.Tensor] | None = None
         if not compile and self.device.type == "cpu":
             self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
         if flex_decode and self.device.type == "cuda":
             from rollout.paged_flex import FlexDecodeContext
 
             self._decode_context = FlexDecodeContext
+        self._decode: DecodeStep
         if compile:
             if self._static_shapes:
                 self._decode = torch.compile(
@@ -209,6 +219,7 @@ class TorchEngine:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the positions we sample from get projected to the vocabulary (not the whole prompt).
+        assert self.model is not None  # generate refuses a shut-down engine
         return F.linear(hidden, self.model.output_weight()).float()
 
     def _decode_logits(
@@ -220,16 +231,19 @@ class TorchEngine:
         v_cache: list[torch.Tensor],
     ) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
+        assert self.model is not None  # generate refuses a shut-down engine
+        context: DecodeContext | FlexDecodeContext
         if self._gather_out is None:
             context = self._decode_context(k_cache, v_cache, positions, block_tables)
-        else:
-            context = self._decode_context(k_cache, v_cache, positions, block_tables, self._gather_out)
+        else:  # eager CPU, so the plain DecodeContext (FlexDecodeContext is CUDA's)
+            context = DecodeContext(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
     def _prefill_logits(self, groups: list[list[Sequence]]) -> torch.Tensor:
         """Prefill each group's token list once into its sequences' blocks; returns the last-position
         logits per sequence [sum of group sizes, V], in group order."""
+        assert self.model is not None and self._cache is not None  # generate checks both
         rows = [group[0].all_tokens() for group in groups]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
@@ -245,7 +259,9 @@ class TorchEngine:
         row_of_seq = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
         return self._logits(last)[row_of_seq]
 
-    def _prefill_writes(self, row: int, group: list[Sequence]):
+    def _prefill_writes(
+        self, row: int, group: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src_row, src_pos, dst_block, dst_offset) of one group: the shared full blocks once, from the
         first sequence's table, then the partial last block once per sequence."""
         n = group[0].num_tokens
@@ -253,10 +269,10 @@ class TorchEngine:
         pos = [torch.arange(full)] + [torch.arange(full, n) for _ in group if full < n]
         blocks = [torch.tensor(group[0].block_table[: full // self.block_size]).repeat_interleave(self.block_size)]
         blocks += [torch.full((n - full,), seq.block_table[-1]) for seq in group if full < n]
-        pos, blocks = torch.cat(pos), torch.cat(blocks).long()
-        return torch.full_like(pos, row), pos, blocks, pos % self.block_size
+        positions, block_ids = torch.cat(pos), torch.cat(blocks).long()
+        return torch.full_like(positions, row), positions, block_ids, positions % self.block_size
 
-    def _decode_batch(self, running: list[Sequence]):
+    def _decode_batch(self, running: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode inputs: last tokens, positions and block tables padded with the scratch block; on the
         static-shape (CUDA graph) path also padded to max_batch_size rows and a bucketed width."""
         width = max(len(seq.block_table) for seq in running)
@@ -264,6 +280,7 @@ class TorchEngine:
         if self._static_shapes:
             width = min(self.blocks_per_seq, -(-width // self._width_bucket) * self._width_bucket)
             rows = self.max_batch_size
+        assert self._cache is not None  # generate checks it
         scratch = self._cache.scratch_block
         tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in running]
         tables += [[scratch] * width] * (rows - len(running))
@@ -328,7 +345,10 @@ class TorchEngine:
             self._sample_into(running, logits[: len(running)], params, generator, stop)
             scheduler.retire_finished()
         self.stats = scheduler.stats
-        return [
-            Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
-            for seq in seqs
-        ]
+        completions = []
+        for seq in seqs:
+            assert seq.finish_reason is not None  # the scheduler is done: every sequence has finished
+            completions.append(
+                Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
+            )
+        return completions
