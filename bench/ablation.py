@@ -2,7 +2,7 @@
 punishment -> + token-level loss -> + dynamic sampling (= DAPO), over several seeds.
 
     python bench/ablation.py                    # 6 rungs x 3 seeds into runs/ablation/
-    python bench/ablation.py --quick            # 1 seed, fewer steps, into runs/ablation-quick/
+    python bench/ablation.py --quick            # 1 seed, fewer steps, into runs/ablation-quick/ (CI does not run it)
     python bench/ablation.py --report           # table and figures of the runs done so far, nothing trained
     python bench/ablation.py [--seeds 0,1,2] [--rungs 1,2] [--jobs 2] [--run-dir DIR] [--section.key=value ...]
 
@@ -56,8 +56,8 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed and fewer steps (the same for every rung), in its own folder.
-QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
+# --quick: one seed, half the warm-up and a quarter of the DAPO steps (the same for every rung), in its own folder.
+QUICK_OVERRIDES = ["training.sft_warmup_steps=300", "training.steps=10", "eval.interval=5"]
 _RUNG_FILE = re.compile(r"(\d+)_[\w-]+\.toml\Z")
 
 
@@ -337,15 +337,20 @@ class Timing:
         os.replace(self.path + ".tmp", self.path)
 
     def totals(self) -> dict:
-        """Wall time of every ladder launch, CPU time of every run, summed; the mean load seen."""
-        runs = [launch for launches in self.data["runs"].values() for launch in launches]
-        walls = [launch["wall_s"] for launch in self.data["ladder"]]
-        loads = [launch["load_mean"] for launch in self.data["ladder"] if "load_mean" in launch]
-        return {
-            "ladder_wall_s": round(sum(walls), 1),
-            "runs_cpu_s": round(sum(r["cpu_s"] for r in runs), 1),
-            "load_mean": round(sum(loads) / len(loads), 2) if loads else None,
-        }
+        return timing_totals(self.data)
+
+
+def timing_totals(data: dict) -> dict:
+    """Of timing.json's data: the wall time of every ladder launch and the CPU time of every run, summed; the
+    mean load average seen while the ladder ran (mean over its launches)."""
+    runs = [launch for launches in data["runs"].values() for launch in launches]
+    loads = [launch["load_mean"] for launch in data["ladder"] if "load_mean" in launch]
+    return {
+        "ladder_wall_s": round(sum(launch["wall_s"] for launch in data["ladder"]), 1),
+        "runs_cpu_s": round(sum(r["cpu_s"] for r in runs), 1),
+        "load_mean": round(sum(loads) / len(loads), 2) if loads else None,
+        "ladder_launches": len(data["ladder"]),
+    }
 
 
 def run_jobs(jobs: list[Job], *, workers: int, threads: int, timing: Timing, every_s: float = 20.0) -> int:
@@ -381,6 +386,7 @@ def run_jobs(jobs: list[Job], *, workers: int, threads: int, timing: Timing, eve
                     continue
                 code, cpu = ended
                 wall = time.perf_counter() - r.started
+                report_progress(r, every_s)  # what it wrote after the last look
                 r.log_file.close()
                 running.remove(r)
                 timing.run_ended(r.job, wall, cpu, code)
@@ -484,7 +490,12 @@ def main(argv=None) -> int:
         if code:
             print("ladder stopped: run the same command again to continue where it stopped", file=sys.stderr)
             return code
-    write_report(run_dir, seeds, rungs, base)
+    try:
+        with open(os.path.join(run_dir, "timing.json")) as f:
+            totals = timing_totals(json.load(f))
+    except (OSError, ValueError, KeyError):
+        totals = None
+    write_report(run_dir, seeds, rungs, base, totals)
     return 0
 
 

@@ -135,9 +135,9 @@ def collect_runs(run_dir: str, seeds: list[int], rungs: list) -> dict:
     return runs
 
 
-def write_report(run_dir: str, seeds: list[int], rungs: list, config: dict) -> dict:
+def write_report(run_dir: str, seeds: list[int], rungs: list, config: dict, timing: dict | None = None) -> dict:
     """table.md, results.json and the figures of the ladder in `run_dir`; prints the table. Returns the
-    results."""
+    results. timing: the ladder's wall and CPU time (bench/ablation.py timing_totals), kept in results.json."""
     from bench.ablation_figures import draw_figures
 
     steps, k = config["training"]["steps"], config["eval"]["k"]
@@ -148,9 +148,13 @@ def write_report(run_dir: str, seeds: list[int], rungs: list, config: dict) -> d
     with open(os.path.join(run_dir, "table.md"), "w") as f:
         f.write(table + "\n")
     figures = draw_figures(runs, rungs, seeds, os.path.join(run_dir, "figures"), group_size=config["rollout"]["n"])
-    results = {"seeds": seeds, "steps": steps, "k": k, "table": rows, "figures": figures}
+    results = {"seeds": seeds, "steps": steps, "k": k, "table": rows, "figures": figures, "timing": timing}
     with open(os.path.join(run_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)
     print(f"table: {os.path.join(run_dir, 'table.md')}; figures: {', '.join(figures)}")
-    print(json.dumps({"bench": "ablation", "run_dir": run_dir, "seeds": seeds, "table": rows}, default=str))
+    print(
+        json.dumps(
+            {"bench": "ablation", "run_dir": run_dir, "seeds": seeds, "table": rows, "timing": timing}, default=str
+        )
+    )
     return results

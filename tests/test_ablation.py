@@ -127,6 +127,10 @@ def test_a_killed_tiny_ladder_resumes_where_it_stopped(tmp_path, capsys):
 
     done = subprocess.run(_ladder(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 of 3 runs to do" in done.stdout  # the warm-up finished before the kill
+    for rung in ("1_naive_grpo", "2_overlong_filtering"):  # progress per rung
+        assert f"seed 0 | {rung} | started" in done.stdout and f"seed 0 | {rung} | finished" in done.stdout
+    assert "seed 0 | 2_overlong_filtering | step 4/4 | held-out" in done.stdout
     warm_up = tmp_path / "seed-0" / "warm-up"
     assert len(_launched_pids(warm_up / "train.log")) == 1  # the warm-up is not redone
     log = (rung1 / "train.log").read_text()
