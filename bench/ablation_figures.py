@@ -8,10 +8,11 @@
                             without dynamic sampling (Fig. 6)
     group_shares.png        the share of all-correct and of all-wrong groups over steps, per rung
 
-A line is the mean over seeds, the band the seeds' range (min to max). Held-out curves start at the shared
-warm-up's evaluation (step 0). Per-step training metrics are smoothed over `SMOOTH` steps (a centred moving
-mean). The rungs a comparison needs are found from the switches: the rung that turns a technique on and the
-rung before it.
+A line is the mean over seeds; in the figures that compare two to four rungs a band shows the seeds' range
+(min to max; with all six rungs the bands would hide each other: the table gives the spread). Held-out curves
+start at the shared warm-up's evaluation (step 0). Per-step training metrics are smoothed over `SMOOTH` steps
+(a centred moving mean). The rungs a comparison needs are found from the switches: the rung that turns a
+technique on and the rung before it.
 """
 
 from __future__ import annotations
@@ -72,15 +73,15 @@ def seed_band(runs: dict, name: str, seeds: list[int], key: str, *, smooth: int 
     return x, mean, low, high
 
 
-def _draw(ax, runs, seeds, rung, key, *, smooth=1, x_key=None, style="-") -> bool:
-    band = seed_band(runs, rung.name, seeds, key, smooth=smooth, x_key=x_key)
-    if band is None:
+def _draw(ax, runs, seeds, rung, key, *, smooth=1, x_key=None, style="-", band=True) -> bool:
+    curve = seed_band(runs, rung.name, seeds, key, smooth=smooth, x_key=x_key)
+    if curve is None:
         return False
-    x, mean, low, high = band
+    x, mean, low, high = curve
     color = f"C{(rung.number - 1) % 10}"
     marker = "o" if key == HELD_OUT else None
     ax.plot(x, mean, style, color=color, marker=marker, markersize=3.5, linewidth=1.6, label=rung.name)
-    if len(seeds) > 1:
+    if band and len(seeds) > 1:
         ax.fill_between(x, low, high, color=color, alpha=0.15, linewidth=0)
     return True
 
@@ -132,10 +133,11 @@ def draw_figures(runs: dict, rungs: list, seeds: list[int], out_dir: str, *, gro
     fig, axes = _figure(2)
     _panel(axes[0], "Held-out accuracy", ylabel="avg@k")
     _panel(axes[1], f"Training accuracy (all samples, {SMOOTH}-step mean)", ylabel="accuracy")
-    if any([_draw(axes[0], runs, seeds, r, HELD_OUT) for r in rungs]):
+    if any([_draw(axes[0], runs, seeds, r, HELD_OUT, band=False) for r in rungs]):
         for r in rungs:
-            _draw(axes[1], runs, seeds, r, "acc/mean", smooth=SMOOTH)
-        written.append(_save(fig, axes, out_dir, "accuracy_per_rung.png", f"Table 1 ladder: {seeds_text}"))
+            _draw(axes[1], runs, seeds, r, "acc/mean", smooth=SMOOTH, band=False)
+        title = f"Table 1 ladder: mean over seeds {', '.join(map(str, seeds))}"
+        written.append(_save(fig, axes, out_dir, "accuracy_per_rung.png", title))
 
     pair = _pair(rungs, "clip_high")
     if len(pair) == 2:
@@ -174,8 +176,9 @@ def draw_figures(runs: dict, rungs: list, seeds: list[int], out_dir: str, *, gro
     fig, axes = _figure(2)
     _panel(axes[0], f"All-correct groups ({SMOOTH}-step mean)", ylabel="share of generated groups")
     _panel(axes[1], f"All-wrong groups ({SMOOTH}-step mean)", ylabel="share of generated groups")
-    if any([_draw(axes[0], runs, seeds, r, "groups/all_correct_share", smooth=SMOOTH) for r in rungs]):
+    if any([_draw(axes[0], runs, seeds, r, "groups/all_correct_share", smooth=SMOOTH, band=False) for r in rungs]):
         for r in rungs:
-            _draw(axes[1], runs, seeds, r, "groups/all_wrong_share", smooth=SMOOTH)
-        written.append(_save(fig, axes, out_dir, "group_shares.png", f"Groups dynamic sampling drops: {seeds_text}"))
+            _draw(axes[1], runs, seeds, r, "groups/all_wrong_share", smooth=SMOOTH, band=False)
+        title = f"Groups dynamic sampling drops: mean over seeds {', '.join(map(str, seeds))}"
+        written.append(_save(fig, axes, out_dir, "group_shares.png", title))
     return written

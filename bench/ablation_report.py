@@ -4,7 +4,8 @@
     late mean:           the mean of the held-out evaluations in the second half of training (steps > S/2):
                          a less noisy view of the same, fixed before the ladder ran
     gain:                per seed, this rung's value minus the rung before's (both start from that seed's
-                         warm-up), then the mean and standard deviation of those differences
+                         warm-up; the first rung's gain is over the warm-up itself), then the mean and standard
+                         deviation of those differences
 
 Spreads are sample standard deviations over seeds (n - 1 in the denominator; 0 for a single seed).
 """
@@ -75,7 +76,7 @@ def ladder_table(runs: dict, rungs: list, seeds: list[int], steps: int) -> list[
     values = [v for v in start.values() if v is not None]
     mean, std = _mean_std(values)
     rows.append({"rung": "warm-up (step 0)", "switches": {}, "per_seed": start, "final_mean": mean, "final_std": std})
-    before = None
+    before = start  # the first rung's gain is over the warm-up it starts from
     for rung in rungs:
         final, late = {}, {}
         for seed in seeds:
@@ -86,9 +87,8 @@ def ladder_table(runs: dict, rungs: list, seeds: list[int], steps: int) -> list[
         row["final_mean"], row["final_std"] = _mean_std([v for v in final.values() if v is not None])
         row["late_mean"], row["late_std"] = _mean_std([v for v in late.values() if v is not None])
         row["seeds_done"] = sum(v is not None for v in final.values())
-        if before is not None:
-            pairs = [final[s] - before[s] for s in seeds if final[s] is not None and before[s] is not None]
-            row["gain_mean"], row["gain_std"] = _mean_std(pairs)
+        pairs = [final[s] - before[s] for s in seeds if final[s] is not None and before[s] is not None]
+        row["gain_mean"], row["gain_std"] = _mean_std(pairs)
         rows.append(row)
         before = final
     return rows
