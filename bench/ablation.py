@@ -56,8 +56,9 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed, half the warm-up and a quarter of the DAPO steps (the same for every rung), in its own folder.
-QUICK_OVERRIDES = ["training.sft_warmup_steps=300", "training.steps=10", "eval.interval=5"]
+# --quick: one seed and a quarter of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
+# whole: half of it (300 steps) left the policy at 2% held-out accuracy, nearly every group all wrong.
+QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
 _RUNG_FILE = re.compile(r"(\d+)_[\w-]+\.toml\Z")
 
 
