@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from rl.data import load_prompts, rows_to_examples, synthetic_task_rows
 from rl.eval_metrics import ProblemResult, pass_ks, summarize
 from rollout.engine import Completion, Engine, EngineDied, SamplingParams
 from trainer.memory import return_cached_memory
@@ -170,13 +170,7 @@ def load_eval_set(cfg, tokenizer) -> list:
     prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
     data = cfg.data
     if data.eval_path == "synthetic":
-        rows = synthetic_arithmetic_rows(
-            data.synthetic_num_eval,
-            difficulty=data.synthetic_difficulty,
-            split="eval",
-            seed=data.seed,
-            answer_line_share=data.synthetic_answer_share,
-        )
+        rows = synthetic_task_rows(data, "eval")
         examples = rows_to_examples(
             rows,
             tokenizer,

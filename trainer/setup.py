@@ -15,7 +15,7 @@ from model.qwen2 import Qwen2, build_model
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.hf_load import load_hf_shards
 from parallel.parallelize import parallelize_qwen2
-from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from rl.data import DAPO_PROMPT_TEMPLATE, load_prompts, rows_to_examples, synthetic_task_rows
 from trainer.memory import return_cached_memory
 
 if TYPE_CHECKING:
@@ -25,17 +25,6 @@ if TYPE_CHECKING:
     from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
-
-
-def _synthetic_rows(data: DataConfig, split: str) -> list[dict]:
-    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )
 
 
 def build_tokenizer(model: ModelConfig, data: DataConfig, run_path: str, *, is_main: bool, barrier) -> Tokenizer:
@@ -51,7 +40,7 @@ def build_tokenizer(model: ModelConfig, data: DataConfig, run_path: str, *, is_m
             raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
         path = os.path.join(run_path, "tokenizer")
         if is_main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            rows = _synthetic_rows(data, "train")
+            rows = synthetic_task_rows(data, "train")
             texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
             vocab = get_preset(model.preset).vocab_size
             phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
@@ -78,7 +67,7 @@ def load_datasets(data: DataConfig, tokenizer, *, eval_size: int | None = None):
     def load(path, split):
         if path == "synthetic":
             return rows_to_examples(
-                _synthetic_rows(data, split),
+                synthetic_task_rows(data, split),
                 tokenizer,
                 max_prompt_length=max_len,
                 overflow=overflow,

@@ -91,6 +91,7 @@ def rollout_metrics(
             "groups/all_correct_share": shares["share_all_correct"],
             "groups/all_wrong_share": shares["share_all_wrong"],
             "gen/rounds": filter_stats["rounds"],
+            "gen/samples": pre["samples_generated"],  # every sample the step's rounds generated (all ranks)
             "gen/samples_per_kept_sample": (
                 pre["samples_generated"] / (pre["groups_kept"] * group_size) if pre["groups_kept"] else math.nan
             ),
