@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from evaluation.report import make_report
-from rl.data import load_prompts, rows_to_examples, synthetic_arithmetic_rows
+from rl.data import load_prompts, rows_to_examples, synthetic_task_rows
 from rl.eval_metrics import ProblemResult, pass_ks
 from rl.reward import rule_score
 from rollout.engine import Completion, SamplingParams, check_completions
@@ -165,13 +165,7 @@ def load_eval_set(cfg: Config, tokenizer: Tokenizer) -> list[PromptExample]:
     prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
     data = cfg.data
     if data.eval_path == "synthetic":
-        rows = synthetic_arithmetic_rows(
-            data.synthetic_num_eval,
-            difficulty=data.synthetic_difficulty,
-            split="eval",
-            seed=data.seed,
-            answer_line_share=data.synthetic_answer_share,
-        )
+        rows = synthetic_task_rows(data, "eval")
         examples = rows_to_examples(
             rows,
             tokenizer,

@@ -25,6 +25,7 @@ from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from config.schema import DataConfig
     from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -324,6 +325,39 @@ def synthetic_arithmetic_rows(
             }
         )
     return rows
+
+
+def synthetic_task_levels(task: str) -> list[int]:
+    """The difficulty levels of a synthetic task: "arithmetic" (this module) or "chain" (rl/synthetic_chain.py)."""
+    from rl.synthetic_chain import CHAIN_LEVELS
+
+    return sorted(CHAIN_LEVELS if task == "chain" else SYNTHETIC_LEVELS)
+
+
+def synthetic_task_limit(task: str, difficulty: int, split: str) -> int:
+    """The most distinct problems one split of a synthetic task's level holds (see the task's generator)."""
+    from rl.synthetic_chain import chain_problem_limit
+
+    if task == "chain":
+        return chain_problem_limit(difficulty, split)
+    return synthetic_problem_limit(difficulty, split)
+
+
+def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
+    """The rows of one split of the synthetic task a [data] section (config.schema.DataConfig) describes:
+    data.synthetic_task at data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
+    from rl.synthetic_chain import synthetic_chain_rows
+
+    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
+    if data.synthetic_task == "chain":
+        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
+    return synthetic_arithmetic_rows(
+        count,
+        difficulty=data.synthetic_difficulty,
+        split=split,
+        seed=data.seed,
+        answer_line_share=data.synthetic_answer_share,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -365,7 +365,7 @@ def test_missing_file_and_bad_bases(tmp_path):
         (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be > 0"),
         (
             ["data.synthetic_difficulty=7"],
-            r"data\.synthetic_difficulty = 7 .*must be one of the synthetic task's levels "
+            r"data\.synthetic_difficulty = 7 .*must be one of the arithmetic task's levels "
             r"\[1, 2, 3, 4, 5\]",
         ),
         (

@@ -12,6 +12,7 @@ import torch
 import train
 from config import load_config
 from model.args import ModelArgs
+from model.qwen2 import Qwen2
 from preflight.gpu_ledger import GB, MemoryLedger
 from preflight.host_ledger import HostLedger, pinned_block_bytes
 from preflight.rehearsal import rehearse, run_phases
@@ -22,11 +23,9 @@ from tests.qwen2_checkpoint import write_qwen2_checkpoint
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 MiB = 1 << 20
 
-# 197M parameters (788 MB in fp32): on 4 ranks every phase holds 190 MB to 1 GB of tensors, so what no
-# tracker sees stays inside the 15%: the module tree (about 14 MB per rank) and, on this CPU rig only, the
-# buffers gloo allocates in its worker thread for the collectives (30 to 60 MB per rank after the first
-# all-gather; on GPUs the phases that gather live on the device). The micro-batch is short: the compute of
-# a CPU rank is what this test costs, and the host ledger is about the state.
+# 197M parameters (788 MB in fp32): on 4 ranks every phase holds 190 MB to 1 GB of tensors, so the module
+# tree (about 14 MB per rank, seen by no tracker) stays inside the 15%. The micro-batch is short: the compute
+# of a CPU rank is what this test costs, and the host ledger is about the state.
 ARGS = ModelArgs(
     vocab_size=8192,
     hidden_size=1024,
@@ -37,6 +36,21 @@ ARGS = ModelArgs(
     tie_word_embeddings=False,
     max_position_embeddings=1024,
 )
+
+
+def gloo_gather_copies(world_size: int) -> int:
+    """What gloo holds in host memory for all-gathers still in flight, at most: on this CPU rig FSDP's
+    all-gather runs on gloo, which copies the call's input (1/world of the unit) and output (the unit) into
+    buffers of its own and frees them from its worker thread after the call has returned, so one gather's
+    copies can still be resident when FSDP's prefetch issues the next. Two copies of the largest gathered
+    unit (a block's parameters in bf16; the root's lm_head and norm are smaller) bound it. On GPUs the
+    gathers are NCCL's, on the device, and the host ledger rightly has no such part."""
+    with torch.device("meta"):
+        model = Qwen2(ARGS)
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    root = sum(p.numel() for p in model.lm_head.parameters()) + ARGS.hidden_size
+    assert block > root and block > ARGS.vocab_size * ARGS.hidden_size  # the block is the largest unit
+    return 2 * block * torch.bfloat16.itemsize * (world_size + 1) // world_size
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +123,42 @@ def test_the_host_ledger_matches_the_resident_memory_of_every_phase(checkpoint, 
     # The process itself and the engine's (here: the stand-in's, which holds nothing) are not measured.
     predicted = {r.phase: r.rank_total - r.rank["process"] - r.rank["engine"] for r in on_cpu.rows}
     assert host.facts.load > 0 and on_cpu.rows[0].rank["load"] == host.facts.load
+    phases = list(predicted)
+    first_gather = phases.index("train: old log-probs")
     for rank, resident in enumerate(run_ranks(_resident, world_size, cfg)):
         assert resident.keys() == predicted.keys()
         for phase, real in resident.items():
-            assert abs(predicted[phase] - real) <= 0.15 * real, (
+            # From the first all-gather on, gloo's copies may be resident too, in the phase that gathers or,
+            # freed late by its worker thread, in the next: a bound the ledger is allowed to miss by.
+            unseen = gloo_gather_copies(world_size) if phases.index(phase) >= first_gather else 0
+            assert -0.15 * real <= real - predicted[phase] <= 0.15 * real + unseen, (
                 f"rank {rank}, phase '{phase}': the ledger says {predicted[phase] / MiB:.1f} MiB, "
                 f"the process held {real / MiB:.1f} MiB"
             )
     # The phases differ: the comparison is not of one constant.
     assert predicted["train: optimizer step"] > 2.5 * predicted["engine start"]
+
+
+def _gather_copies(rank, world_size, numel):
+    """The resident peak of one all-gather above its own input and output tensors."""
+    return_freed_memory_at_once()
+    shard = torch.ones(numel // world_size, dtype=torch.bfloat16)
+    out = torch.zeros(numel, dtype=torch.bfloat16)  # written: its pages are resident before the gather
+    extra = []
+    for _ in range(3):
+        start = reset_peak()
+        torch.distributed.all_gather_into_tensor(out, shard)
+        extra.append(peak() - start)
+    return max(extra)
+
+
+@pytest.mark.multiprocess
+def test_a_gloo_all_gather_copies_its_input_and_output_once():
+    """The rule gloo_gather_copies rests on: one all-gather's copies are its input and output, once."""
+    numel, world_size = 12 * 2**20, 4
+    copies = (numel + numel // world_size) * 2
+    for extra in run_ranks(_gather_copies, world_size, numel):
+        assert 0.9 * copies <= extra <= 1.1 * copies, (extra / MiB, copies / MiB)
 
 
 def test_pinned_blocks_are_powers_of_two():

@@ -75,12 +75,13 @@ def test_all_samples_and_kept_batch_are_logged_under_their_own_names():
     assert row["kept/response_length/mean"] == pytest.approx(7 / 4) and row["kept/response_length/max"] == 2
     assert row["kept/response_length/clip_ratio"] == 0
     assert row["groups/kept_share"] == 0.5 and row["groups/all_wrong_share"] == 0.5
+    assert row["gen/samples"] == 8  # 2 prompts x 4 samples: the x axis of accuracy against generated samples
 
 
 def test_a_step_with_nothing_to_train_on_logs_what_it_generated():
     # Two rounds of two prompts, every group all wrong: the batch is empty.
     groups, row = _row(_Engine(all_wrong=True), train_batch_size=2, max_rounds=2)
-    assert groups == [] and row["groups/in_batch"] == 0 and row["gen/rounds"] == 2
+    assert groups == [] and row["groups/in_batch"] == 0 and row["gen/rounds"] == 2 and row["gen/samples"] == 16
     assert row["reward/mean"] == -1 and row["acc/mean"] == 0 and row["response_length/mean"] == 2
     assert row["response_length/max"] == 2 and row["response_length/clip_ratio"] == pytest.approx(0.5)
     assert row["groups/all_wrong_share"] == 1 and row["groups/kept_share"] == 0

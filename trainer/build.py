@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +26,7 @@ from rl.data import (
     PromptSampler,
     load_prompts,
     rows_to_examples,
-    synthetic_arithmetic_rows,
+    synthetic_task_rows,
 )
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
@@ -142,17 +142,6 @@ def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engi
     return policy, EngineSpec.from_config(cfg).start_beside(policy, dist_env)
 
 
-def _synthetic_rows(data: DataConfig, split: str) -> list[dict[str, Any]]:
-    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )
-
-
 def build_tokenizer(
     model: ModelConfig, data: DataConfig, run_path: str, *, is_main: bool, barrier: Callable[[], None]
 ) -> Tokenizer:
@@ -168,7 +157,7 @@ def build_tokenizer(
             raise ValueError("model.tokenizer_path (or model.hf_path) must be set for a real data set")
         path = os.path.join(run_path, "tokenizer")
         if is_main and not os.path.isfile(os.path.join(path, "tokenizer.json")):
-            rows = _synthetic_rows(data, "train")
+            rows = synthetic_task_rows(data, "train")
             texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] + IM_END for r in rows]
             vocab = get_preset(model.preset).vocab_size
             phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
@@ -197,7 +186,7 @@ def load_datasets(
     def load(path: str, split: str) -> list[PromptExample]:
         if path == "synthetic":
             return rows_to_examples(
-                _synthetic_rows(data, split),
+                synthetic_task_rows(data, split),
                 tokenizer,
                 max_prompt_length=max_len,
                 overflow=overflow,

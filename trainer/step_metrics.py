@@ -105,6 +105,7 @@ class RolloutStats:
     all_correct_share: float
     all_wrong_share: float
     rounds: float
+    samples: float  # generated over every round and rank: the x axis of accuracy against samples (DAPO Fig. 6)
     samples_per_kept_sample: float
     in_batch: float
     # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
@@ -122,6 +123,7 @@ class RolloutStats:
             "groups/all_correct_share": self.all_correct_share,
             "groups/all_wrong_share": self.all_wrong_share,
             "gen/rounds": self.rounds,
+            "gen/samples": self.samples,  # every sample the step's rounds generated (all ranks)
             "gen/samples_per_kept_sample": self.samples_per_kept_sample,
             "groups/in_batch": self.in_batch,
             "groups/from_carry": self.from_carry,
@@ -156,6 +158,7 @@ def rollout_stats(batch: RolloutBatch, dist_env: DistEnv, *, group_size: int) ->
         all_correct_share=share(all_correct),
         all_wrong_share=share(all_wrong),
         rounds=stats["rounds"],
+        samples=generated_samples,
         samples_per_kept_sample=generated_samples / (kept_groups * group_size) if kept_groups else math.nan,
         in_batch=in_batch,
         from_carry=from_carry,

@@ -1,0 +1,160 @@
+"""The ablation ladder's results: per rung and seed, the metrics of its run folder; the table; its markdown.
+
+    held-out at the end: eval/avg_at_k at the last step (held-out avg@k, the paper's Table 1 column)
+    late mean:           the mean of the held-out evaluations in the second half of training (steps > S/2):
+                         a less noisy view of the same, fixed before the ladder ran
+    gain:                per seed, this rung's value minus the rung before's (both start from that seed's
+                         warm-up; the first rung's gain is over the warm-up itself), then the mean and standard
+                         deviation of those differences
+
+Spreads are sample standard deviations over seeds (n - 1 in the denominator; 0 for a single seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+from dataclasses import dataclass, field
+
+from observe.metrics_log import MetricsLogger, read_metrics
+from observe.plot import series_points
+
+HELD_OUT = "eval/avg_at_k"
+_PAPER = re.compile(r"avg@32 = (\d+)")
+
+
+@dataclass
+class RunResult:
+    """One run folder's metrics rows; `series(key)` gives (steps, values) with the last value per step."""
+
+    rows: list[dict] = field(default_factory=list)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        return series_points(self.rows, key)
+
+    def value_at(self, key: str, step: int) -> float | None:
+        steps, values = self.series(key)
+        return values[steps.index(step)] if step in steps else None
+
+
+def read_run(path: str) -> RunResult | None:
+    """The run folder's metrics, or None when it has none yet."""
+    file = os.path.join(path, MetricsLogger.FILENAME)
+    return RunResult(read_metrics(file)) if os.path.isfile(file) else None
+
+
+def paper_score(rung) -> str:
+    """The rung's AIME 2024 avg@32 in the paper's Table 1, from its file's header ("" if not stated)."""
+    with open(rung.path) as f:
+        match = _PAPER.search(f.read())
+    return match.group(1) if match else ""
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def late_mean(run: RunResult, steps: int) -> float | None:
+    """The mean of the held-out evaluations at steps > steps / 2 (None without any)."""
+    points = [v for s, v in zip(*run.series(HELD_OUT)) if s > steps / 2]
+    return statistics.fmean(points) if points else None
+
+
+def ladder_table(runs: dict, rungs: list, seeds: list[int], steps: int) -> list[dict]:
+    """One row per rung (and a first row for the warm-up): per-seed values, means, spreads and gains.
+
+    runs: {(rung name or "warm-up", seed): RunResult}. A rung whose runs are not all finished gets None
+    values for the missing seeds and is left out of the means (its row says how many seeds it has).
+    """
+    rows = []
+    start = {s: runs[("warm-up", s)].value_at(HELD_OUT, 0) if ("warm-up", s) in runs else None for s in seeds}
+    values = [v for v in start.values() if v is not None]
+    mean, std = _mean_std(values)
+    rows.append({"rung": "warm-up (step 0)", "switches": {}, "per_seed": start, "final_mean": mean, "final_std": std})
+    before = start  # the first rung's gain is over the warm-up it starts from
+    for rung in rungs:
+        final, late = {}, {}
+        for seed in seeds:
+            run = runs.get((rung.name, seed))
+            final[seed] = run.value_at(HELD_OUT, steps) if run else None
+            late[seed] = late_mean(run, steps) if run else None
+        row = {"rung": rung.name, "switches": rung.switches, "paper": paper_score(rung), "per_seed": final}
+        row["final_mean"], row["final_std"] = _mean_std([v for v in final.values() if v is not None])
+        row["late_mean"], row["late_std"] = _mean_std([v for v in late.values() if v is not None])
+        row["seeds_done"] = sum(v is not None for v in final.values())
+        pairs = [final[s] - before[s] for s in seeds if final[s] is not None and before[s] is not None]
+        row["gain_mean"], row["gain_std"] = _mean_std(pairs)
+        rows.append(row)
+        before = final
+    return rows
+
+
+def _pct(value, spread=None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    text = f"{100 * value:.1f}"
+    return text if spread is None or math.isnan(spread) else f"{text} ± {100 * spread:.1f}"
+
+
+def _signed(value, spread) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{100 * value:+.1f} ± {100 * spread:.1f}"
+
+
+def markdown_table(rows: list[dict], seeds: list[int], k: int) -> str:
+    """The table in markdown: accuracies in percent, mean ± standard deviation over seeds."""
+    head = (
+        f"| rung | held-out avg@{k} at the end | per seed ({', '.join(map(str, seeds))}) | gain over the rung before "
+        f"| held-out, second-half mean | paper (AIME avg@32) |"
+    )
+    lines = [head, "|---|---:|---|---:|---:|---:|"]
+    for row in rows:
+        per_seed = " / ".join(_pct(row["per_seed"][s]) for s in seeds)
+        lines.append(
+            f"| {row['rung']} | {_pct(row['final_mean'], row['final_std'])} | {per_seed} | "
+            f"{_signed(row.get('gain_mean'), row.get('gain_std'))} | "
+            f"{_pct(row.get('late_mean'), row.get('late_std'))} | {row.get('paper', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def collect_runs(run_dir: str, seeds: list[int], rungs: list) -> dict:
+    """{(rung name or "warm-up", seed): RunResult} of every run folder that has metrics."""
+    runs = {}
+    for seed in seeds:
+        for name in ["warm-up", *(r.name for r in rungs)]:
+            run = read_run(os.path.join(run_dir, f"seed-{seed}", name))
+            if run is not None:
+                runs[(name, seed)] = run
+    return runs
+
+
+def write_report(run_dir: str, seeds: list[int], rungs: list, config: dict, timing: dict | None = None) -> dict:
+    """table.md, results.json and the figures of the ladder in `run_dir`; prints the table. Returns the
+    results. timing: the ladder's wall and CPU time (bench/ablation.py timing_totals), kept in results.json."""
+    from bench.ablation_figures import draw_figures
+
+    steps, k = config["training"]["steps"], config["eval"]["k"]
+    runs = collect_runs(run_dir, seeds, rungs)
+    rows = ladder_table(runs, rungs, seeds, steps)
+    table = markdown_table(rows, seeds, k)
+    print(table)
+    with open(os.path.join(run_dir, "table.md"), "w") as f:
+        f.write(table + "\n")
+    figures = draw_figures(runs, rungs, seeds, os.path.join(run_dir, "figures"), group_size=config["rollout"]["n"])
+    results = {"seeds": seeds, "steps": steps, "k": k, "table": rows, "figures": figures, "timing": timing}
+    with open(os.path.join(run_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(f"table: {os.path.join(run_dir, 'table.md')}; figures: {', '.join(figures)}")
+    print(
+        json.dumps(
+            {"bench": "ablation", "run_dir": run_dir, "seeds": seeds, "table": rows, "timing": timing}, default=str
+        )
+    )
+    return results

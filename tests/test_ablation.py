@@ -1,0 +1,249 @@
+"""bench/ablation.py: every rung is exactly its Table 1 file's switches on the CPU task, a killed ladder resumes,
+and the table's means, spreads and gains are what the runs measured."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from bench.ablation import TASK_CONFIG, effective_config, ladder_rungs, main, run_cli
+from bench.ablation_figures import draw_figures
+from bench.ablation_report import RunResult, ladder_table, markdown_table
+from config import config_to_dict, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _flat(cfg) -> dict:
+    return {f"{s}.{k}": v for s, table in config_to_dict(cfg).items() for k, v in table.items()}
+
+
+def _file_switches(path: str) -> dict:
+    """The [algorithm] keys a rung file sets itself, at the values its whole base chain resolves to."""
+    with open(path, "rb") as f:
+        keys = tomllib.load(f)["algorithm"]
+    resolved = load_config(path).algorithm
+    return {key: getattr(resolved, key) for key in keys}
+
+
+def test_each_rung_is_the_task_config_with_exactly_its_ablation_files_switches():
+    rungs = ladder_rungs()
+    assert [r.number for r in rungs] == [1, 2, 3, 4, 5, 6]
+    task = _flat(load_config(TASK_CONFIG))
+    for rung in rungs:
+        switches = _file_switches(rung.path)
+        effective = _flat(effective_config(TASK_CONFIG, [], rung))
+        assert {k: effective[f"algorithm.{k}"] for k in switches} == switches, rung.name
+        changed = {k for k in task if task[k] != effective[k]}
+        assert changed <= {f"algorithm.{k}" for k in switches}, rung.name
+    # The ladder's own first and last rungs: naive GRPO and the whole of DAPO on the CPU task.
+    naive, dapo = (effective_config(TASK_CONFIG, [], r).algorithm for r in (rungs[0], rungs[-1]))
+    assert (naive.clip_high, naive.loss_agg, naive.dynamic_sampling) == (0.2, "seq-mean-token-mean", False)
+    assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling) == (0.28, "token-mean", True) and dapo.overlong_filter
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--algorithm.clip_high=0.3"], "algorithm.clip_high is a Table 1 switch"),
+        (["--job.seed=4"], "the ladder sets job.seed itself"),
+        (["--rungs", "7"], "no rung file numbered [7]"),
+        (["--seeds", "0,0"], "expected distinct integers"),
+        (["--training.lr=1"], "unknown key 'training.lr'"),
+        (["--stray"], "unknown arguments --stray"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        run_cli(["--run-dir", str(tmp_path), *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not os.listdir(tmp_path)  # refused before any work
+
+
+# A ladder small enough for the default test run: 2 rungs, 1 seed, 4 steps of 4 prompts x 4 samples.
+TINY = [
+    "--data.synthetic_difficulty=1",
+    "--data.synthetic_num_train=64",
+    "--data.synthetic_num_eval=8",
+    "--rollout.n=4",
+    "--rollout.max_response_length=24",
+    "--eval.max_response_length=24",
+    "--algorithm.overlong_buffer=6",
+    "--algorithm.max_num_gen_batches=2",
+    "--training.steps=4",
+    "--training.train_batch_size=4",
+    "--training.mini_batch_size=2",
+    "--training.sft_warmup_steps=20",
+    "--training.sft_batch_size=8",
+    "--eval.k=2",
+    "--eval.interval=2",
+    "--checkpoint.interval=1",
+    "--metrics.plot=false",
+    "--checkpoint.export_hf=false",
+]
+
+
+def _ladder(run_dir, *extra):
+    command = [sys.executable, os.path.join(ROOT, "bench", "ablation.py"), "--run-dir", str(run_dir)]
+    return command + ["--rungs", "1,2", "--seeds", "0", "--jobs", "1", *TINY, *extra]
+
+
+def _launched_pids(log_path: str) -> list[int]:
+    with open(log_path) as f:
+        return [int(line.split()[-1]) for line in f if line.startswith("ladder: launched pid")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_tiny_ladder_resumes_where_it_stopped(tmp_path, capsys):
+    rung1 = tmp_path / "seed-0" / "1_naive_grpo"
+    ladder = subprocess.Popen(_ladder(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (rung1 / "checkpoints" / "step-00000002").is_dir():  # mid-rung: steps 1-2 done, 3-4 to go
+        assert ladder.poll() is None, ladder.stdout.read()
+        assert time.monotonic() < deadline, "the tiny ladder did not reach step 2 of its first rung"
+        time.sleep(0.2)
+    ladder.send_signal(signal.SIGKILL)
+    ladder.wait()
+    killed = _launched_pids(rung1 / "train.log")[-1]
+    deadline = time.monotonic() + 30
+    while _alive(killed):  # the run dies with the ladder
+        assert time.monotonic() < deadline, "train.py outlived the killed ladder"
+        time.sleep(0.2)
+    assert not (rung1 / "finished.json").exists()
+
+    done = subprocess.run(_ladder(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 of 3 runs to do" in done.stdout  # the warm-up finished before the kill
+    for rung in ("1_naive_grpo", "2_overlong_filtering"):  # progress per rung
+        assert f"seed 0 | {rung} | started" in done.stdout and f"seed 0 | {rung} | finished" in done.stdout
+    assert "seed 0 | 2_overlong_filtering | step 4/4 | held-out" in done.stdout
+    warm_up = tmp_path / "seed-0" / "warm-up"
+    assert len(_launched_pids(warm_up / "train.log")) == 1  # the warm-up is not redone
+    log = (rung1 / "train.log").read_text()
+    assert len(_launched_pids(rung1 / "train.log")) == 2
+    resumed = int(log.rsplit("resumed from step ", 1)[1].split()[0])
+    assert resumed >= 2  # from its own checkpoint, not from the warm-up's
+    for rung in ladder_rungs()[:2]:
+        run = tmp_path / "seed-0" / rung.name
+        assert json.loads((run / "finished.json").read_text())["step"] == 4
+        with open(run / "config.json") as f:
+            ran = json.load(f)["algorithm"]  # the configuration train.py resolved and ran
+        assert {k: ran[k] for k in rung.switches} == _file_switches(rung.path)
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert sorted(r["step"] for r in rows if "loss" in r) == [1, 2, 3, 4]  # redone steps logged once
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["seeds_done"] for row in results["table"][1:]] == [1, 1]
+    assert "1_naive_grpo" in (tmp_path / "table.md").read_text()
+
+    # Rerunning the finished ladder trains nothing; other settings are refused.
+    capsys.readouterr()
+    assert main(_ladder(tmp_path)[2:]) == 0
+    assert "0 of 3 runs to do" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        run_cli(_ladder(tmp_path, "--training.steps=5")[2:])
+    assert refused.value.code == 2 and "training.steps: 4 -> 5" in capsys.readouterr().err
+
+
+class _Rung:
+    def __init__(self, number, name, switches, path):
+        self.number, self.name, self.switches, self.path = number, name, switches, path
+
+
+def _run(evals: dict, **per_step) -> RunResult:
+    """A run with held-out evaluations {step: avg@k} and per-step metrics {key: [value at step 1, 2, ...]}."""
+    rows = [{"step": s, "eval/avg_at_k": v} for s, v in evals.items()]
+    for key, values in per_step.items():
+        rows += [{"step": i + 1, key: v} for i, v in enumerate(values)]
+    shares = {"groups/all_correct_share": [0.25] * 4, "groups/all_wrong_share": [0.5] * 4}
+    for key, values in shares.items():
+        rows += [{"step": i + 1, key: v} for i, v in enumerate(values)]
+    return RunResult(rows)
+
+
+def _fake_ladder(tmp_path):
+    (tmp_path / "a.toml").write_text("# (AIME 2024 avg@32 = 30)\n")
+    (tmp_path / "b.toml").write_text("# (AIME 2024 avg@32 = 50)\n")
+    rungs = [
+        _Rung(1, "a", {"clip_high": 0.2, "dynamic_sampling": False}, str(tmp_path / "a.toml")),
+        _Rung(2, "b", {"clip_high": 0.28, "dynamic_sampling": True}, str(tmp_path / "b.toml")),
+    ]
+    runs = {
+        ("warm-up", 0): _run({0: 0.30}),
+        ("warm-up", 1): _run({0: 0.20}),
+        ("a", 0): _run({2: 0.35, 4: 0.40}, entropy=[0.5] * 4, **{"gen/samples": [8] * 4}),
+        ("a", 1): _run({2: 0.25, 4: 0.30}, entropy=[0.4] * 4, **{"gen/samples": [8] * 4}),
+        ("b", 0): _run({2: 0.45, 4: 0.50}, entropy=[0.6] * 4, **{"gen/samples": [16] * 4}),
+        ("b", 1): _run({2: 0.25, 4: 0.30}, entropy=[0.6] * 4, **{"gen/samples": [24] * 4}),
+    }
+    return rungs, runs
+
+
+def test_the_table_holds_means_sample_spreads_and_paired_gains(tmp_path):
+    rungs, runs = _fake_ladder(tmp_path)
+    rows = ladder_table(runs, rungs, [0, 1], steps=4)
+    start, a, b = rows
+    assert start["final_mean"] == pytest.approx(0.25) and start["final_std"] == pytest.approx(0.0707107, abs=1e-6)
+    assert a["final_mean"] == pytest.approx(0.35) and a["final_std"] == pytest.approx(0.0707107, abs=1e-6)
+    # Paired per seed: b - a = 0.10 (seed 0) and 0.00 (seed 1): mean 0.05, sample std 0.0707.
+    assert b["gain_mean"] == pytest.approx(0.05) and b["gain_std"] == pytest.approx(0.0707107, abs=1e-6)
+    # Second-half mean: the evaluations after step 2 only (step 4): seed 0 0.50, seed 1 0.30.
+    assert b["late_mean"] == pytest.approx(0.40) and b["paper"] == "50"
+    assert a["gain_mean"] == pytest.approx(0.10) and a["gain_std"] == pytest.approx(0.0)  # over the warm-up
+    table = markdown_table(rows, [0, 1], k=4)
+    assert "| b | 40.0 ± 14.1 | 50.0 / 30.0 | +5.0 ± 7.1 | 40.0 ± 14.1 | 50 |" in table
+
+
+def test_figures_are_drawn_small(tmp_path):
+    rungs, runs = _fake_ladder(tmp_path)
+    paths = draw_figures(runs, rungs, [0, 1], str(tmp_path / "figures"), group_size=8)
+    names = sorted(os.path.basename(p) for p in paths)
+    assert names == ["accuracy_per_rung.png", "clip_higher.png", "dynamic_sampling.png", "group_shares.png"]
+    assert all(0 < os.path.getsize(p) < 200_000 for p in paths)
+
+
+def test_task_statistics_of_two_hand_made_groups():
+    from bench.ablation_task import response_style, task_statistics
+    from rl.data import PromptExample
+    from rl.filter import ScoredGroup
+    from trainer.scoring import Sample
+
+    def example(text):
+        return PromptExample([1], "0", "s", [{"role": "user", "content": f"What is {text}?"}])
+
+    def group(ex, lengths, correct, reasons):
+        samples = [
+            Sample(ex, [5] * n, [0.0] * n, r, c, 1.0 if c else -1.0, None) for n, c, r in zip(lengths, correct, reasons)
+        ]
+        return ScoredGroup(payload=samples, acc=tuple(correct), score=tuple(s.score for s in samples))
+
+    two, four = example("1 + 2"), example("1 + 2 + 3 + 4")
+    groups = [
+        group(two, [10, 20], [True, True], ["stop", "stop"]),  # all correct
+        group(four, [30, 64], [False, False], ["stop", "length"]),  # all wrong, one truncated
+    ]
+    stats = task_statistics(groups, max_response_length=64, overlong_buffer=16, texts=None)
+    assert stats["length_mean"] == pytest.approx((10 + 20 + 30 + 64) / 4)
+    assert stats["group_length_range_mean"] == pytest.approx((10 + 34) / 2)
+    assert stats["group_length_std_mean"] == pytest.approx((5 + 17) / 2)
+    assert stats["truncated_share"] == 0.25 and stats["in_buffer_share"] == 0.0  # 64 is truncated, not in the buffer
+    assert stats["truncated_token_share"] == pytest.approx(64 / 124)
+    assert stats["all_correct_share"] == 0.5 and stats["all_wrong_share"] == 0.5 and stats["accuracy"] == 0.5
+    assert stats["by_terms"][4] == {"samples": 2, "accuracy": 0.0, "length_mean": 47.0, "truncated_share": 0.5}
+    assert response_style("1 + 2 + 3 + 4 = 10\nAnswer: 10", 4, False) == "direct"
+    assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\nAnswer: 10", 4, False) == "stepwise"
+    assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\n10 + 0 = 10\nAnswer: 10", 4, False) == "split"
+    assert response_style("1 + 2 = 3\n3 + 3", 4, True) == "truncated"
