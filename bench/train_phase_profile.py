@@ -43,9 +43,8 @@ VARIANTS = {
 PIECES = [
     ("old log-prob pass", "fill_old_logprobs", "trainer/update.py"),
     ("packing", "pack_micro_batches", "trainer/packing.py"),
-    ("loss forward", "__call__", "trainer/losses.py")(  # DAPOLoss,
-        "output head + log-prob (all passes)", "token_logprobs", "model/logprob.py"
-    ),
+    ("loss forward", "__call__", "trainer/losses.py"),  # DAPOLoss.__call__
+    ("output head + log-prob (all passes)", "token_logprobs", "model/logprob.py"),
     ("attention (all passes)", "attend", ".py"),
     ("backward", "backward", "torch/_tensor.py"),
     ("grad clip + AdamW", "_optimizer_step", "trainer/update.py"),
