@@ -119,14 +119,9 @@ def rows_to_examples(
             stats.note_problem(row_number, reason)
             continue
         seen.add(key)
-        ids = tokenizer.encode_chat(parsed.messages)
-        if len(ids) > max_prompt_length:
-            if overflow == "drop":
-                stats.dropped_too_long += 1
-                stats.note_problem(row_number, f"prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}")
-                continue
-            ids = ids[-max_prompt_length:]
-            stats.truncated += 1
+        ids = _fit_prompt(tokenizer.encode_chat(parsed.messages), max_prompt_length, overflow, stats, row_number)
+        if ids is None:
+            continue
         examples.append(
             PromptExample(
                 prompt_ids=ids,
@@ -137,13 +132,34 @@ def rows_to_examples(
                 index=len(examples),
             )
         )
-    if not examples:
+    _report_load(source_name, len(examples), stats)
+    return examples, stats
+
+
+def _fit_prompt(
+    ids: list[int], max_prompt_length: int, overflow: str, stats: LoadStats, row_number: int
+) -> list[int] | None:
+    """A prompt's ids within `max_prompt_length` tokens: its last tokens (left-truncated, counted), or None
+    when `overflow` is "drop" (counted, and noted as a problem)."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    if overflow == "drop":
+        stats.dropped_too_long += 1
+        stats.note_problem(row_number, f"prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}")
+        return None
+    stats.truncated += 1
+    return ids[-max_prompt_length:]
+
+
+def _report_load(source_name: str, kept: int, stats: LoadStats) -> None:
+    """Refuse a set with no usable row (naming its first problem); else log its load summary, as a warning
+    when rows were skipped."""
+    if not kept:
         raise DataError(
             f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
             f"{stats.first_problem or 'the file is empty'}"
         )
-    (log.warning if stats.skipped else log.info)(stats.summary(source_name, len(examples)))
-    return examples, stats
+    (log.warning if stats.skipped else log.info)(stats.summary(source_name, kept))
 
 
 def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> None:

@@ -85,28 +85,11 @@ class TorchEngine:
         kv_cache_blocks: int | None = None,
         flex_decode: bool = False,
     ) -> None:
-        args = getattr(model, "args", None)
-        if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
-            raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not 2 <= max_seq_len <= args.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len must be in [2, {args.max_position_embeddings}] (the model's "
-                f"max_position_embeddings), got {max_seq_len}"
-            )
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        args = _checked_model_args(model, max_batch_size, max_seq_len, max_prefill_tokens, block_size)
         self.blocks_per_seq = -(-max_seq_len // block_size)
-        if kv_cache_blocks is None:
-            kv_cache_blocks = max_batch_size * self.blocks_per_seq
-        if kv_cache_blocks < self.blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
-                f"tokens; it needs at least {self.blocks_per_seq} blocks of {block_size}"
-            )
+        kv_cache_blocks = _checked_kv_cache_blocks(
+            kv_cache_blocks, max_batch_size, max_seq_len, block_size, self.blocks_per_seq
+        )
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
@@ -127,26 +110,22 @@ class TorchEngine:
         self._cache: PagedKVCache | None = None
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
-        self._decode_context: type[DecodeContext] | type[FlexDecodeContext] = DecodeContext
         # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
-        self._gather_out: tuple[torch.Tensor, torch.Tensor] | None = None
-        if not compile and self.device.type == "cpu":
-            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
-        if flex_decode and self.device.type == "cuda":
-            from rollout.paged_flex import FlexDecodeContext
-
-            self._decode_context = FlexDecodeContext
-        self._decode: DecodeStep
-        if compile:
-            if self._static_shapes:
-                self._decode = torch.compile(
-                    self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
-                )
-            else:
-                self._decode = torch.compile(self._decode_logits, dynamic=True)
-        else:
-            self._decode = self._decode_logits
+        self._gather_out = _empty_gather_buffers(self.dtype) if not compile and self.device.type == "cpu" else None
+        self._decode_context = _decode_context_class(flex_decode, self.device)
+        self._decode = self._decode_step(compile, cuda_graphs)
         self.resume_memory()
+
+    def _decode_step(self, compile: bool, cuda_graphs: bool) -> DecodeStep:
+        """The decode step, compiled or eager (module docstring): with compile on CUDA, static shapes and
+        (with cuda_graphs) CUDA graphs by mode "reduce-overhead"; elsewhere dynamic shapes."""
+        if not compile:
+            return self._decode_logits
+        if self._static_shapes:
+            return torch.compile(
+                self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
+            )
+        return torch.compile(self._decode_logits, dynamic=True)
 
     # ---------------------------------------------------------------------------------------------
     # Memory and weights
@@ -156,7 +135,7 @@ class TorchEngine:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
         self._cache = None
         if self._gather_out is not None:
-            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
+            self._gather_out = _empty_gather_buffers(self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -352,3 +331,54 @@ class TorchEngine:
                 Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
             )
         return completions
+
+
+def _checked_model_args(
+    model: Qwen2, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int, block_size: int
+) -> ModelArgs:
+    """The model's ModelArgs, after refusing a model that is not a Qwen2 and sizes it cannot serve."""
+    args = getattr(model, "args", None)
+    if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
+        raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if not 2 <= max_seq_len <= args.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_len must be in [2, {args.max_position_embeddings}] (the model's "
+            f"max_position_embeddings), got {max_seq_len}"
+        )
+    if max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return args
+
+
+def _checked_kv_cache_blocks(
+    kv_cache_blocks: int | None, max_batch_size: int, max_seq_len: int, block_size: int, blocks_per_seq: int
+) -> int:
+    """The KV pool's blocks: as given (at least one full-length sequence's), or by default max_batch_size
+    full-length sequences' worth."""
+    if kv_cache_blocks is None:
+        kv_cache_blocks = max_batch_size * blocks_per_seq
+    if kv_cache_blocks < blocks_per_seq:
+        raise ValueError(
+            f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
+            f"tokens; it needs at least {blocks_per_seq} blocks of {block_size}"
+        )
+    return kv_cache_blocks
+
+
+def _empty_gather_buffers(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty k and v buffers for DecodeContext to gather the blocks into; it grows them as needed."""
+    return torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
+
+
+def _decode_context_class(flex_decode: bool, device: torch.device) -> type[DecodeContext] | type[FlexDecodeContext]:
+    """The decode attention: FlexAttention over the block pool with flex_decode on CUDA, else the blocks
+    gathered (rollout/kv_cache.py)."""
+    if flex_decode and device.type == "cuda":
+        from rollout.paged_flex import FlexDecodeContext
+
+        return FlexDecodeContext
+    return DecodeContext
