@@ -16,7 +16,7 @@ or a run folder, whose `hf/` export is then used; it clears model.preset), `--da
 (a parquet file in the DAPO-Math-17k schema, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
 report to a file. The command prints a table (one row per data source, then the overall row) followed
-by one JSON line with the full report. The evaluation itself is trainer/evaluation.py.
+by one JSON line with the full report. The evaluation itself is evaluation/evaluate.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
-from config import Config, ConfigError, config_parser, parse_config_args
-from trainer.evaluation import evaluate, format_table, load_eval_set, params_from_config, write_report
+from config import Config, config_parser, parse_config_args
+from errors import ConfigError, report
+from evaluation.evaluate import evaluate, load_eval_set, params_from_config
+from evaluation.report import format_table, write_report
+from rollout.engine_spec import EngineSpec
 
 
 def _short_flags(args: argparse.Namespace) -> list[str]:
@@ -38,7 +42,7 @@ def _short_flags(args: argparse.Namespace) -> list[str]:
     return flags + ([f"model.tokenizer_path={args.tokenizer}"] if args.tokenizer is not None else [])
 
 
-def parse_cli(argv=None) -> tuple[Config, argparse.Namespace]:
+def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     """The configuration (`--config`, then the short flags, then `--section.key=value`) and the flags."""
     parser = config_parser(
         "Evaluate a policy with avg@k / pass@k / maj@k.",
@@ -82,36 +86,6 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-def build_engine(cfg: Config, model_dir: str, longest_prompt: int, max_new_tokens: int):
-    """The [rollout] section's engine over the checkpoint, on the GPU when there is one."""
-    import torch
-
-    ro = cfg.rollout
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if ro.engine == "sglang":
-        from rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(
-            model_dir, tp_size=ro.tp_size, mem_fraction_static=ro.mem_fraction_static, dtype=ro.dtype, seed=cfg.job.seed
-        )
-    from model.hf import load_hf
-    from model.hf_adapter import DTYPES
-    from rollout.torch_engine import TorchEngine
-    from trainer.setup import torch_engine_options
-
-    model = load_hf(model_dir, dtype=DTYPES[ro.dtype], device=device)
-    # The engine never needs more context than the longest prompt plus the response budget.
-    max_seq_len = min(model.args.max_position_embeddings, longest_prompt + max_new_tokens)
-    if max_seq_len < longest_prompt + max_new_tokens:
-        print(
-            f"warning: the model's context of {max_seq_len} tokens leaves the longest prompt "
-            f"{max_seq_len - longest_prompt} of the {max_new_tokens} new tokens asked for; longer responses "
-            f"end with finish reason 'length'",
-            file=sys.stderr,
-        )
-    return TorchEngine(model, max_seq_len=max_seq_len, device=device, seed=cfg.job.seed, **torch_engine_options(ro))
-
-
 def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
     """Print one warning line when the checkpoint's weights hold NaN or inf (its answers would mean nothing);
     returns the names of those tensors. Reads the safetensors files one tensor at a time."""
@@ -134,7 +108,7 @@ def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
     return names
 
 
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
     cfg, args = parse_cli(argv)
@@ -147,7 +121,8 @@ def main(argv=None) -> dict:
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
     # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
     per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
-    engine = build_engine(cfg, model_dir, max((len(e.prompt_ids) for e in examples), default=0), params.max_new_tokens)
+    longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
+    engine = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     try:
         report = evaluate(
             engine,
@@ -170,23 +145,17 @@ def main(argv=None) -> dict:
     return report
 
 
-def run_cli(argv=None) -> None:
-    """`main` with the exit a shell expects for bad input: one line naming the problem, exit code 2.
-
-    Bad input is what trainer/input_errors.py lists, as for train.py: a configuration problem (ConfigError,
-    including a missing checkpoint or tokenizer), an unusable data file (rl.data.DataError) or a damaged
-    checkpoint (CheckpointError). Anything else is a failure and keeps its traceback.
-    """
+def run_cli(argv: list[str] | None = None) -> None:
+    """`main` with the exits a shell expects, as train.py's (errors.py): bad input (a configuration problem,
+    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint) is one line and
+    exit code 2; anything else is a failure and keeps its traceback."""
     try:
         main(argv)
     except Exception as exc:
-        from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
-
-        line = input_error_line(exc)
-        if line is None:
+        code = report(exc, prefix="eval.py: ")
+        if code is None:
             raise
-        print(f"eval.py: {line}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

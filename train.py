@@ -27,23 +27,21 @@ import sys
 import torch
 
 from config import check_runnable, config_to_dict, parse_cli
-from parallel.finite import NonFiniteStateError
-from rollout.engine import EngineDied
-from trainer.distributed import init_distributed, shutdown_distributed
-from trainer.input_errors import EXIT_BAD_INPUT, input_error_line
-from trainer.loop import Trainer, build
+from errors import report
+from parallel.cpu_threads import set_intra_op_threads
+from parallel.dist_env import init_distributed, shutdown_distributed
+from trainer.build import build
+from trainer.loop import Trainer
 from trainer.run_folder import finished_run_report
-from trainer.signals import StopRequested
-from trainer.threads import set_intra_op_threads
 
 log = logging.getLogger("train")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg, cli = parse_cli(argv)
     if cli.rehearse:
-        from trainer.rehearsal import main as rehearse_main
+        from preflight.rehearsal import main as rehearse_main
 
         return rehearse_main(cfg)
     if cli.dry_run:
@@ -89,28 +87,18 @@ def main(argv=None) -> int:
             shutdown_distributed(clean=finished)
 
 
-def run_cli(argv=None):
-    """`main` with the exits a shell expects: 2 for bad input (one line: trainer/input_errors.py; a busy or
-    damaged run folder and a full disk included), 143/130 after a signal, 1 for failures: one line for a policy
-    gone non-finite and for a rollout engine whose process died (the checkpoint is written, rerunning resumes),
-    a traceback for anything else."""
+def run_cli(argv: list[str] | None = None) -> None:
+    """`main` with the exits a shell expects (errors.py): bad input is one line and exit code 2 (a busy or
+    damaged run folder and a full disk included); a signal stops with a checkpoint and 143 / 130; a policy gone
+    non-finite or a rollout engine whose process died is one line and 1 (the newest checkpoint is intact,
+    rerunning resumes); anything else keeps its traceback."""
     try:
         sys.exit(main(argv))
-    except NonFiniteStateError as exc:  # not saved, not exported; the newest checkpoint is untouched
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except EngineDied as exc:
-        print(f"error: the rollout engine died: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except StopRequested as exc:
-        print(f"training {exc}; a checkpoint was saved: run the same command again to resume", file=sys.stderr)
-        sys.exit(130 if exc.signal_name == "SIGINT" else 143)
     except Exception as exc:
-        line = input_error_line(exc)
-        if line is None:
+        code = report(exc)
+        if code is None:
             raise
-        print(line, file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

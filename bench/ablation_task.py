@@ -116,20 +116,23 @@ def generate(cfg, policy_dir: str, prompts: int):
     `policy_dir`/hf, scored with the configuration's reward; returns (groups, response texts)."""
     import torch
 
+    from parallel.dist_env import init_distributed
+    from parallel.sharded_policy import build_policy
     from rl.data import PromptSampler
+    from rl.reward import response_text
     from rollout.engine import SamplingParams
-    from trainer.distributed import init_distributed
-    from trainer.rollout_phase import generate_round
-    from trainer.scoring import RewardSettings, response_text
-    from trainer.setup import build_engine, build_policy, build_tokenizer, load_datasets
+    from rollout.engine_spec import EngineSpec
+    from trainer.build import build_tokenizer, load_datasets
+    from trainer.rollout_phase import generate_call
+    from trainer.scoring import RewardSettings
 
     torch.manual_seed(cfg.job.seed)
     dist = init_distributed(1, -1, 1)
     tokenizer = build_tokenizer(cfg.model, cfg.data, policy_dir, is_main=True, barrier=lambda: None)
     train_set, _ = load_datasets(cfg.data, tokenizer)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
-    engine = build_engine(cfg, model, dist.device, cfg.data.max_prompt_length, dist)
-    ro, alg = cfg.rollout, cfg.algorithm
+    engine = EngineSpec.from_config(cfg).start_beside(model, dist)
+    ro = cfg.rollout
     params = SamplingParams(
         max_new_tokens=ro.max_response_length,
         temperature=ro.temperature,
@@ -139,11 +142,9 @@ def generate(cfg, policy_dir: str, prompts: int):
         stop_token_ids=tokenizer.stop_ids,
         seed=cfg.job.seed,
     )
-    reward = RewardSettings(
-        ro.max_response_length, alg.overlong_penalty, alg.overlong_buffer, alg.overlong_penalty_factor, alg.strict_box
-    )
     sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    groups, _, _ = generate_round(engine, sampler, prompts, params, tokenizer, reward)
+    examples = sampler.next_batch(prompts)
+    groups, _, _ = generate_call(engine, examples, params, tokenizer, RewardSettings.from_config(cfg))
     stop = set(tokenizer.stop_ids)
     texts = [response_text(tokenizer, s.response_ids, stop) for g in groups for s in g.payload]
     engine.shutdown()

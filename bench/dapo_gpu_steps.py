@@ -31,11 +31,11 @@ def main(argv=None):
         print("bench/dapo_gpu_steps.py needs a CUDA device", file=sys.stderr)
         return 2
 
+    import rl.reward
     import train
-    import trainer.scoring
     from tests.planted_train import planted_score
 
-    trainer.scoring.compute_score = planted_score
+    rl.reward.compute_score = planted_score
     root = args.out or tempfile.mkdtemp(prefix="dapo_gpu_")
     overrides = {
         "job.run_dir": root,

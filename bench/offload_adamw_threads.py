@@ -2,7 +2,7 @@
 
 With parallelism.cpu_offload each rank's fp32 parameters, gradients and AdamW moments live in host memory
 and `optimizer.step()` runs on the CPU: torch's AdamW as train.py builds it (trainer/loop.py), which on CPU
-tensors is the per-tensor implementation. trainer/threads.py gives each process the node's cores divided by
+tensors is the per-tensor implementation. parallel/cpu_threads.py gives each process the node's cores divided by
 its processes when offloading; this measures what that buys.
 
 The state is one transformer block of Qwen2.5-32B as one of 8 FSDP ranks holds it (each tensor's first

@@ -1,6 +1,6 @@
 """Host memory of loading a checkpoint into a sharded policy: each rank reading only its rows vs the whole model.
 
-Measured: train.py's build (trainer/setup.py build_sharded_policy), whose ranks read only the rows of their
+Measured: train.py's build (parallel/sharded_policy.py build_sharded_policy), whose ranks read only the rows of their
 shards (parallel/hf_load.py). Baseline, in the same run: the same sharded model filled the way it was filled
 before, the whole fp32 policy built on every rank (model/hf.py load_hf) and then sliced (copy_into_shards).
 Each rank's high-water mark of resident memory (VmHWM, reset before) above its resident set at the start.
@@ -35,8 +35,8 @@ def _load(rank, world_size, path, layout, whole_first):
     from torch.distributed.tensor import DTensor
 
     from config import load_config
-    from trainer.distributed import init_distributed
-    from trainer.setup import build_policy, build_sharded_policy, copy_into_shards
+    from parallel.dist_env import init_distributed
+    from parallel.sharded_policy import build_policy, build_sharded_policy, copy_into_shards, shard_policy
 
     return_freed_memory_at_once()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def _load(rank, world_size, path, layout, whole_first):
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
     start = reset_peak()
     if whole_first:  # the baseline: every rank builds the whole policy, then keeps its slices
-        policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=0, fill=False)
+        policy = shard_policy(cfg.model, cfg.parallelism, dist_env)
         source = build_policy(cfg.model, torch.device("cpu"), seed=0)
         copy_into_shards(policy, ((name, p.detach()) for name, p in source.named_parameters()))
         del source

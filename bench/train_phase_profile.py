@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import dataclasses
 import functools
 import json
 import os
@@ -42,11 +43,11 @@ VARIANTS = {
 PIECES = [
     ("old log-prob pass", "fill_old_logprobs", "trainer/update.py"),
     ("packing", "pack_micro_batches", "trainer/packing.py"),
-    ("loss forward", "dapo_micro_batch_loss", "trainer/policy.py"),
+    ("loss forward", "__call__", "trainer/losses.py"),  # DAPOLoss.__call__
     ("output head + log-prob (all passes)", "token_logprobs", "model/logprob.py"),
     ("attention (all passes)", "attend", ".py"),
     ("backward", "backward", "torch/_tensor.py"),
-    ("grad clip + AdamW", "_clip_and_step", "trainer/update.py"),
+    ("grad clip + AdamW", "_optimizer_step", "trainer/update.py"),
 ]
 GENERATION_PIECES = [
     ("prefill", "_prefill_logits", "rollout/torch_engine.py"),
@@ -77,13 +78,14 @@ def build(config: str, overrides: list[str]):
     """The configuration, the policy and its engine, and one generated batch of train_batch_size prompts
     (one round, no dynamic sampling): (cfg, dist, model, engine, groups, prompts, sampling params)."""
     from config import load_config
+    from parallel.dist_env import init_distributed
+    from parallel.sharded_policy import build_policy
     from rl.data import PromptSampler
-    from rl.filter import DynamicBatchBuilder
     from rollout.engine import SamplingParams
-    from trainer.distributed import init_distributed
-    from trainer.rollout_phase import collect_batch
+    from rollout.engine_spec import EngineSpec
+    from trainer.build import build_tokenizer, load_datasets
+    from trainer.rollout_phase import generate_call
     from trainer.scoring import RewardSettings
-    from trainer.setup import build_engine, build_policy, build_tokenizer, load_datasets
 
     cfg = load_config(config, overrides)
     torch.manual_seed(0)
@@ -91,9 +93,8 @@ def build(config: str, overrides: list[str]):
     tokenizer = build_tokenizer(cfg.model, cfg.data, cfg.model.hf_path, is_main=True, barrier=lambda: None)
     train_set, _ = load_datasets(cfg.data, tokenizer, eval_size=cfg.eval.eval_size)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
-    engine = build_engine(cfg, model, dist.device, cfg.data.max_prompt_length, dist)
-    prompts, ro, alg = cfg.training.train_batch_size, cfg.rollout, cfg.algorithm
-    builder = DynamicBatchBuilder(prompts, 1, on_shortfall="fill", max_staleness=0, enabled=False, metric="acc")
+    engine = EngineSpec.from_config(cfg).start_beside(model, dist)
+    prompts, ro = cfg.training.train_batch_size, cfg.rollout
     params = SamplingParams(
         max_new_tokens=ro.max_response_length,
         temperature=ro.temperature,
@@ -103,11 +104,9 @@ def build(config: str, overrides: list[str]):
         stop_token_ids=tokenizer.stop_ids,
         seed=0,
     )
-    reward = RewardSettings(
-        ro.max_response_length, alg.overlong_penalty, alg.overlong_buffer, alg.overlong_penalty_factor, False
-    )
+    reward = dataclasses.replace(RewardSettings.from_config(cfg), strict_box=False)
     sampler = PromptSampler(train_set, seed=0, shuffle=True, dp_rank=0, dp_size=1)
-    groups, _, _ = collect_batch(1, builder, engine, sampler, prompts, params, tokenizer, reward, dist)
+    groups, _, _ = generate_call(engine, sampler.next_batch(prompts), params, tokenizer, reward, step=1)
     batch = [g.payload[0].example.prompt_ids for g in groups]
     return cfg, dist, model, engine, groups, batch, params
 
@@ -157,10 +156,10 @@ def profile_variant(cfg, dist, model, groups, extra: list[str], repeats: int) ->
         opt = cfg.optimizer
         optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, dist, dist.device)
+        phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, dist)
         stats, cpu, wall, pieces = _profiled(functools.partial(phase.run, 1, groups), PIECES)
         if attempt:
-            runs.append({"cpu_s": cpu, "wall_s": wall, "pieces": pieces, "loss": stats["loss"]})
+            runs.append({"cpu_s": cpu, "wall_s": wall, "pieces": pieces, "loss": stats.loss})
     model.load_state_dict(start_state)
     return min(runs, key=lambda run: run["cpu_s"])
 

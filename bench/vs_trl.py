@@ -214,7 +214,7 @@ def _trl_prompts(policy: str):
 
     from config import load_config
     from model.tokenizer import Tokenizer
-    from trainer.setup import load_datasets
+    from trainer.build import load_datasets
 
     ours = Tokenizer.from_dir(policy)
     cfg = load_config(

@@ -15,12 +15,12 @@ is wrong.
 Settings that only matter when training starts (model and data paths) may stay unset in a recipe:
 `check_runnable(cfg)` (config/checks.py) refuses them just before training, so `--dry-run` works on
 shipped recipes. It also refuses, in one error that lists the overrides that run, every setting this
-machine cannot run (a GPU recipe on a CPU: trainer/machine.py), before any data or model is loaded.
+machine cannot run (a GPU recipe on a CPU: preflight/machine.py), before any data or model is loaded.
 """
 
 from config.checks import check_machine, check_runnable, evaluates
 from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
-from config.loader import ConfigError, sections, split_overrides, validate
+from config.loader import sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
 from config.schema import (
     AlgorithmConfig,
@@ -38,6 +38,7 @@ from config.schema import (
     RolloutConfig,
     TrainingConfig,
 )
+from errors import ConfigError
 
 SECTIONS: dict[str, type] = sections(Config)
 

@@ -1,14 +1,18 @@
 """The checks that only matter when a run starts: the paths exist, the sequences fit the model, and this
-machine can run the settings (the rules are in trainer/machine.py)."""
+machine can run the settings (the rules are in preflight/machine.py)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from config.loader import ConfigError
 from config.schema import Config
+from errors import ConfigError
 from model.args import PRESETS
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
+
+if TYPE_CHECKING:
+    from preflight.machine import Machine
 
 
 def evaluates(cfg: Config) -> bool:
@@ -16,12 +20,12 @@ def evaluates(cfg: Config) -> bool:
     return bool(cfg.eval.interval or cfg.eval.at_start or cfg.eval.at_end)
 
 
-def check_machine(cfg: Config, machine=None) -> None:
+def check_machine(cfg: Config, machine: Machine | None = None) -> None:
     """Refuse, in one error, every setting this machine cannot run, with the override that runs here.
 
-    `machine`: a trainer.machine.Machine; None probes this one. The rules are in trainer/machine.py.
+    `machine`: a preflight.machine.Machine; None probes this one. The rules are in preflight/machine.py.
     """
-    from trainer.machine import machine_fixes, probe_machine
+    from preflight.machine import machine_fixes, probe_machine
 
     machine = probe_machine() if machine is None else machine
     fixes, launch = machine_fixes(cfg, machine)
@@ -35,7 +39,7 @@ def check_machine(cfg: Config, machine=None) -> None:
     raise ConfigError("\n".join(lines))
 
 
-def check_runnable(cfg: Config, machine=None) -> None:
+def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and
@@ -44,26 +48,42 @@ def check_runnable(cfg: Config, machine=None) -> None:
     rl.data.DataError). Configuration problems raise ConfigError.
     """
     check_machine(cfg, machine)
-    model, data = cfg.model, cfg.data
+    max_positions = _model_max_positions(cfg)
+    _check_tokenizer_dir(cfg)
+    _check_data_paths(cfg)
+    _check_sequences_fit(cfg, max_positions)
+    for path in (cfg.data.train_path, cfg.data.eval_path):
+        if path and path != "synthetic":
+            check_parquet_file(path, SCHEMA_COLUMNS)
+
+
+def _model_max_positions(cfg: Config) -> int | None:
+    """The model's max_position_embeddings, after checking that the model is set: a preset's, or the
+    config.json's of model.hf_path (None where that file sets it to null)."""
+    model = cfg.model
     if not model.preset and not model.hf_path:
         raise ConfigError(
             "model.hf_path is not set: set model.hf_path to a Qwen2.5 checkpoint directory (e.g. "
             f"--model.hf_path=/ckpt/Qwen2.5-32B), or model.preset to one of {', '.join(PRESETS)}"
         )
-    max_positions = None
-    if model.hf_path:
-        config_json = os.path.join(model.hf_path, "config.json")
-        if not os.path.isfile(config_json):
-            raise ConfigError(
-                f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
-                "set model.hf_path to a Qwen2.5 checkpoint directory"
-            )
-        from model.hf_adapter import read_hf_config
+    if not model.hf_path:
+        return PRESETS[model.preset].max_position_embeddings
+    config_json = os.path.join(model.hf_path, "config.json")
+    if not os.path.isfile(config_json):
+        raise ConfigError(
+            f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
+            "set model.hf_path to a Qwen2.5 checkpoint directory"
+        )
+    from model.hf_adapter import read_hf_config
 
-        # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
-        max_positions = read_hf_config(model.hf_path).max_position_embeddings
-    else:
-        max_positions = PRESETS[model.preset].max_position_embeddings
+    # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
+    return read_hf_config(model.hf_path).max_position_embeddings
+
+
+def _check_tokenizer_dir(cfg: Config) -> None:
+    """model.tokenizer_path, when set, is a directory; the tokenizer's folder (it, else model.hf_path) holds
+    tokenizer.json."""
+    model = cfg.model
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
         raise ConfigError(
             f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
@@ -76,6 +96,12 @@ def check_runnable(cfg: Config, machine=None) -> None:
             f"{tokenizer_key} = {tokenizer_dir!r} holds no tokenizer.json: set model.tokenizer_path to the folder "
             "that holds the checkpoint's tokenizer"
         )
+
+
+def _check_data_paths(cfg: Config) -> None:
+    """data.train_path and (when the run evaluates) data.eval_path are set, and are files or 'synthetic'; a
+    real training set needs a tokenizer (only the synthetic task trains its own)."""
+    model, data = cfg.model, cfg.data
     for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
         path = getattr(data, key)
         if not path and key == "eval_path" and not evaluates(cfg):
@@ -100,12 +126,13 @@ def check_runnable(cfg: Config, machine=None) -> None:
             f"model.tokenizer_path is not set: data.train_path = {data.train_path!r} needs the "
             "tokenizer of model.hf_path or model.tokenizer_path (only the synthetic task trains its own)"
         )
-    longest = data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+
+
+def _check_sequences_fit(cfg: Config, max_positions: int | None) -> None:
+    """The longest sequence the engine holds (prompt + response) fits the model's positions."""
+    longest = cfg.engine_max_seq_len
     if max_positions is not None and longest > max_positions:
         raise ConfigError(
             f"data.max_prompt_length + the longest response = {longest} tokens exceed the model's "
             f"max_position_embeddings = {max_positions}"
         )
-    for path in (data.train_path, data.eval_path):
-        if path and path != "synthetic":
-            check_parquet_file(path, SCHEMA_COLUMNS)

@@ -33,7 +33,7 @@ def parse_config_args(
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None = None,
     flags: Callable[[argparse.Namespace], list[str]] = lambda args: [],
-):
+) -> tuple[Config, argparse.Namespace]:
     """(configuration, parsed flags) of a command line: the `--config` file, then the overrides that
     `flags(args)` makes of short flags, then the `--section.key=value` overrides (kept in args.overrides)."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -21,39 +21,51 @@ import tomllib
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Rule = tuple[str, bool, str]  # (key, holds, what it demands) as yielded by a `rules()` method
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key, its source and the failed rule."""
+# An annotation as typing.get_type_hints returns it: a class, Literal[...], X | None, list[X], tuple[X, Y];
+# typing has no type for such objects (TypeForm is not in Python 3.11), hence Any.
+TypeForm = Any
+_T = TypeVar("_T")
+_Root = TypeVar("_Root", bound="DataclassInstance")
 
 
 # ---------------------------------------------------------------------------------------- bounds
 
 
-def bounded(default, ok: Callable[[Any], bool], rule: str):
+def bounded(default: _T, ok: Callable[[Any], bool], rule: str) -> _T:
     """A field with `default` whose value must satisfy `ok`; `rule` says what it demands ("must be ...")."""
     return dataclasses.field(default=default, metadata={"ok": ok, "rule": rule})
 
 
-def at_least(default, low, note: str = ""):
+def at_least(default: _T, low: float, note: str = "") -> _T:
     """A field that must be >= low (`note` is appended to the rule, e.g. what 0 means)."""
     return bounded(default, lambda v: v >= low, f"must be >= {low}{note}")
 
 
-def above(default, low, note: str = ""):
+def above(default: _T, low: float, note: str = "") -> _T:
     """A field that must be > low."""
     return bounded(default, lambda v: v > low, f"must be > {low}{note}")
 
 
-def sections(root: type) -> dict[str, type]:
+def sections(root: type[DataclassInstance]) -> dict[str, type]:
     """{section name: its dataclass} of a root dataclass whose fields are all sections."""
-    return {f.name: f.default_factory for f in dataclasses.fields(root)}
+    found: dict[str, type] = {}
+    for f in dataclasses.fields(root):
+        assert isinstance(f.default_factory, type), (
+            f"{root.__name__}.{f.name} must be a section: field(default_factory=its class)"
+        )
+        found[f.name] = f.default_factory
+    return found
 
 
-def field_types(root: type) -> dict[str, dict[str, Any]]:
+def field_types(root: type[DataclassInstance]) -> dict[str, dict[str, TypeForm]]:
     """{section: {key: annotation}}."""
     return {name: typing.get_type_hints(cls) for name, cls in sections(root).items()}
 
@@ -65,16 +77,22 @@ class _Mismatch(Exception):
     pass
 
 
-def _items(tp, n: int):
+def _origin(tp: TypeForm) -> Any:
+    """typing.get_origin(tp): list, tuple, Literal, a union, or None for a plain class. (Typed Any because
+    typeshed's first overload, for ParamSpec arguments, is the one a checker picks for an Any argument.)"""
+    return typing.get_origin(tp)
+
+
+def _items(tp: TypeForm, n: int) -> list[TypeForm] | None:
     """Element types of a list/tuple type for `n` elements, or None when `n` does not fit the type."""
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is list or args[-1] is Ellipsis:
+    if _origin(tp) is list or args[-1] is Ellipsis:
         return [args[0]] * n
     return list(args) if len(args) == n else None
 
 
-def _type_name(tp) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+def _type_name(tp: TypeForm) -> str:
+    origin, args = _origin(tp), typing.get_args(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -86,9 +104,9 @@ def _type_name(tp) -> str:
     return {bool: "a bool (true/false)", int: "an int", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
-def _check_value(value, tp):
+def _check_value(value: Any, tp: TypeForm) -> Any:
     """Return a TOML-native `value` as type `tp` (ints widen to float); raise _Mismatch otherwise."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = _origin(tp), typing.get_args(tp)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if (tp is bool and isinstance(value, bool)) or (tp is int and number and isinstance(value, int)):
         return value
@@ -109,14 +127,18 @@ def _check_value(value, tp):
                 return _check_value(value, arg)
             except _Mismatch:
                 pass
-    elif origin in (tuple, list) and isinstance(value, (list, tuple)) and _items(tp, len(value)) is not None:
-        return origin(_check_value(v, a) for v, a in zip(value, _items(tp, len(value))))
+    elif (
+        origin in (tuple, list)
+        and isinstance(value, (list, tuple))
+        and (item_types := _items(tp, len(value))) is not None
+    ):
+        return origin(_check_value(v, a) for v, a in zip(value, item_types))
     raise _Mismatch(_type_name(tp))
 
 
-def _parse_text(text: str, tp):
+def _parse_text(text: str, tp: TypeForm) -> Any:
     """Convert a command-line string to type `tp` (bool: true/false/1/0; lists: `a,b` or `[a, b]`)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin, args = _origin(tp), typing.get_args(tp)
     try:
         if tp is str:
             return text
@@ -143,18 +165,19 @@ def _parse_text(text: str, tp):
             except tomllib.TOMLDecodeError:
                 raise _Mismatch(_type_name(tp)) from None
         items = [t.strip() for t in text.split(",")] if text.strip() else []
-        if _items(tp, len(items)) is not None:
-            return [_parse_text(t, a) for t, a in zip(items, _items(tp, len(items)))]
+        item_types = _items(tp, len(items))
+        if item_types is not None:
+            return [_parse_text(t, a) for t, a in zip(items, item_types)]
     raise _Mismatch(_type_name(tp))
 
 
-def coerce(value, tp, key: str, source: str, from_text: bool = False):
+def coerce(value: Any, tp: TypeForm, key: str, source: str, from_text: bool = False) -> Any:
     """`value` (TOML-native, or command-line text when `from_text`) as type `tp`; ConfigError naming `key`."""
     try:
         return _check_value(_parse_text(value, tp) if from_text else value, tp)
     except _Mismatch as e:
         expected = str(e)
-        if typing.get_origin(tp) is Literal:
+        if _origin(tp) is Literal:
             raise ConfigError(f"{key} = {value!r} ({source}): unknown value; expected {expected}") from None
         raise ConfigError(f"{key} = {value!r} ({source}): wrong type; {key} expects {expected}") from None
 
@@ -165,7 +188,7 @@ def coerce(value, tp, key: str, source: str, from_text: bool = False):
 class _Schema:
     """The sections of a root dataclass and their keys' types, for lookups and "did you mean" hints."""
 
-    def __init__(self, root: type):
+    def __init__(self, root: type[DataclassInstance]) -> None:
         self.root = root
         self.sections = sections(root)
         self.types = field_types(root)
@@ -191,7 +214,7 @@ class _Schema:
         )
         return ConfigError(f"unknown key '{section}.{key}' ({source}); {hint}")
 
-    def type_of(self, section: str, key: str, source: str):
+    def type_of(self, section: str, key: str, source: str) -> TypeForm:
         if section not in self.sections:
             raise self.unknown(section, None, source)
         if key not in self.types[section]:
@@ -199,7 +222,13 @@ class _Schema:
         return self.types[section][key]
 
 
-def _read_file(schema: _Schema, path: str, values: dict, origins: dict, chain: tuple[str, ...] = ()) -> None:
+def _read_file(
+    schema: _Schema,
+    path: str,
+    values: dict[str, dict[str, Any]],
+    origins: dict[str, str],
+    chain: tuple[str, ...] = (),
+) -> None:
     """Merge `path` (after its `base`, if any) into `values`; record each key's source in `origins`."""
     real = os.path.realpath(path)
     if real in chain:
@@ -246,7 +275,7 @@ def _split_override(item: str) -> tuple[str, str, str]:
     return section, key, value
 
 
-def load(root: type, path: str | None = None, overrides: Sequence[str] = ()):
+def load(root: type[_Root], path: str | None = None, overrides: Sequence[str] = ()) -> _Root:
     """An instance of `root`: its defaults, then the TOML file at `path` (and its bases), then the
     `section.key=value` overrides; validated (`validate`)."""
     schema = _Schema(root)
@@ -267,7 +296,8 @@ def load(root: type, path: str | None = None, overrides: Sequence[str] = ()):
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(plain arguments, `section.key=value` overrides) of a command line; an override is written
     `--section.key=value` or `--section.key value`."""
-    plain, overrides = [], []
+    plain: list[str] = []
+    overrides: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -285,7 +315,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return plain, overrides
 
 
-def to_dict(cfg) -> dict[str, dict[str, Any]]:
+def to_dict(cfg: DataclassInstance) -> dict[str, dict[str, Any]]:
     """{section: {key: value}} with tuples as lists: JSON-serialisable."""
     return {
         name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
@@ -296,12 +326,12 @@ def to_dict(cfg) -> dict[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------- validation
 
 
-def _rules(obj) -> Iterable[Rule]:
+def _rules(obj: object) -> Iterable[Rule]:
     method = getattr(obj, "rules", None)
     return method() if method is not None else ()
 
 
-def validate(cfg, origins: dict[str, str] | None = None) -> None:
+def validate(cfg: DataclassInstance, origins: dict[str, str] | None = None) -> None:
     """Check each field's bound, then each section's `rules()`, then the root's; raise ConfigError on the
     first that fails. Rules are generators, so a later rule may rely on the ones before it holding.
 

@@ -22,19 +22,19 @@ LossAgg = Literal[
 ]
 
 
-def _sampling_temperature(default: float):
+def _sampling_temperature(default: float) -> float:
     return bounded(default, lambda v: v >= 0, "must be >= 0 (0 = greedy)")
 
 
-def _nucleus(default: float):
+def _nucleus(default: float) -> float:
     return bounded(default, lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 
-def _top_k(default: int):
+def _top_k(default: int) -> int:
     return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
 
 
-def _folder_name(default: str):
+def _folder_name(default: str) -> str:
     return bounded(
         default,
         lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
@@ -42,27 +42,27 @@ def _folder_name(default: str):
     )
 
 
-def _preset(default: str):
+def _preset(default: str) -> str:
     return bounded(default, lambda v: not v or v in PRESETS, f"unknown preset; known presets: {', '.join(PRESETS)}")
 
 
-def _share(default: float):
+def _share(default: float) -> float:
     return bounded(default, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 
 
-def _fraction(default: float, note: str = ""):
+def _fraction(default: float, note: str = "") -> float:
     return bounded(default, lambda v: 0 < v < 1, f"must be in (0, 1){note}")
 
 
-def _betas(default: tuple[float, float]):
+def _betas(default: tuple[float, float]) -> tuple[float, float]:
     return bounded(default, lambda v: all(0 <= b < 1 for b in v), "both betas must be in [0, 1)")
 
 
-def _degree_or_rest(default: int):
+def _degree_or_rest(default: int) -> int:
     return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (all remaining ranks) or >= 1")
 
 
-def _optional_count(default: int | None, none_means: str):
+def _optional_count(default: int | None, none_means: str) -> int | None:
     return bounded(default, lambda v: v is None or v >= 1, f"must be >= 1 (or none: {none_means})")
 
 
@@ -75,7 +75,7 @@ class JobConfig:
     run_dir: str = bounded("runs", bool, "must not be empty")  # root folder holding one folder per run
     seed: int = at_least(0, 0)  # seed for model initialisation and sampling
     # 0: torch's default (1 under torchrun), or with parallelism.cpu_offload the node's cores / its processes
-    cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (trainer/threads.py)
+    cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (parallel/cpu_threads.py)
 
     @property
     def run_path(self) -> str:
@@ -159,6 +159,12 @@ class RolloutConfig:
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the log-probs pi(o_t | ...) the loss reads: the sampling temperature, the
+        engine's log_softmax(logits / T); 1 for greedy rollouts (T = 0)."""
+        return self.temperature if self.temperature > 0 else 1.0
 
 
 @dataclass
@@ -275,7 +281,7 @@ class RehearseConfig:
     gpu_memory_gb: float = above(80.0, 0)  # memory of one GPU, GB (1e9 bytes)
     preset: str = ""  # architecture rehearsed when model.hf_path is not set (a name from model/args.py PRESETS)
     context_gb: float = at_least(1.0, 0)  # trainer's CUDA context, NCCL buffers and allocator slack, GB per GPU
-    # Host memory (trainer/host_ledger.py). The default node is the recipes' target, below the smallest
+    # Host memory (preflight/host_ledger.py). The default node is the recipes' target, below the smallest
     # common node of 8 x 80 GB GPUs: AWS p4de.24xlarge has 1,152 GiB (1,237 GB); DGX A100 640GB, DGX H100 and
     # AWS p5.48xlarge have 2 TB (2 TiB), GCP a3-highgpu-8g 1,872 GB, Azure ND H100 v5 1,900 GiB (vendor specs).
     host_memory_gb: float = above(1000.0, 0)  # host memory of one node, GB (1e9 bytes)
@@ -298,6 +304,28 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rehearse: RehearseConfig = field(default_factory=RehearseConfig)
 
+    @property
+    def eval_max_new_tokens(self) -> int:
+        """The longest held-out response: eval.max_response_length, else the rollout's."""
+        return self.eval.max_response_length or self.rollout.max_response_length
+
+    @property
+    def engine_max_new_tokens(self) -> int:
+        """The longest response the rollout engine generates: a rollout's, or an evaluation's if longer."""
+        return max(self.rollout.max_response_length, self.eval_max_new_tokens)
+
+    @property
+    def engine_max_seq_len(self) -> int:
+        """The longest sequence the rollout engine holds: the longest prompt and the longest response."""
+        return self.data.max_prompt_length + self.engine_max_new_tokens
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts one generation round draws: train_batch_size, x gen_batch_multiplier with dynamic sampling
+        (the recipe over-samples so that enough groups survive the filter of Eq. 11)."""
+        multiplier = self.rollout.gen_batch_multiplier if self.algorithm.dynamic_sampling else 1
+        return self.training.train_batch_size * multiplier
+
     def rules(self) -> Iterator[Rule]:
         """The rules that span sections."""
         alg, ro = self.algorithm, self.rollout
@@ -318,7 +346,7 @@ class Config:
             f"must be >= data.max_prompt_length + rollout.max_response_length = {longest}: "
             "a packed micro-batch must hold the longest sample",
         )
-        engine_len = self.data.max_prompt_length + max(ro.max_response_length, self.eval.max_response_length or 0)
+        engine_len = self.engine_max_seq_len
         yield (
             "rollout.kv_cache_blocks",
             ro.kv_cache_blocks == 0 or ro.kv_cache_blocks * ro.block_size >= engine_len,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ModelArgs:
     max_position_embeddings: int = 32768
     init_std: float = 0.02
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelArgs.{name} must be positive, got {getattr(self, name)}")
@@ -40,7 +41,7 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def replace(self, **changes) -> ModelArgs:
+    def replace(self, **changes: Any) -> ModelArgs:  # field name -> a value of that field's type
         return dataclasses.replace(self, **changes)
 
 

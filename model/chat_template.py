@@ -17,27 +17,37 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import jinja2
 
 __all__ = ["render_template", "qwen25_template", "template_from_config"]
 
 
-def _raise_exception(message):
+def _raise_exception(message: str) -> NoReturn:
     import jinja2
 
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _tojson(
+    value: Any,  # what a template passes: any JSON-serialisable value
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja's own tojson escapes HTML characters (<, >, &, '), which chat templates must not do.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt):
+def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
 @lru_cache(maxsize=8)
-def _compile(template: str):
+def _compile(template: str) -> jinja2.Template:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -66,7 +76,7 @@ def render_template(
     )
 
 
-def template_from_config(value, where: str) -> str | None:
+def template_from_config(value: Any, where: str) -> str | None:  # value: a JSON value
     """The default template from a tokenizer_config.json `chat_template` entry: a string, or a list of
     {"name", "template"} entries (older transformers' way of storing several) of which "default" is used."""
     if value is None or isinstance(value, str):

@@ -17,8 +17,9 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from model.hf_adapter import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
+    TensorSource,
     from_hf_name,
     hf_shapes,
     is_model_file,
@@ -42,6 +44,9 @@ from model.hf_adapter import (
     write_json,
 )
 from model.qwen2 import Qwen2
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 __all__ = [
     "CheckpointError",
@@ -98,13 +103,20 @@ def _checkpoint_files(path: str) -> dict[str, list[str]]:
         return {single: list(f.keys())}
 
 
-def _names(names, shown: int = 8) -> str:
+def _names(names: Collection[str], shown: int = 8) -> str:
     """A sorted list of tensor names for a message: the first `shown`, then how many more."""
-    names = sorted(names)
-    return (str(names[:shown])[:-1] + f", ... and {len(names) - shown} more]") if len(names) > shown else str(names)
+    ordered = sorted(names)
+    if len(ordered) <= shown:
+        return str(ordered)
+    return str(ordered[:shown])[:-1] + f", ... and {len(ordered) - shown} more]"
 
 
-def _mismatch_report(where: str, missing, unexpected, misshaped) -> str:
+def _mismatch_report(
+    where: str,
+    missing: Collection[str],
+    unexpected: Collection[str],
+    misshaped: Sequence[tuple[str, torch.Size, torch.Size]],
+) -> str:
     """One line: what does not match, each kind with its count (long lists shortened)."""
     parts = []
     if missing:
@@ -214,8 +226,89 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class _ArrivalCheck:
+    """Checks the (our name, tensor) pairs given to `save_hf` against the HF shapes `want` as they arrive,
+    collecting every mismatch, so that one CheckpointError reports them all at the end."""
+
+    def __init__(self, want: dict[str, torch.Size]) -> None:
+        self.want = want
+        self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+        self.misshaped: list[tuple[str, torch.Size, torch.Size]] = []
+        self.duplicated: list[str] = []
+
+    def accept(self, name: str, tensor: torch.Tensor) -> str | None:
+        """The tensor's HF name if it is one the model needs, seen for the first time, of the right shape;
+        else None (and the mismatch is recorded)."""
+        try:
+            hf_name = to_hf_name(name)
+        except KeyError:
+            self.unexpected.append(name)
+            return None
+        if hf_name not in self.want:
+            self.unexpected.append(name)
+            return None
+        if hf_name in self.seen:
+            self.duplicated.append(name)
+            return None
+        self.seen.add(hf_name)
+        if tuple(tensor.shape) != tuple(self.want[hf_name]):
+            self.misshaped.append((name, tensor.shape, self.want[hf_name]))
+            return None
+        return hf_name
+
+    def raise_on_mismatch(self, where: str) -> None:
+        """One CheckpointError naming every missing, unexpected, mis-shaped and repeated tensor, if any."""
+        missing = [from_hf_name(n) for n in self.want.keys() - self.seen]
+        if missing or self.unexpected or self.misshaped or self.duplicated:
+            report = _mismatch_report(where, missing, self.unexpected, self.misshaped)
+            if self.duplicated:
+                report += f"\n  given more than once: {sorted(self.duplicated)}"
+            raise CheckpointError(report)
+
+
+class _ShardWriter:
+    """Collects tensors into shards of at most `max_shard_bytes` (a larger tensor gets a shard of its own)
+    and writes each full shard to a temporary safetensors file in `path`; `written` lists (temporary file,
+    HF names in it) in order, for `_publish` to rename."""
+
+    def __init__(self, path: str, max_shard_bytes: int, save_file: Callable[..., None]) -> None:
+        self.path, self.max_shard_bytes, self.save_file = path, max_shard_bytes, save_file
+        self.written: list[tuple[str, list[str]]] = []
+        self.shard: dict[str, torch.Tensor] = {}
+        self.shard_bytes, self.total_bytes = 0, 0
+        self.dtype: torch.dtype | None = None  # the first tensor's: config.json's torch_dtype
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> None:
+        """Add a plain CPU tensor, first writing the current shard if the tensor would overflow it."""
+        self.dtype = self.dtype or tensor.dtype
+        size = tensor.numel() * tensor.element_size()
+        if self.shard and self.shard_bytes + size > self.max_shard_bytes:
+            self.flush()
+        self.shard[hf_name] = tensor
+        self.shard_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        """Write the current shard (if it holds any tensor) to the next temporary file and start a new one."""
+        if self.shard:
+            tmp = os.path.join(self.path, f".tmp-shard-{len(self.written):05d}.safetensors")
+            self.save_file(self.shard, tmp, metadata={"format": "pt"})
+            self.written.append((tmp, list(self.shard)))
+        self.shard, self.shard_bytes = {}, 0
+
+    def remove_temporary(self) -> None:
+        """Remove the temporary files written so far (a failed save leaves nothing behind)."""
+        for tmp, _ in self.written:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
 def save_hf(
-    model_or_state_dict, path: str, args: ModelArgs | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    model_or_state_dict: TensorSource,
+    path: str,
+    args: ModelArgs | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
     """Write config.json + safetensors that `transformers.Qwen2ForCausalLM.from_pretrained` loads.
 
@@ -235,63 +328,24 @@ def save_hf(
         args = model_or_state_dict.args
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    want = hf_shapes(args)
+    check = _ArrivalCheck(hf_shapes(args))
 
     os.makedirs(path, exist_ok=True)
-    written: list[tuple[str, list[str]]] = []  # (temporary file, HF names in it)
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes, total_bytes, dtype = 0, 0, None
-    seen: set[str] = set()
-    unexpected, misshaped, duplicated = [], [], []
-
-    def flush():
-        nonlocal shard, shard_bytes
-        if shard:
-            tmp = os.path.join(path, f".tmp-shard-{len(written):05d}.safetensors")
-            save_file(shard, tmp, metadata={"format": "pt"})
-            written.append((tmp, list(shard)))
-        shard, shard_bytes = {}, 0
-
+    shards = _ShardWriter(path, max_shard_bytes, save_file)
     try:
         for name, tensor in named_tensors(model_or_state_dict):
-            try:
-                hf_name = to_hf_name(name)
-            except KeyError:
-                unexpected.append(name)
-                continue
-            if hf_name not in want:
-                unexpected.append(name)
-                continue
-            if hf_name in seen:
-                duplicated.append(name)
-                continue
-            seen.add(hf_name)
-            if tuple(tensor.shape) != tuple(want[hf_name]):
-                misshaped.append((name, tensor.shape, want[hf_name]))
-                continue
-            tensor = _plain_cpu(name, tensor)
-            dtype = dtype or tensor.dtype
-            size = tensor.numel() * tensor.element_size()
-            if shard and shard_bytes + size > max_shard_bytes:
-                flush()
-            shard[hf_name] = tensor
-            shard_bytes += size
-            total_bytes += size
-        missing = [from_hf_name(n) for n in want.keys() - seen]
-        if missing or unexpected or misshaped or duplicated:
-            report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
-            if duplicated:
-                report += f"\n  given more than once: {sorted(duplicated)}"
-            raise CheckpointError(report)
-        flush()
+            hf_name = check.accept(name, tensor)
+            if hf_name is not None:
+                shards.add(hf_name, _plain_cpu(name, tensor))
+        check.raise_on_mismatch(f"tensors given to save_hf for {path}")
+        shards.flush()
     except BaseException:
-        for tmp, _ in written:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        shards.remove_temporary()
         raise
 
-    _publish(path, written, total_bytes)
-    write_hf_config(path, args, dtype)
+    assert shards.dtype is not None  # every tensor of `want` arrived (checked above), so the dtype is known
+    _publish(path, shards.written, shards.total_bytes)
+    write_hf_config(path, args, shards.dtype)
 
 
 def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) -> None:
@@ -311,7 +365,7 @@ def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) 
             json.dump(index, f, indent=2, sort_keys=True)
 
 
-def remove_model_files(path: str, keep: list[str] = ()) -> None:
+def remove_model_files(path: str, keep: Collection[str] = ()) -> None:
     """Delete the weight files and index of an older checkpoint in `path` (all but `keep`); other files stay."""
     for name in os.listdir(path):
         if is_model_file(name) and name not in keep:
@@ -323,13 +377,13 @@ def remove_model_files(path: str, keep: list[str] = ()) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _id_list(value) -> list[int]:
+def _id_list(value: Any) -> list[int]:  # a JSON value: an id, a list of ids or null
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def complete_hf_export(path: str, tokenizer, model_source: str | None = None) -> None:
+def complete_hf_export(path: str, tokenizer: Tokenizer, model_source: str | None = None) -> None:
     """Add to the checkpoint in `path` (config.json + weights) what makes it generate as training did.
 
     - the tokenizer's files (`tokenizer.save`: a loaded tokenizer's files unchanged, with its chat template);

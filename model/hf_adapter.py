@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from errors import CheckpointError
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
 
@@ -60,10 +61,6 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or tensor set that does not match the model it is meant for."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,7 +117,7 @@ _OURS_TO_HF = [(_pattern(ours), hf) for ours, hf in _KEY_TABLE]
 _HF_TO_OURS = [(_pattern(hf), ours) for ours, hf in _KEY_TABLE]
 
 
-def _translate(name: str, table, direction: str) -> str:
+def _translate(name: str, table: Iterable[tuple[re.Pattern[str], str]], direction: str) -> str:
     for pattern, template in table:
         match = pattern.match(name)
         if match:
@@ -145,13 +142,17 @@ def _shapes(args: ModelArgs) -> tuple[tuple[str, torch.Size], ...]:
     return tuple((to_hf_name(name), param.shape) for name, param in model.named_parameters())
 
 
+# What `named_tensors` reads: our module, a state dict with our names, or (our name, tensor) pairs.
+TensorSource = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
 def hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     """{HF name: shape} of every tensor a checkpoint of `args` stores, in module order (embedding,
     layers 0..N-1, norm, head). Built once per `args` from a meta-device model, so it is the module's own."""
     return dict(_shapes(args))
 
 
-def named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) pairs from our module (its parameters, detached: not copied), a state dict, or an
     iterable of pairs (how a sharded trainer streams one gathered tensor at a time)."""
     if isinstance(source, nn.Module):
@@ -167,7 +168,7 @@ def named_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
         )
 
 
-def iter_hf_tensors(source) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for each (our name, tensor) of `source` (see `named_tensors`), in its order.
 
     From a module the order is fixed by its structure (embedding, layers 0..N-1, norm, head), so a sender

@@ -25,6 +25,9 @@ the global lse and entropy to `_chunk_grad_logits` (targets outside the slice ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +108,7 @@ def _chunk_grad_logits(
     if grad_entropy is None:
         grad = logp.exp_().mul_(-grad_logp.unsqueeze(-1))
     else:
+        assert entropy is not None  # given with grad_entropy
         p = logp.exp()
         coeff = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(grad_logp.unsqueeze(-1))
         grad = coeff.mul_(p).neg_()
@@ -124,7 +128,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     each chunk's logits in backward instead of saving them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+    def forward(
+        ctx: Any,  # autograd's context object, which also carries this function's own settings
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logp, lse, entropy = chunked_forward(hidden, weight, targets, temperature, chunk_size, with_entropy)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
@@ -133,7 +146,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden, grad_weight = chunked_backward(
@@ -153,8 +168,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def chunked_forward(
-    hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool, reduce_max=None, reduce_sum=None
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    reduce_max: Callable[[torch.Tensor], object] | None = None,
+    reduce_sum: Callable[[torch.Tensor], object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk.
 
     Shared by this module and the vocabulary-parallel version (parallel/logprob.py), which passes
@@ -174,32 +196,33 @@ def chunked_forward(
         sum_exp, sum_exp_z, target_z = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
         del logits
         if reduce_sum is not None:  # one collective for the two or three sums
-            sums = torch.stack([sum_exp, target_z] + ([sum_exp_z] if with_entropy else []))
+            sums = torch.stack([sum_exp, target_z] if sum_exp_z is None else [sum_exp, target_z, sum_exp_z])
             reduce_sum(sums)
             sum_exp, target_z, sum_exp_z = sums[0], sums[1], (sums[2] if with_entropy else None)
         lp, ent, ls = _finish_stats(row_max, sum_exp, sum_exp_z, target_z)
         logp[start:end], lse[start:end] = lp, ls
-        if with_entropy:
+        if ent is not None:  # with_entropy
             entropy[start:end] = ent
     return logp, lse, entropy
 
 
 def chunked_backward(
-    hidden,
-    weight,
-    targets,
-    lse,
-    grad_logp,
-    entropy,
-    grad_entropy,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     temperature: float,
     chunk_size: int,
     need_hidden: bool,
     need_weight: bool,
-):
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunked log-probs (and entropy, when `entropy` is given) with respect to `hidden`
     and `weight`, recomputing each chunk's logits: shared by this module and the vocabulary-parallel
     version (parallel/logprob.py), whose `targets` are slice-local (-1: not in this slice)."""
+    assert (entropy is None) == (grad_entropy is None), "entropy and grad_entropy come together"
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
     grad_weight = (
@@ -215,17 +238,17 @@ def chunked_backward(
             lse[start:end],
             grad_logp[start:end],
             entropy[start:end] if entropy is not None else None,
-            grad_entropy[start:end] if entropy is not None else None,
+            grad_entropy[start:end] if grad_entropy is not None else None,
         )
         del logits
         if temperature != 1.0:
             grad_z.mul_(1.0 / temperature)  # z = (h W^T) / T
-        if need_weight:
+        if grad_weight is not None:  # need_weight
             grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
-        if need_hidden:
+        if grad_hidden is not None:  # need_hidden
             torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
         del grad_z
-    if need_weight:
+    if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight
 
@@ -235,7 +258,16 @@ def chunked_backward(
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad, vocab=None):
+def check_logprob_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+    entropy_grad: bool,
+    vocab: int | None = None,
+) -> None:
     """Refuse inputs the chunked kernels cannot compute on, with the shape or value at fault.
 
     vocab: the full vocabulary when `weight` is this rank's slice of a vocabulary-parallel head (targets index

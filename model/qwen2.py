@@ -14,6 +14,9 @@ tensor shapes, so the same code runs on tensor-parallel shards holding a subset 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +28,7 @@ class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), the statistic computed in fp32 at least (as HF Qwen2; a float64
     model keeps float64)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -36,7 +39,7 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
@@ -67,10 +70,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------------------------------
 
 
+class AttentionContext(Protocol):
+    """What `Attention` calls: q [B, H, T, D], k and v [B, H_kv, T, D] of layer `layer_id` -> [B, H, T, D]."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class CausalContext:
     """Unpacked rows: every row is one sequence starting at position 0."""
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -85,7 +94,7 @@ class DocumentMaskContext:
     used. Every query sees at least itself, so no softmax row is empty.
     """
 
-    def __init__(self, document_ids: torch.Tensor):
+    def __init__(self, document_ids: torch.Tensor) -> None:
         b, t = document_ids.shape
         flat = document_ids.reshape(-1)
         row = torch.arange(b * t, device=flat.device) // t
@@ -93,7 +102,9 @@ class DocumentMaskContext:
         starts_here[1:] = (flat[1:] != flat[:-1]) | (row[1:] != row[:-1])
         starts = starts_here.nonzero().squeeze(1)
         distinct = torch.unique(row * (int(flat.max()) - int(flat.min()) + 1) + (flat - flat.min())).numel()
-        self.mask = self.index = self.valid = None
+        self.mask: torch.Tensor | None = None  # [B, 1, T, T], when the documents are not contiguous runs
+        self.index: torch.Tensor | None = None  # [documents, longest] row positions, when they are
+        self.valid: torch.Tensor | None = None  # [documents, longest], when they are
         if starts.numel() == distinct:  # contiguous documents: segment them
             lengths = torch.diff(starts, append=torch.tensor([b * t], device=flat.device))
             offsets = torch.arange(int(lengths.max()), device=flat.device)
@@ -104,14 +115,16 @@ class DocumentMaskContext:
             causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
             self.mask = (same_doc & causal).unsqueeze(1)
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if self.mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+        assert self.index is not None and self.valid is not None  # no mask: __init__ segmented the documents
+        index = self.index
         b, _, t, d = q.shape
 
-        def segments(x):  # [B, H, T, D] -> [documents, H, longest, D]
-            return x.transpose(1, 2).reshape(b * t, x.shape[1], d)[self.index].transpose(1, 2)
+        def segments(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [documents, H, longest, D]
+            return x.transpose(1, 2).reshape(b * t, x.shape[1], d)[index].transpose(1, 2)
 
         out = F.scaled_dot_product_attention(segments(q), segments(k), segments(v), is_causal=True, enable_gqa=gqa)
         # The valid entries, read in order, are positions 0 .. B*T-1: the runs partition every row.
@@ -119,10 +132,10 @@ class DocumentMaskContext:
         return out.reshape(b, t, q.shape[1], d).transpose(1, 2)
 
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX: Callable[..., torch.Tensor] | None = None
 
 
-def compiled_flex_attention():
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once per process: called eagerly it falls back to an unfused version that
     materialises the full [heads, T, T] scores in fp32 (no memory saved by the block mask, and slow).
     Inside an already compiled block the call is inlined into that block's graph."""
@@ -137,23 +150,27 @@ def compiled_flex_attention():
 class FlexDocumentContext:
     """Packed rows on GPU: FlexAttention with a document-causal block mask (sparse, no T x T tensor)."""
 
-    def __init__(self, document_ids: torch.Tensor, num_heads_hint: int | None = None):
+    def __init__(self, document_ids: torch.Tensor, num_heads_hint: int | None = None) -> None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         self._flex = compiled_flex_attention()
         docs = document_ids
 
-        def document_causal(b, h, q_idx, kv_idx):
+        def document_causal(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
 
         bsz, t = docs.shape
         self.block_mask = create_block_mask(document_causal, bsz, None, t, t, device=docs.device)
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._flex(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def build_attention_context(document_ids: torch.Tensor | None, device: torch.device, backend: str = "auto"):
+def build_attention_context(
+    document_ids: torch.Tensor | None, device: torch.device, backend: str = "auto"
+) -> CausalContext | DocumentMaskContext | FlexDocumentContext:
     """Pick the attention implementation: SDPA on CPU, FlexAttention for packed rows on CUDA."""
     if backend not in ("auto", "sdpa", "flex"):
         raise ValueError(f"attention backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
@@ -173,7 +190,7 @@ def build_attention_context(document_ids: torch.Tensor | None, device: torch.dev
 class Attention(nn.Module):
     """Grouped-query attention: q/k/v projections with bias, o_proj without."""
 
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = args.head_dim
@@ -183,7 +200,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=True)
         self.o_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, context):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: AttentionContext) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -197,25 +214,25 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_id)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, context):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: AttentionContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -227,7 +244,7 @@ class Qwen2(nn.Module):
     FSDP units and checkpoints hold the shared tensor exactly once.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -242,7 +259,7 @@ class Qwen2(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None):
+    def init_weights(self, seed: int | None = None) -> None:
         """Initialize in place (after `to_empty` from the meta device).
 
         N(0, init_std) weights, zero biases, unit norms.
@@ -257,8 +274,9 @@ class Qwen2(nn.Module):
                 w = module.weight
                 values = torch.empty(w.shape, dtype=torch.float32).normal_(0.0, self.args.init_std, generator=gen)
                 w.copy_(values.to(w.dtype))
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                bias = getattr(module, "bias", None)  # Linear's (None without one); Embedding has none
+                if bias is not None:
+                    bias.zero_()
 
     def forward(
         self,
@@ -266,7 +284,7 @@ class Qwen2(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         *,
-        context=None,
+        context: AttentionContext | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """tokens [B, T]; positions [B, T] (default 0..T-1); document_ids [B, T] for packed rows.

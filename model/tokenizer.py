@@ -34,12 +34,13 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
+from errors import CheckpointError
 from model.chat_template import qwen25_template, render_template, template_from_config
-from model.hf_adapter import CheckpointError
 
 __all__ = [
     "Tokenizer",
@@ -92,14 +93,14 @@ def qwen2_pipeline(tokenizer: _HFTokenizer) -> _HFTokenizer:
     return tokenizer
 
 
-def _token_content(value) -> str | None:
-    """tokenizer_config.json stores special tokens as a string or as {"content": ...}."""
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as a string or as {"content": ...} (`value`: its JSON value)."""
     if isinstance(value, Mapping):
         return value.get("content")
     return value
 
 
-def _without_offsets(value):
+def _without_offsets(value: Any) -> Any:  # a JSON value, returned as such
     """A tokenizer.json part without its `trim_offsets` flags (they change offsets, never ids)."""
     if isinstance(value, dict):
         return {k: _without_offsets(v) for k, v in value.items() if k != "trim_offsets"}
@@ -136,7 +137,7 @@ class Tokenizer:
         bos_token: str | None = None,
         chat_template: str | None = None,
         source_dir: str | None = None,
-    ):
+    ) -> None:
         self._tok = tokenizer
         self.default_system = default_system
         self.eos_token = eos_token
@@ -163,6 +164,7 @@ class Tokenizer:
         config_path = os.path.join(path, CONFIG_FILE)
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
         template_path = os.path.join(path, TEMPLATE_FILE)
+        template: str | None
         if os.path.isfile(template_path):
             with open(template_path, encoding="utf-8") as f:
                 template = f.read()
@@ -272,19 +274,26 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        return self._tok.token_to_id(self.eos_token)
+        return self._known_id(self.eos_token)
 
     @property
     def pad_id(self) -> int:
-        return self._tok.token_to_id(self.pad_token)
+        return self._known_id(self.pad_token)
+
+    def _known_id(self, token: str) -> int:
+        """The id of a token `__init__` found in the vocabulary."""
+        tid = self._tok.token_to_id(token)
+        assert tid is not None, f"{token!r} is not in the tokenizer's vocabulary"
+        return tid
 
     @property
     def bos_id(self) -> int:
         """The BOS id a model config names: the BOS token's, else <|endoftext|>'s (as Qwen2.5's configs do:
         it has no BOS token and adds none when encoding), else the EOS id."""
         for token in (self.bos_token, ENDOFTEXT):
-            if token is not None and self._tok.token_to_id(token) is not None:
-                return self._tok.token_to_id(token)
+            tid = None if token is None else self._tok.token_to_id(token)
+            if tid is not None:
+                return tid
         return self.eos_id
 
     @property
@@ -344,7 +353,7 @@ def render_chat(
     return "".join(parts)
 
 
-def _check_messages(messages) -> None:
+def _check_messages(messages: object) -> None:
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     for i, m in enumerate(messages):

@@ -17,6 +17,10 @@ import json
 import math
 import numbers
 import os
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class MetricsLogger:
@@ -31,8 +35,8 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, self.FILENAME)
         self.active = rank == 0
-        self._file = None
-        self._writer = None
+        self._file: TextIO | None = None
+        self._writer: SummaryWriter | None = None
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -74,6 +78,8 @@ class MetricsLogger:
         """Drop the lines of steps > `step` (they will be logged again after a resume); returns how many."""
         if not self.active:
             return 0
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.path} is closed")
         self._file.flush()
         rows = read_metrics(self.path)
         kept = [row for row in rows if row["step"] <= step]
@@ -98,7 +104,7 @@ class MetricsLogger:
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -111,7 +117,7 @@ def _ends_with_newline(path: str) -> bool:
         return f.read(1) == b"\n"
 
 
-def _number(key: str, value) -> float | int | None:
+def _number(key: str, value: object) -> float | int | None:
     if value is None:
         return None
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # 0-d torch tensor / numpy scalar

@@ -18,8 +18,14 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from observe.metrics_log import MetricsLogger, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
 FIGSIZE = (16.0, 8.5)  # inches
 DPI = 100  # -> 1600 x 850 pixels
@@ -93,7 +99,7 @@ def series_points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def build_figure(rows: list[dict], title: str = ""):
+def build_figure(rows: list[dict], title: str = "") -> Figure:
     """A matplotlib Figure with one subplot per `PANELS` entry (2 rows x 4 columns)."""
     import matplotlib
 
@@ -116,14 +122,15 @@ def build_figure(rows: list[dict], title: str = ""):
     return fig
 
 
-def _draw_panel(ax, spec: PanelSpec, rows: list[dict]) -> bool:
+def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
     """Draw one panel; False when none of its metrics is in the log (the panel then says so)."""
     ax.set_title(spec.title, fontsize=12)
     ax.set_xlabel("step")
     if spec.ylabel:
         ax.set_ylabel(spec.ylabel)
     ax.grid(True, alpha=0.3)
-    drawn, twin = [], None
+    drawn: list[tuple[Line2D, str, float, float]] = []  # (line, label, latest step, latest value)
+    twin = None
     for i, series in enumerate(spec.series):
         steps, values = series_points(rows, series.key)
         if not steps:
@@ -139,7 +146,7 @@ def _draw_panel(ax, spec: PanelSpec, rows: list[dict]) -> bool:
         (line,) = target.plot(
             steps, values, series.style, marker=marker, markersize=3.5, color=color, linewidth=1.6, label=series.label
         )
-        drawn.append(line)
+        drawn.append((line, series.label, steps[-1], values[-1]))
     missing = [s.key for s in spec.series if not series_points(rows, s.key)[0]]
     if not drawn:
         ax.text(
@@ -158,18 +165,18 @@ def _draw_panel(ax, spec: PanelSpec, rows: list[dict]) -> bool:
         return False
     if spec.markers:
         # Sparse points: print the latest value, the number people look for.
-        x, y = drawn[0].get_xdata()[-1], drawn[0].get_ydata()[-1]
+        _, _, x, y = drawn[0]
         ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=9)
     if spec.unit_interval:
         ax.set_ylim(-0.02, 1.02)
     if len(spec.series) > 1:
-        loc = "best"
+        loc: Literal["best", "upper left"] = "best"
         if not spec.unit_interval:
             # Free the top third of the axes for the legend so it never hides a line.
             low, high = ax.get_ylim()
             ax.set_ylim(low, high + 0.35 * (high - low))
             loc = "upper left"
-        ax.legend(drawn, [line.get_label() for line in drawn], fontsize=8, loc=loc, framealpha=0.9)
+        ax.legend([d[0] for d in drawn], [d[1] for d in drawn], fontsize=8, loc=loc, framealpha=0.9)
     if len(spec.series) == 1:
         ax.set_ylabel(ax.get_ylabel() or spec.series[0].key, fontsize=9)
     return True

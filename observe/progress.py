@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -41,11 +42,11 @@ class Progress:
         *,
         unit: str = "it",
         enabled: bool = True,
-        file=None,
+        file: TextIO | None = None,
         leave: bool = True,
         plain_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-    ):
+    ) -> None:
         if total is not None and total < 0:
             raise ValueError(f"Progress total must be >= 0 or None, got {total}")
         if plain_interval <= 0:
@@ -72,7 +73,7 @@ class Progress:
         """True when progress is shown as plain lines (enabled, output not a terminal)."""
         return self.enabled and self._bar is None
 
-    def update(self, n: int = 1, **postfix) -> None:
+    def update(self, n: int = 1, **postfix: object) -> None:
         """Record `n` more units done; keyword arguments are shown after the counts (key=value)."""
         if not self.enabled or self.closed:
             return
@@ -115,7 +116,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- plain lines ------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class Progress:
         return {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in self.postfix.items()}
 
 
-def _is_terminal(stream) -> bool:
+def _is_terminal(stream: object) -> bool:
     isatty = getattr(stream, "isatty", None)
     try:
         return bool(isatty()) if isatty is not None else False

@@ -15,10 +15,19 @@ FSDP (applied afterwards, to the same block) see an ordinary module.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
+
+# What checkpoint's `context_fn` returns: the contexts of the forward and of its recomputation.
+ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -40,28 +49,32 @@ _SAVE_OPS = {
 }
 
 
-def _op_policy(ctx, op, *args, **kwargs):
+def _op_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context():
+def _selective_context() -> tuple[AbstractContextManager, AbstractContextManager]:
     return create_selective_checkpoint_contexts(_op_policy)
 
 
-def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
+def _checkpoint_forward(block: nn.Module, context_fn: ContextFn | None = None) -> None:
     original = block.forward  # bound method of the block's class
 
     @functools.wraps(original)
-    def forward(*args, **kwargs):
-        extra = {} if context_fn is None else {"context_fn": context_fn}
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:  # the block's own arguments, passed on unchanged
         # preserve_rng_state=False: the blocks draw no random numbers (no dropout), so the RNG
-        # bookkeeping would be pure overhead.
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+        # bookkeeping would be pure overhead. Without a context_fn, checkpoint's default is left out: dynamo
+        # (torch 2.13) cannot trace a checkpoint given its default noop_context_fn explicitly.
+        if context_fn is None:
+            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+        return checkpoint(
+            original, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
+        )
 
     block.forward = forward
 
 
-def apply_ac(model: nn.Module, mode: str = "none", *, selective: str = "op") -> nn.Module:
+def apply_ac(model: Qwen2, mode: str = "none", *, selective: str | int = "op") -> Qwen2:
     """Checkpoint `model.layers` in place.
 
     mode: "none" | "full" | "selective". selective: "op" (per-operator policy) or a positive integer k

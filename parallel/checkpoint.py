@@ -44,7 +44,8 @@ import random
 import re
 import shutil
 import warnings
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.optim.lr_scheduler import LRScheduler
 
+from errors import CheckpointError
 from parallel.checkpoint_files import (
     HASH_NAME,
     NO_SPACE,
@@ -71,12 +74,13 @@ from parallel.checkpoint_files import (
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
 from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
-from parallel.safe_dcp import CheckpointError, load_tensors
+from parallel.safe_dcp import load_tensors
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "COMPLETE.json"
 _STEP_DIR = re.compile(r"step-(\d{8})\Z")
+_T = TypeVar("_T")
 
 
 class CheckpointSaveError(CheckpointError):
@@ -92,12 +96,12 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier():
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def _broadcast(value):
+def _broadcast(value: _T) -> _T:
     if not dist.is_initialized():
         return value
     box = [value]
@@ -105,24 +109,24 @@ def _broadcast(value):
     return box[0]
 
 
-def _all_gather(value) -> list:
+def _all_gather(value: _T) -> list[_T]:
     """`value` of every rank, in rank order."""
     if not dist.is_initialized():
         return [value]
-    out = [None] * dist.get_world_size()
+    out: list[_T | None] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
-    return out
+    return cast("list[_T]", out)  # every slot now holds a rank's value
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it "assumes" single-process mode even when told so (no_dist=True); that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 
-def _rng_state() -> dict:
+def _rng_state() -> dict[str, Any]:
     """This process's RNG states as plain data (parallel/plain_state.py)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -130,7 +134,9 @@ def _rng_state() -> dict:
     try:
         import numpy as np
 
-        algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # the global MT19937 generator's legacy state is a 5-tuple
+        algorithm, keys, pos, has_gauss, cached_gaussian = legacy
         state["numpy"] = (
             algorithm,
             torch.from_numpy(keys.astype(np.int64)),
@@ -238,13 +244,14 @@ class CheckpointManager:
         manifest, problem = self.manifest(step)
         if problem is not None:
             return problem
+        assert manifest is not None  # _read_manifest gives the manifest or the problem
         names = sorted(manifest["files"])[share[0] :: share[1]]
         return verify(self.step_path(step), {name: manifest["files"][name] for name in names})
 
     def _newest_intact(self) -> tuple[int | None, list[tuple[int, str]]]:
         """(the newest intact checkpoint or None, the newer damaged ones as (step, problem), newest first).
         Every rank checks its share of each checkpoint's files; collective."""
-        damaged = []
+        damaged: list[tuple[int, str]] = []
         for step in reversed(_broadcast(self.complete_steps())):
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
             problem = next((p for p in problems if p is not None), None)
@@ -274,7 +281,7 @@ class CheckpointManager:
         step: int,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler=None,
+        lr_scheduler: LRScheduler | None = None,
         train_state: dict[str, Any] | None = None,
     ) -> str:
         """Write checkpoint `step` atomically on every rank, verified before it counts; returns its folder.
@@ -306,15 +313,25 @@ class CheckpointManager:
         written = WrittenFiles(tmp)
         self._save_phase(step, tmp, lambda: self._make_folder(tmp), main_only=True)
         records = self._save_phase(step, tmp, lambda: self._write_and_verify(tmp, tensors, extra, written), written)
-        files = {name: record for rank_records in records for name, record in rank_records.items()}
+        # Every rank ran the write, so no entry is None.
+        files = {name: record for rank_records in records if rank_records for name, record in rank_records.items()}
         self._save_phase(step, tmp, lambda: self._commit(step, tmp, files, with_optimizer), main_only=True)
         return final
 
-    def _save_phase(self, step: int, tmp: str, action, written: WrittenFiles | None = None, main_only: bool = False):
+    def _save_phase(
+        self,
+        step: int,
+        tmp: str,
+        action: Callable[[], _T],
+        written: WrittenFiles | None = None,
+        main_only: bool = False,
+    ) -> list[_T | None]:
         """Run `action` on every rank (on rank 0 only with main_only); returns what it returned on each rank.
         A failure on any rank is raised on every rank, after rank 0 removed the partial folder `tmp`: no rank
-        is left waiting for the others, and the error names the cause (a bug keeps its own traceback)."""
-        result, failure = None, None
+        is left waiting for the others, and the error names the cause (a bug keeps its own traceback).
+        (With main_only, the other ranks' entry is None.)"""
+        result: _T | None = None
+        failure: BaseException | None = None
         if not main_only or _rank() == 0:
             try:
                 result = action()
@@ -328,7 +345,7 @@ class CheckpointManager:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()  # the partial folder is gone before any rank reports
-        if report is not None and report[0] == "other":
+        if failure is not None and report is not None and report[0] == "other":
             raise failure
         kind, detail = first
         previous = self._previous()
@@ -350,7 +367,9 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "train_state"))
 
-    def _write_and_verify(self, tmp: str, tensors: dict, extra: dict, written: WrittenFiles) -> dict[str, FileRecord]:
+    def _write_and_verify(
+        self, tmp: str, tensors: dict[str, Any], extra: dict[str, Any], written: WrittenFiles
+    ) -> dict[str, FileRecord]:
         """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are
         written, then read back and compared; returns their records."""
         with _single_process_quiet():
@@ -375,7 +394,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         reread, problem = _read_manifest(tmp)
-        if problem is not None or reread["files"] != files:
+        if reread is None or reread["files"] != files:  # reread None: `problem` says why
             raise _ReadBackMismatch(f"{MANIFEST}: {problem or 'its file list reads back differently'}")
         final = self.step_path(step)
         old = None
@@ -405,23 +424,26 @@ class CheckpointManager:
         return stem + ".json", stem + ".safetensors"
 
     @staticmethod
-    def _dcp_state(model, optimizer):
+    def _dcp_state(
+        model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # DCP's state dict: nested dicts of tensors
         """(the tensors DCP stores, the optimizer's param_groups or None). The param groups (learning rate,
         betas, parameter names) are plain values: they go to the JSON train state, so DCP holds tensors only."""
         if optimizer is None:
             return {"model": get_model_state_dict(model)}, None
         model_state, optim_state = get_state_dict(model, optimizer)
-        return {"model": model_state, "optimizer": {"state": optim_state["state"]}}, optim_state["param_groups"]
+        param_groups = cast("list[dict[str, Any]]", optim_state["param_groups"])  # torch types every entry alike
+        return {"model": model_state, "optimizer": {"state": optim_state["state"]}}, param_groups
 
-    def _read_train_state(self, path: str) -> tuple[dict, bool]:
+    def _read_train_state(self, path: str) -> tuple[dict[str, Any], bool]:
         """This rank's saved extra state (rank 0's when the checkpoint had fewer ranks), and whether it is its own."""
         json_file, tensor_file = self._rank_files(path, _rank())
         own = os.path.isfile(json_file)
         if not own:
             json_file, tensor_file = self._rank_files(path, 0)
         if not os.path.isfile(json_file):
-            legacy = [os.path.join(path, "train_state", f"rank-{r:05d}.pt") for r in (_rank(), 0)]
-            legacy = next((file for file in legacy if os.path.isfile(file)), None)
+            pickles = [os.path.join(path, "train_state", f"rank-{r:05d}.pt") for r in (_rank(), 0)]
+            legacy = next((file for file in pickles if os.path.isfile(file)), None)
             if legacy is not None:
                 raise CheckpointError(
                     f"{legacy} is a pickle written by an older version of this trainer; it is not loaded, because "
@@ -438,7 +460,11 @@ class CheckpointManager:
         return extra, own
 
     def load(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: LRScheduler | None = None,
     ) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler; return the saved train state.
@@ -488,7 +514,7 @@ class CheckpointManager:
         return extra["train_state"]
 
     def resume(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, lr_scheduler: LRScheduler | None = None
     ) -> dict[str, Any] | None:
         """Load the newest intact checkpoint, if any; returns its train state or None (no checkpoint at all).
 
@@ -506,6 +532,7 @@ class CheckpointManager:
             )
         if _rank() == 0:
             for bad, problem in damaged:
+                assert step is not None  # some are damaged, and none intact was refused above
                 aside = _unused_name(self.step_path(bad) + ".damaged")
                 os.replace(self.step_path(bad), aside)
                 log.warning(
@@ -518,9 +545,12 @@ class CheckpointManager:
         _barrier()
         if step is None:
             return None
-        if _rank() == 0 and any(record.digest is None for record in self.manifest(step)[0]["files"].values()):
-            log.warning(
-                "checkpoint %s has no content hashes (an earlier version wrote it): checked by size only",
-                self.step_path(step),
-            )
+        if _rank() == 0:
+            manifest = self.manifest(step)[0]
+            assert manifest is not None  # the step was just found intact
+            if any(record.digest is None for record in manifest["files"].values()):
+                log.warning(
+                    "checkpoint %s has no content hashes (an earlier version wrote it): checked by size only",
+                    self.step_path(step),
+                )
         return self.load(step, model, optimizer, lr_scheduler)

@@ -20,10 +20,14 @@ import errno
 import io
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 HASH_NAME = "xxh3_128"
 _READ_CHUNK = 8 << 20
@@ -43,7 +47,7 @@ class FileRecord:
         return {"bytes": self.size, HASH_NAME: self.digest}
 
     @staticmethod
-    def from_json(value) -> FileRecord:
+    def from_json(value: Any) -> FileRecord:  # a manifest's JSON value: a size, or {"bytes", hash}
         if isinstance(value, int):  # the older manifest: {name: size}
             return FileRecord(value, None)
         return FileRecord(int(value["bytes"]), str(value[HASH_NAME]))
@@ -53,7 +57,7 @@ class WrittenFiles:
     """The files this process wrote under `root`: relative name -> FileRecord, and the first OSError a write
     met (DCP's tensor writer turns a failed write into its own zip-writer error, so the cause is kept here)."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.records: dict[str, FileRecord] = {}
         self.failure: OSError | None = None
@@ -74,11 +78,11 @@ class WrittenFiles:
 class _HashingFile(io.FileIO):
     """A file opened for writing that hashes every byte the operating system accepted."""
 
-    def __init__(self, path: str | os.PathLike, written: WrittenFiles):
+    def __init__(self, path: str | os.PathLike, written: WrittenFiles) -> None:
         super().__init__(path, "wb")
         self._written, self._hash, self._size = written, xxhash.xxh3_128(), 0
 
-    def write(self, data) -> int:
+    def write(self, data: ReadableBuffer) -> int:
         try:
             count = super().write(data)
         except OSError as exc:
@@ -102,7 +106,7 @@ class _HashingFile(io.FileIO):
 
 
 @contextlib.contextmanager
-def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> Iterator[io.BufferedWriter]:
+def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> Iterator[io.BufferedWriter[_HashingFile]]:
     with io.BufferedWriter(_HashingFile(path, written), buffer_size=_WRITE_BUFFER) as stream:
         yield stream
 
@@ -110,7 +114,7 @@ def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> Iterator[
 class HashingFileSystem(FileSystem):
     """DCP's local file system, with every file it writes hashed into `written` (renames followed)."""
 
-    def __init__(self, written: WrittenFiles):
+    def __init__(self, written: WrittenFiles) -> None:
         super().__init__()
         self.written = written
 

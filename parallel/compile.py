@@ -17,30 +17,35 @@ so the guard is always on. tests/test_parallel_compile.py keeps a strict-xfail t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
 
 
 class _AwaitCollective(torch.autograd.Function):
     """Identity on values and gradients; returns the awaited plain tensor instead of the async wrapper."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx: Any, x: AsyncCollectiveTensor) -> torch.Tensor:  # ctx: autograd's context, unused
         return x.trigger_wait()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
-def _resolve_async_output(module, args, output):
+def _resolve_async_output(module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
     if isinstance(output, AsyncCollectiveTensor):
         return _AwaitCollective.apply(output)
     return output
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> nn.Module:
+def apply_compile(model: Qwen2, *, backend: str = "inductor", fullgraph: bool = True) -> Qwen2:
     """Compile every block of `model.layers` in place (call after TP and activation checkpointing)."""
     model.embed_tokens.register_forward_hook(_resolve_async_output)
     for block in model.layers.values():

@@ -15,8 +15,12 @@ of one dp rank read the same samples.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from model.args import ModelArgs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
@@ -40,9 +44,9 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     world_size: int = 1
-    world_mesh: object = field(default=None, init=False, repr=False, compare=False)
+    world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -95,7 +99,7 @@ class ParallelDims:
 
     # ---- mesh ---------------------------------------------------------------------------------------
 
-    def build_mesh(self, device_type: str):
+    def build_mesh(self, device_type: str) -> DeviceMesh:
         """A 3-D DeviceMesh named ("dp_replicate", "dp_shard", "tp"), kept as `self.world_mesh`.
 
         Size-1 dimensions are kept so every caller can index the same names. The flattened data-parallel
@@ -115,22 +119,22 @@ class ParallelDims:
         self._dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
 
-    def _require_mesh(self):
-        if getattr(self, "world_mesh", None) is None:
+    def _require_mesh(self) -> DeviceMesh:
+        if self.world_mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh(device_type) first")
         return self.world_mesh
 
-    def dp_mesh(self):
+    def dp_mesh(self) -> DeviceMesh:
         """1-D mesh over all data-parallel ranks (replicate x shard flattened)."""
         self._require_mesh()
         return self._dp_mesh
 
-    def fsdp_mesh(self):
+    def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else 1-D dp_shard."""
         mesh = self._require_mesh()
         return mesh["dp_replicate", "dp_shard"] if self.hsdp_enabled else mesh["dp_shard"]
 
-    def tp_mesh(self):
+    def tp_mesh(self) -> DeviceMesh:
         return self._require_mesh()["tp"]
 
     def dp_rank(self) -> int:

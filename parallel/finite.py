@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from errors import RunStopped
 from parallel.plain_names import plain_name, plain_named_parameters
 
 
-class NonFiniteStateError(RuntimeError):
+class NonFiniteStateError(RunStopped, RuntimeError):
     """A policy or optimizer state holds NaN or infinite values; it was not saved or exported."""
 
 

@@ -19,20 +19,27 @@ the gradient of the global token mean; FSDP's default average would divide it by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from model.qwen2 import Qwen2
+
 
 def apply_fsdp(
-    model: nn.Module,
-    dp_mesh,
+    model: Qwen2,
+    dp_mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-) -> nn.Module:
+) -> Qwen2:
     """Shard `model` in place over `dp_mesh` (1-D: FSDP; 2-D (replicate, shard): HSDP).
 
     param_dtype: dtype of gathered parameters for compute (bf16 on GPUs; the sharded master copy keeps
@@ -46,16 +53,18 @@ def apply_fsdp(
         raise ValueError("cpu_offload needs a CUDA mesh: on a CPU mesh the parameters already live in host memory")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
-    common = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload)
+
+    def shard(module: nn.Module, reshard: bool) -> None:
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=reshard)
 
     if model.lm_head is not None:
-        fully_shard(model.embed_tokens, reshard_after_forward=reshard_after_forward, **common)
+        shard(model.embed_tokens, reshard_after_forward)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's parameters are the first the backward needs: resharding them would only
         # trigger an immediate re-gather.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **common)
-    fully_shard(model, reshard_after_forward=False, **common)
+        shard(block, reshard_after_forward and i < len(blocks) - 1)
+    shard(model, False)
     set_gradient_sum(model)
     return model
 

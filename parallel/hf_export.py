@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model.hf import DEFAULT_MAX_SHARD_BYTES, remove_model_files, save_hf
@@ -29,8 +30,11 @@ from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
 from parallel.plain_names import plain_named_parameters
 
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
 
-def _local_tensors(model: nn.Module, dtype: torch.dtype | None):
+
+def _local_tensors(model: Qwen2, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, local parameter: a DTensor shard when sharded), cast locally to `dtype`."""
     for name, tensor in plain_named_parameters(model):
         yield name, (tensor if dtype is None else tensor.to(dtype))
@@ -38,7 +42,8 @@ def _local_tensors(model: nn.Module, dtype: torch.dtype | None):
 
 def _file_index(state: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
     """Assign tensors, in model order, to output files 1..n of at most `max_shard_bytes` (full sizes)."""
-    mapping, index, used = {}, 1, 0
+    mapping: dict[str, int] = {}
+    index, used = 1, 0
     for name, tensor in state.items():
         size = tensor.numel() * tensor.element_size()  # numel of a DTensor is the full tensor's
         if used and used + size > max_shard_bytes:
@@ -48,7 +53,7 @@ def _file_index(state: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[st
     return mapping
 
 
-def _export_dcp(model, path, dtype, max_shard_bytes):
+def _export_dcp(model: Qwen2, path: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
@@ -62,8 +67,8 @@ def _export_dcp(model, path, dtype, max_shard_bytes):
     consolidate_safetensors_files_on_every_rank(sharded, path, mapping)
 
 
-def _export_gather(model, path, dtype, max_shard_bytes):
-    def full_tensors():
+def _export_gather(model: Qwen2, path: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+    def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in _local_tensors(model, dtype):
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()  # a collective: every rank walks the same order
@@ -77,7 +82,7 @@ def _export_gather(model, path, dtype, max_shard_bytes):
 
 
 def export_hf(
-    model: nn.Module,
+    model: Qwen2,
     path: str,
     *,
     dtype: torch.dtype | None = None,

@@ -32,15 +32,18 @@ same verdict without a collective.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from model.hf import CheckpointLayout, checkpoint_layout, open_safetensors, tied_head_differs_error
 from model.hf_adapter import to_hf_name
 from parallel.plain_names import plain_named_parameters
+
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
 
 Region = tuple[slice, ...]
 
@@ -67,12 +70,13 @@ def _fill(local: torch.Tensor, part: torch.Tensor) -> None:
 
 def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
     """The stored head equals the embedding: compared on every rank, half a tensor at a time."""
-    embed_file = layout.files["model.embed_tokens.weight"]
+    embed_file, head_file = layout.files["model.embed_tokens.weight"], layout.tied_head_file
+    assert head_file is not None  # called for a tied checkpoint that stores a head
     step = max(1, -(-rows // 2))
     for start in range(0, rows, step):
         region = (slice(start, min(start + step, rows)),)
         same = torch.equal(
-            _read(layout.tied_head_file, "lm_head.weight", region),
+            _read(head_file, "lm_head.weight", region),
             _read(embed_file, "model.embed_tokens.weight", region),
         )
         if not same:
@@ -80,7 +84,7 @@ def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
 
 
 @torch.no_grad()
-def load_hf_shards(model: nn.Module, path: str) -> None:
+def load_hf_shards(model: Qwen2, path: str) -> None:
     """Fill `model`'s allocated parameters (after `to_empty`) from the HF checkpoint directory `path`; each
     rank reads only its own regions. Call on every rank; no collective is run.
 
@@ -105,7 +109,7 @@ def load_hf_shards(model: nn.Module, path: str) -> None:
         del part  # the file's mapping goes with the last view of it
 
 
-def load_transient_bytes(model: nn.Module, stored_dtype: torch.dtype, *, shards_on_device: bool) -> int:
+def load_transient_bytes(model: Qwen2, stored_dtype: torch.dtype, *, shards_on_device: bool) -> int:
     """The most host memory one parameter's read holds beside the shards, for a checkpoint stored in
     `stored_dtype`: the resident pages of the rows its region spans (a column slice touches every row of
     the tensor), plus, for shards on an accelerator (`shards_on_device`), a column slice made contiguous in

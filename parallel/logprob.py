@@ -23,6 +23,8 @@ Without tensor parallelism this is `model.logprob.token_logprobs`, so the traine
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -35,18 +37,18 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        hidden,
-        weight,
-        targets,
-        vocab_offset,
-        tp_group,
-        temperature,
-        chunk_size,
-        with_entropy,
-        entropy_grad,
-        reduce_hidden_grad,
-    ):
+        ctx: Any,  # autograd's context object, which also carries this function's own settings
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_offset: int,
+        tp_group: dist.ProcessGroup,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        entropy_grad: bool,
+        reduce_hidden_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         local = targets - vocab_offset
         local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
         logp, lse, entropy = chunked_forward(
@@ -67,7 +69,9 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
         hidden, weight, local, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden, grad_weight = chunked_backward(
@@ -83,9 +87,54 @@ class _VocabParallelTokenLogprobs(torch.autograd.Function):
             need_h,
             need_w,
         )
-        if need_h and ctx.reduce_hidden_grad:
+        if grad_hidden is not None and ctx.reduce_hidden_grad:  # need_h
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _check_tp_sharded_head(weight: DTensor) -> None:
+    """A DTensor head weight must be sharded on dim 0 (vocabulary), evenly, over a 1-D tensor-parallel mesh."""
+    names = weight.device_mesh.mesh_dim_names
+    if names is not None and names != ("tp",):
+        raise ValueError(
+            f"the head weight is sharded over the {names} mesh, not tensor-parallel: under FSDP call this after "
+            "model(...) has run, while the output head is gathered (model.output_weight() then returns it)"
+        )
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"the head weight must be sharded on dim 0 over a 1-D tensor-parallel mesh, got placements "
+            f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh (gather it under FSDP first)"
+        )
+    tp_size = weight.device_mesh.size()
+    if weight.shape[0] % tp_size:
+        raise ValueError(f"vocabulary {weight.shape[0]} is not divisible by the tensor-parallel size {tp_size}")
+
+
+def _head_slice(
+    weight: torch.Tensor, tp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """(this rank's rows of the head weight, the group they are sharded over, the full vocabulary size).
+
+    A DTensor weight brings its own mesh's group; a plain slice is sharded over `tp_group` (None: unsharded).
+    """
+    if not isinstance(weight, DTensor):
+        return weight, tp_group, weight.shape[0] * (dist.get_world_size(tp_group) if tp_group is not None else 1)
+    _check_tp_sharded_head(weight)
+    tp_group = weight.device_mesh.get_group()
+    return weight.to_local(), tp_group, weight.shape[0]
+
+
+def _full_hidden(hidden: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the full hidden states, whether their gradient still needs an all-reduce over the TP group).
+
+    A DTensor (sequence-sharded under sequence parallelism) is gathered along the sequence. The local gradient
+    w.r.t. the gathered hidden states is this rank's share of a sum over vocabulary slices, so it is declared
+    Partial and DTensor reduces it on the way back; a plain tensor's is all-reduced by the backward here.
+    """
+    if not isinstance(hidden, DTensor):
+        return hidden, True
+    ndim = hidden.device_mesh.ndim
+    return hidden.redistribute(placements=[Replicate()] * ndim).to_local(grad_placements=[Partial()] * ndim), False
 
 
 def vocab_parallel_token_logprobs(
@@ -113,33 +162,8 @@ def vocab_parallel_token_logprobs(
     TP rank. The entropy carries a gradient only with `entropy_grad=True`. Without any sharding this is
     exactly `model.logprob.token_logprobs`.
     """
-    if isinstance(weight, DTensor):
-        names = weight.device_mesh.mesh_dim_names
-        if names is not None and names != ("tp",):
-            raise ValueError(
-                f"the head weight is sharded over the {names} mesh, not tensor-parallel: under FSDP call this after "
-                "model(...) has run, while the output head is gathered (model.output_weight() then returns it)"
-            )
-        if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-            raise ValueError(
-                f"the head weight must be sharded on dim 0 over a 1-D tensor-parallel mesh, got placements "
-                f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh (gather it under FSDP first)"
-            )
-        tp_size = weight.device_mesh.size()
-        if weight.shape[0] % tp_size:
-            raise ValueError(f"vocabulary {weight.shape[0]} is not divisible by the tensor-parallel size {tp_size}")
-        tp_group = weight.device_mesh.get_group()
-        vocab = weight.shape[0]
-        weight = weight.to_local()
-    else:
-        vocab = weight.shape[0] * (dist.get_world_size(tp_group) if tp_group is not None else 1)
-    reduce_hidden_grad = True
-    if isinstance(hidden, DTensor):
-        # Gather the sequence. The local gradient w.r.t. the gathered hidden states is this rank's share of
-        # a sum over vocabulary slices, so it is declared Partial and DTensor reduces it on the way back.
-        ndim = hidden.device_mesh.ndim
-        hidden = hidden.redistribute(placements=[Replicate()] * ndim).to_local(grad_placements=[Partial()] * ndim)
-        reduce_hidden_grad = False
+    weight, tp_group, vocab = _head_slice(weight, tp_group)
+    hidden, reduce_hidden_grad = _full_hidden(hidden)
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return token_logprobs(
             hidden,

@@ -14,9 +14,8 @@ Why this order:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
-from torch import nn
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from model.hf_adapter import to_dtype
 from parallel.activation_checkpoint import apply_ac
@@ -27,18 +26,21 @@ from parallel.fsdp import apply_fsdp
 from parallel.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from config.schema import ParallelismConfig
+    from model.qwen2 import Qwen2
 
 
 def parallelize_qwen2(
-    model: nn.Module,
-    mesh,
+    model: Qwen2,
+    mesh: DeviceMesh | None,
     dims: ParallelDims,
     parallelism: ParallelismConfig | None = None,
     *,
     compile_backend: str = "inductor",
-    **overrides,
-) -> nn.Module:
+    **overrides: Any,  # fields of ParallelismConfig, each a value of its field's type
+) -> Qwen2:
     """Parallelise `model` in place over `mesh` (from `dims.build_mesh`) and return it.
 
     `parallelism` is the [parallelism] section (None: its defaults); its degrees (dp_replicate, dp_shard, tp)
@@ -83,7 +85,7 @@ def parallelize_qwen2(
     return model
 
 
-def _with_overrides(parallelism: ParallelismConfig | None, overrides: dict) -> ParallelismConfig:
+def _with_overrides(parallelism: ParallelismConfig | None, overrides: Mapping[str, Any]) -> ParallelismConfig:
     """A copy of the section (or of its defaults) with the keyword overrides of `parallelize_qwen2`."""
     if parallelism is None:
         from config.schema import ParallelismConfig  # the defaults only; no import of config otherwise

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save
@@ -24,12 +25,16 @@ from parallel.checkpoint_files import WrittenFiles, write_file
 
 _TUPLE, _TENSOR = "__tuple__", "__tensor__"
 
+# What this module stores and reads back: None, bool, int, float, str, tensors, and lists, tuples and str-keyed
+# dicts of them, of any nesting; checked at run time (encode), so Any to the type checker, as a JSON value is.
+PlainData = Any
+
 
 class PlainStateError(ValueError):
     """A value cannot be stored as plain data, or a stored file is not what this module writes."""
 
 
-def encode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
+def encode(value: PlainData, tensors: dict[str, torch.Tensor], where: str = "state") -> Any:  # -> a JSON value
     """`value` as JSON-ready data; its tensors are added to `tensors` under generated names."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -58,7 +63,7 @@ def encode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
     )
 
 
-def decode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
+def decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "state") -> PlainData:  # value: JSON
     """The inverse of `encode`."""
     if isinstance(value, list):
         return [decode(v, tensors, where) for v in value]
@@ -73,7 +78,7 @@ def decode(value, tensors: dict[str, torch.Tensor], where: str = "state"):
     return value
 
 
-def save_plain(value, json_path: str, tensors_path: str, written: WrittenFiles | None = None) -> None:
+def save_plain(value: PlainData, json_path: str, tensors_path: str, written: WrittenFiles | None = None) -> None:
     """Write `value` to `json_path` (structure) and `tensors_path` (safetensors), each fsynced; their sizes
     and content hashes go to `written` (parallel/checkpoint_files.py)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -83,7 +88,7 @@ def save_plain(value, json_path: str, tensors_path: str, written: WrittenFiles |
     write_file(tensors_path, save(tensors), written)
 
 
-def load_plain(json_path: str, tensors_path: str):
+def load_plain(json_path: str, tensors_path: str) -> PlainData:
     """Read what `save_plain` wrote; raises PlainStateError naming the file if either is not readable."""
     try:
         with open(json_path, encoding="utf-8") as f:

@@ -16,18 +16,19 @@ loading.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded: the message names the file and what to do."""
+from errors import CheckpointError
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -62,11 +63,11 @@ _METADATA_CLASSES = {
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only DCP's index classes and torch dtypes; anything else is refused before it is called."""
 
-    def __init__(self, file, path: str):
+    def __init__(self, file: IO[bytes], path: str) -> None:
         super().__init__(file)
         self.path = path
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) in _METADATA_CLASSES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -80,9 +81,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose index is read by `_MetadataUnpickler` and may only name files in the folder."""
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:  # what DCP passes on (rank=...)
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
+        with self.fs.create_stream(path, "rb") as stream:
+            f = cast(IO[bytes], stream)  # typed IOBase by DCP; opened "rb", it is a binary file
             try:
                 metadata = _MetadataUnpickler(f, str(path)).load()
             except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
@@ -101,16 +103,17 @@ class SafeFileSystemReader(FileSystemReader):
                 raise UnsafeCheckpointError(
                     f"{path} names the storage file {relative!r}, outside the checkpoint folder; it was not loaded"
                 )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)  # an older torch's index has no such attribute
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
 class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
     """Loads tensors only: DCP reads a non-tensor ("byte") item with torch.load(weights_only=False)."""
 
-    def load_bytes(self, read_item, value) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise UnsafeCheckpointError(
             f"the checkpoint stores {read_item.dest_index.fqn!r} as a pickled object, which this project never "
             f"writes; it was not loaded (reading it could run code). Remove this checkpoint folder unless you "
@@ -120,7 +123,7 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
 
 def _flat_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """DCP's flat keys ("model.layers.0.norm.weight") of a nested state dict, with each tensor's full shape."""
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for key, value in state.items():
         if isinstance(value, dict):
             shapes.update(_flat_shapes(value, f"{prefix}{key}."))

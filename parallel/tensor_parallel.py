@@ -25,10 +25,15 @@ on dim 0 and serves both uses; its gradient accumulates both contributions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -37,8 +42,13 @@ from torch.distributed.tensor.parallel import (
 
 from parallel.dims import check_tp_divides
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def qwen2_tp_plan() -> dict[str, object]:
+    from model.qwen2 import Qwen2
+
+
+def qwen2_tp_plan() -> dict[str, ParallelStyle]:
     """The TP plan for `model.qwen2.Qwen2`: module-path pattern -> parallel style.
 
     Patterns use `*` for the block index; `parallelize_module` applies them in one pass. The block's
@@ -67,9 +77,10 @@ def qwen2_tp_plan() -> dict[str, object]:
     }
 
 
-def _check_sequence_divisible(tp: int):
-    def hook(module, args, kwargs):
+def _check_sequence_divisible(tp: int) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+    def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         tokens = args[0] if args else kwargs["tokens"]
+        assert isinstance(tokens, torch.Tensor)  # Qwen2.forward's first argument
         if tokens.dim() == 2 and tokens.shape[1] % tp:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} is not divisible by the tensor-parallel size {tp}: "
@@ -80,7 +91,7 @@ def _check_sequence_divisible(tp: int):
     return hook
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: Qwen2, tp_mesh: DeviceMesh) -> Qwen2:
     """Shard `model` in place over the 1-D `tp_mesh` following `qwen2_tp_plan()`.
 
     Also checks every forward's sequence length: sequence parallelism splits each row into tp equal shards.

@@ -69,7 +69,9 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
     return advantages[:, None] * mask.to(advantages.dtype)
 
 
-def _group_index(n: int, group_size: int | None, group_ids, device: torch.device) -> tuple[torch.Tensor, int]:
+def _group_index(
+    n: int, group_size: int | None, group_ids: torch.Tensor | Sequence[Hashable] | None, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """Group number in [0, num_groups) of every sample, and num_groups."""
     if (group_size is None) == (group_ids is None):
         raise ValueError("group_advantages: give exactly one of group_size and group_ids")
@@ -79,6 +81,7 @@ def _group_index(n: int, group_size: int | None, group_ids, device: torch.device
         if n % group_size:
             raise ValueError(f"group_advantages: {n} scores do not split into groups of {group_size}")
         return torch.arange(n, device=device) // group_size, n // group_size
+    assert group_ids is not None  # exactly one of the two is given (checked above)
     if len(group_ids) != n:
         raise ValueError(f"group_advantages: {len(group_ids)} group ids for {n} scores")
     if isinstance(group_ids, torch.Tensor):

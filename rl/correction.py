@@ -71,7 +71,7 @@ def truncated_is_weights(
         return weights
 
 
-def _check(old_logp, rollout_logp, mask):
+def _check(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor | None) -> None:
     if old_logp.dim() != 2 or rollout_logp.shape != old_logp.shape:
         raise ValueError(
             f"mismatch: old_logp and rollout_logp must both be [B, T], got "

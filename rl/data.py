@@ -15,9 +15,18 @@ import hashlib
 import logging
 import os
 import random
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from errors import DataError
 from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from config.schema import DataConfig
+    from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +81,13 @@ class LoadStats:
 SCHEMA_COLUMNS = ("prompt", "reward_model")
 
 
-class DataError(ValueError):
-    """A data file that cannot be used, with the file and the first problem named."""
-
-
 def rows_to_examples(
-    rows, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", source_name: str = "<rows>"
+    rows: Iterable[Mapping[str, object]],
+    tokenizer: Tokenizer,
+    *,
+    max_prompt_length: int,
+    overflow: str = "truncate_left",
+    source_name: str = "<rows>",
 ) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
 
@@ -109,14 +119,9 @@ def rows_to_examples(
             stats.note_problem(row_number, reason)
             continue
         seen.add(key)
-        ids = tokenizer.encode_chat(parsed.messages)
-        if len(ids) > max_prompt_length:
-            if overflow == "drop":
-                stats.dropped_too_long += 1
-                stats.note_problem(row_number, f"prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}")
-                continue
-            ids = ids[-max_prompt_length:]
-            stats.truncated += 1
+        ids = _fit_prompt(tokenizer.encode_chat(parsed.messages), max_prompt_length, overflow, stats, row_number)
+        if ids is None:
+            continue
         examples.append(
             PromptExample(
                 prompt_ids=ids,
@@ -127,13 +132,34 @@ def rows_to_examples(
                 index=len(examples),
             )
         )
-    if not examples:
+    _report_load(source_name, len(examples), stats)
+    return examples, stats
+
+
+def _fit_prompt(
+    ids: list[int], max_prompt_length: int, overflow: str, stats: LoadStats, row_number: int
+) -> list[int] | None:
+    """A prompt's ids within `max_prompt_length` tokens: its last tokens (left-truncated, counted), or None
+    when `overflow` is "drop" (counted, and noted as a problem)."""
+    if len(ids) <= max_prompt_length:
+        return ids
+    if overflow == "drop":
+        stats.dropped_too_long += 1
+        stats.note_problem(row_number, f"prompt of {len(ids)} tokens > max_prompt_length {max_prompt_length}")
+        return None
+    stats.truncated += 1
+    return ids[-max_prompt_length:]
+
+
+def _report_load(source_name: str, kept: int, stats: LoadStats) -> None:
+    """Refuse a set with no usable row (naming its first problem); else log its load summary, as a warning
+    when rows were skipped."""
+    if not kept:
         raise DataError(
             f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
             f"{stats.first_problem or 'the file is empty'}"
         )
-    (log.warning if stats.skipped else log.info)(stats.summary(source_name, len(examples)))
-    return examples, stats
+    (log.warning if stats.skipped else log.info)(stats.summary(source_name, kept))
 
 
 def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> None:
@@ -190,11 +216,11 @@ def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list
         ) from None
 
 
-def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
+def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
     """(column, row) of the first string in `table` that is not UTF-8, by bisection over each failing
     column's prefixes (log2(rows) conversions of that column, on the error path only)."""
 
-    def decodes(column, end: int) -> bool:
+    def decodes(column: pa.ChunkedArray, end: int) -> bool:
         try:
             column.slice(0, end).to_pylist()
             return True
@@ -214,7 +240,7 @@ def _first_undecodable_cell(table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
+    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
 ) -> list[PromptExample]:
     """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
     rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
@@ -292,7 +318,8 @@ def synthetic_arithmetic_rows(
     operators, limit = SYNTHETIC_LEVELS[difficulty]
     rng = random.Random(f"{seed}-{difficulty}")
     style_rng = random.Random(f"{seed}-{difficulty}-{split}-style")
-    rows, seen = [], set()
+    rows: list[dict[str, object]] = []
+    seen: set[str] = set()
     while len(rows) < num:
         a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
         text = f"{a} {op} {b}"
@@ -332,7 +359,7 @@ def synthetic_task_limit(task: str, difficulty: int, split: str) -> int:
     return synthetic_problem_limit(difficulty, split)
 
 
-def synthetic_task_rows(data, split: str) -> list[dict]:
+def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
     """The rows of one split of the synthetic task a [data] section (config.schema.DataConfig) describes:
     data.synthetic_task at data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
     from rl.synthetic_chain import synthetic_chain_rows
@@ -372,7 +399,7 @@ class PromptSampler:
     cursor: int = 0
     _order: list[int] = field(default_factory=list, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.examples:
             raise ValueError("PromptSampler needs at least one example")
         if not 0 <= self.dp_rank < self.dp_size:
@@ -389,7 +416,7 @@ class PromptSampler:
         """This rank's share of the next `global_batch_size` prompts (wrapping into a new epoch)."""
         if global_batch_size % self.dp_size:
             raise ValueError(f"global batch of {global_batch_size} prompts does not divide over {self.dp_size} ranks")
-        picked = []
+        picked: list[int] = []
         while len(picked) < global_batch_size:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0

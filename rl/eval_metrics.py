@@ -103,7 +103,7 @@ class ProblemResult:
     response_length: list[int] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         n = len(self.acc)
         if n == 0:
             raise ValueError(f"a problem of {self.data_source!r} has no samples")

@@ -33,7 +33,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 SHORTFALL_POLICIES = ("fill", "raise")
 FILTER_METRICS = ("acc", "score")
@@ -51,8 +51,11 @@ def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
     return len(floats) == 1 or max(floats) - min(floats) > tol
 
 
+Payload = TypeVar("Payload")
+
+
 @dataclass(frozen=True, eq=False)
-class ScoredGroup:
+class ScoredGroup(Generic[Payload]):
     """The G scored responses to one prompt.
 
     payload: whatever the training loop needs later (token ids, log-probs, ...); never inspected.
@@ -60,11 +63,11 @@ class ScoredGroup:
     score:   per-sample shaped reward (correctness reward plus overlong penalty).
     """
 
-    payload: Any
+    payload: Payload
     acc: tuple[bool, ...]
     score: tuple[float, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
         if len(acc) == 0 or len(acc) != len(score):
             raise ValueError(f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}")
@@ -84,7 +87,7 @@ class ScoredGroup:
         return sum(self.acc) / len(self.acc)
 
 
-class DynamicBatchBuilder:
+class DynamicBatchBuilder(Generic[Payload]):
     """Collects kept groups over generation rounds into batches of exactly `train_batch_size` groups.
 
     Args:
@@ -131,9 +134,10 @@ class DynamicBatchBuilder:
         self.enabled = enabled
         self.metric = metric
         self.tol = tol
-        self._carry: list[tuple[int, ScoredGroup]] = []  # (step generated, group), oldest first
+        self._carry: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group), oldest first
         self._step: int | None = None
         self._last_step: int | None = None
+        self._kept: list[tuple[int, ScoredGroup[Payload]]]  # (step generated, group) of the current step, oldest first
         self._reset_step_state()
 
     # -- step lifecycle ---------------------------------------------------------------------------
@@ -152,9 +156,9 @@ class DynamicBatchBuilder:
         self._kept = fresh
         self._from_carry = len(fresh)
 
-    def add_round(self, groups: Iterable[ScoredGroup]) -> None:
+    def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
         """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        self._require_step("add_round")
+        step = self._require_step("add_round")
         if self._rounds >= self.max_rounds:
             raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
         self._rounds += 1
@@ -168,10 +172,10 @@ class DynamicBatchBuilder:
             self._all_correct += correct == group.size
             self._all_wrong += correct == 0
             if self.keeps(group):
-                self._kept.append((self._step, group))
+                self._kept.append((step, group))
                 self._kept_samples += group.size
 
-    def keeps(self, group: ScoredGroup) -> bool:
+    def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
         values = group.acc if self.metric == "acc" else group.score
         return not self.enabled or keep_group(values, self.tol)
@@ -196,7 +200,7 @@ class DynamicBatchBuilder:
         """Groups waiting in the carry-over queue (between steps)."""
         return len(self._carry)
 
-    def finish(self) -> tuple[list[ScoredGroup], dict[str, float]]:
+    def finish(self) -> tuple[list[ScoredGroup[Payload]], dict[str, float]]:
         """End the step: the batch (oldest groups first) and the step's diagnostics."""
         self._require_step("finish")
         batch = self._kept[: self.train_batch_size]
@@ -231,7 +235,7 @@ class DynamicBatchBuilder:
     # -- internals --------------------------------------------------------------------------------
 
     def _reset_step_state(self) -> None:
-        self._kept: list[tuple[int, ScoredGroup]] = []
+        self._kept = []
         self._rounds = 0
         self._from_carry = 0
         self._dropped_stale = 0
@@ -242,11 +246,15 @@ class DynamicBatchBuilder:
         self._all_correct = 0
         self._all_wrong = 0
 
-    def _require_step(self, caller: str) -> None:
+    def _require_step(self, caller: str) -> int:
+        """The step in progress; RuntimeError naming `caller` between steps."""
         if self._step is None:
             raise RuntimeError(f"{caller}: call start_step(step) first")
+        return self._step
 
-    def _diagnostics(self, batch, surplus, shortfall) -> dict[str, float]:
+    def _diagnostics(
+        self, batch: Sequence[tuple[int, ScoredGroup]], surplus: Sequence[tuple[int, ScoredGroup]], shortfall: int
+    ) -> dict[str, float]:
         generated = self._generated_groups
         kept_new = len(self._kept) - self._from_carry
 

@@ -42,6 +42,8 @@ call's T, changes with padding; it needs no global count.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 AGG_MODES = (
@@ -54,6 +56,19 @@ AGG_MODES = (
 LOG_RATIO_CLAMP = 20.0
 
 Count = int | float | torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Normalisers:
+    """What the aggregation divides by (module docstring): the caller's whole-mini-batch counts (None: this
+    call's), the rows' group ids (group-token-mean) and the constant norm_len (seq-mean-token-sum-norm)."""
+
+    global_num_tokens: Count | None
+    global_num_seqs: Count | None
+    group_ids: torch.Tensor | None
+    group_num_tokens: torch.Tensor | None
+    global_num_groups: Count | None
+    norm_len: float | None
 
 
 def policy_loss(
@@ -110,22 +125,23 @@ def policy_loss(
     """
     _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg)
     valid = mask != 0
+    # Eq. 10: the clipped surrogate of each token (decoupled clip; dual clip for A < 0).
     per_token, terms = _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, clip_high, clip_c)
-    loss = _aggregate(
-        per_token,
-        valid,
-        agg,
-        global_num_tokens,
-        global_num_seqs,
-        group_ids,
-        group_num_tokens,
-        global_num_groups,
-        norm_len,
-    )
-    return loss, _metrics(valid, *terms)
+    # Eq. 8: sum of the token losses / valid tokens in the whole mini-batch (or an ablation's `agg` mode).
+    norm = _Normalisers(global_num_tokens, global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
+    return _aggregate(per_token, valid, agg, norm), _metrics(valid, *terms)
 
 
-def _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, clip_high, clip_c):
+def _token_losses(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per-token losses [B, T], zero where not valid, and the terms the metrics read (Eq. 10, dual clip).
 
         r = exp(clamp(logp - old_logp, -20, 20))
@@ -159,7 +175,13 @@ def _token_losses(logp, old_logp, advantages, valid, token_weights, clip_low, cl
 
 
 @torch.no_grad()
-def _metrics(valid, log_ratio, ratio, clip_binds, dual_binds) -> dict[str, torch.Tensor]:
+def _metrics(
+    valid: torch.Tensor,
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    clip_binds: torch.Tensor,
+    dual_binds: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     """The detached metrics of `policy_loss` over the valid tokens (see its Returns)."""
     dtype = ratio.dtype
     num_tokens = valid.sum()
@@ -175,9 +197,7 @@ def _metrics(valid, log_ratio, ratio, clip_binds, dual_binds) -> dict[str, torch
     return {name: value.detach() for name, value in metrics.items()}
 
 
-def _aggregate(
-    per_token, valid, agg, global_num_tokens, global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len
-) -> torch.Tensor:
+def _aggregate(per_token: torch.Tensor, valid: torch.Tensor, agg: str, norm: _Normalisers) -> torch.Tensor:
     """Reduce zero-masked per-token losses [B, T] to the scalar loss of `agg` (module docstring).
 
     token-mean (Eq. 8 as the recipe applies it): sum_{i,t} l / N_tokens; seq-mean-token-mean:
@@ -187,21 +207,27 @@ def _aggregate(
     row_sum = per_token.sum(dim=-1)
     row_tokens = valid.sum(dim=-1).to(per_token.dtype)
     if agg == "token-mean":
-        return row_sum.sum() / _count(global_num_tokens, row_tokens.sum(), per_token, "global_num_tokens")
+        return row_sum.sum() / _count(norm.global_num_tokens, row_tokens.sum(), per_token, "global_num_tokens")
     if agg == "group-token-mean":
-        return _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups)
+        return _group_token_mean(per_token, row_sum, row_tokens, norm)
     if agg == "seq-mean-token-sum-norm":
-        if norm_len is not None and not norm_len > 0:
-            raise ValueError(f"policy_loss: norm_len must be > 0, got {norm_len}")
-        return row_sum.sum() / (per_token.shape[-1] if norm_len is None else norm_len)
+        if norm.norm_len is not None and not norm.norm_len > 0:
+            raise ValueError(f"policy_loss: norm_len must be > 0, got {norm.norm_len}")
+        return row_sum.sum() / (per_token.shape[-1] if norm.norm_len is None else norm.norm_len)
     # A fully masked row has row_sum 0 (its losses were zeroed) and is left out of the count.
     row_loss = row_sum / row_tokens.clamp(min=1) if agg == "seq-mean-token-mean" else row_sum
     num_rows = (row_tokens > 0).sum().to(per_token.dtype)
-    return row_loss.sum() / _count(global_num_seqs, num_rows, per_token, "global_num_seqs")
+    return row_loss.sum() / _count(norm.global_num_seqs, num_rows, per_token, "global_num_seqs")
 
 
-def _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, global_num_groups):
+def _group_token_mean(
+    per_token: torch.Tensor,
+    row_sum: torch.Tensor,
+    row_tokens: torch.Tensor,
+    norm: _Normalisers,
+) -> torch.Tensor:
     batch = per_token.shape[0]
+    group_ids, group_num_tokens = norm.group_ids, norm.group_num_tokens
     if group_ids is None or group_ids.shape != (batch,) or group_ids.is_floating_point():
         raise ValueError(
             f"policy_loss: agg='group-token-mean' needs integer group_ids of shape [{batch}], "
@@ -221,7 +247,7 @@ def _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_token
     num_groups = (tokens_here > 0).sum().to(per_token.dtype)
     # A row of a group without any valid token has row_sum 0; clamping keeps 0 / 0 out.
     loss = (row_sum / group_num_tokens.clamp(min=1)).sum()
-    return loss / _count(global_num_groups, num_groups, per_token, "global_num_groups")
+    return loss / _count(norm.global_num_groups, num_groups, per_token, "global_num_groups")
 
 
 def _count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -238,7 +264,17 @@ def _count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: s
     return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
 
 
-def _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg):
+def _check_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+    agg: str,
+) -> None:
     if logp.dim() != 2:
         raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
     named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}

@@ -47,13 +47,13 @@ class PromptRow:
     solution: str | None
 
 
-def _kind(value) -> str:
+def _kind(value: object) -> str:
     """'a list', 'an int', ... for a reason."""
     name = type(value).__name__
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
-def _text(value, field: str) -> str:
+def _text(value: object, field: str) -> str:
     """A text field: a str, or bytes that are UTF-8."""
     if isinstance(value, str):
         return value
@@ -67,7 +67,7 @@ def _text(value, field: str) -> str:
     raise RowSkipped(f"{field} is {_kind(value)}, not text")
 
 
-def _answer(value, field: str) -> str:
+def _answer(value: object, field: str) -> str:
     """One accepted answer as the text the scorer compares (see the module docstring)."""
     if isinstance(value, bool):
         raise RowSkipped(f"{field} is a bool, not an answer")
@@ -83,7 +83,7 @@ def _answer(value, field: str) -> str:
     return text
 
 
-def _ground_truth(reward_model) -> GroundTruth:
+def _ground_truth(reward_model: object) -> GroundTruth:
     field = "reward_model.ground_truth"
     if reward_model is None:
         raise RowSkipped("reward_model.ground_truth is missing")
@@ -105,7 +105,7 @@ def _ground_truth(reward_model) -> GroundTruth:
     return _answer(value, field)
 
 
-def _messages(prompt) -> list[dict[str, str]]:
+def _messages(prompt: object) -> list[dict[str, str]]:
     if prompt is None:
         raise RowSkipped("prompt is missing")
     if not isinstance(prompt, (list, tuple)):
@@ -125,14 +125,14 @@ def _messages(prompt) -> list[dict[str, str]]:
     return messages
 
 
-def read_messages(row) -> list[dict[str, str]]:
+def read_messages(row: object) -> list[dict[str, str]]:
     """The prompt messages of one row (what identifies a duplicate); RowSkipped with the reason."""
     if not isinstance(row, Mapping):
         raise RowSkipped(f"the row is {_kind(row)}, not a record")
     return _messages(row.get("prompt"))
 
 
-def read_row(row, messages: list[dict[str, str]] | None = None) -> PromptRow:
+def read_row(row: Mapping[str, object], messages: list[dict[str, str]] | None = None) -> PromptRow:
     """The fields of one row of the schema, read as the module docstring says; RowSkipped with the reason.
     `messages`: the row's `read_messages`, when the caller has read them already."""
     messages = read_messages(row) if messages is None else messages

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, SupportsIndex, cast
 
 import torch
 
 from rl.math_normalize import last_boxed_content, normalize_final_answer
+from rl.prompt_row import GroundTruth
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
 
 SCORED_CHARS = 300
 BOXED_CHARS = 100
@@ -50,6 +55,7 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
             f"got {type(solution).__name__} and {ground_truth!r}"
         )
     window = solution[-SCORED_CHARS:]
+    pred: str | None
     found = [] if strict_box else _ANSWER_LINE.findall(window)
     if found:
         pred = normalize_final_answer(found[-1])
@@ -58,6 +64,33 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
         pred = last_boxed_content(window[-BOXED_CHARS:])
         correct = pred is not None and pred in answers
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+
+
+def response_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+    """The text the reward reads, in training and in evaluation alike.
+
+    A completion holds the generated ids only (no padding), ending with the stop token when it finished
+    with "stop". The ids are decoded with special tokens skipped, as verl's reward managers decode the
+    valid response ids: the stop token (<|im_end|>, <|endoftext|>) and any other special token the policy
+    wrote inside its text are not text. A final stop id that is not a special token of the tokenizer is
+    dropped as well: it ended the response and is no part of the answer.
+    """
+    ids = list(token_ids)
+    if ids and ids[-1] in stop_ids:
+        ids.pop()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def rule_score(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    ground_truth: GroundTruth,
+    *,
+    stop_ids: Collection[int] = (),
+    strict_box: bool = False,
+) -> dict:
+    """compute_score (rl/reward.py) of a completion's `response_text`: {"score", "acc", "pred"}."""
+    return compute_score(response_text(tokenizer, token_ids, stop_ids), ground_truth, strict_box=strict_box)
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
@@ -89,18 +122,18 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return (expected - length) / buffer_len * factor
 
 
-def require_int(name: str, value, kind: str = "an int") -> int:
+def require_int(name: str, value: object, kind: str = "an int") -> int:
     """`value` as a Python int; any integer type (int, numpy and 0-d torch integers) passes, floats and
     bools are refused with a TypeError naming `name`."""
     try:
         if isinstance(value, bool):
             raise TypeError
-        return operator.index(value)
+        return operator.index(cast(SupportsIndex, value))  # anything else raises the TypeError caught below
     except TypeError:
         raise TypeError(f"{name} must be {kind}, got {value!r}") from None
 
 
-def _token_count(name: str, value) -> int:
+def _token_count(name: str, value: object) -> int:
     return require_int(f"overlong_penalty: {name}", value, "an int number of tokens")
 
 

@@ -106,7 +106,8 @@ def synthetic_chain_rows(
     fewest, longest, limit = _level(difficulty)
     rng = random.Random(f"chain-{seed}-{difficulty}")
     style_rng = random.Random(f"chain-{seed}-{difficulty}-{split}-style")
-    rows, seen = [], set()
+    rows: list[dict] = []
+    seen: set[tuple[int, ...]] = set()
     while len(rows) < num:
         terms = tuple(rng.randrange(1, limit) for _ in range(rng.randint(fewest, longest)))
         if terms in seen or _is_eval_chain(terms, eval_share) != (split == "eval"):

@@ -17,11 +17,13 @@ Conventions shared by every engine:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+
+from errors import RunStopped
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -49,7 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     seed: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Accept any iterable of ints for stop tokens but store a tuple so the params stay hashable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -84,16 +86,48 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"Completion has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
         if self.finish_reason not in ("stop", "length", "abort"):
             raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
 
 
-class EngineDied(RuntimeError):
+class EngineDied(RunStopped, RuntimeError):
     """The engine's process ended (crashed, killed, or ended by its own crash handling): it serves no further
     call. The trainer's state lives in the trainer's process and is intact; rollout/engine_process.py."""
+
+    def line(self) -> str:
+        return f"error: the rollout engine died: {self}"
+
+
+class EngineFailure(RuntimeError):
+    """The engine returned an aborted request or failed; carries how many requests were in flight."""
+
+
+def check_completions(completions: Sequence[Completion], num_prompts: int, n: int) -> None:
+    """Raise EngineFailure unless the engine returned n completions per prompt, none aborted, grouped by
+    prompt (prompt p's at positions p * n ... p * n + n - 1). Scoring the rest of an incomplete answer
+    would bias the reward and the accuracy."""
+    expected = num_prompts * n
+    if len(completions) != expected:
+        raise EngineFailure(
+            f"the engine returned {len(completions)} completions for {num_prompts} prompts x "
+            f"{n} samples (expected {expected})"
+        )
+    aborted = [c for c in completions if c.finish_reason == "abort"]
+    if aborted:
+        raise EngineFailure(
+            f"the engine aborted {len(aborted)} of {expected} requests (finish reason 'abort'), "
+            f"first: prompt {aborted[0].prompt_index}, sample {aborted[0].sample_index}"
+        )
+    for p in range(num_prompts):
+        found = [c.prompt_index for c in completions[p * n : (p + 1) * n]]
+        if any(index != p for index in found):
+            raise EngineFailure(
+                f"completions are not grouped by prompt: positions {p * n} to {(p + 1) * n - 1} "
+                f"should all belong to prompt {p}, got prompt indices {found}"
+            )
 
 
 @runtime_checkable

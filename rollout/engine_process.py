@@ -41,7 +41,8 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
 
 from rollout.engine import EngineDied
 
@@ -71,14 +72,14 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _reply(conn, status: str, value) -> None:
+def _reply(conn: Connection, status: str, value: object) -> None:
     try:
         conn.send((status, value))
     except Exception as exc:  # an unpicklable result: say so instead of dying
         conn.send(("error", f"the engine's result could not be sent back: {describe(exc)}"))
 
 
-def serve(conn, target: Callable[..., object], kwargs: dict, parent_pid: int) -> None:
+def serve(conn: Connection, target: Callable[..., object], kwargs: dict, parent_pid: int) -> None:
     """The child's main: build target(**kwargs), then answer calls until "shutdown" or the pipe closes."""
     os.setsid()
     _ignore_terminal_signals()
@@ -119,10 +120,12 @@ class EngineProcess:
     Raises EngineCallError when the target raises, EngineDied when the child ends while it starts.
     """
 
-    def __init__(self, target: Callable[..., object], kwargs: dict, *, name: str = "the engine"):
+    def __init__(self, target: Callable[..., object], kwargs: dict, *, name: str = "the engine") -> None:
         from multiprocessing import resource_tracker
 
-        self.name, self.dead, self.group = name, None, None
+        self.name = name
+        self.dead: str | None = None  # why it serves no more calls
+        self.group: int | None = None  # the engine's process group
         # Started first: its start unblocks SIGINT / SIGTERM, which would undo the blocking below.
         resource_tracker.ensure_running()
         ctx = multiprocessing.get_context("spawn")
@@ -154,8 +157,9 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self.process.pid
 
-    def call(self, method: str, *args, **kwargs):
-        """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied."""
+    def call(self, method: str, *args: object, **kwargs: object) -> Any:
+        """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied.
+        (Any: whatever that method returns, unpickled from the pipe.)"""
         if self.dead is not None:
             raise EngineDied(self.dead)
         try:
@@ -164,7 +168,7 @@ class EngineProcess:
             self._died(method)
         return self._receive(method)
 
-    def _receive(self, what: str):
+    def _receive(self, what: str) -> Any:  # an unpickled reply
         while not self._conn.poll(POLL_S):
             if not self.process.is_alive() and not self._conn.poll(0):
                 self._died(what)

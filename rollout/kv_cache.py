@@ -30,7 +30,7 @@ class PagedKVCache:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
-    ):
+    ) -> None:
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -55,12 +55,19 @@ class PrefillContext:
     m: a prompt's full blocks appear once (shared by its samples), its partial last block once per sample.
     """
 
-    def __init__(self, cache: PagedKVCache, src_row, src_pos, dst_block, dst_offset):
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        src_row: torch.Tensor,
+        src_pos: torch.Tensor,
+        dst_block: torch.Tensor,
+        dst_offset: torch.Tensor,
+    ) -> None:
         self.cache = cache
         self.src_row, self.src_pos = src_row, src_pos
         self.dst_block, self.dst_offset = dst_block, dst_offset
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # k[src_row, :, src_pos] is [M, H_kv, D]; the cache's indexed view is [H_kv, M, D].
         self.cache.k[layer_id][:, self.dst_block, self.dst_offset] = k[self.src_row, :, self.src_pos].transpose(0, 1)
         self.cache.v[layer_id][:, self.dst_block, self.dst_offset] = v[self.src_row, :, self.src_pos].transpose(0, 1)
@@ -90,7 +97,7 @@ class DecodeContext:
         positions: torch.Tensor,
         block_tables: torch.Tensor,
         gather_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ):
+    ) -> None:
         # The per-layer buffers, not the cache object: a compiled decode step takes them as inputs, so
         # a cache re-allocated by release/resume_memory needs no recompilation.
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -112,7 +119,7 @@ class DecodeContext:
         bias = torch.zeros(visible.shape, device=positions.device).masked_fill_(~visible, float("-inf"))
         self.bias = bias[None, :, None, :]  # [1, B, 1, L]
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, h, _, d = q.shape
         kv_heads = k.shape[1]
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]

@@ -29,7 +29,7 @@ class FlexDecodeContext:
         v_cache: list[torch.Tensor],
         positions: torch.Tensor,
         block_tables: torch.Tensor,
-    ):
+    ) -> None:
         from torch.nn.attention.flex_attention import BlockMask
 
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -43,7 +43,7 @@ class FlexDecodeContext:
         logical = torch.full((pool_blocks,), -1, dtype=torch.long, device=positions.device)
         logical.scatter_(0, block_tables.reshape(-1), torch.arange(width, device=positions.device).repeat(b))
 
-        def visible(batch, head, q_idx, kv_idx):
+        def visible(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             index = logical[kv_idx // block_size]
             held = (index >= 0) & (block_tables[batch, index.clamp(0, width - 1)] == kv_idx // block_size)
             return held & (index * block_size + kv_idx % block_size <= positions[batch])
@@ -63,7 +63,7 @@ class FlexDecodeContext:
         )
         self._flex = compiled_flex_attention()
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
         k_cache[:, self.write_block, self.write_offset] = k[:, :, 0].transpose(0, 1)
         v_cache[:, self.write_block, self.write_offset] = v[:, :, 0].transpose(0, 1)

@@ -28,6 +28,10 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.engine import FinishReason
 
 
 @dataclass(eq=False)
@@ -41,7 +45,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -59,13 +59,14 @@ Protocol state (update session open, released tags, weights pushed since the rel
 the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
 group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
 believing what SGLang did not do. The group should be a gloo group with a timeout longer than the
-slowest generation (trainer/setup.py engine_group): non-leader ranks wait in it while the leader generates.
+slowest generation (rollout/engine_spec.py engine_group): non-leader ranks wait in it while the leader generates.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -73,6 +74,16 @@ from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import Completion, EngineDied, SamplingParams, validate_prompts
 from rollout.engine_process import EngineCallError, EngineProcess, describe
 from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
+
+if TYPE_CHECKING:
+    import sglang
+    import torch.distributed as dist
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+_T = TypeVar("_T")
+# The protocol state every rank of an engine group holds alike: (update session open, released memory tags,
+# weights pushed since the release, why the engine died or None).
+_ProtocolState = tuple[bool, frozenset[str], frozenset[str], str | None]
 
 SGLANG_VERSION = "0.5.21"
 
@@ -83,7 +94,7 @@ _FINISH_TYPES = ("stop", "length", "abort")
 RELEASED_TAGS = ("kv_cache", "weights")
 
 
-def start_sglang(**server_args):
+def start_sglang(**server_args: object) -> sglang.Engine:
     """The engine process's target in production: `sglang.Engine(**server_args)` of the pinned release."""
     check_sglang_version()
     import sglang
@@ -120,11 +131,11 @@ PROMPT_MARGIN = 7
 NEW_TOKEN_MARGIN = 2
 
 
-def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = None) -> dict:
+def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = None) -> dict[str, object]:
     """Our SamplingParams as the sampling_params dict of one SGLang request (temperature 0 is greedy there
     too); `max_new_tokens` overrides the params' own (a per-prompt cap). SGLang's `n` stays 1: the n
     samples are n requests (see the module docstring)."""
-    out = {
+    out: dict[str, object] = {
         "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -141,7 +152,9 @@ def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
     return max_prompt_length + max(max_new_tokens + NEW_TOKEN_MARGIN, PROMPT_MARGIN)
 
 
-def sglang_request_params(params: SamplingParams, prompt_lengths: list[int], context_length: int) -> list[dict]:
+def sglang_request_params(
+    params: SamplingParams, prompt_lengths: list[int], context_length: int
+) -> list[dict[str, object]]:
     """One sampling_params dict per request (prompt length), its max_new_tokens capped at what the context leaves:
     min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
     (as in the torch engine) instead of SGLang refusing the whole batch (it raises when prompt length +
@@ -152,7 +165,11 @@ def sglang_request_params(params: SamplingParams, prompt_lengths: list[int], con
     ]
 
 
-def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completion]:
+def completions_from_sglang(
+    outputs: list[dict[str, Any]] | dict[str, Any],  # SGLang's output dicts: JSON-like values
+    num_prompts: int,
+    n: int,
+) -> list[Completion]:
     """Translate SGLang's output dicts (prompt-major, n per prompt) into Completions; see module doc."""
     if isinstance(outputs, dict):
         outputs = [outputs]
@@ -186,11 +203,12 @@ def completions_from_sglang(outputs, num_prompts: int, n: int) -> list[Completio
     return completions
 
 
-def split_by_counts(items: list, counts: list[int]) -> list[list]:
+def split_by_counts(items: list[_T], counts: list[int]) -> list[list[_T]]:
     """Cut a flat list into consecutive parts of the given lengths."""
     if sum(counts) != len(items):
         raise ValueError(f"cannot split {len(items)} items into parts of {counts}")
-    parts, start = [], 0
+    parts: list[list[_T]] = []
+    start = 0
     for c in counts:
         parts.append(items[start : start + c])
         start += c
@@ -222,10 +240,10 @@ class SGLangEngine:
         dtype: torch.dtype | str = torch.bfloat16,
         seed: int = 0,
         context_length: int | None = None,
-        group=None,
+        group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
-        **engine_kwargs,
-    ):
+        **engine_kwargs: object,  # more sglang.Engine server arguments
+    ) -> None:
         dtype = to_dtype(dtype)  # config files name dtypes as strings
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -243,12 +261,12 @@ class SGLangEngine:
                 raise ValueError(
                     f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})"
                 )
-            self._leader = dist.get_global_rank(group, 0)
+            self._leader: int | None = dist.get_global_rank(group, 0)
             self.is_leader = dist.get_rank(group) == 0
         else:
             self._leader, self.is_leader = None, True
         # Protocol state, kept identical on every rank of the group; only the leader holds the engine.
-        self._engine = None
+        self._engine: EngineProcess | None = None
         self._released: set[str] = set()
         self._pushed: set[str] = set()
         self._session_open = False
@@ -266,14 +284,14 @@ class SGLangEngine:
             **engine_kwargs,
         )
 
-        def start():
+        def start() -> None:
             self._engine = self._launch(**launch)
 
         self._leader_call("start", start)
 
     # -- the SGLang boundary (the only methods that import sglang) --------------------------------
 
-    def _launch(self, **kwargs) -> EngineProcess:
+    def _launch(self, **kwargs: object) -> EngineProcess:
         """The engine process, which builds `engine_target(**kwargs)` (see rollout/engine_process.py)."""
         if self.engine_target is start_sglang:
             check_sglang_version()  # here, before a process starts
@@ -283,7 +301,9 @@ class SGLangEngine:
             self._dead = str(exc)
             raise
 
-    def _flatten_bucket(self, bucket: list[tuple[str, torch.Tensor]]):
+    def _flatten_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]]
+    ) -> tuple[dict[str, object], FlattenedTensorBucket]:
         """(payload, keep-alive): {"flattened_tensor", "metadata"} of SGLang's FlattenedTensorBucket."""
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -293,12 +313,14 @@ class SGLangEngine:
         flat = FlattenedTensorBucket(named_tensors=bucket)
         return {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, flat
 
-    def _serialize(self, payload) -> str:
+    def _serialize(self, payload: object) -> str:
         from sglang.srt.utils import MultiprocessingSerializer
 
         return MultiprocessingSerializer.serialize(payload, output_str=True)
 
-    def _serialize_bucket(self, bucket: list[tuple[str, torch.Tensor]], copies: int):
+    def _serialize_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]], copies: int
+    ) -> tuple[list[str], FlattenedTensorBucket]:
         """(`copies` serialized payloads, keep-alive). Each serialization of a CUDA tensor takes one
         reference on the sender's block that exactly one receiver releases, so every SGLang TP rank must
         open a payload of its own: one shared string opened by tp ranks would never let the memory go."""
@@ -313,28 +335,31 @@ class SGLangEngine:
 
     # -- collectives over the group ----------------------------------------------------------------
 
-    def _gather(self, obj) -> list | None:
+    def _gather(self, obj: _T) -> list[_T] | None:
+        """Every rank's `obj`, in group order, on the leader; None on the others."""
         if self.group is None:
             return [obj]
         import torch.distributed as dist
 
-        gathered = [None] * self.tp_size if self.is_leader else None
+        gathered: list[_T | None] | None = [None] * self.tp_size if self.is_leader else None
         dist.gather_object(obj, gathered, dst=self._leader, group=self.group)
-        return gathered
+        return cast("list[_T] | None", gathered)  # the leader's slots now hold every rank's value
 
-    def _scatter(self, parts: list | None):
+    def _scatter(self, parts: list[_T] | None) -> _T:
+        """This rank's entry of the leader's `parts` (None on the other ranks)."""
         if self.group is None:
+            assert parts is not None  # without a group this process is the leader
             return parts[0]
         import torch.distributed as dist
 
-        out = [None]
+        out: list[Any] = [None]  # filled with this rank's entry
         dist.scatter_object_list(out, parts if self.is_leader else None, src=self._leader, group=self.group)
         return out[0]
 
-    def _state(self) -> tuple:
+    def _state(self) -> _ProtocolState:
         return self._session_open, frozenset(self._released), frozenset(self._pushed), self._dead
 
-    def _adopt(self, state: tuple) -> None:
+    def _adopt(self, state: _ProtocolState) -> None:
         self._session_open, released, pushed, self._dead = state
         self._released, self._pushed = set(released), set(pushed)
 
@@ -343,15 +368,17 @@ class SGLangEngine:
         if self._dead is not None:
             raise EngineDied(self._dead)
 
-    def _call(self, method: str, *args, **kwargs):
-        """The leader's call into the engine process; its death is recorded before it is raised."""
+    def _call(self, method: str, *args: object, **kwargs: object) -> Any:
+        """The leader's call into the engine process; its death is recorded before it is raised.
+        (Any: what the engine's method returned, unpickled.)"""
+        assert self._engine is not None  # the leader's, from __init__ (shutdown marks the engine dead first)
         try:
             return self._engine.call(method, *args, **kwargs)
         except EngineDied as exc:
             self._dead = str(exc)
             raise
 
-    def _leader_call(self, what: str, fn) -> None:
+    def _leader_call(self, what: str, fn: Callable[[], object]) -> None:
         """Run fn on the leader; then every rank adopts the leader's protocol state (what SGLang really
         did, also when fn failed part-way) and a failure there becomes an error on every rank."""
         self._refuse_if_dead()
@@ -360,7 +387,7 @@ class SGLangEngine:
             return
         import torch.distributed as dist
 
-        error = None
+        error: str | None = None
         if self.is_leader:
             try:
                 fn()
@@ -378,7 +405,7 @@ class SGLangEngine:
     # -- protocol ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _check(what: str, result) -> None:
+    def _check(what: str, result: object) -> None:
         """SGLang's update calls return (success, message)."""
         if isinstance(result, (tuple, list)) and not result[0]:
             raise RuntimeError(f"{what}: {result[1]}")
@@ -394,7 +421,7 @@ class SGLangEngine:
         """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
         self._refuse_if_dead()
         bucket = list(named_tensors)
-        seen = set()
+        seen: set[str] = set()
         for name, tensor in bucket:
             if name not in self.weight_shapes:
                 raise KeyError(f"update_weights: unknown weight {name!r} for this checkpoint's model")
@@ -421,7 +448,7 @@ class SGLangEngine:
         payloads, keep_alive = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
         per_rank = self._gather(payloads[0]) if self.group is not None else payloads
 
-        def send():
+        def send() -> None:
             if "weights" in self._released:
                 self._call("resume_memory_occupation", ["weights"])
                 self._released.discard("weights")
@@ -448,7 +475,7 @@ class SGLangEngine:
     def release_memory(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
 
-        def release():
+        def release() -> None:
             self._end_session()
             self._call("release_memory_occupation", tags=list(RELEASED_TAGS))
             self._released, self._pushed = set(RELEASED_TAGS), set()
@@ -465,7 +492,7 @@ class SGLangEngine:
                 f"(e.g. {missing[:3]}); call sync_weights before resume_memory"
             )
 
-        def resume():
+        def resume() -> None:
             self._end_session()
             rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
             if rest:
@@ -474,7 +501,9 @@ class SGLangEngine:
 
         self._leader_call("resume_memory", resume)
 
-    def _generate_on_leader(self, rank_prompts: list[list[list[int]]], params: SamplingParams) -> list[list]:
+    def _generate_on_leader(
+        self, rank_prompts: list[list[list[int]]], params: SamplingParams
+    ) -> list[list[Completion]]:
         """The group's prompts as one SGLang batch of n = 1 requests; the completions of each rank."""
         self._end_session()
         flat = [p for ps in rank_prompts for p in ps]
@@ -495,7 +524,8 @@ class SGLangEngine:
                 f"SGLang aborted {len(aborted)} of {len(completions)} requests (first: {reason}); "
                 "every rank of the engine group sees this failure"
             )
-        parts, offset = [], 0
+        parts: list[list[Completion]] = []
+        offset = 0
         for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
             for c in part:  # prompt indices count from 0 on every rank
                 c.prompt_index -= offset
@@ -507,7 +537,7 @@ class SGLangEngine:
         """Every rank of the group passes its own prompts (possibly none: it still takes part); the leader
         runs them all as one SGLang batch."""
         self._refuse_if_dead()
-        problem = None
+        problem: str | None = None
         try:
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -521,24 +551,30 @@ class SGLangEngine:
             if self.group is None:
                 raise
             problem = f"{type(e).__name__}: {e}"
-        gathered = self._gather(("error", problem) if problem else ("ok", [list(map(int, p)) for p in prompts]))
-        parts = None
+        mine: tuple[str, str | list[list[int]]]  # ("error", why) or ("ok", this rank's prompts)
+        mine = ("error", problem) if problem else ("ok", [list(map(int, p)) for p in prompts])
+        gathered = self._gather(mine)
+        parts: list[tuple[str, str | list[Completion], _ProtocolState]] | None = None
         if self.is_leader:
+            assert gathered is not None  # the leader gathers every rank's
             errors = [f"rank {i}: {value}" for i, (status, value) in enumerate(gathered) if status == "error"]
+            results: list[tuple[str, str | list[Completion]]]
             try:
                 if errors:
                     raise ValueError("; ".join(errors))
-                parts = [("ok", part) for part in self._generate_on_leader([v for _, v in gathered], params)]
+                rank_prompts = [cast("list[list[int]]", v) for _, v in gathered]  # no rank sent an error
+                results = [("ok", part) for part in self._generate_on_leader(rank_prompts, params)]
             except Exception as e:
                 if self.group is None:
                     raise
-                parts = [("error", _why(e))] * len(gathered)
-            parts = [(status, value, self._state()) for status, value in parts]
+                results = [("error", _why(e))] * len(gathered)
+            parts = [(status, value, self._state()) for status, value in results]
         status, value, state = self._scatter(parts)
         self._adopt(state)
         self._refuse_if_dead()
         if status == "error":
             raise RuntimeError(f"SGLang engine generate failed: {value}")
+        assert isinstance(value, list)  # status "ok": this rank's completions
         return value
 
     def shutdown(self) -> None:

@@ -188,6 +188,33 @@ def plan_engine_memory(
         takes its baseline.
     Raises EngineMemoryError where SGLang refuses to start.
     """
+    _check_plan_inputs(tp_size, dtype_bytes, gpu_total_bytes, gpu_free_bytes_at_start, mem_fraction_static, page_size)
+    context_length = context_length or args.max_position_embeddings
+    weights = weight_bytes_per_rank(args, tp_size, dtype_bytes)
+    rest = _kv_budget_bytes(weights, gpu_free_bytes_at_start, untagged_bytes, mem_fraction_static)
+    cell = kv_cell_bytes(args, tp_size, kv_dtype_bytes or dtype_bytes)
+    tokens = _kv_pool_tokens(rest, cell, page_size)
+    requests = max_running_requests(tokens, context_length, max_running_requests_cap)
+    req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
+    graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size, cuda_graph_max_bs)
+    return EngineMemoryPlan(
+        weights=weights,
+        kv_cache=tokens * cell + req_to_token,
+        cuda_graph=graphs,
+        other=untagged_bytes,
+        kv_tokens=tokens,
+    )
+
+
+def _check_plan_inputs(
+    tp_size: int,
+    dtype_bytes: int,
+    gpu_total_bytes: int,
+    gpu_free_bytes_at_start: int,
+    mem_fraction_static: float,
+    page_size: int,
+) -> None:
+    """Refuse settings no GPU or SGLang engine can have (a ValueError naming the setting)."""
     if not 0.0 < mem_fraction_static < 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     if gpu_free_bytes_at_start > gpu_total_bytes:
@@ -196,8 +223,13 @@ def plan_engine_memory(
         )
     if page_size < 1 or tp_size < 1 or dtype_bytes < 1:
         raise ValueError("page_size, tp_size and dtype_bytes must be >= 1")
-    context_length = context_length or args.max_position_embeddings
-    weights = weight_bytes_per_rank(args, tp_size, dtype_bytes)
+
+
+def _kv_budget_bytes(
+    weights: int, gpu_free_bytes_at_start: int, untagged_bytes: int, mem_fraction_static: float
+) -> float:
+    """rest = (pre - weights) - pre * (1 - mem_fraction_static), pre = the free memory at SGLang's baseline
+    (module docstring); an EngineMemoryError where rest <= 0, as SGLang refuses to start then."""
     pre = gpu_free_bytes_at_start - untagged_bytes
     slack = pre * (1.0 - mem_fraction_static)
     rest = (pre - weights) - slack
@@ -210,7 +242,12 @@ def plan_engine_memory(
             "the engine starts, or raise rollout.mem_fraction_static "
             "(sglang srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes)"
         )
-    cell = kv_cell_bytes(args, tp_size, kv_dtype_bytes or dtype_bytes)
+    return rest
+
+
+def _kv_pool_tokens(rest: float, cell: int, page_size: int) -> int:
+    """tokens = rest // cell_size // page_size * page_size (module docstring); an EngineMemoryError where
+    that is no page, as SGLang refuses to start then."""
     tokens = int(rest) // cell // page_size * page_size
     if tokens <= 0:
         raise EngineMemoryError(
@@ -218,13 +255,4 @@ def plan_engine_memory(
             f"tokens ({cell} bytes each); raise rollout.mem_fraction_static "
             "(sglang srt/model_executor/pool_configurator.py MemoryPoolConfig.__post_init__: Not enough memory)"
         )
-    requests = max_running_requests(tokens, context_length, max_running_requests_cap)
-    req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
-    graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size, cuda_graph_max_bs)
-    return EngineMemoryPlan(
-        weights=weights,
-        kv_cache=tokens * cell + req_to_token,
-        cuda_graph=graphs,
-        other=untagged_bytes,
-        kv_tokens=tokens,
-    )
+    return tokens

@@ -31,7 +31,8 @@ This engine is not tensor-parallel: every rank that runs it holds a full copy of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ from rollout.engine import Completion, SamplingParams, validate_prompts
 from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
+
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
+    from rollout.paged_flex import FlexDecodeContext
+
+# The decode step: (tokens [B], positions [B], block tables [B, W], per-layer k and v caches) -> logits [B, V].
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
 
 
 class TorchEngine:
@@ -63,7 +71,7 @@ class TorchEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2,
         *,
         max_batch_size: int,
         max_seq_len: int,
@@ -76,34 +84,17 @@ class TorchEngine:
         block_size: int = 16,
         kv_cache_blocks: int | None = None,
         flex_decode: bool = False,
-    ):
-        args = getattr(model, "args", None)
-        if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
-            raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not 2 <= max_seq_len <= args.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len must be in [2, {args.max_position_embeddings}] (the model's "
-                f"max_position_embeddings), got {max_seq_len}"
-            )
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ) -> None:
+        args = _checked_model_args(model, max_batch_size, max_seq_len, max_prefill_tokens, block_size)
         self.blocks_per_seq = -(-max_seq_len // block_size)
-        if kv_cache_blocks is None:
-            kv_cache_blocks = max_batch_size * self.blocks_per_seq
-        if kv_cache_blocks < self.blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
-                f"tokens; it needs at least {self.blocks_per_seq} blocks of {block_size}"
-            )
+        kv_cache_blocks = _checked_kv_cache_blocks(
+            kv_cache_blocks, max_batch_size, max_seq_len, block_size, self.blocks_per_seq
+        )
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
         first = next(model.parameters())
-        self.model = model
+        self.model: Qwen2 | None = model  # None once shut down
         self.args: ModelArgs = args
         self.device = first.device
         self.dtype = first.dtype
@@ -119,24 +110,22 @@ class TorchEngine:
         self._cache: PagedKVCache | None = None
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
-        self._decode_context = DecodeContext
-        self._gather_out = None  # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
-        if not compile and self.device.type == "cpu":
-            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
-        if flex_decode and self.device.type == "cuda":
-            from rollout.paged_flex import FlexDecodeContext
-
-            self._decode_context = FlexDecodeContext
-        if compile:
-            if self._static_shapes:
-                self._decode = torch.compile(
-                    self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
-                )
-            else:
-                self._decode = torch.compile(self._decode_logits, dynamic=True)
-        else:
-            self._decode = self._decode_logits
+        # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
+        self._gather_out = _empty_gather_buffers(self.dtype) if not compile and self.device.type == "cpu" else None
+        self._decode_context = _decode_context_class(flex_decode, self.device)
+        self._decode = self._decode_step(compile, cuda_graphs)
         self.resume_memory()
+
+    def _decode_step(self, compile: bool, cuda_graphs: bool) -> DecodeStep:
+        """The decode step, compiled or eager (module docstring): with compile on CUDA, static shapes and
+        (with cuda_graphs) CUDA graphs by mode "reduce-overhead"; elsewhere dynamic shapes."""
+        if not compile:
+            return self._decode_logits
+        if self._static_shapes:
+            return torch.compile(
+                self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
+            )
+        return torch.compile(self._decode_logits, dynamic=True)
 
     # ---------------------------------------------------------------------------------------------
     # Memory and weights
@@ -146,7 +135,7 @@ class TorchEngine:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
         self._cache = None
         if self._gather_out is not None:
-            self._gather_out = (torch.empty(0, dtype=self.dtype), torch.empty(0, dtype=self.dtype))
+            self._gather_out = _empty_gather_buffers(self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -209,6 +198,7 @@ class TorchEngine:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the positions we sample from get projected to the vocabulary (not the whole prompt).
+        assert self.model is not None  # generate refuses a shut-down engine
         return F.linear(hidden, self.model.output_weight()).float()
 
     def _decode_logits(
@@ -220,16 +210,19 @@ class TorchEngine:
         v_cache: list[torch.Tensor],
     ) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
+        assert self.model is not None  # generate refuses a shut-down engine
+        context: DecodeContext | FlexDecodeContext
         if self._gather_out is None:
             context = self._decode_context(k_cache, v_cache, positions, block_tables)
-        else:
-            context = self._decode_context(k_cache, v_cache, positions, block_tables, self._gather_out)
+        else:  # eager CPU, so the plain DecodeContext (FlexDecodeContext is CUDA's)
+            context = DecodeContext(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
     def _prefill_logits(self, groups: list[list[Sequence]]) -> torch.Tensor:
         """Prefill each group's token list once into its sequences' blocks; returns the last-position
         logits per sequence [sum of group sizes, V], in group order."""
+        assert self.model is not None and self._cache is not None  # generate checks both
         rows = [group[0].all_tokens() for group in groups]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
@@ -245,7 +238,9 @@ class TorchEngine:
         row_of_seq = torch.tensor([i for i, group in enumerate(groups) for _ in group], device=self.device)
         return self._logits(last)[row_of_seq]
 
-    def _prefill_writes(self, row: int, group: list[Sequence]):
+    def _prefill_writes(
+        self, row: int, group: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src_row, src_pos, dst_block, dst_offset) of one group: the shared full blocks once, from the
         first sequence's table, then the partial last block once per sequence."""
         n = group[0].num_tokens
@@ -253,10 +248,10 @@ class TorchEngine:
         pos = [torch.arange(full)] + [torch.arange(full, n) for _ in group if full < n]
         blocks = [torch.tensor(group[0].block_table[: full // self.block_size]).repeat_interleave(self.block_size)]
         blocks += [torch.full((n - full,), seq.block_table[-1]) for seq in group if full < n]
-        pos, blocks = torch.cat(pos), torch.cat(blocks).long()
-        return torch.full_like(pos, row), pos, blocks, pos % self.block_size
+        positions, block_ids = torch.cat(pos), torch.cat(blocks).long()
+        return torch.full_like(positions, row), positions, block_ids, positions % self.block_size
 
-    def _decode_batch(self, running: list[Sequence]):
+    def _decode_batch(self, running: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode inputs: last tokens, positions and block tables padded with the scratch block; on the
         static-shape (CUDA graph) path also padded to max_batch_size rows and a bucketed width."""
         width = max(len(seq.block_table) for seq in running)
@@ -264,6 +259,7 @@ class TorchEngine:
         if self._static_shapes:
             width = min(self.blocks_per_seq, -(-width // self._width_bucket) * self._width_bucket)
             rows = self.max_batch_size
+        assert self._cache is not None  # generate checks it
         scratch = self._cache.scratch_block
         tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in running]
         tables += [[scratch] * width] * (rows - len(running))
@@ -328,7 +324,61 @@ class TorchEngine:
             self._sample_into(running, logits[: len(running)], params, generator, stop)
             scheduler.retire_finished()
         self.stats = scheduler.stats
-        return [
-            Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
-            for seq in seqs
-        ]
+        completions = []
+        for seq in seqs:
+            assert seq.finish_reason is not None  # the scheduler is done: every sequence has finished
+            completions.append(
+                Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
+            )
+        return completions
+
+
+def _checked_model_args(
+    model: Qwen2, max_batch_size: int, max_seq_len: int, max_prefill_tokens: int, block_size: int
+) -> ModelArgs:
+    """The model's ModelArgs, after refusing a model that is not a Qwen2 and sizes it cannot serve."""
+    args = getattr(model, "args", None)
+    if not isinstance(args, ModelArgs) or not hasattr(model, "output_weight"):
+        raise TypeError(f"TorchEngine needs a model.qwen2.Qwen2, got {type(model).__name__}")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if not 2 <= max_seq_len <= args.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_len must be in [2, {args.max_position_embeddings}] (the model's "
+            f"max_position_embeddings), got {max_seq_len}"
+        )
+    if max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return args
+
+
+def _checked_kv_cache_blocks(
+    kv_cache_blocks: int | None, max_batch_size: int, max_seq_len: int, block_size: int, blocks_per_seq: int
+) -> int:
+    """The KV pool's blocks: as given (at least one full-length sequence's), or by default max_batch_size
+    full-length sequences' worth."""
+    if kv_cache_blocks is None:
+        kv_cache_blocks = max_batch_size * blocks_per_seq
+    if kv_cache_blocks < blocks_per_seq:
+        raise ValueError(
+            f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
+            f"tokens; it needs at least {blocks_per_seq} blocks of {block_size}"
+        )
+    return kv_cache_blocks
+
+
+def _empty_gather_buffers(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty k and v buffers for DecodeContext to gather the blocks into; it grows them as needed."""
+    return torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
+
+
+def _decode_context_class(flex_decode: bool, device: torch.device) -> type[DecodeContext] | type[FlexDecodeContext]:
+    """The decode attention: FlexAttention over the block pool with flex_decode on CUDA, else the blocks
+    gathered (rollout/kv_cache.py)."""
+    if flex_decode and device.type == "cuda":
+        from rollout.paged_flex import FlexDecodeContext
+
+        return FlexDecodeContext
+    return DecodeContext

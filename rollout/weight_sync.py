@@ -29,13 +29,15 @@ remaining gather, so the other ranks' sync completes; the death is raised at the
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
 from parallel.plain_names import plain_named_parameters
-from rollout.engine import Engine, EngineDied
+from rollout.engine import EngineDied
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,7 @@ def iter_weight_buckets(
     bucket_bytes: int = 1 << 30,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-):
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
 
     A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
@@ -66,7 +68,8 @@ def iter_weight_buckets(
         from parallel.fsdp import reshard_gathered
 
         reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
-    bucket, size = [], 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
     with torch.no_grad():
         for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
             if dtype is not None and tensor.dtype != dtype:
@@ -83,9 +86,15 @@ def iter_weight_buckets(
         yield bucket
 
 
+class WeightReceiver(Protocol):
+    """What sync_weights pushes into: an engine's update_weights (Engine), or the rehearsal's stand-in."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
 def sync_weights(
     trainer_model: nn.Module,
-    engine: Engine | None,
+    engine: WeightReceiver | None,
     *,
     bucket_bytes: int = 1 << 30,
     dtype: torch.dtype | None = None,

@@ -137,6 +137,7 @@ class OneProcess:
 
     dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
     dims = types.SimpleNamespace(tp=1)
+    device = torch.device("cpu")
 
     def all_reduce(self, values, op="sum", group="dp"):
         return list(values)

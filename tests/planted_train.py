@@ -6,8 +6,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import rl.reward
 import train  # noqa: E402
-import trainer.scoring  # noqa: E402
 
 
 def planted_score(solution, ground_truth, strict_box=False):
@@ -16,6 +16,6 @@ def planted_score(solution, ground_truth, strict_box=False):
 
 
 if __name__ == "__main__":
-    trainer.scoring.compute_score = planted_score
+    rl.reward.compute_score = planted_score
     sys.argv[0] = "train.py"
     train.run_cli(sys.argv[1:])

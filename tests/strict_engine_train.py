@@ -20,8 +20,8 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 
 from sglang_model import StrictSGLang, flatten_bucket, serialize  # noqa: E402
 
+import rl.reward  # noqa: E402
 import train  # noqa: E402
-import trainer.scoring  # noqa: E402
 import trainer.update  # noqa: E402
 from config import check_runnable  # noqa: E402
 from rollout.sglang_engine import SGLangEngine  # noqa: E402
@@ -47,7 +47,7 @@ def use_strict_model(setattr_, *, train_delay: float = 0.0, announce: str | None
     setattr_(SGLangEngine, "_flatten_bucket", _flatten)
     setattr_(SGLangEngine, "_serialize", _serialize)
     setattr_(train, "check_runnable", _check_runnable_on_this_cpu)
-    setattr_(trainer.scoring, "compute_score", planted_score)
+    setattr_(rl.reward, "compute_score", planted_score)
     if train_delay:
         run = trainer.update.TrainPhase.run
 

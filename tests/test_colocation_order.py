@@ -7,38 +7,39 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+import rl.reward
 import train
-import trainer.evaluation
-import trainer.loop
-import trainer.scoring
-import trainer.setup
 from config import load_config
 from model.args import get_preset
 from model.qwen2 import build_model
+from parallel.device_memory import observe_cache_returns
+from parallel.sharded_policy import build_sharded_policy
+from preflight.rehearsal import fake_dist_env, fake_job
+from rollout.engine_spec import EngineSpec
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides
-from trainer.rehearsal import fake_dist_env, fake_job
-from trainer.setup import build_policy_and_engine, build_sharded_policy
+from trainer.build import build_policy_and_engine
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-def test_the_engine_starts_when_the_policy_holds_only_its_shards():
+def test_the_engine_starts_when_the_policy_holds_only_its_shards(monkeypatch):
     """8 ranks (fake process group): at engine start every parameter is an FSDP shard on the device,
     1/8 of the full tensor; nothing full-size was left on the device for the engine to size around."""
     cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.dp_shard=-1"])
     seen = {}
 
-    def start_engine(cfg_, policy, device, max_prompt_length, dist_env):
+    def start_beside(spec, policy, dist_env):
         seen["params"] = {
             name: (p.shape, p.to_local().shape if isinstance(p, DTensor) else None, p.device)
             for name, p in policy.named_parameters()
         }
         return object()
 
+    monkeypatch.setattr(EngineSpec, "start_beside", start_beside)
     with fake_job(8):
-        build_policy_and_engine(cfg, fake_dist_env(cfg, 8), start_engine=start_engine)
+        build_policy_and_engine(cfg, fake_dist_env(cfg, 8))
     assert seen["params"]
     for name, (full, local, device) in seen["params"].items():
         assert local is not None, f"{name} is a full tensor when the engine starts"
@@ -47,7 +48,7 @@ def test_the_engine_starts_when_the_policy_holds_only_its_shards():
 
 
 def _sharded_values(rank, world_size, layout):
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = load_config(
         os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout
@@ -93,12 +94,13 @@ class RecordingEngine:
 
 def test_cached_memory_is_returned_before_the_engine_takes_memory(tmp_path, monkeypatch):
     events = []
-    build_engine = trainer.setup.build_engine
-    monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (trainer.loop, trainer.setup):
-        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    assert train.main(overrides(str(tmp_path), steps=2)) == 0
+    start_beside = EngineSpec.start_beside
+    monkeypatch.setattr(
+        EngineSpec, "start_beside", lambda spec, *a, **k: RecordingEngine(start_beside(spec, *a, **k), events)
+    )
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    with observe_cache_returns(lambda: events.append("return")):
+        assert train.main(overrides(str(tmp_path), steps=2)) == 0
     assert events.count("release_memory") == 2
     # After each release, the first call that takes memory back comes after a return of the cache.
     for i, event in enumerate(events):
@@ -111,13 +113,14 @@ def test_cached_memory_is_returned_before_every_resume_including_evaluation(tmp_
     """The engine maps its KV cache back for evaluation too: the weight sync before it leaves its buckets (and
     their flattened copies) in the trainer's allocator cache, which the engine cannot use."""
     events = []
-    build_engine = trainer.setup.build_engine
-    monkeypatch.setattr(trainer.setup, "build_engine", lambda *a, **k: RecordingEngine(build_engine(*a, **k), events))
-    for module in (trainer.loop, trainer.setup, trainer.evaluation):
-        monkeypatch.setattr(module, "return_cached_memory", lambda dist_env: events.append("return"), raising=False)
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    start_beside = EngineSpec.start_beside
+    monkeypatch.setattr(
+        EngineSpec, "start_beside", lambda spec, *a, **k: RecordingEngine(start_beside(spec, *a, **k), events)
+    )
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=2, **{"eval.interval": 1, "eval.at_start": True, "eval.at_end": True})
-    assert train.main(argv) == 0
+    with observe_cache_returns(lambda: events.append("return")):
+        assert train.main(argv) == 0
     resumes = [i for i, event in enumerate(events) if event == "resume_memory"]
     assert len(resumes) == 2 + 3  # each step's rollouts, and the evaluations at steps 0, 1 and 2
     assert all(events[i - 1] == "return" for i in resumes), events

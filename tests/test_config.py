@@ -12,8 +12,8 @@ import pytest
 import config
 from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
 from config.loader import coerce
+from preflight.machine import Machine
 from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
-from trainer.machine import Machine
 
 
 def write(path, text):

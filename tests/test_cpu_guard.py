@@ -19,16 +19,16 @@ from model.args import get_preset
 from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
+from preflight.machine import Machine, machine_fixes, probe_machine
 from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION
 from tests.dist_utils import run_ranks
-from trainer.machine import Machine, machine_fixes, probe_machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)
 )
-GPU_CONFIGS = [c for c in CONFIGS if c != "configs/demo_cpu.toml"]
+GPU_CONFIGS = [c for c in CONFIGS if not c.endswith("_cpu.toml")]  # demo_cpu, ablation_cpu: CPU recipes
 
 CPU = Machine()  # no CUDA, one process, a C++ compiler
 TWO_CPU_PROCESSES = Machine(world_size=2, local_world_size=2)

@@ -1,4 +1,4 @@
-"""The disk a run needs (trainer/disk_needs.py) against the files a real checkpoint and export write."""
+"""The disk a run needs (preflight/disk_needs.py) against the files a real checkpoint and export write."""
 
 import os
 
@@ -9,7 +9,7 @@ from model.args import ModelArgs, num_params
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from parallel.hf_export import export_hf
-from trainer.disk_needs import run_disk_bytes
+from preflight.disk_needs import run_disk_bytes
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 ARGS = ModelArgs(

@@ -1,4 +1,4 @@
-"""trainer/evaluation.py: planted accuracies through a fake engine come back exactly; eval.py, the command over it,
+"""evaluation/evaluate.py: planted accuracies through a fake engine come back exactly; eval.py, the command over it,
 takes train.py's configuration and runs end to end on CPU."""
 
 import io
@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import eval as eval_command
-import trainer.evaluation as evaluation
+import evaluation.evaluate as evaluation
 from config import ConfigError
+from evaluation.evaluate import evaluate
+from evaluation.report import flat_metrics, format_table
 from model.args import PRESETS
 from model.hf import save_hf
 from model.qwen2 import build_model
@@ -23,10 +25,8 @@ from model.tokenizer import train_bpe_tokenizer
 from observe.progress import Progress
 from rl.data import rows_to_examples, synthetic_arithmetic_rows
 from rl.reward import compute_score
-from rollout.engine import Completion, Engine, SamplingParams
+from rollout.engine import Completion, Engine, EngineFailure, SamplingParams
 from rollout.torch_engine import TorchEngine
-from trainer.evaluation import evaluate, flat_metrics, format_table
-from trainer.scoring import EngineFailure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,8 +214,8 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
 
 
 def _held_out_worker(rank, world, tokenizer, examples, run_path):
-    from trainer.distributed import init_distributed
-    from trainer.evaluation import run_held_out_eval
+    from evaluation.held_out import run_held_out_eval
+    from parallel.dist_env import init_distributed
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
     dist_env = init_distributed(1, -1, 1)

@@ -1,4 +1,4 @@
-"""The rehearsal's host-memory ledger (trainer/host_ledger.py): against the resident memory of real gloo
+"""The rehearsal's host-memory ledger (preflight/host_ledger.py): against the resident memory of real gloo
 ranks, its per-node verdict, and its rules for pinned blocks and the engine's processes."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import train
 from config import load_config
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
+from preflight.gpu_ledger import GB, MemoryLedger
+from preflight.host_ledger import HostLedger, pinned_block_bytes
+from preflight.rehearsal import rehearse, run_phases
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak, return_freed_memory_at_once
 from tests.qwen2_checkpoint import write_qwen2_checkpoint
-from trainer.host_ledger import HostLedger, pinned_block_bytes
-from trainer.memory_ledger import GB, MemoryLedger
-from trainer.rehearsal import rehearse, run_phases
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 MiB = 1 << 20
@@ -101,7 +101,7 @@ class ResidentLedger(MemoryLedger):
 def _resident(rank, world_size, cfg):
     """train.py's phases on real gloo ranks, the policy read from the checkpoint (parallel/hf_load.py)."""
     from parallel.dims import ParallelDims
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
     return_freed_memory_at_once()
     dims = ParallelDims(dp_shard=-1, world_size=world_size)
@@ -219,7 +219,7 @@ def test_a_node_without_the_host_memory_exits_2_naming_the_phase_and_the_shortfa
 
 def test_sglang_keeps_nothing_released_in_host_memory_only_its_processes():
     """The engine's host share is its processes: one scheduler per GPU, two more per engine."""
-    from trainer.host_ledger import ENGINE_PROCESSES_PER_ENGINE, HostFacts
+    from preflight.host_ledger import ENGINE_PROCESSES_PER_ENGINE, HostFacts
 
     facts = HostFacts(
         process=GB,
@@ -245,7 +245,7 @@ def test_the_host_and_disk_figures_of_the_32b_and_7b_headers():
     """dapo_32b.toml's and dapo_7b.toml's host-memory and disk comments, recomputed from the presets."""
     from model.args import PRESETS, num_params
     from model.hf_adapter import hf_shapes
-    from trainer.disk_needs import run_disk_bytes
+    from preflight.disk_needs import run_disk_bytes
 
     args = PRESETS["qwen2.5-32b"]
     shards = [-(-shape[0] // 8) * shape[1:].numel() * 4 for shape in hf_shapes(args).values()]

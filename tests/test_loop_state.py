@@ -5,8 +5,8 @@ from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
-from trainer.loop_state import loop_position, restore_loop_position
 from trainer.scoring import Sample
+from trainer.state import LoopPosition
 
 
 def _group(i):
@@ -41,11 +41,11 @@ def test_carried_groups_and_the_sampler_position_round_trip_through_a_checkpoint
 
     manager = CheckpointManager(str(tmp_path), keep=1)
     model = build_model(PRESETS["tiny"], seed=0)
-    manager.save(1, model, train_state=loop_position(sampler, builder))
+    manager.save(1, model, train_state=LoopPosition.of(sampler, builder).plain())
     saved = manager.resume(build_model(PRESETS["tiny"], seed=1))
 
     sampler2, builder2 = PromptSampler(examples, seed=3), DynamicBatchBuilder(2, 1, max_staleness=2)
-    restore_loop_position(saved, sampler2, builder2)
+    LoopPosition.pop_from(saved).restore(sampler2, builder2)
     assert saved == {}
     assert sampler2.next_batch(4) == sampler.next_batch(4)
     builder.start_step(2)

@@ -73,13 +73,11 @@ def test_training_mfu_uses_the_configured_peak_and_all_devices():
     example = PromptExample(prompt_ids=[1, 2, 3], ground_truth="1", data_source="x", messages=[])
     groups = [types.SimpleNamespace(payload=[Sample(example, [4, 5], [0.0, 0.0], "stop", True, 1.0, None)] * 2)]
     dist_env = types.SimpleNamespace(device=torch.device("cpu"), world_size=4, all_reduce=lambda v: [2 * v[0]])
-    assert (
-        training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
-        == {}
-    )  # CPU: no known peak
+    no_peak = training_mfu(
+        PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics
+    )
+    assert no_peak is None  # CPU: no known peak
     cfg.metrics.peak_tflops = 0.5
     flops = training_flops(PRESETS["tiny"], [[5, 5]], head_tokens=4) * (2 + 1 / 3) * 2  # two dp ranks
-    mfu = training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)[
-        "mfu"
-    ]
-    assert abs(mfu - flops / (2.0 * 4 * 0.5e12)) < 1e-15
+    mfu = training_mfu(PRESETS["tiny"], groups, 2.0, dist_env, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
+    assert mfu is not None and abs(mfu - flops / (2.0 * 4 * 0.5e12)) < 1e-15

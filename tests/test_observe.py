@@ -78,6 +78,15 @@ def test_reopening_appends_and_truncate_after_drops_redone_steps(tmp_path):
     ]
 
 
+def test_a_closed_logger_refuses_to_truncate_and_keeps_the_file(tmp_path):
+    log = MetricsLogger(str(tmp_path))
+    log.log(1, {"x": 1})
+    log.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        log.truncate_after(0)
+    assert [r["step"] for r in read_metrics(os.path.join(str(tmp_path), "metrics.jsonl"))] == [1]
+
+
 def test_only_rank_zero_writes(tmp_path):
     run = tmp_path / "run"
     with MetricsLogger(str(run), tensorboard=True, rank=1) as log:

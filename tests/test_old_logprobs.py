@@ -120,9 +120,7 @@ def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
 def _train(model, groups, cfg):
     model = copy.deepcopy(model)
     optimizer = _RecordingAdamW(model.parameters(), lr=1e-2)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess(), torch.device("cpu")).run(
-        1, groups
-    )
+    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess()).run(1, groups).metrics()
     return stats, optimizer.grads
 
 
@@ -204,9 +202,7 @@ def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_mo
         forwards = []
         trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))  # noqa: B023
         optimizer = _RecordingAdamW(trained.parameters(), lr=1e-2)
-        TrainPhase.from_config(
-            trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env, torch.device("cpu")
-        ).run(1, groups)
+        TrainPhase.from_config(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env).run(1, groups)
         calls.append(forwards.count(False))  # the no-grad forwards: old log-probs
     assert calls == [0, 2]  # none needed here; one per mini-batch to keep in step with the other rank
 

@@ -14,10 +14,10 @@ from config import load_config
 from model.args import ModelArgs
 from model.hf import CheckpointError, load_hf, save_hf
 from model.qwen2 import build_model
+from parallel.sharded_policy import build_sharded_policy, shard_policy
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak
 from tests.qwen2_checkpoint import write_qwen2_checkpoint
-from trainer.setup import build_sharded_policy
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 MiB = 1 << 20
@@ -64,12 +64,12 @@ def _local_bytes(model) -> int:
 def _load_and_measure(rank, world_size, path, layout):
     """Build the sharded policy twice: without values (what the build itself keeps resident: module, FSDP and
     DTensor objects), then from the checkpoint; the second build's high-water mark above its start."""
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(path, layout)
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
     start = reset_peak()
-    skeleton = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=0, fill=False)  # kept alive
+    skeleton = shard_policy(cfg.model, cfg.parallelism, dist_env)  # kept alive
     build_overhead = peak() - start
     start = reset_peak()
     policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=0)
@@ -146,7 +146,7 @@ def _tied_checkpoint(path: str, head_differs: bool) -> None:
 
 
 def _load_tied(rank, world_size, path):
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(path, ["parallelism.dp_shard=2", "parallelism.param_dtype=float32"])
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
@@ -172,7 +172,7 @@ def test_a_tied_checkpoint_with_a_stored_head_loads_sharded_and_a_different_head
 
 def test_one_process_reads_the_checkpoint_as_load_hf_does(checkpoint):
     """No process group: the parameters are plain tensors, read whole; the values are load_hf's."""
-    from trainer.distributed import init_distributed
+    from parallel.dist_env import init_distributed
 
     cfg = _config(checkpoint, ["parallelism.param_dtype=float32"])
     dist_env = init_distributed(1, -1, 1)

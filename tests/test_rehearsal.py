@@ -9,9 +9,9 @@ import torch
 
 import train
 from config import load_config
+from preflight.gpu_ledger import MemoryLedger
+from preflight.rehearsal import rehearse, run_phases
 from tests.dist_utils import run_ranks
-from trainer.memory_ledger import MemoryLedger
-from trainer.rehearsal import rehearse, run_phases
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -40,7 +40,7 @@ def small_config(world_size, **extra):
 def _measured(rank, world_size, cfg):
     """train.py's phases on real gloo ranks with real tensors, measured by PyTorch's memory trackers."""
     from parallel.dims import ParallelDims
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
     dims = ParallelDims(dp_shard=-1, world_size=world_size)
     dims.build_mesh("cpu")

@@ -1,12 +1,12 @@
 """The torch engine's paged KV memory comes from the config (rollout.block_size, rollout.kv_cache_blocks)."""
 
 import pytest
-import torch
 
 from config import Config, ConfigError, validate
 from model.args import PRESETS
 from model.qwen2 import build_model
-from trainer.setup import build_engine
+from rollout.engine_spec import EngineSpec
+from tests.dist_utils import OneProcess
 
 
 def _cfg(**rollout):
@@ -25,10 +25,10 @@ def _cfg(**rollout):
 
 def test_engine_takes_its_block_budget_from_the_config():
     policy = build_model(PRESETS["tiny"], seed=0)
-    engine = build_engine(_cfg(block_size=8, kv_cache_blocks=20), policy, torch.device("cpu"), 24)
+    engine = EngineSpec.from_config(_cfg(block_size=8, kv_cache_blocks=20)).start_beside(policy, OneProcess())
     assert (engine.block_size, engine.kv_cache_blocks) == (8, 20)
     assert engine._cache.k[0].shape[1:3] == (21, 8)  # 20 blocks + the scratch block, 8 positions each
-    auto = build_engine(_cfg(block_size=8), policy, torch.device("cpu"), 24)
+    auto = EngineSpec.from_config(_cfg(block_size=8)).start_beside(policy, OneProcess())
     assert auto.kv_cache_blocks == 4 * 8  # max_batch_size full-length (64-token) sequences
 
 

@@ -25,6 +25,7 @@ from sglang_model import (
     serialize,
 )
 
+from evaluation.evaluate import evaluate
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
@@ -41,7 +42,6 @@ from rollout.sglang_engine import (
     split_by_counts,
 )
 from rollout.weight_sync import iter_weight_buckets, sync_weights
-from trainer.evaluation import evaluate
 from trainer.rollout_phase import generate_call
 from trainer.scoring import RewardSettings
 

@@ -1,14 +1,14 @@
 """One response-to-text function and one completion check: a completion gets the same reward in training
-(trainer/scoring.py score_groups) as in evaluation (trainer/evaluation.py score_completions)."""
+(trainer/scoring.py score_groups) as in evaluation (evaluation/evaluate.py score_completions)."""
 
 import pytest
 
+from evaluation.evaluate import score_completions
 from model.tokenizer import ENDOFTEXT, IM_END, IM_START, train_bpe_tokenizer
 from rl.data import PromptExample
-from rl.reward import compute_score
-from rollout.engine import Completion
-from trainer.evaluation import score_completions
-from trainer.scoring import EngineFailure, RewardSettings, response_text, score_groups
+from rl.reward import compute_score, response_text
+from rollout.engine import Completion, EngineFailure
+from trainer.scoring import RewardSettings, score_groups
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Shared-prompt packing (trainer/packing.py, trainer/shared_prompt_attention.py): a group's samples hold one
+"""Shared-prompt packing (trainer/packing.py, model/shared_prompt_attention.py): a group's samples hold one
 prompt copy, and the log-probs, entropies and gradients equal the one-copy-per-sample packing."""
 
 import types
@@ -10,9 +10,9 @@ from numerics import assert_close_to_float64
 from config import Config
 from model.args import PRESETS
 from model.qwen2 import build_model
+from model.shared_prompt_attention import SharedPromptContext
+from trainer.losses import micro_batch_logprobs
 from trainer.packing import PackItem, pack, pack_micro_batches
-from trainer.policy import micro_batch_logprobs
-from trainer.shared_prompt_attention import SharedPromptContext
 from trainer.update import shares_prompts
 
 ARGS = PRESETS["tiny"]

@@ -10,9 +10,9 @@ from dist_utils import OneProcess
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
-from trainer.rollout_phase import collect_batch
+from trainer.rollout_phase import RolloutPhase
 from trainer.scoring import RewardSettings
-from trainer.step_metrics import rollout_metrics
+from trainer.step_metrics import rollout_stats
 
 
 class _AnswerTokenizer:
@@ -49,18 +49,19 @@ def _row(engine, train_batch_size, max_rounds):
         if train_batch_size > 1
         else contextlib.nullcontext()
     ):
-        groups, stats, _ = collect_batch(
-            1,
-            builder,
+        sampler = PromptSampler(examples, shuffle=False)
+        phase = RolloutPhase(
             engine,
-            PromptSampler(examples, shuffle=False),
-            2,
-            params,
+            sampler,
+            builder,
             _AnswerTokenizer(),
-            reward,
             OneProcess(),
+            params=params,
+            reward=reward,
+            prompts_per_round=2,
         )
-    return groups, rollout_metrics(groups, stats, {}, OneProcess(), group_size=4)
+        batch = phase.collect(1)
+    return batch.groups, rollout_stats(batch, OneProcess(), group_size=4).metrics()
 
 
 def test_all_samples_and_kept_batch_are_logged_under_their_own_names():

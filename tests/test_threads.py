@@ -1,11 +1,11 @@
-"""Intra-op threads per process (trainer/threads.py): the CPU-offloaded optimizer gets the node's cores."""
+"""Intra-op threads per process (parallel/cpu_threads.py): the CPU-offloaded optimizer gets the node's cores."""
 
 import os
 
 import pytest
 import torch
 
-from trainer.threads import intra_op_threads, set_intra_op_threads
+from parallel.cpu_threads import intra_op_threads, set_intra_op_threads
 
 
 def decide(configured=0, *, offload=True, cores=64, local=8, omp="1"):

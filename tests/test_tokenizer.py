@@ -236,7 +236,7 @@ def _assert_same_as_transformers(ours, path, conversations, texts=TRICKY_TEXTS):
 def test_demo_tokenizer_is_what_transformers_rebuilds(tmp_path):
     from config import DEFAULT_CONFIG, load_config
     from rl.data import synthetic_arithmetic_rows
-    from trainer.setup import build_tokenizer
+    from trainer.build import build_tokenizer
 
     cfg = load_config(DEFAULT_CONFIG, [f"job.run_dir={tmp_path}", "data.synthetic_num_train=2000"])
     ours = build_tokenizer(cfg.model, cfg.data, str(tmp_path / "run"), is_main=True, barrier=lambda: None)
@@ -305,7 +305,7 @@ def test_a_pipeline_transformers_does_not_rebuild_is_named(tmp_path, caplog):
     from transformers import AutoTokenizer
 
     from config import DEFAULT_CONFIG, load_config
-    from trainer.setup import build_tokenizer
+    from trainer.build import build_tokenizer
 
     gpt2_style = HFTokenizer(models.BPE())
     gpt2_style.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

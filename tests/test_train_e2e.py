@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
+import rl.reward
 import train
+import trainer.build
 import trainer.loop
 import trainer.scoring
 from model.args import get_preset
@@ -78,13 +80,13 @@ def assert_trained(run_dir, steps):
 
 
 def test_two_steps_in_one_process(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     assert train.main(overrides(str(tmp_path))) == 0
     assert_trained(str(tmp_path), 2)
 
 
 def _rank_run(rank, world_size, argv):
-    trainer.scoring.compute_score = planted_score
+    rl.reward.compute_score = planted_score
     return train.main(argv)
 
 
@@ -98,7 +100,7 @@ def test_two_steps_on_two_ranks(tmp_path, layout):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     assert train.main(overrides(straight, steps=2)) == 0
     assert train.main(overrides(resumed, steps=1)) == 0
@@ -132,7 +134,7 @@ def test_dry_run_prints_the_resolved_config_without_building_a_model(config, cap
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run must not touch a model")
 
-    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", refuse)
+    monkeypatch.setattr(trainer.build, "build_policy_and_engine", refuse)
     assert train.main(["--config", os.path.join(CONFIGS, config), "--dry-run"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert set(resolved) >= {"model", "rollout", "algorithm", "training", "parallelism"}

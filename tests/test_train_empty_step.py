@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
+import rl.reward
 import train
-import trainer.scoring
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
 from trainer.step_metrics import MetricsWriter
@@ -28,7 +28,7 @@ def _run(run_dir, steps):
 
 
 def test_steps_without_training_keep_the_schedule_and_resume_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", switched_score)
+    monkeypatch.setattr(rl.reward, "compute_score", switched_score)
     write = MetricsWriter.write
 
     def write_then_switch(self, step, row):  # steps 1-2 all wrong, then half the responses are right

@@ -24,7 +24,7 @@ from tests.dist_utils import run_ranks
 from tests.strict_engine_train import use_strict_model
 from tests.test_rollout_sglang_process import children, engine_children
 from tests.test_train_e2e import CONFIGS, overrides, read_rows
-from trainer.setup import build_tokenizer
+from trainer.build import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

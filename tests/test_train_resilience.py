@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
+import rl.reward
 import train
+import trainer.build
 import trainer.loop
-import trainer.policy
+import trainer.losses
 import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
@@ -26,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    real_loss = trainer.policy.policy_loss
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    real_loss = trainer.losses.policy_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -38,7 +40,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
             loss = loss * float("nan")
         return loss, metrics
 
-    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
     argv = overrides(
         str(tmp_path),
         steps=4,
@@ -59,8 +61,8 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 
 
 def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
-    real_loss = trainer.policy.policy_loss
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    real_loss = trainer.losses.policy_loss
     poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
     calls = {"n": 0}
 
@@ -69,7 +71,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
         calls["n"] += 1
         return (loss * float("nan") if calls["n"] >= poison_from["call"] else loss), metrics
 
-    monkeypatch.setattr(trainer.policy, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
     settings = {
         "training.max_nonfinite_steps": 3,
         "training.mini_batch_size": 2,
@@ -83,7 +85,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
 
 
 def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_generate = TorchEngine.generate
     calls = {"n": 0}
 
@@ -119,7 +121,7 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
         return planted_score(solution, ground_truth)
 
     monkeypatch.setattr(trainer.update.TrainPhase, "run", counting_run)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     argv = overrides(str(tmp_path), steps=4, **{"algorithm.on_shortfall": "raise", "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
@@ -145,7 +147,7 @@ def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_chec
         return planted_score(solution, ground_truth)
 
     monkeypatch.setattr(TorchEngine, "generate", counting_generate)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
@@ -205,7 +207,7 @@ def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(
         train.main(argv)
     tokenizer_dir = str(tmp_path / "tokenizer")
     train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], 300).save(tokenizer_dir)
-    monkeypatch.setattr(trainer.loop, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
+    monkeypatch.setattr(trainer.build, "build_policy_and_engine", lambda *a, **k: pytest.fail("the policy was built"))
     with pytest.raises(
         ConfigError,
         match=r"training.sft_warmup_steps = 5 needs worked solutions .* none of the 32 "
@@ -224,7 +226,7 @@ def signal_handlers():
 
 
 def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     phases = []
 
     class Recording:
@@ -269,7 +271,7 @@ def _folder_state(root):
 def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     tmp_path, monkeypatch, caplog, signal_handlers
 ):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True, "eval.at_end": True})
     train.main(argv)
     first = read_rows(str(tmp_path))
@@ -277,7 +279,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     before, after = first[0]["eval/avg_at_k"], first[2]["eval/avg_at_k"]
     files = _folder_state(tmp_path)
     for name in ("build_policy_and_engine", "load_datasets", "build_tokenizer"):
-        monkeypatch.setattr(trainer.loop, name, lambda *a, **k: pytest.fail("a finished run built something"))
+        monkeypatch.setattr(trainer.build, name, lambda *a, **k: pytest.fail("a finished run built something"))
     caplog.clear()
     with caplog.at_level("INFO", logger="train"):
         assert train.main(argv) == 0
@@ -294,7 +296,7 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
 
 
 def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
     train.main(argv)
     earlier = _folder_state(tmp_path / "run")
@@ -348,7 +350,7 @@ def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
 def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
     from trainer.signals import StopRequested
 
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_eval = trainer.loop.run_held_out_eval
 
     def eval_then_sigterm(*args, **kwargs):
@@ -442,32 +444,32 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tm
 
 def _warm_up_on_ranks(rank, world_size, argv, crash_after=None):
     """train.main on this rank; with crash_after, every rank dies after that many warm-up steps (no signal)."""
-    import trainer.sft
+    import trainer.warmup
     from model.hf import load_hf
 
-    trainer.scoring.compute_score = planted_score
+    rl.reward.compute_score = planted_score
     if crash_after is not None:
-        real_step = trainer.sft.SFTWarmup.step
+        real_step = trainer.warmup.SFTWarmup.step
 
         def step(self):
             if self.done == crash_after:
                 raise RuntimeError("killed (simulated)")
             return real_step(self)
 
-        trainer.sft.SFTWarmup.step = step
+        trainer.warmup.SFTWarmup.step = step
         try:
             train.main(argv)
         except RuntimeError as exc:
             return str(exc)
         finally:
-            trainer.sft.SFTWarmup.step = real_step
+            trainer.warmup.SFTWarmup.step = real_step
     steps_run = []
-    real_step = trainer.sft.SFTWarmup.step
-    trainer.sft.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
+    real_step = trainer.warmup.SFTWarmup.step
+    trainer.warmup.SFTWarmup.step = lambda self: steps_run.append(self.done) or real_step(self)
     try:
         train.main(argv)
     finally:
-        trainer.sft.SFTWarmup.step = real_step
+        trainer.warmup.SFTWarmup.step = real_step
     run = next(a.split("=", 1)[1] for a in argv if a.startswith("--job.run_dir="))
     exported = load_hf(os.path.join(run, "run", "hf"))
     return {"steps_run": steps_run, "params": dict(exported.named_parameters()) if rank == 0 else None}
@@ -496,7 +498,7 @@ def test_a_sharded_warm_up_resumed_on_two_ranks_ends_where_an_uninterrupted_one_
 
 
 def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_path, monkeypatch, signal_handlers):
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     train.main(overrides(str(tmp_path), steps=1))
     step_1 = tmp_path / "run" / "checkpoints" / "step-00000001"
     # What an older version left (and anyone could plant): a pickled train state, listed in the manifest.
@@ -516,9 +518,9 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this trainer; it is "
-        f"not loaded, because unpickling a file can run any code in it. Start the run over (train.py --fresh moves "
-        f"the run folder aside) or remove {tmp_path}/run/checkpoints"
+        f"checkpoint error: {step_1}/train_state/rank-00000.pt is a pickle written by an older version of this "
+        f"trainer; it is not loaded, because unpickling a file can run any code in it. Start the run over "
+        f"(train.py --fresh moves the run folder aside) or remove {tmp_path}/run/checkpoints"
     )
 
 
@@ -536,7 +538,7 @@ def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handl
         raise KeyError("broken scorer (simulated)")
 
     monkeypatch.setattr(TorchEngine, "shutdown", counting_shutdown)
-    monkeypatch.setattr(trainer.scoring, "compute_score", score)
+    monkeypatch.setattr(rl.reward, "compute_score", score)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     with pytest.raises(RuntimeError, match=r"broken scorer \(simulated\)'. Checkpoint of step 0 saved"):
         train.main(overrides(str(tmp_path), steps=2, **{"algorithm.dynamic_sampling": False}))
@@ -550,7 +552,7 @@ def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_pat
     first stops the step after it: the second never runs, the last completed step is checkpointed."""
     from trainer.signals import StopRequested
 
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_generate = TorchEngine.generate
     calls = []
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import eval as eval_command
+import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
@@ -34,7 +35,7 @@ PLANTED_TRAIN = [sys.executable, "tests/planted_train.py"]
 @pytest.fixture
 def planted(monkeypatch):
     """The planted reward (groups with spread from a random model), and pytest's signal handlers kept."""
-    monkeypatch.setattr(trainer.scoring, "compute_score", planted_score)
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield
     for sig, handler in saved.items():
@@ -71,7 +72,8 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_refused_in_one_line(tmp_path
     )
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in result.stderr and last.startswith("error: no intact checkpoint to resume from in ")
+    assert "Traceback" not in result.stderr
+    assert last.startswith("checkpoint error: no intact checkpoint to resume from in ")
     assert "step-00000001 is damaged (file train_state/rank-00000.json does not match its content hash" in last
     assert "--fresh" in last
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == before  # nothing moved aside, nothing redone
@@ -192,7 +194,8 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_check
     )
     err = result.stderr.strip().splitlines()
     assert err[-1] == "exit=2" and "Traceback" not in result.stderr, result.stderr
-    assert err[-2].startswith(f"error: no space left on tmpfs (mounted at {disk}) while saving step "), err[-2]
+    expected = f"checkpoint error: no space left on tmpfs (mounted at {disk}) while saving step "
+    assert err[-2].startswith(expected), err[-2]
     failed_step = int(err[-2].split("while saving step ")[1].split()[0])
     assert f"the previous checkpoint (step {failed_step - 1}, " in err[-2] and err[-2].endswith("to resume")
     state = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""trainer/distributed.py: the gloo control groups outlast a slow engine (gloo ranks, CPU)."""
+"""parallel/dist_env.py: the gloo control groups outlast a slow engine (gloo ranks, CPU)."""
 
 import os
 
@@ -14,8 +14,8 @@ def _slow_engine_worker(rank, world, store_path):
 
     import torch.distributed as dist
 
-    from trainer.distributed import init_distributed
-    from trainer.setup import engine_group
+    from parallel.dist_env import init_distributed
+    from rollout.engine_spec import engine_group
 
     # The default group gets a timeout shorter than one generation (NCCL's is 10 minutes, rounds take hours).
     dist.destroy_process_group()
@@ -53,8 +53,8 @@ os.environ.update(WORLD_SIZE="8", RANK="0", LOCAL_RANK="0")
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-from trainer.distributed import init_distributed
-from trainer.setup import engine_group
+from parallel.dist_env import init_distributed
+from rollout.engine_spec import engine_group
 env = init_distributed(1, -1, 1)
 group, gpu = engine_group(4, env)
 print(dist.get_backend(env.control_group), dist.get_backend(group), gpu)
@@ -102,10 +102,10 @@ def _late_eval_worker(rank, world, store_path, run_path):
 
     import torch.distributed as dist
 
+    from evaluation.held_out import run_held_out_eval
+    from parallel.dist_env import init_distributed
     from rl.data import PromptExample
     from rollout.engine import SamplingParams
-    from trainer.distributed import init_distributed
-    from trainer.evaluation import run_held_out_eval
 
     # As above: the default group's timeout is shorter than one engine's evaluation (NCCL: 10 minutes).
     dist.destroy_process_group()

@@ -8,8 +8,8 @@ from numerics import assert_close_to_float64
 
 from model.args import get_preset
 from model.qwen2 import build_model
+from trainer.losses import micro_batch_logprobs
 from trainer.packing import PackItem, pack, pack_micro_batches, plan_micro_batches
-from trainer.policy import micro_batch_logprobs
 
 
 def _items(seed=0, n=5):
@@ -91,7 +91,7 @@ def test_padding_to_a_multiple_adds_a_separate_document_that_predicts_nothing():
 def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     from rl.correction import truncated_is_weights
     from rl.loss import policy_loss
-    from trainer.policy import dapo_micro_batch_loss
+    from trainer.losses import DAPOLoss, GlobalCounts
 
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), seed=1)
@@ -103,17 +103,9 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     mb = pack(items)
     with torch.no_grad():
         mb.old_logp, _ = micro_batch_logprobs(model, mb)
-    kwargs = dict(
-        global_num_tokens=None,
-        global_num_seqs=None,
-        global_num_groups=None,
-        temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.28,
-        clip_c=10.0,
-        agg="token-mean",
-    )
-    loss, _ = dapo_micro_batch_loss(model, mb, **kwargs)
+    settings = dict(clip_low=0.2, clip_high=0.28, clip_c=10.0, agg="token-mean", temperature=1.0, norm_len=None)
+    local = GlobalCounts(tokens=None, seqs=None, groups=None)  # the micro-batch alone
+    loss, _ = DAPOLoss(**settings)(model, mb, local)
     logp, _ = micro_batch_logprobs(model, mb)
     weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=2.0)
     expected_weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
@@ -122,6 +114,6 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     # The same fp32 computation on both sides (one forward, one loss over 4 rows): equal to a few ulps.
     ulps = 8 * torch.finfo(torch.float32).eps * max(1.0, expected.abs().item())
     assert torch.allclose(loss, expected, rtol=0, atol=ulps)
-    everything, _ = dapo_micro_batch_loss(model, mb, truncated_is=True, **kwargs)
+    everything, _ = DAPOLoss(**settings, truncated_is=True)(model, mb, local)
     all_weighted, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.mask, token_weights=weights)
     assert torch.allclose(everything, all_weighted, rtol=0, atol=ulps)

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from parallel.dims import ParallelDims
+from parallel.dist_env import DistEnv
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Completion, SamplingParams
-from trainer.distributed import DistEnv
-from trainer.rollout_phase import RoundStopped, collect_batch, prompts_per_call
-from trainer.scoring import EngineFailure, RewardSettings
+from rollout.engine import Completion, EngineFailure, SamplingParams
+from trainer.rollout_phase import RolloutPhase, RoundStopped, prompts_per_call
+from trainer.scoring import RewardSettings
 
 
 def SingleProcess():
@@ -48,6 +48,26 @@ class AnswerTokenizer(DigitTokenizer):
         return "Answer: " + super().decode(ids, skip_special_tokens)
 
 
+def collect_batch(
+    step, builder, engine, sampler, per_round, params, tokenizer, reward, dist_env, progress=None, **options
+):
+    """RolloutPhase(...).collect(step): (this rank's groups, the filter's diagnostics)."""
+    stop_requested = options.pop("stop_requested", None)
+    phase = RolloutPhase(
+        engine,
+        sampler,
+        builder,
+        tokenizer,
+        dist_env,
+        params=params,
+        reward=reward,
+        prompts_per_round=per_round,
+        **options,
+    )
+    batch = phase.collect(step, progress=progress, stop_requested=stop_requested)
+    return batch.groups, batch.filter_stats
+
+
 def test_rounds_fill_the_batch_and_surplus_is_carried_over():
     # Prompts whose id is divisible by 3 are mixed (1 of 4 correct); the others are all wrong (dropped).
     engine = PlantedEngine(lambda k: {0} if k % 3 == 0 else set())
@@ -55,7 +75,7 @@ def test_rounds_fill_the_batch_and_surplus_is_carried_over():
     builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=5, max_staleness=2)
     params = SamplingParams(max_new_tokens=4, n=4, seed=1)
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
-    batch, diag, _ = collect_batch(1, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
+    batch, diag = collect_batch(1, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
     # Round 1 sees prompts 0..5 (kept: 0, 3), round 2 sees 6..11 (kept: 6, 9): full after two rounds.
     assert engine.calls == [6, 6] and diag["rounds"] == 2
     assert [g.payload[0].example.prompt_ids[0] for g in batch] == [0, 3, 6, 9]
@@ -65,13 +85,13 @@ def test_rounds_fill_the_batch_and_surplus_is_carried_over():
 
     # Step 2: one round of 12 prompts (12..23) keeps 12, 15, 18, 21: exactly full; a third step with a
     # round of 12 (24..29, 0..5) keeps 24, 27, 0, 3 -> full; no surplus until a round over-fills.
-    batch, diag, _ = collect_batch(2, builder, engine, sampler, 12, params, AnswerTokenizer(), reward, SingleProcess())
+    batch, diag = collect_batch(2, builder, engine, sampler, 12, params, AnswerTokenizer(), reward, SingleProcess())
     assert diag["rounds"] == 1 and [g.payload[0].example.prompt_ids[0] for g in batch] == [12, 15, 18, 21]
-    batch, diag, _ = collect_batch(3, builder, engine, sampler, 18, params, AnswerTokenizer(), reward, SingleProcess())
+    batch, diag = collect_batch(3, builder, engine, sampler, 18, params, AnswerTokenizer(), reward, SingleProcess())
     # 18 prompts: 24..29 then 0..11 -> kept 24, 27, 0, 3, 6, 9: four trained, two carried to step 4.
     assert [g.payload[0].example.prompt_ids[0] for g in batch] == [24, 27, 0, 3]
     assert builder.num_carried == 2 and diag["groups_carried_over"] == 2
-    batch, diag, _ = collect_batch(4, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
+    batch, diag = collect_batch(4, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
     assert [g.payload[0].example.prompt_ids[0] for g in batch][:2] == [6, 9]
     assert diag["groups_from_carry"] == 2
 
@@ -83,9 +103,7 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     params = SamplingParams(max_new_tokens=4, n=2)
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     with pytest.warns(RuntimeWarning, match="kept 1 of 4 groups"):
-        batch, diag, _ = collect_batch(
-            1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess()
-        )
+        batch, diag = collect_batch(1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess())
     assert len(batch) == 1 and diag["rounds"] == 2 and diag["shortfall"] == 3
 
     class AbortingEngine(PlantedEngine):
@@ -101,7 +119,7 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
 
 
 def _engine_groups(rank, world_size):
-    from trainer.setup import engine_group
+    from rollout.engine_spec import engine_group
 
     env = DistEnv(
         rank=rank,
@@ -119,7 +137,7 @@ def test_sglang_engine_groups_are_consecutive_ranks_on_their_first_gpu():
     from tests.dist_utils import run_ranks
 
     assert run_ranks(_engine_groups, 4) == [([0, 1], 0), ([0, 1], 0), ([2, 3], 2), ([2, 3], 2)]
-    from trainer.setup import engine_group
+    from rollout.engine_spec import engine_group
 
     with pytest.raises(ValueError, match="rollout.tp_size = 2 needs 2 ranks"):
         engine_group(2, SingleProcess())
@@ -145,7 +163,7 @@ def test_a_round_is_split_into_calls_and_the_display_advances_after_each():
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     progress = RecordingProgress()
     with pytest.warns(RuntimeWarning, match="kept 3 of 4 groups"):
-        batch, diag, _ = collect_batch(
+        batch, diag = collect_batch(
             1,
             builder,
             engine,

@@ -7,10 +7,11 @@ from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from parallel.dims import ParallelDims
+from parallel.dist_env import DistEnv
 from rl.data import PromptExample
-from trainer.distributed import DistEnv
-from trainer.sft import sft_warmup
+from trainer.phase_runner import PhaseRunner
 from trainer.signals import StopRequested
+from trainer.warmup import SFTWarmup
 
 ARGS = PRESETS["tiny"]
 STEPS = 6
@@ -32,21 +33,23 @@ def _examples():
     ]
 
 
-def _warmup(model, **kwargs):
+def _warmup(model, checkpoints=None, interval=0, stop=None, resume=True, **run_options):
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dims=ParallelDims(world_size=1))
-    return sft_warmup(
-        model,
-        _examples(),
-        CharTokenizer(),
-        steps=STEPS,
-        batch_size=4,
-        lr=1e-2,
-        micro_batch_tokens=64,
-        dist_env=env,
-        device=torch.device("cpu"),
-        seed=5,
-        **kwargs,
+    warm = SFTWarmup(
+        model, _examples(), CharTokenizer(), env, steps=STEPS, batch_size=4, lr=1e-2, micro_batch_tokens=64, seed=5
     )
+    runner = None
+    if checkpoints is not None:
+        runner = PhaseRunner(
+            checkpoints,
+            warm.checkpointed(),
+            stop,
+            env,
+            interval=interval,
+            step_name="supervised warm-up step",
+            last_step=STEPS,
+        )
+    return warm.run(runner, resume=resume, **run_options)
 
 
 def build_manager(tmp_path):

@@ -166,9 +166,7 @@ def _train(groups, cfg, lr=0.0):
     model = build_model(ARGS, seed=0).double()
     start = copy.deepcopy(model)
     optimizer = _RecordingSGD(model.parameters(), lr=lr)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess(), torch.device("cpu")).run(
-        1, groups
-    )
+    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess()).run(1, groups).metrics()
     return start, optimizer.updates, stats
 
 
@@ -270,9 +268,7 @@ def _dp_rank_grads(rank, world_size):
         )
         model = build_model(ARGS, seed=0).double()
         optimizer = _RecordingSGD(model.parameters(), lr=0.0)
-        TrainPhase.from_config(
-            model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size), torch.device("cpu")
-        ).run(1, share)
+        TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size)).run(1, share)
         out[agg] = optimizer.updates[0][1]
     return out
 
@@ -303,16 +299,18 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # train.py's warm-up
     cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=4, training__mini_batch_size=2)
-    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, OneProcess(), torch.device("cpu"))
+    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, OneProcess())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Every group dropped by dynamic sampling; then every sample overlong-filtered.
         for step, groups in ((1, []), (2, _groups(2, truncate_groups=(0, 1)))):
-            stats = phase.run(step, groups)
+            stats = phase.run(step, groups).metrics()
             _check_no_update(stats, model, start)
             assert stats["lr"] == pytest.approx(0.25e-3) and scheduler.last_epoch == 0
         groups = _groups(4)
-        stats = phase.run(3, groups)  # the first update runs at the warm-up's first rate, then the schedule moves
+        stats = phase.run(
+            3, groups
+        ).metrics()  # the first update runs at the warm-up's first rate, then the schedule moves
     assert stats["updates"] == 2 and stats["lr"] == pytest.approx(0.25e-3) and scheduler.last_epoch == 1
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
     assert stats["train_tokens"] == sum(len(s.response_ids) for g in groups for s in g.payload)
@@ -321,13 +319,13 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
 
 def test_each_micro_batch_loss_is_read_to_the_host_once(monkeypatch):
     """The loss value crosses to the host once per micro-batch (a device sync each time on a GPU)."""
-    import trainer.update
+    from trainer.losses import DAPOLoss
 
     losses, reads = [], []
-    real_loss, real_item = trainer.update.dapo_micro_batch_loss, torch.Tensor.item
+    real_loss, real_item = DAPOLoss.__call__, torch.Tensor.item
 
-    def recording_loss(*args, **kwargs):
-        loss, metrics = real_loss(*args, **kwargs)
+    def recording_loss(self, *args, **kwargs):
+        loss, metrics = real_loss(self, *args, **kwargs)
         losses.append(loss)
         return loss, metrics
 
@@ -336,7 +334,7 @@ def test_each_micro_batch_loss_is_read_to_the_host_once(monkeypatch):
             reads.append(self)
         return real_item(self)
 
-    monkeypatch.setattr(trainer.update, "dapo_micro_batch_loss", recording_loss)
+    monkeypatch.setattr(DAPOLoss, "__call__", recording_loss)
     monkeypatch.setattr(torch.Tensor, "item", counting_item)
     _, _, stats = _train(_groups(4), _config(training__train_batch_size=4, training__mini_batch_size=2))
     assert len(losses) > 2 and math.isfinite(stats["loss"])

@@ -12,15 +12,19 @@ also carries the layout that maps its response tokens to an [S, L] grid:
 With `share_prompts`, the consecutive samples of one group hold their common prompt once:
 [prompt | response_1 | ... | response_G], each response at positions P..P+R_i-1; response token 0 of
 every sample is predicted by the prompt's last state, token k > 0 by the sample's own token k - 1.
-trainer/shared_prompt_attention.py attends such a row so that every sample sees exactly what it sees
+model/shared_prompt_attention.py attends such a row so that every sample sees exactly what it sees
 alone, and the linear layers run over P + sum R_i tokens instead of G P + sum R_i.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from model.shared_prompt_attention import SharedPromptContext
 
 
 @dataclass
@@ -45,7 +49,7 @@ class PackItem:
 class MicroBatch:
     tokens: torch.Tensor  # [1, T] the packed row
     positions: torch.Tensor  # [1, T] restart at 0 for each sample
-    document_ids: torch.Tensor  # [1, T] sample index within the row
+    document_ids: torch.Tensor | None  # [1, T] sample index within the row (None: one causal document)
     predict_positions: torch.Tensor  # [N] row positions whose hidden state predicts a response token
     targets: torch.Tensor  # [N] the response tokens they predict
     layout: torch.Tensor  # [S, L] index into the N response tokens, -1 where a sample is shorter than L
@@ -64,35 +68,20 @@ class MicroBatch:
     def num_samples(self) -> int:
         return len(self.items)
 
-    def to(self, device) -> MicroBatch:
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in (
-                "tokens",
-                "positions",
-                "document_ids",
-                "predict_positions",
-                "targets",
-                "layout",
-                "mask",
-                "advantages",
-                "rollout_logp",
-                "group_ids",
-                "group_tokens",
-                "stale",
-            )
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """Every tensor of the micro-batch on `device` (the items stay where they are)."""
+        moved: dict[str, Any] = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            for f in fields(self)
+            if f.name != "items"
         }
-        optional = {
-            name: getattr(self, name).to(device) if getattr(self, name) is not None else None
-            for name in ("old_logp", "prompt_segments", "response_segments")
-        }
-        return MicroBatch(**moved, items=self.items, **optional)
+        return replace(self, **moved)
 
-    def attention_context(self):
+    def attention_context(self) -> SharedPromptContext | None:
         """The model's attention context for a shared-prompt row; None: the model's own (per document)."""
-        if self.prompt_segments is None:
+        if self.prompt_segments is None or self.response_segments is None:
             return None
-        from trainer.shared_prompt_attention import SharedPromptContext
+        from model.shared_prompt_attention import SharedPromptContext
 
         return SharedPromptContext(self.prompt_segments, self.response_segments, self.tokens.shape[1])
 
@@ -153,7 +142,11 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1, share_prompts: bool = 
         raise ValueError("cannot pack an empty list of samples")
     if share_prompts:
         return _pack_shared(items, pad_to_multiple)
-    tokens, positions, docs, predict, targets = [], [], [], [], []
+    tokens: list[int] = []
+    positions: list[int] = []
+    docs: list[int] = []
+    predict: list[int] = []
+    targets: list[int] = []
     for s, it in enumerate(items):
         if not it.prompt_ids:
             raise ValueError(f"sample {s} has an empty prompt: its first response token has no predictor")
@@ -175,8 +168,13 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1, share_prompts: bool = 
 
 def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
     """`pack` with one copy of each run's prompt: [prompt | response_1 | ... | response_k] per run."""
-    tokens, positions, docs, predict, targets = [], [], [], [], []
-    prompt_segments, response_segments = [], []
+    tokens: list[int] = []
+    positions: list[int] = []
+    docs: list[int] = []
+    predict: list[int] = []
+    targets: list[int] = []
+    prompt_segments: list[tuple[int, int]] = []
+    response_segments: list[tuple[int, int, int]] = []
     for r, run in enumerate(prompt_runs(items)):
         prompt = list(items[run[0]].prompt_ids)
         if not prompt:
@@ -207,7 +205,14 @@ def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
     return mb
 
 
-def _micro_batch(items: list[PackItem], tokens, positions, docs, predict, targets) -> MicroBatch:
+def _micro_batch(
+    items: list[PackItem],
+    tokens: list[int],
+    positions: list[int],
+    docs: list[int],
+    predict: list[int],
+    targets: list[int],
+) -> MicroBatch:
     """The MicroBatch of a laid-out row: `predict` / `targets` hold the response tokens sample by sample,
     in `items` order; this builds their [S, L] grid (layout, mask, advantages, rollout log-probs)."""
     lengths = [len(it.response_ids) for it in items]
@@ -227,7 +232,7 @@ def _micro_batch(items: list[PackItem], tokens, positions, docs, predict, target
             rollout_logp[s, :n] = torch.tensor(it.rollout_logprobs, dtype=torch.float32)
         offset += n
 
-    def as_row(values):
+    def as_row(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).unsqueeze(0)
 
     return MicroBatch(

@@ -15,28 +15,33 @@ import functools
 import time
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from enum import IntEnum
+from typing import TYPE_CHECKING, TypeVar
 
-from rl.data import PromptSampler
+from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Engine, EngineDied, SamplingParams
-from trainer.scoring import EngineFailure, RewardSettings, score_groups
-from trainer.step_metrics import add_totals, sample_totals
+from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
+from trainer.scoring import RewardSettings, RolloutGroup, Sample, score_groups
+from trainer.step_metrics import SampleTotals
 
 if TYPE_CHECKING:
+    from config import Config
     from model.tokenizer import Tokenizer
-    from trainer.distributed import DistEnv
+    from observe.progress import Progress
+    from parallel.dist_env import DistEnv
+
+T = TypeVar("T")
 
 
 def generate_call(
     engine: Engine,
-    examples: list,
+    examples: list[PromptExample],
     params: SamplingParams,
     tokenizer: Tokenizer,
     reward: RewardSettings,
     step: int = 0,
     retries: int = 1,
-):
+) -> tuple[list[RolloutGroup], float, float]:
     """Generate params.n samples for each of `examples` in one engine call and score them into groups.
 
     Returns (groups, seconds generating, seconds scoring).
@@ -45,7 +50,7 @@ def generate_call(
     process is gone) is raised at once: nothing is left to retry on.
     """
     stop_ids = set(params.stop_token_ids)
-    last_error = None
+    last_error = EngineFailure(f"no attempt was made (retries = {retries})")
     for _ in range(retries + 1):
         start = time.perf_counter()
         try:
@@ -95,37 +100,181 @@ class RoundStopped(Exception):
     """A stop (a signal) was requested between two generate calls; every rank stopped there."""
 
 
-# What a rank tells the others after each call: the worst of these wins.
-_CALL_OK, _CALL_ENGINE_FAILED, _CALL_FAILED, _CALL_ENGINE_DIED = 0.0, 1.0, 2.0, 3.0
+class Outcome(IntEnum):
+    """How a call went on one rank; the ranks agree on the worst (`agree`)."""
+
+    OK = 0
+    ENGINE_FAILED = 1  # the engine raised or aborted requests (retried once, then EngineFailure)
+    FAILED = 2  # anything else: scoring, data
+    ENGINE_DIED = 3  # the engine's process is gone (EngineDied)
 
 
-def agreed_call(dist_env: DistEnv, step: int, round_number: int, call) -> tuple:
-    """call() on every rank, then one all-reduce of its outcome: a failure on any rank is raised on every
+def agree(dist_env: DistEnv, outcome: Outcome) -> Outcome:
+    """The worst outcome over every rank (one all-reduce on the gloo control group: every rank calls it)."""
+    return Outcome(int(dist_env.all_reduce([float(outcome)], op="max", group="world")[0]))
+
+
+def agreed_call(dist_env: DistEnv, step: int, round_number: int, call: Callable[[], T]) -> T:
+    """call() on every rank, then the ranks agree on how it went: a failure on any rank is raised on every
     rank (EngineDied before any other failure), so no rank is left waiting in a collective."""
-    failure, status, result = None, _CALL_OK, None
+    failure: BaseException | None = None
     try:
-        result = call()
+        result, outcome = call(), Outcome.OK
     except EngineDied as exc:
-        failure, status = exc, _CALL_ENGINE_DIED
+        failure, outcome = exc, Outcome.ENGINE_DIED
     except EngineFailure as exc:
-        failure, status = exc, _CALL_ENGINE_FAILED
+        failure, outcome = exc, Outcome.ENGINE_FAILED
     except Exception as exc:  # scoring or data: still agreed on
         failure = RolloutError(
             f"step {step}, generation round {round_number} on data-parallel rank {dist_env.dp_rank}: "
             f"{type(exc).__name__}: {exc}"
         )
-        failure.__cause__, status = exc, _CALL_FAILED
-    worst = dist_env.all_reduce([status], op="max", group="world")[0]
-    if worst == _CALL_ENGINE_DIED:
-        raise failure if status == _CALL_ENGINE_DIED else EngineDied("the rollout engine of another rank died")
-    if worst == _CALL_FAILED:
+        failure.__cause__, outcome = exc, Outcome.FAILED
+    worst = agree(dist_env, outcome)
+    if worst == Outcome.ENGINE_DIED:
+        if failure is not None and outcome == Outcome.ENGINE_DIED:
+            raise failure
+        raise EngineDied("the rollout engine of another rank died")
+    if worst == Outcome.FAILED:
         raise failure or RolloutError(f"step {step}: the rollout phase failed on another rank (see its log)")
-    if worst == _CALL_ENGINE_FAILED:
+    if worst == Outcome.ENGINE_FAILED:
         raise failure or EngineFailure("the engine failed on another rank")
     return result
 
 
-def _after_call(step: int, builder, groups: list, calls: tuple[int, int], progress, shown: int, stop_requested) -> int:
+@dataclasses.dataclass
+class RolloutBatch:
+    """What a step's rollout phase hands the update: this rank's groups (kept, carried over), the filter's
+    diagnostics (rl/filter.py), the totals of every sample generated, and the time spent."""
+
+    groups: list[RolloutGroup]
+    filter_stats: dict[str, float]
+    generated: SampleTotals
+    generate_s: float = 0.0
+    score_s: float = 0.0
+
+
+class RolloutPhase:
+    """Lines 3-8 of Algorithm 1 on this rank, built once (`from_config`) and called every step (`collect`).
+
+    engine, sampler (this rank's prompts), builder (dynamic sampling, Eq. 11), tokenizer, dist_env; params:
+    the rollout's sampling; reward: the rule reward and soft overlong punishment; prompts_per_round: prompts
+    a round draws; prompts_per_call: prompts per generate call (None: the whole round in one call).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        sampler: PromptSampler,
+        builder: DynamicBatchBuilder[list[Sample]],
+        tokenizer: Tokenizer,
+        dist_env: DistEnv,
+        *,
+        params: SamplingParams,
+        reward: RewardSettings,
+        prompts_per_round: int,
+        prompts_per_call: int | None = None,
+    ):
+        self.engine, self.sampler, self.builder, self.tokenizer, self.dist = (
+            engine,
+            sampler,
+            builder,
+            tokenizer,
+            dist_env,
+        )
+        self.params, self.reward = params, reward
+        self.prompts_per_round, self.prompts_per_call = prompts_per_round, prompts_per_call
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        engine: Engine,
+        sampler: PromptSampler,
+        builder: DynamicBatchBuilder[list[Sample]],
+        tokenizer: Tokenizer,
+        dist_env: DistEnv,
+    ) -> RolloutPhase:
+        ro = cfg.rollout
+        params = SamplingParams(
+            max_new_tokens=ro.max_response_length,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            n=ro.n,
+            stop_token_ids=tuple(tokenizer.stop_ids),
+            seed=cfg.job.seed,
+        )
+        ranks_per_engine = ro.tp_size if ro.engine == "sglang" else 1
+        return cls(
+            engine,
+            sampler,
+            builder,
+            tokenizer,
+            dist_env,
+            params=params,
+            reward=RewardSettings.from_config(cfg),
+            prompts_per_round=cfg.prompts_per_round,
+            prompts_per_call=prompts_per_call(ro.requests_per_call, ro.n, ranks_per_engine),
+        )
+
+    def collect(
+        self, step: int, *, progress: Progress | None = None, stop_requested: Callable[[], bool] | None = None
+    ) -> RolloutBatch:
+        """Generation rounds until every rank's builder is full or the round limit is reached.
+
+        A round draws `prompts_per_round` prompts and generates for this rank's share in calls of at most
+        `prompts_per_call` prompts, the same number of calls on every rank. After every call the ranks agree
+        (`agreed_call`): an engine failure (EngineFailure), an engine process's death (EngineDied) or any other
+        error (RolloutError) on any rank is raised on every rank, so train.py can checkpoint the last completed
+        step; so is a shortfall under on_shortfall="raise" (BatchShortfall). stop_requested(): asked after
+        every call (a collective, e.g. GracefulStop.requested); True raises RoundStopped on every rank.
+        progress: counts this rank's kept groups, advanced after every call (None: no display).
+        """
+        builder = self.builder
+        builder.start_step(step)
+        batch = RolloutBatch([], {}, SampleTotals())
+        shown = 0
+        while True:
+            everyone_full = self.dist.all_reduce([float(builder.full())], op="min")[0] > 0
+            if everyone_full or builder.rounds >= builder.max_rounds:
+                break
+            groups = []
+            for call, part, params in self._calls(step):
+                generate = functools.partial(
+                    generate_call, self.engine, part, params, self.tokenizer, self.reward, step
+                )
+                new, gen_s, score_s = agreed_call(self.dist, step, builder.rounds + 1, generate)
+                batch.generate_s += gen_s
+                batch.score_s += score_s
+                groups.extend(new)
+                shown = _after_call(step, builder, groups, call, progress, shown, stop_requested)
+            builder.add_round(groups)
+            batch.generated = batch.generated + SampleTotals.of(groups)
+        _refuse_shortfall(step, builder, self.dist)
+        batch.groups, batch.filter_stats = builder.finish()
+        return batch
+
+    def _calls(self, step: int) -> list[tuple[tuple[int, int], list[PromptExample], SamplingParams]]:
+        """The next round's calls: ((number, of), prompts, params). A seed derived from (seed, step, round,
+        rank) makes every round reproducible after a resume; each call after the first derives its own."""
+        seed = zlib.crc32(f"{self.params.seed}-{step}-{self.builder.rounds}-{self.dist.dp_rank}".encode())
+        round_params = dataclasses.replace(self.params, seed=seed)
+        examples = self.sampler.next_batch(self.prompts_per_round)
+        chunk = self.prompts_per_call or max(len(examples), 1)
+        parts = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
+        return [((c + 1, len(parts)), part, call_params(round_params, c)) for c, part in enumerate(parts)]
+
+
+def _after_call(
+    step: int,
+    builder: DynamicBatchBuilder[list[Sample]],
+    groups: list[RolloutGroup],
+    calls: tuple[int, int],
+    progress: Progress | None,
+    shown: int,
+    stop_requested: Callable[[], bool] | None,
+) -> int:
     """After call calls[0] of calls[1]: the display advanced to the groups kept so far (returned), and
     RoundStopped raised when a stop was requested."""
     if progress is not None:
@@ -137,7 +286,7 @@ def _after_call(step: int, builder, groups: list, calls: tuple[int, int], progre
     return shown
 
 
-def _refuse_shortfall(step: int, builder: DynamicBatchBuilder, dist_env: DistEnv) -> None:
+def _refuse_shortfall(step: int, builder: DynamicBatchBuilder[list[Sample]], dist_env: DistEnv) -> None:
     """BatchShortfall on every rank when any rank's batch is short and on_shortfall is "raise"."""
     if builder.on_shortfall == "raise":
         short = dist_env.all_reduce([float(not builder.full())], op="max", group="world")[0] > 0
@@ -147,63 +296,3 @@ def _refuse_shortfall(step: int, builder: DynamicBatchBuilder, dist_env: DistEnv
                 f"{builder.rounds} generation rounds (algorithm.on_shortfall = 'raise'); "
                 f"raise algorithm.max_num_gen_batches or set algorithm.on_shortfall = 'fill'"
             )
-
-
-def collect_batch(
-    step: int,
-    builder: DynamicBatchBuilder,
-    engine: Engine,
-    sampler: PromptSampler,
-    prompts_per_round: int,
-    params: SamplingParams,
-    tokenizer: Tokenizer,
-    reward: RewardSettings,
-    dist_env: DistEnv,
-    progress=None,
-    *,
-    prompts_per_call: int | None = None,
-    stop_requested: Callable[[], bool] | None = None,
-):
-    """Run generation rounds until every rank's builder is full or the round limit is reached.
-
-    A round draws `prompts_per_round` prompts and generates for this rank's share in calls of at most
-    `prompts_per_call` prompts (None: one call), the same number of calls on every rank.
-    Returns (groups for this rank's batch, diagnostics, {"generate": s, "score": s}); diagnostics are
-    the builder's plus "generated", the `sample_totals` of every sample this rank generated in the step.
-    After every call the ranks agree (`agreed_call`): an engine failure (EngineFailure), an engine
-    process's death (EngineDied) or any other error (RolloutError) on any rank is raised on every rank, so
-    train.py can checkpoint the last completed step; so is a shortfall under on_shortfall="raise"
-    (BatchShortfall). stop_requested(): asked after every call (a collective, e.g. GracefulStop.requested);
-    True raises RoundStopped on every rank.
-    progress: an observe.progress.Progress counting this rank's kept groups, advanced after every call
-    (None: no display).
-    """
-    builder.start_step(step)
-    seconds = {"generate": 0.0, "score": 0.0}
-    generated = sample_totals([])
-    shown = 0
-    while True:
-        everyone_full = dist_env.all_reduce([float(builder.full())], op="min")[0] > 0
-        if everyone_full or builder.rounds >= builder.max_rounds:
-            break
-        # A seed derived from (seed, step, round, rank) makes every round reproducible after a resume.
-        seed = zlib.crc32(f"{params.seed}-{step}-{builder.rounds}-{dist_env.dp_rank}".encode())
-        round_params = dataclasses.replace(params, seed=seed)
-        examples = sampler.next_batch(prompts_per_round)
-        chunk = prompts_per_call or max(len(examples), 1)
-        parts = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
-        groups = []
-        for call, part in enumerate(parts):
-            generate = functools.partial(
-                generate_call, engine, part, call_params(round_params, call), tokenizer, reward, step
-            )
-            new, gen_s, score_s = agreed_call(dist_env, step, builder.rounds + 1, generate)
-            seconds["generate"] += gen_s
-            seconds["score"] += score_s
-            groups.extend(new)
-            shown = _after_call(step, builder, groups, (call + 1, len(parts)), progress, shown, stop_requested)
-        builder.add_round(groups)
-        generated = add_totals(generated, sample_totals(groups))
-    _refuse_shortfall(step, builder, dist_env)
-    batch, diagnostics = builder.finish()
-    return batch, dict(diagnostics, generated=generated), seconds

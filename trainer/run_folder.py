@@ -29,16 +29,13 @@ import os
 import re
 import shutil
 
+from errors import RunFolderError
 from parallel.checkpoint import CheckpointManager
 from trainer.run_lock import FolderBusyError, FolderLock
 
 log = logging.getLogger("train")
 
 WARMUP_CHECKPOINTS = os.path.join("checkpoints", "warm-up")
-
-
-class RunFolderError(RuntimeError):
-    """The run folder cannot be used; raised before any work starts."""
 
 
 MIN_FREE_BYTES = 64 << 20
@@ -70,16 +67,7 @@ def prepare_run_folder(
     existed = os.path.lexists(path)
     _lock(lock, path)  # first: a folder another run holds is neither moved aside nor used
     if fresh and existed:
-        n = 1
-        while os.path.lexists(f"{path}.old-{n}"):
-            n += 1
-        try:
-            os.replace(path, f"{path}.old-{n}")
-        except OSError as exc:
-            raise RunFolderError(
-                f"--fresh: cannot move the earlier run folder {path} aside: {exc.strerror or exc}"
-            ) from exc
-        log.warning("--fresh: moved the earlier run folder to %s.old-%d (delete it when no longer needed)", path, n)
+        _move_aside(path)
     earlier = earlier_checkpoints(path)
     if not resume and earlier:
         raise RunFolderError(
@@ -88,6 +76,29 @@ def prepare_run_folder(
             f"aside), set checkpoint.resume = true to continue that run, or choose another "
             f"job.name or job.run_dir"
         )
+    _make_writable_folder(path)
+    _lock(lock, path)  # the new folder, when --fresh moved the earlier one (and its lock file) aside
+    _check_room(path, min_free_bytes)
+    _snapshot_config(path, config_dict)
+    return path
+
+
+def _move_aside(path: str) -> None:
+    """Rename the earlier run folder to the first free `<path>.old-<n>` (never deleted), saying where."""
+    n = 1
+    while os.path.lexists(f"{path}.old-{n}"):
+        n += 1
+    try:
+        os.replace(path, f"{path}.old-{n}")
+    except OSError as exc:
+        raise RunFolderError(
+            f"--fresh: cannot move the earlier run folder {path} aside: {exc.strerror or exc}"
+        ) from exc
+    log.warning("--fresh: moved the earlier run folder to %s.old-%d (delete it when no longer needed)", path, n)
+
+
+def _make_writable_folder(path: str) -> None:
+    """Create the folder if needed and prove it is writable by writing and removing a probe file."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".write_probe")
@@ -96,15 +107,16 @@ def prepare_run_folder(
         os.remove(probe)
     except OSError as exc:
         raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
-    _lock(lock, path)  # the new folder, when --fresh moved the earlier one (and its lock file) aside
+
+
+def _check_room(path: str, min_free_bytes: int) -> None:
+    """Refuse a folder on a disk with less than `min_free_bytes` free."""
     free = shutil.disk_usage(path).free
     if free < min_free_bytes:
         raise RunFolderError(
             f"run folder {path} has only {free >> 20} MiB free; at least "
             f"{min_free_bytes >> 20} MiB are needed for metrics and checkpoints"
         )
-    _snapshot_config(path, config_dict)
-    return path
 
 
 def run_folder_path(run_dir: str, name: str) -> str:
@@ -204,6 +216,8 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
     reports = {}
     for file in glob.glob(os.path.join(path, "eval", "step_*.json")):
         match = re.search(r"step_(\d+)\.json$", file)
+        if match is None:
+            continue
         try:
             with open(file, encoding="utf-8") as f:
                 report = json.load(f)

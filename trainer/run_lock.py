@@ -22,13 +22,15 @@ import logging
 import os
 import socket
 
+from errors import RunFolderError
+
 log = logging.getLogger("train")
 
 LOCK_FILE = ".lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
-class FolderBusyError(RuntimeError):
+class FolderBusyError(RunFolderError):
     """Another live process holds the folder's lock."""
 
 
@@ -92,7 +94,7 @@ class FolderLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -8,29 +8,36 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from errors import RunStopped
 
 if TYPE_CHECKING:
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
 log = logging.getLogger("train")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopRequested(Exception):
-    """Raised by the loop after it saved a checkpoint in response to a signal."""
+class StopRequested(RunStopped):
+    """Raised by the loop after it saved a checkpoint in response to a signal (exit 130 for SIGINT, else 143)."""
 
     def __init__(self, signal_name: str, step: int, phase: str = "step"):
         super().__init__(f"stopped by {signal_name} after {phase} {step}")
         self.signal_name, self.step = signal_name, step
+        self.exit_code = 130 if signal_name == "SIGINT" else 143
+
+    def line(self) -> str:
+        return f"training {self}; a checkpoint was saved: run the same command again to resume"
 
 
 class GracefulStop:
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None  # what stopped the run (this process's signal, or another rank's)
         self.received: str | None = None  # the signal this process itself received
-        self._previous = {}
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> GracefulStop:
         for sig in SIGNALS:
@@ -42,7 +49,7 @@ class GracefulStop:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         # Only this process's own second signal exits at once: a stop first seen on another rank (launchers
         # do not deliver to every rank at the same instant) must not turn this rank's first one into it.

@@ -15,29 +15,38 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from model.logprob import DEFAULT_CHUNK
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
-from rl.correction import mismatch_metrics
 from rl.reward import overlong_filter_mask
+from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
+from trainer.mismatch import Mismatch, MismatchProbe
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
-from trainer.policy import dapo_micro_batch_loss, micro_batch_logprobs
 
 if TYPE_CHECKING:
     from config import Config
-    from config.schema import AlgorithmConfig, RolloutConfig, TrainingConfig
-    from trainer.distributed import DistEnv
+    from config.schema import AlgorithmConfig, OptimizerConfig, TrainingConfig
+    from model.qwen2 import Qwen2
+    from observe.progress import Progress
+    from parallel.dist_env import DistEnv
+    from trainer.scoring import RolloutGroup
 
 log = logging.getLogger(__name__)
 
 
 def pack_items_for_groups(
-    groups, *, adv_eps: float, norm_by_std: bool, overlong_filter: bool, group_offset: int = 0, step: int = 0
+    groups: list[RolloutGroup],
+    *,
+    adv_eps: float,
+    norm_by_std: bool,
+    overlong_filter: bool,
+    group_offset: int = 0,
+    step: int = 0,
 ) -> list[list[PackItem]]:
     """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
     out = []
@@ -110,7 +119,7 @@ def old_logprob_source(cfg: Config) -> str:
 
 
 def shares_prompts(cfg: Config, dist_env: DistEnv, device: torch.device) -> bool:
-    """Whether micro-batches hold one prompt copy per group (trainer/shared_prompt_attention.py): asked for,
+    """Whether micro-batches hold one prompt copy per group (model/shared_prompt_attention.py): asked for,
     and attention runs through SDPA on unsharded rows (FlexAttention's block mask and sequence-parallel rows
     are per document; compiled blocks are not checked with it)."""
     backend = cfg.model.attention_backend
@@ -130,7 +139,7 @@ def needs_recompute(mb: MicroBatch, source: str) -> bool:
 
 @torch.no_grad()
 def fill_old_logprobs(
-    model,
+    model: Qwen2,
     micro_batches: list[MicroBatch],
     temperature: float,
     chunk_size: int,
@@ -155,61 +164,142 @@ def fill_old_logprobs(
     return recomputed
 
 
-@dataclasses.dataclass
-class _StepTotals:
-    """What a step's updates add up: token-weighted metric sums, grad norms, update counts, the mismatch."""
-
-    measured: list  # (trainer log-probs at the step-start weights, micro-batch) pairs for the mismatch
-    sums: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(
-            ("loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens"), 0.0
-        )
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], opt: OptimizerConfig, *, foreach: bool | None = None
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` with the [optimizer] section's settings, and its schedule: a linear warm-up over
+    the first `warmup_steps` rollout steps that update the policy (TrainPhase.run), then constant (the
+    paper's schedule). foreach: torch's choice by default (the rehearsal names the one a run takes)."""
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=opt.lr,
+        betas=(opt.betas[0], opt.betas[1]),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        foreach=foreach,
     )
-    grad_norms: list[float] = dataclasses.field(default_factory=list)
-    skipped: int = 0
-    updates: int = 0
-    mismatch: dict[str, float] | None = None
+    warmup = max(1, opt.warmup_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
+@dataclasses.dataclass(frozen=True)
+class PassStats:
+    """One micro-batch's loss pass: its share of the mini-batch loss, and its token-weighted metric sums."""
+
+    loss: float
+    pg_clipfrac: float  # clipped tokens' share x valid tokens
+    pg_clipfrac_lower: float
+    ppo_kl: float
+    entropy_sum: float
+    token_prob_sum: float
+    valid_tokens: float
+
+
+@dataclasses.dataclass
+class StepSums:
+    """What a step's loss passes add up to on this rank; `loss`: the mini-batch losses, each summed over
+    every rank (`end_mini_batch`)."""
+
+    loss: float = 0.0
+    pg_clipfrac: float = 0.0
+    pg_clipfrac_lower: float = 0.0
+    ppo_kl: float = 0.0
+    entropy_sum: float = 0.0
+    token_prob_sum: float = 0.0
+    valid_tokens: float = 0.0
+    mini_batch_loss: float = 0.0  # this rank's share of the current mini-batch's loss
+
+    def add(self, stats: PassStats) -> None:
+        self.mini_batch_loss += stats.loss
+        for name in _METRIC_SUMS:
+            setattr(self, name, getattr(self, name) + getattr(stats, name))
+
+    def end_mini_batch(self, dist_env: DistEnv) -> None:
+        """The mini-batch's loss: its micro-batches' shares summed over every rank (a collective)."""
+        self.loss += dist_env.all_reduce([self.mini_batch_loss])[0]
+        self.mini_batch_loss = 0.0
+
+    def over_ranks(self, dist_env: DistEnv) -> StepSums:
+        """The metric sums over every rank (one all-reduce; the loss is reduced already)."""
+        reduced = dist_env.all_reduce([getattr(self, name) for name in _METRIC_SUMS])
+        return StepSums(self.loss, **dict(zip(_METRIC_SUMS, reduced)))
+
+
+_METRIC_SUMS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStats:
+    """The training phase of one step, as it is logged (`metrics`): per-token means over every rank's
+    trained tokens (NaN without any), per-update means, and the engine/trainer mismatch."""
+
+    loss: float
+    pg_clipfrac: float
+    pg_clipfrac_lower: float
+    ppo_kl: float
+    entropy: float
+    token_prob_mean: float
+    grad_norm: float
+    updates_skipped_nonfinite: int
+    updates: int
+    lr: float  # the rate this step ran at
+    train_tokens: float  # valid tokens trained on, per epoch
+    mismatch: Mismatch
+    nonfinite_in_a_row: int  # skipped updates in a row at the step's end, counted across steps
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss": self.loss,
+            "pg_clipfrac": self.pg_clipfrac,
+            "pg_clipfrac_lower": self.pg_clipfrac_lower,
+            "ppo_kl": self.ppo_kl,
+            "entropy": self.entropy,
+            "token_prob/mean": self.token_prob_mean,
+            "grad_norm": self.grad_norm,
+            "updates_skipped_nonfinite": self.updates_skipped_nonfinite,
+            "updates": self.updates,
+            "lr": self.lr,
+            "train_tokens": self.train_tokens,
+            **self.mismatch.metrics(),
+        }
 
 
 class TrainPhase:
-    """Holds what the updates need across steps: model, optimizer, scheduler and the settings.
+    """The updates of a step, built once from the run's sections (`from_config`) and called with data.
 
-    training, algorithm, rollout: the [training], [algorithm] and [rollout] sections (the rollout's
-    temperature and maximum response length); grad_clip: optimizer.grad_clip; old_logprobs: where pi_old
-    comes from (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`).
-    `from_config` derives them all from the whole configuration.
+    model, optimizer, scheduler: the policy and its AdamW (`build_optimizer`); loss: the DAPO loss
+    (trainer/losses.py); training: the [training] section; algorithm: the [algorithm] section (advantage and
+    overlong-filter settings); grad_clip: optimizer.grad_clip; old_logprobs: where pi_old comes from
+    (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`).
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Qwen2,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         dist_env: DistEnv,
-        device: torch.device,
+        loss: DAPOLoss,
         *,
         training: TrainingConfig,
         algorithm: AlgorithmConfig,
-        rollout: RolloutConfig,
         grad_clip: float,
         old_logprobs: str,
         share_prompts: bool,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.dist, self.device = dist_env, device
-        self.training, self.algorithm, self.rollout = training, algorithm, rollout
+        self.dist, self.device, self.loss = dist_env, dist_env.device, loss
+        self.training, self.algorithm = training, algorithm
         self.grad_clip, self.old_logprobs, self.share_prompts = grad_clip, old_logprobs, share_prompts
-        self.nonfinite_in_a_row = 0
 
     @classmethod
     def from_config(
         cls,
-        model: torch.nn.Module,
+        model: Qwen2,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         cfg: Config,
         dist_env: DistEnv,
-        device: torch.device,
     ) -> TrainPhase:
         """The phase with the sections and decisions of `cfg` it reads."""
         return cls(
@@ -217,56 +307,92 @@ class TrainPhase:
             optimizer,
             scheduler,
             dist_env,
-            device,
+            DAPOLoss.from_config(cfg.algorithm, cfg.rollout),
             training=cfg.training,
             algorithm=cfg.algorithm,
-            rollout=cfg.rollout,
             grad_clip=cfg.optimizer.grad_clip,
             old_logprobs=old_logprob_source(cfg),
-            share_prompts=shares_prompts(cfg, dist_env, device),
+            share_prompts=shares_prompts(cfg, dist_env, dist_env.device),
         )
 
-    def run(self, step: int, groups, progress=None) -> dict[str, float]:
+    def run(
+        self, step: int, groups: list[RolloutGroup], nonfinite_in_a_row: int = 0, progress: Progress | None = None
+    ) -> TrainStats:
         """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
-        training metrics (reduced over ranks). progress: an observe.progress.Progress, set to the number
-        of micro-batches to run and advanced after each (None: no display)."""
+        training metrics (reduced over ranks). nonfinite_in_a_row: skipped updates in a row before this step.
+        progress: set to the number of micro-batches to run and advanced after each (None: no display)."""
         mini_batches = self._mini_batches(step, groups)
         self.model.train()
-        source = self.old_logprobs
-        # Every rank runs as many old-log-prob forwards as the rank that needs the most (FSDP collectives).
-        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
-        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
-        recomputed = [
-            fill_old_logprobs(self.model, mbs, self.temperature, DEFAULT_CHUNK, source, at_least=int(m))
-            for mbs, m in zip(mini_batches, most)
-        ]
-        # Engine vs trainer log-probs: from the recomputed pi_old, or, where the engine's were taken, from the
-        # first mini-batch's loss pass (the weights have not moved yet there, so its log-probs are pi_old).
-        totals = _StepTotals(measured=[(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
-        fresh_first = [mb for mb in mini_batches[0] if not any(mb is r for r in recomputed[0])] if mini_batches else []
+        probe = MismatchProbe()
+        recomputed = self._fill_old_logprobs(mini_batches, probe)
         if progress is not None:
             progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
+        sums, grad_norms, outcomes = StepSums(), [], []
         for epoch in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
-                first = epoch == 0 and index == 0
-                self._update(step, index, mbs, totals, fresh_first if first else [], source, first, progress)
-        if totals.mismatch is None:  # the first mini-batch was not trained on: only recomputed log-probs measure it
-            totals.mismatch = self._mismatch([(mb.old_logp, mb) for mbs in recomputed for mb in mbs])
+                counts = self._global_counts(mbs)
+                if counts.seqs == 0:
+                    # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
+                    # left it empty, or overlong filtering masked every sample. No update, and nothing that
+                    # would enter the logged loss or grad norm as a zero.
+                    if progress is not None:
+                        progress.update(len(mbs))
+                    continue
+                # Where the engine's log-probs serve as pi_old, the step's first loss passes measure the gap:
+                # the weights have not moved yet, so their log-probs are pi_old.
+                fresh = [mb for mb in mbs if not any(mb is r for r in recomputed)] if epoch == index == 0 else []
+                for micro_index, mb in enumerate(mbs):
+                    stats, logp = self._loss_pass(mb, counts)
+                    sums.add(stats)
+                    if any(mb is m for m in fresh):
+                        probe.add(logp, mb)
+                    self._report_pass(step, index, micro_index, stats, progress)
+                sums.end_mini_batch(self.dist)
+                norm = self._optimizer_step(step, index)
+                outcomes.append(norm is not None)
+                grad_norms += [norm] if norm is not None else []
+        mismatch = probe.result(self.dist)
+        self._warn_if_rollout_logprobs_differ(step, mismatch)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
-        if totals.updates > totals.skipped:
+        if any(outcomes):
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
             # up warm-up either; the schedule's position is checkpointed with it.
             self.scheduler.step()
-        return self._summary(totals, lr)
+        in_a_row = nonfinite_in_a_row
+        for finite in outcomes:
+            in_a_row = 0 if finite else in_a_row + 1
+        return self._stats(sums.over_ranks(self.dist), grad_norms, outcomes, lr, mismatch, in_a_row)
 
-    @property
-    def temperature(self) -> float:
-        """The sampling temperature the log-probs are taken at (1 for greedy rollouts)."""
-        return self.rollout.temperature if self.rollout.temperature > 0 else 1.0
+    def _fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], probe: MismatchProbe) -> list[MicroBatch]:
+        """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones measure
+        the engine/trainer gap. Every rank runs as many forwards as the rank that needs the most (FSDP)."""
+        source = self.old_logprobs
+        needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
+        most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
+        temperature, chunk = self.loss.temperature, self.loss.chunk_size
+        recomputed = [
+            mb
+            for mbs, m in zip(mini_batches, most)
+            for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
+        ]
+        for mb in recomputed:
+            assert mb.old_logp is not None  # just filled
+            probe.add(mb.old_logp, mb)
+        return recomputed
 
-    def _mini_batches(self, step: int, groups) -> list[list[MicroBatch]]:
+    def _warn_if_rollout_logprobs_differ(self, step: int, mismatch: Mismatch) -> None:
+        if self.old_logprobs == "rollout" and mismatch.max_abs_logp > ROLLOUT_LOGP_TOLERANCE:
+            log.warning(
+                "step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
+                "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'",
+                step,
+                mismatch.max_abs_logp,
+                self.algorithm.old_logprobs,
+            )
+
+    def _mini_batches(self, step: int, groups: list[RolloutGroup]) -> list[list[MicroBatch]]:
         """This rank's groups as packed micro-batches per mini-batch, on the device, as many on every rank."""
         alg = self.algorithm
         num_updates = self.training.train_batch_size // self.training.mini_batch_size
@@ -281,149 +407,71 @@ class TrainPhase:
         )
         mini_batches = []
         for mini in split_into_mini_batches(items, num_updates):
-            mbs = (
-                pack_micro_batches(
-                    mini,
-                    self.training.micro_batch_tokens,
-                    self.dist.dims.tp,
-                    share_prompts=self.share_prompts,
-                )
-                if mini
-                else []
-            )
+            tokens, tp = self.training.micro_batch_tokens, self.dist.dims.tp
+            mbs = pack_micro_batches(mini, tokens, tp, share_prompts=self.share_prompts) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalize_micro_batch_count(mbs, self.dist)])
         return mini_batches
 
-    def _update(
+    @staticmethod
+    def _report_pass(step: int, index: int, micro_index: int, stats: PassStats, progress: Progress | None) -> None:
+        if not math.isfinite(stats.loss):
+            log.warning(
+                "step %d: non-finite loss %s in mini-batch %d, micro-batch %d", step, stats.loss, index, micro_index
+            )
+        if progress is not None:
+            progress.update(1)
+
+    def _loss_pass(self, mb: MicroBatch, counts: GlobalCounts) -> tuple[PassStats, torch.Tensor]:
+        """Forward, the DAPO loss, backward: the pass's statistics (one host read of its loss) and log-probs."""
+        loss, metrics = self.loss(self.model, mb, counts)
+        loss.backward()
+        n = float(metrics["num_tokens"])
+        stats = PassStats(
+            loss=loss.item(),  # the micro-batch's one host sync for its loss
+            pg_clipfrac=float(metrics["pg_clipfrac"]) * n,
+            pg_clipfrac_lower=float(metrics["pg_clipfrac_lower"]) * n,
+            ppo_kl=float(metrics["ppo_kl"]) * n,
+            entropy_sum=float(metrics["entropy_sum"]),
+            token_prob_sum=float(metrics["token_prob_sum"]),
+            valid_tokens=float(metrics["valid_tokens"]),
+        )
+        return stats, metrics["logp"]
+
+    def _stats(
         self,
-        step: int,
-        index: int,
-        mbs: list[MicroBatch],
-        totals: _StepTotals,
-        fresh: list[MicroBatch],
-        source: str,
-        first: bool,
-        progress,
-    ) -> None:
-        """One mini-batch: the DAPO loss over its micro-batches (global counts), then clip and AdamW step.
-        fresh: micro-batches whose loss pass measures the engine/trainer mismatch (first: the step's first)."""
-        alg = self.algorithm
-        tokens, seqs, groups_here = self._local_counts(mbs)
-        g_tokens, g_seqs, g_groups = self.dist.all_reduce([tokens, seqs, groups_here])
-        if g_seqs == 0:
-            # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
-            # left it empty, or overlong filtering masked every sample. No update, and nothing that
-            # would enter the logged loss or grad norm as a zero.
-            if progress is not None:
-                progress.update(len(mbs))
-            return
-        totals.updates += 1
-        loss_total = 0.0
-        for micro_index, mb in enumerate(mbs):
-            loss, metrics = dapo_micro_batch_loss(
-                self.model,
-                mb,
-                global_num_tokens=g_tokens,
-                global_num_seqs=g_seqs,
-                global_num_groups=g_groups,
-                temperature=self.temperature,
-                clip_low=alg.clip_low,
-                clip_high=alg.clip_high,
-                clip_c=alg.clip_c,
-                agg=alg.loss_agg,
-                truncated_is=alg.truncated_is,
-                is_cap=alg.truncated_is_cap,
-                norm_len=self.rollout.max_response_length,
-                chunk_size=DEFAULT_CHUNK,
-            )
-            loss.backward()
-            if any(mb is m for m in fresh):
-                totals.measured.append((metrics["logp"], mb))
-            loss_value = loss.item()  # the micro-batch's one host sync for its loss
-            loss_total += loss_value
-            n = float(metrics["num_tokens"])
-            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                totals.sums[key] += float(metrics[key]) * n
-            for key in ("entropy_sum", "token_prob_sum", "valid_tokens"):
-                totals.sums[key] += float(metrics[key])
-            if not math.isfinite(loss_value):
-                log.warning(
-                    "step %d: non-finite loss %s in mini-batch %d, micro-batch %d", step, loss_value, index, micro_index
-                )
-            if progress is not None:
-                progress.update(1)
-        totals.sums["loss"] += self.dist.all_reduce([loss_total])[0]
-        if first:
-            totals.mismatch = self._mismatch(totals.measured)
-            if source == "rollout" and totals.mismatch["mismatch/max_abs_logp"] > ROLLOUT_LOGP_TOLERANCE:
-                log.warning(
-                    "step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
-                    "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'",
-                    step,
-                    totals.mismatch["mismatch/max_abs_logp"],
-                    alg.old_logprobs,
-                )
-        grad_norm = self._clip_and_step(step, index)
-        if grad_norm is None:
-            totals.skipped += 1
-        else:
-            totals.grad_norms.append(grad_norm)
+        sums: StepSums,
+        grad_norms: list[float],
+        outcomes: list[bool],
+        lr: float,
+        mismatch: Mismatch,
+        nonfinite_in_a_row: int,
+    ) -> TrainStats:
+        """The step's training metrics from its sums over every rank."""
+        tokens = sums.valid_tokens
+        nan = math.nan  # no token was trained on
 
-    def _summary(self, totals: _StepTotals, lr: float) -> dict[str, float]:
-        """The step's training metrics: token-weighted means over every rank, per-update means."""
-        # Every rank contributed its token-weighted sums; "loss" is already reduced.
-        sums = dict(totals.sums)
-        loss_sum = sums.pop("loss")
-        reduced = dict(zip(sums, self.dist.all_reduce(list(sums.values()))))
-        reduced["loss"] = loss_sum
-        tokens = reduced.pop("valid_tokens")
-        per_token = (lambda x: x / tokens) if tokens else (lambda x: math.nan)  # NaN: no token was trained on
-        updates, grad_norms = totals.updates, totals.grad_norms
-        return {
-            "loss": reduced["loss"] / updates if updates else math.nan,
-            "pg_clipfrac": per_token(reduced["pg_clipfrac"]),
-            "pg_clipfrac_lower": per_token(reduced["pg_clipfrac_lower"]),
-            "ppo_kl": per_token(reduced["ppo_kl"]),
-            "entropy": per_token(reduced["entropy_sum"]),
-            "token_prob/mean": per_token(reduced["token_prob_sum"]),
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-            "updates_skipped_nonfinite": totals.skipped,
-            "updates": updates,
-            "lr": lr,
-            "train_tokens": tokens / self.training.ppo_epochs,
-            **totals.mismatch,
-        }
+        def per_token(x: float) -> float:
+            return x / tokens if tokens else nan
 
-    def _mismatch(self, measured: list[tuple[torch.Tensor, MicroBatch]]) -> dict[str, float]:
-        """Engine vs trainer log-probs of the same tokens (rl/correction.py), over all ranks' tokens.
-        measured: (the trainer's log-probs at the step-start weights [S, L], their micro-batch) pairs."""
-        sums = [0.0, 0.0, 0.0, 0.0]  # tokens, |delta| sum, k3 sum, |delta p| > 0.1 count
-        worst = 0.0
-        for trainer_logp, mb in measured:
-            # Fresh samples only: carried-over ones differ by design (an older policy drew them).
-            m = mismatch_metrics(trainer_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
-            n = float(m["mismatch_num_tokens"])
-            sums[0] += n
-            sums[1] += float(m["mismatch_abs_logp_mean"]) * n
-            sums[2] += float(m["mismatch_k3_kl"]) * n
-            sums[3] += float(m["mismatch_prob_diff_frac"]) * n
-            worst = max(worst, float(m["mismatch_abs_logp_max"]))
-        tokens, abs_sum, k3_sum, far = self.dist.all_reduce(sums)
-        worst = self.dist.all_reduce([worst], op="max")[0]
-        if not tokens:  # no fresh sample to compare: nothing measured
-            return dict.fromkeys(
-                ("mismatch/mean_abs_logp", "mismatch/max_abs_logp", "mismatch/k3_kl", "mismatch/prob_diff_gt_0.1"),
-                math.nan,
-            )
-        return {
-            "mismatch/mean_abs_logp": abs_sum / tokens,
-            "mismatch/max_abs_logp": worst,
-            "mismatch/k3_kl": k3_sum / tokens,
-            "mismatch/prob_diff_gt_0.1": far / tokens,
-        }
+        updates = len(outcomes)
+        return TrainStats(
+            loss=sums.loss / updates if updates else nan,
+            pg_clipfrac=per_token(sums.pg_clipfrac),
+            pg_clipfrac_lower=per_token(sums.pg_clipfrac_lower),
+            ppo_kl=per_token(sums.ppo_kl),
+            entropy=per_token(sums.entropy_sum),
+            token_prob_mean=per_token(sums.token_prob_sum),
+            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else nan,
+            updates_skipped_nonfinite=outcomes.count(False),
+            updates=updates,
+            lr=lr,
+            train_tokens=tokens / self.training.ppo_epochs,
+            mismatch=mismatch,
+            nonfinite_in_a_row=nonfinite_in_a_row,
+        )
 
-    def _local_counts(self, mbs: list[MicroBatch]) -> tuple[float, float, float]:
-        """Loss tokens, sequences and groups of this rank's mini-batch. Sequences and groups count only
+    def _global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:
+        """Loss tokens, sequences and groups of the mini-batch over every rank. Sequences and groups count only
         those with a loss token (rl/loss.py): overlong-filtered samples and padding rows are left out."""
         tokens, seqs, groups = 0.0, 0.0, set()
         for mb in mbs:
@@ -432,9 +480,9 @@ class TrainPhase:
             tokens += float(valid.sum())
             seqs += float(rows.sum())
             groups.update(mb.group_ids[rows.to(mb.group_ids.device)].tolist())
-        return tokens, seqs, float(len(groups))
+        return GlobalCounts(*self.dist.all_reduce([tokens, seqs, float(len(groups))]))
 
-    def _clip_and_step(self, step: int, index: int) -> float | None:
+    def _optimizer_step(self, step: int, index: int) -> float | None:
         """Clip the global grad norm and step; returns the norm, or None for a skipped update.
 
         A non-finite gradient norm skips the update (the weights and AdamW's state stay as they were) and
@@ -446,16 +494,8 @@ class TrainPhase:
         norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_in_a_row += 1
-            log.warning(
-                "step %d, mini-batch %d: non-finite gradient norm %s; update skipped (%d in a row)",
-                step,
-                index,
-                norm,
-                self.nonfinite_in_a_row,
-            )
+            log.warning("step %d, mini-batch %d: non-finite gradient norm %s; update skipped", step, index, norm)
             return None
-        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         after = nonfinite_state(self.model)

@@ -17,7 +17,12 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from config import Config
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def _cxx_compiler_found() -> bool:
     return True
 
 
-def probe_machine(environ=None) -> Machine:
+def probe_machine(environ: Mapping[str, str] | None = None) -> Machine:
     """This process's machine: CUDA devices, the sglang release, a C++ compiler, torchrun's process counts."""
     import torch
 
@@ -92,23 +97,23 @@ def _round_up(value: int, multiple: int) -> int:
 class _Fixer:
     """The configuration as the fixes so far leave it: `value` reads a key, `fix` records a change."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.fixes: list[Fix] = []
         self.current: dict[str, object] = {}
 
-    def value(self, key: str):
+    def value(self, key: str) -> Any:
         if key in self.current:
             return self.current[key]
         section, name = key.split(".")
         return getattr(getattr(self.cfg, section), name)
 
-    def fix(self, key: str, runs, reason: str) -> None:
+    def fix(self, key: str, runs: object, reason: str) -> None:
         self.fixes.append(Fix(key, self.value(key), runs, reason))
         self.current[key] = runs
 
 
-def machine_fixes(cfg, machine: Machine) -> tuple[list[Fix], list[str]]:
+def machine_fixes(cfg: Config, machine: Machine) -> tuple[list[Fix], list[str]]:
     """(settings to change, launch problems) for running `cfg` on `machine`; both empty when it runs as is.
 
     Each rule sees the fixes before it applied (e.g. once the engine is the torch engine, SGLang's tensor
@@ -235,7 +240,8 @@ def _fix_precision(fixer: _Fixer, machine: Machine) -> None:
         )
     # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
     if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
-        has = "compute capability {}.{}".format(*machine.cuda_capability) if cuda else "no CUDA GPU"
+        capability = machine.cuda_capability
+        has = f"compute capability {capability[0]}.{capability[1]}" if cuda and capability else "no CUDA GPU"
         fix(
             "parallelism.float8",
             False,

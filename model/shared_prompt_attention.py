@@ -39,7 +39,7 @@ class SharedPromptContext:
     """prompt_segments [G, 2] (start, length) and response_segments [S, 3] (start, length, prompt index) of
     one packed row of `length` tokens; together they cover every row position exactly once."""
 
-    def __init__(self, prompt_segments: torch.Tensor, response_segments: torch.Tensor, length: int):
+    def __init__(self, prompt_segments: torch.Tensor, response_segments: torch.Tensor, length: int) -> None:
         self.prompt_index, self.prompt_valid = _runs(prompt_segments)
         self.has_responses = response_segments.shape[0] > 0
         covered = [self.prompt_index[self.prompt_valid]]
@@ -55,21 +55,21 @@ class SharedPromptContext:
             sees_response = causal.unsqueeze(0) & self.response_valid.unsqueeze(1)
             self.mask = torch.cat([sees_prompt, sees_response], dim=2).unsqueeze(1)  # [S, 1, query, key]
             covered.append(self.response_index[self.response_valid])
-        covered = torch.cat(covered)
-        if covered.numel() != length or not torch.equal(
-            covered.sort().values, torch.arange(length, device=covered.device)
+        positions = torch.cat(covered)
+        if positions.numel() != length or not torch.equal(
+            positions.sort().values, torch.arange(length, device=positions.device)
         ):
             raise ValueError(f"the prompt and response segments must cover the row's {length} positions once each")
-        self.order = covered.argsort()  # outputs are produced prompts first, responses after
+        self.order = positions.argsort()  # outputs are produced prompts first, responses after
 
-    def attend(self, layer_id: int, q, k, v):
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, H, T, D], k and v [1, H_kv, T, D] -> [1, H, T, D]."""
         if q.shape[0] != 1:
             raise ValueError(f"a shared-prompt row is one packed row, got a batch of {q.shape[0]}")
         gqa = q.shape[1] != k.shape[1]
         q, k, v = (x[0].transpose(0, 1) for x in (q, k, v))  # [T, heads, D]
 
-        def runs(x, index):  # [T, heads, D] -> [runs, heads, longest, D]
+        def runs(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [T, heads, D] -> [runs, heads, longest, D]
             return x[index].transpose(1, 2)
 
         index = self.prompt_index

@@ -1,6 +1,6 @@
 """Host-memory ledger of a colocated run, phase by phase, per rank and per node.
 
-The GPU ledger (trainer/memory_ledger.py) keeps apart what the trainer holds in host memory; this ledger
+The GPU ledger (preflight/gpu_ledger.py) keeps apart what the trainer holds in host memory; this ledger
 adds what else lives there. For each phase, one rank (its process and its GPU's share of the engine):
 
     process     the trainer process itself: interpreter, torch, CUDA and NCCL host state (assumed:
@@ -49,8 +49,14 @@ so they pass through the page cache once per node; the run's own checkpoints pas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from trainer.memory_ledger import GB, PhaseRow
+from preflight.gpu_ledger import GB, PhaseRow
+
+if TYPE_CHECKING:
+    from config import Config
+    from model.args import ModelArgs
+    from model.qwen2 import Qwen2
 
 HOST_PARTS = ("process", "load", "params", "grads", "optimizer", "temps", "staging", "engine")
 _LABELS = {"optimizer": "optim"}
@@ -98,7 +104,15 @@ class HostLedger:
     rows: list[HostRow] = field(default_factory=list)
 
     @classmethod
-    def of(cls, gpu_rows: list[PhaseRow], node_bytes: int, facts: HostFacts, *, offload: bool, device_is_host=False):
+    def of(
+        cls,
+        gpu_rows: list[PhaseRow],
+        node_bytes: int,
+        facts: HostFacts,
+        *,
+        offload: bool,
+        device_is_host: bool = False,
+    ) -> HostLedger:
         ledger = cls(node_bytes, facts, offload, device_is_host)
         for row in gpu_rows:
             ledger.add(row)
@@ -175,7 +189,7 @@ class HostLedger:
         }
 
 
-def host_facts(cfg, policy, args) -> HostFacts:
+def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     """The HostFacts of the job `cfg` describes ([rehearse], [parallelism], [rollout], [model]), from this
     rank's (possibly fake) sharded `policy` of architecture `args`."""
     from torch.distributed.tensor import DTensor
@@ -183,7 +197,7 @@ def host_facts(cfg, policy, args) -> HostFacts:
     from model.args import num_params
     from model.hf_adapter import DTYPES
     from parallel.hf_load import load_transient_bytes
-    from trainer.disk_needs import checkpoint_dtype_and_bytes
+    from preflight.disk_needs import checkpoint_dtype_and_bytes
 
     reh, offload = cfg.rehearse, cfg.parallelism.cpu_offload
     process = int(reh.host_process_gb * GB)

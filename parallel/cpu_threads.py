@@ -20,6 +20,7 @@ job.cpu_threads there.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 
 def intra_op_threads(
@@ -41,7 +42,9 @@ def intra_op_threads(
     return threads, f"{node_cores} cores / {local_processes} processes on this node, for the CPU-offloaded optimizer"
 
 
-def set_intra_op_threads(configured: int, *, cpu_offload: bool, environ=None) -> tuple[int, str]:
+def set_intra_op_threads(
+    configured: int, *, cpu_offload: bool, environ: Mapping[str, str] | None = None
+) -> tuple[int, str]:
     """Apply `intra_op_threads` to this process (torch.set_num_threads); returns (threads now, why)."""
     import torch
 

@@ -14,10 +14,14 @@ A few KB per checkpoint (manifest, index, train state, RNG states) are not count
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.args import ModelArgs, num_params
+
+if TYPE_CHECKING:
+    from config import Config
 
 
 def checkpoint_dtype_and_bytes(hf_path: str, args: ModelArgs) -> tuple[torch.dtype, int]:
@@ -35,7 +39,7 @@ def checkpoint_dtype_and_bytes(hf_path: str, args: ModelArgs) -> tuple[torch.dty
     return dtype, sum(os.path.getsize(file) for file in set(layout.files.values()))
 
 
-def run_disk_bytes(cfg, args: ModelArgs) -> dict[str, int]:
+def run_disk_bytes(cfg: Config, args: ModelArgs) -> dict[str, int]:
     """Bytes by item of the module docstring, and their total, for configuration `cfg` of architecture `args`."""
     from model.hf_adapter import DTYPES
 

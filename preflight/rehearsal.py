@@ -5,21 +5,23 @@ This process plays rank 0 of an N-rank job (`[rehearse] world_size`) on PyTorch'
 data), so a 32B policy on 8 or 128 ranks needs seconds to minutes and no memory. It runs train.py's
 phases in their real order, through the functions train.py itself calls:
 
-    load + shard, engine start    trainer/setup.py build_policy_and_engine (the engine is a stand-in
-                                  that holds memory by the engine's rules, rollout/sglang_memory.py)
+    load + shard, engine start    train.py's build order (trainer/build.py build_policy_and_engine):
+                                  parallel/sharded_policy.py, then the engine of rollout/engine_spec.py as
+                                  a stand-in that holds memory by the engine's rules (rollout/sglang_memory.py)
     rollout                       engine.resume_memory(): the engine holds everything
     release                       engine.release_memory()
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
-    train: forward + backward     trainer/policy.py dapo_micro_batch_loss, backward
-    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, AdamW step, zero_grad
+    train: forward + backward     trainer/losses.py DAPOLoss, backward
+    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, trainer/update.py build_optimizer's
+                                  AdamW step, zero_grad
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        engine.resume_memory() at the next step's start
 
 PyTorch's memory trackers (torch.distributed._tools: MemTracker for the build, FSDPMemTracker after it)
-measure the trainer's tensors of each phase at its peak; trainer/memory_ledger.py adds the allocator's
+measure the trainer's tensors of each phase at its peak; preflight/gpu_ledger.py adds the allocator's
 reserve, the CUDA context and the engine's share and checks each phase against the GPU's memory;
-trainer/host_ledger.py adds what each rank and each node keeps in host memory (the checkpoint load, the
+preflight/host_ledger.py adds what each rank and each node keeps in host memory (the checkpoint load, the
 CPU-offloaded state in its pinned blocks, the processes) and checks each phase against a node's memory.
 The fake device is the CPU (FSDP cannot run fake CUDA tensors without CUDA): with cpu_offload the
 ledger moves parameters, gradients and optimizer state to host memory instead.
@@ -30,20 +32,36 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.args import ModelArgs, get_preset, num_params
-from trainer.disk_needs import run_disk_bytes
-from trainer.host_ledger import HostLedger, host_facts
-from trainer.memory_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
+from preflight.disk_needs import run_disk_bytes
+from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
+from preflight.host_ledger import HostLedger, host_facts
+from rollout.engine_spec import EngineSpec
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from config import Config
+    from model.qwen2 import Qwen2
+    from parallel.dist_env import DistEnv
+    from preflight.gpu_ledger import PhaseRow
+    from trainer.packing import MicroBatch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class RehearsalError(Exception):
     """A phase does not fit: the message names the phase and the shortfall."""
+
+    phases: _Phases | None = None  # the run up to the phase that failed (run_phases)
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -61,22 +79,22 @@ class EngineShare:
     flattens_buckets: bool = False  # a weight bucket is concatenated on the GPU before it is sent
 
 
-def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
+def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
     """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
     (rollout/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
     from rollout.sglang_engine import RELEASED_TAGS, context_length_for
     from rollout.sglang_memory import EngineMemoryError, plan_engine_memory
 
-    max_new = max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
+    ro = spec.rollout
     try:
         plan = plan_engine_memory(
             args,
-            tp_size=cfg.rollout.tp_size,
-            dtype_bytes=DTYPE_BYTES[cfg.rollout.dtype],
+            tp_size=ro.tp_size,
+            dtype_bytes=DTYPE_BYTES[ro.dtype],
             gpu_total_bytes=gpu_bytes,
             gpu_free_bytes_at_start=max(free_bytes, 0),
-            mem_fraction_static=cfg.rollout.mem_fraction_static,
-            context_length=context_length_for(cfg.data.max_prompt_length, max_new),
+            mem_fraction_static=ro.mem_fraction_static,
+            context_length=context_length_for(spec.max_prompt_length, spec.max_new_tokens),
         )
     except EngineMemoryError as exc:
         raise RehearsalError(
@@ -88,25 +106,23 @@ def sglang_share(cfg, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> Engin
         plan.other,
         tuple(RELEASED_TAGS),
         plan.kv_tokens,
-        f"SGLang TP {cfg.rollout.tp_size}: KV pool {plan.kv_tokens:,} tokens",
+        f"SGLang TP {ro.tp_size}: KV pool {plan.kv_tokens:,} tokens",
         flattens_buckets=True,  # SGLang's FlattenedTensorBucket (rollout/sglang_engine.py)
     )
 
 
-def torch_engine_share(cfg, args: ModelArgs) -> EngineShare:
+def torch_engine_share(spec: EngineSpec, args: ModelArgs) -> EngineShare:
     """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
     max_batch_size slots x the longest sequence that it frees while the trainer runs."""
-    nbytes = DTYPE_BYTES[cfg.rollout.dtype]
-    seq = cfg.data.max_prompt_length + max(cfg.rollout.max_response_length, cfg.eval.max_response_length or 0)
-    kv = 2 * args.num_layers * cfg.rollout.max_batch_size * args.num_kv_heads * seq * args.head_dim * nbytes
-    logits = cfg.rollout.max_batch_size * args.vocab_size * 4  # one decode step's fp32 logits
-    slots = cfg.rollout.max_batch_size * seq
+    nbytes, seq, batch = DTYPE_BYTES[spec.rollout.dtype], spec.max_seq_len, spec.rollout.max_batch_size
+    kv = 2 * args.num_layers * batch * args.num_kv_heads * seq * args.head_dim * nbytes
+    logits = batch * args.vocab_size * 4  # one decode step's fp32 logits
     return EngineShare(
         {"weights": num_params(args) * nbytes, "kv_cache": kv},
         logits,
         ("kv_cache",),
-        slots,
-        f"torch engine: KV cache {cfg.rollout.max_batch_size} x {seq} tokens",
+        batch * seq,
+        f"torch engine: KV cache {batch} x {seq} tokens",
     )
 
 
@@ -126,7 +142,7 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
-    def update_weights(self, named_tensors) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
         if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
@@ -139,21 +155,21 @@ class StandInEngine:
 # ---------------------------------------------------------------------------------------- the phases
 
 
-def _gpu_parts(tracker, kind: str) -> dict[str, int]:
+def _gpu_parts(tracker: MemTracker, kind: str) -> dict[str, int]:
     """The tracker's snapshot of the device that plays the GPU (the CPU; meta tensors hold no memory)."""
     snapshot = tracker.get_tracker_snapshot(kind)
     return parts_from_tracker(next((s for d, s in snapshot.items() if d.type == "cpu"), {}))
 
 
-def rehearsal_args(cfg) -> ModelArgs:
+def rehearsal_args(cfg: Config) -> ModelArgs:
     if cfg.model.hf_path:
-        from trainer.setup import policy_args
+        from parallel.sharded_policy import policy_args
 
         return policy_args(cfg.model)
     return get_preset(cfg.model.preset or cfg.rehearse.preset)
 
 
-def longest_micro_batch(cfg, device):
+def longest_micro_batch(cfg: Config, device: torch.device) -> MicroBatch:
     """The heaviest micro-batch the trainer meets: one sample filling training.micro_batch_tokens."""
     from trainer.packing import PackItem, pack
 
@@ -164,17 +180,17 @@ def longest_micro_batch(cfg, device):
     return replace(mb.to(device), document_ids=None)
 
 
-def run_phases(cfg, dist_env, ledger: MemoryLedger, *, fill: bool = False) -> _Phases:
+def run_phases(cfg: Config, dist_env: DistEnv, ledger: MemoryLedger, *, fill: bool = False) -> _Phases:
     """train.py's phases in order on `dist_env` (fake or real ranks); each phase becomes a ledger row.
     Returns the run (its `policy` and `engine`).
 
     Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool); the
     error's `phases` is the run so far.
     """
-    from trainer.memory import observe_cache_returns
+    from parallel.device_memory import observe_cache_returns
 
     run = _Phases(cfg, dist_env, ledger)
-    # train.py's return_cached_memory (trainer/memory.py) empties the allocator: the ledger's reserve follows.
+    # train.py's return_cached_memory (parallel/device_memory.py) empties the allocator: the ledger's reserve follows.
     with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
         try:
             run.build(fill)
@@ -189,7 +205,7 @@ class _Phases:
     """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
     FSDPMemTracker (which knows FSDP's parameter states) from then on."""
 
-    def __init__(self, cfg, dist_env, ledger: MemoryLedger):
+    def __init__(self, cfg: Config, dist_env: DistEnv, ledger: MemoryLedger):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         self.args = rehearsal_args(cfg)
@@ -197,8 +213,10 @@ class _Phases:
             cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (cfg.model.preset or cfg.rehearse.preset))
         )
         self.dist_env, self.ledger = dist_env, ledger
-        self.build_tracker, self.tracker = MemTracker(), None
-        self.policy = self.engine = None
+        self.build_tracker = MemTracker()
+        self.tracker: FSDPMemTracker | None = None  # from the build's end on
+        self.policy: Qwen2 | None = None
+        self.engine: StandInEngine | None = None
 
     def allocated_on_gpu(self) -> int:
         if self.tracker is not None:
@@ -206,7 +224,7 @@ class _Phases:
         # Until the engine starts, the build holds the sharded parameters: in host memory with cpu_offload.
         return 0 if self.ledger.offload else sum(_gpu_parts(self.build_tracker, "current").values())
 
-    def built(self, kind, policy):
+    def built(self, kind: str, policy: torch.nn.Module) -> tuple[dict[str, int], dict[str, int]]:
         """(GPU parts, host bytes) of the build: it allocates parameters only. Sharded parameters are in
         host memory with cpu_offload; unsharded ones are wherever the build put them: the device."""
         total = sum(_gpu_parts(self.build_tracker, kind).values())
@@ -217,21 +235,20 @@ class _Phases:
             host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
         return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), {"params": host}
 
-    def start_engine(self, cfg_, policy, device, max_prompt_length, dist_env_):
-        """build_policy_and_engine's engine: a stand-in sized from the memory free at this moment."""
-        from trainer.setup import DTYPES
-
+    def start_engine(self, policy: torch.nn.Module) -> StandInEngine:
+        """The engine train.py starts once the policy is sharded (rollout/engine_spec.py): a stand-in sized
+        from the memory free at this moment."""
         cfg, ledger = self.cfg, self.ledger
-        self.policy = policy
         peak, host = self.built("peak", policy)
         ledger.record("load + shard", peak, 0, host=host)
         now, host = self.built("current", policy)
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
-        if cfg.rollout.engine == "sglang":
-            share = sglang_share(cfg, self.args, ledger.gpu_bytes, free)
+        spec = EngineSpec.from_config(cfg)
+        if spec.kind == "sglang":
+            share = sglang_share(spec, self.args, ledger.gpu_bytes, free)
         else:
-            share = torch_engine_share(cfg, self.args)
-        engine = StandInEngine(share, DTYPES[cfg.rollout.dtype])
+            share = torch_engine_share(spec, self.args)
+        engine = StandInEngine(share, spec.dtype)
         row = ledger.record("engine start", now, engine.held(), share.note, host=host)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         if share.kv_tokens < longest:
@@ -244,16 +261,29 @@ class _Phases:
         return engine
 
     def build(self, fill: bool) -> None:
-        from trainer.setup import build_policy_and_engine
+        """train.py's build order (trainer/build.py build_policy_and_engine): the sharded policy (its values
+        only with `fill`: the memory of a rank's checkpoint read), the allocator's cache handed back, the engine."""
+        from parallel.device_memory import return_cached_memory
+        from parallel.sharded_policy import fill_policy, shard_policy
 
+        cfg = self.cfg
         with self.build_tracker:
-            self.policy, self.engine = build_policy_and_engine(
-                self.cfg, self.dist_env, start_engine=self.start_engine, fill=fill
-            )
-        parts, host = self.built("peak", self.policy)
-        self.ledger.record("build done", parts, self.engine.held(), host=host)
+            self.policy = policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env)
+            if fill:
+                fill_policy(policy, cfg.model, seed=cfg.job.seed)
+            return_cached_memory(self.dist_env)
+            self.engine = engine = self.start_engine(policy)
+        parts, host = self.built("peak", policy)
+        self.ledger.record("build done", parts, engine.held(), host=host)
 
-    def phase(self, name, fn, note="", on_host=HOST_PARTS_WHEN_OFFLOADED):
+    def phase(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        note: str = "",
+        on_host: tuple[str, ...] = HOST_PARTS_WHEN_OFFLOADED,
+    ) -> PhaseRow:
+        assert self.tracker is not None and self.engine is not None, "the phases after the build"
         self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
         with self.tracker:
             fn()
@@ -264,50 +294,33 @@ class _Phases:
         """One step of train.py's loop after the build (see the module docstring)."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        from model.logprob import DEFAULT_CHUNK
+        from parallel.device_memory import return_cached_memory
         from parallel.grad_clip import clip_grad_norm_
         from rollout.weight_sync import sync_weights
-        from trainer.memory import return_cached_memory
-        from trainer.policy import dapo_micro_batch_loss
-        from trainer.update import fill_old_logprobs
+        from trainer.losses import DAPOLoss, GlobalCounts
+        from trainer.update import build_optimizer, fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
-        opt, alg = cfg.optimizer, cfg.algorithm
+        assert policy is not None and engine is not None, "step() follows build()"
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
-        optimizer = torch.optim.AdamW(
-            policy.parameters(),
-            lr=opt.lr,
-            betas=tuple(opt.betas),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            foreach=not ledger.offload,
-        )
+        optimizer, _ = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not ledger.offload)
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        dapo_loss = DAPOLoss.from_config(cfg.algorithm, cfg.rollout)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
 
-        def train_micro_batch():
-            loss, _ = dapo_micro_batch_loss(
-                policy,
-                mb,
-                global_num_tokens=float(mb.targets.numel()),
-                global_num_seqs=1.0,
-                global_num_groups=1.0,
-                temperature=temperature,
-                clip_low=alg.clip_low,
-                clip_high=alg.clip_high,
-                clip_c=alg.clip_c,
-                agg=alg.loss_agg,
-                norm_len=cfg.rollout.max_response_length,
-                chunk_size=DEFAULT_CHUNK,
-            )
+        def old_logprobs() -> None:
+            fill_old_logprobs(policy, [mb], dapo_loss.temperature, dapo_loss.chunk_size)
+
+        def train_micro_batch() -> None:
+            loss, _ = dapo_loss(policy, mb, GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0))
             loss.backward()
 
-        def optimizer_step():
-            clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max(opt.grad_clip, 1e-6))
+        def optimizer_step() -> None:
+            grads = [p for p in policy.parameters() if p.grad is not None]
+            clip_grad_norm_(grads, max(cfg.optimizer.grad_clip, 1e-6))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -316,11 +329,11 @@ class _Phases:
         if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
             ledger.empty_cache(self.allocated_on_gpu())
         policy.train()
-        phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, DEFAULT_CHUNK), tokens)
+        phase("train: old log-probs", old_logprobs, tokens)
         phase("train: forward+backward", train_micro_batch, tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         phase("train: optimizer step", optimizer_step, on_host=(*HOST_PARTS_WHEN_OFFLOADED, "activations"))
-        # train.py hands the cached memory back before the engine maps memory again (trainer/memory.py).
+        # train.py hands the cached memory back before the engine maps memory again (parallel/device_memory.py).
         return_cached_memory(self.dist_env)
         phase(
             "weight sync",
@@ -331,7 +344,7 @@ class _Phases:
         phase("resume", engine.resume_memory)
 
 
-def _restart(tracker) -> None:
+def _restart(tracker: MemTracker) -> None:
     """Start a new peak on a tracker that is running (it measures the peak since it was entered)."""
     tracker.__exit__(None, None, None)
     tracker.__enter__()
@@ -341,7 +354,7 @@ def _restart(tracker) -> None:
 
 
 @contextlib.contextmanager
-def fake_job(world_size: int):
+def fake_job(world_size: int) -> Iterator[None]:
     """Rank 0 of a `world_size`-rank job on PyTorch's fake process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -368,7 +381,7 @@ def _forget_fake_meshes() -> None:
     _gen_transform_infos.cache_clear()
 
 
-def fake_tensor_mode():
+def fake_tensor_mode() -> FakeTensorMode:
     """FakeTensorMode in which plain tensors stay plain: an op whose tensor inputs are all real (the
     micro-batch's token ids, a meta-device module's parameters) runs for real; everything else, and
     every factory call off the meta device, is fake.
@@ -383,12 +396,12 @@ def fake_tensor_mode():
 
     meta = torch.device("meta")
 
-    def runs_for_real(args, kwargs) -> bool:
+    def runs_for_real(args: Sequence[object], kwargs: Mapping[str, object] | None) -> bool:
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
             return False
         device = (kwargs or {}).get("device")
-        if device is not None and torch.device(device) == meta:
+        if device is not None and torch.device(device) == meta:  # type: ignore[call-overload]  # a device spec
             return True
         if not tensors:
             return False  # a factory call: what the run allocates
@@ -396,17 +409,23 @@ def fake_tensor_mode():
         return device is None or not any(t.is_meta for t in tensors)
 
     class PlainStaysPlain(FakeTensorMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(
+            self,
+            func: torch._ops.OpOverload,
+            types: Sequence[type],
+            args: Sequence[object] = (),
+            kwargs: Mapping[str, object] | None = None,
+        ) -> object:
             if runs_for_real(args, kwargs):
                 with unset_fake_temporarily():
                     return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     return PlainStaysPlain(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
-def sharding_propagation_apart():
+def sharding_propagation_apart() -> Iterator[None]:
     """Let DTensor's sharding propagation use a fake mode of its own.
 
     It reuses the active fake mode when it finds one (torch.distributed.tensor._sharding_prop:
@@ -425,9 +444,9 @@ def sharding_propagation_apart():
         sharding_prop.detect_fake_mode = detect
 
 
-def fake_dist_env(cfg, world_size: int):
+def fake_dist_env(cfg: Config, world_size: int) -> DistEnv:
     from parallel.dims import ParallelDims
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
     par = cfg.parallelism
     dims = ParallelDims(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, world_size=world_size)
@@ -435,7 +454,7 @@ def fake_dist_env(cfg, world_size: int):
     return DistEnv(0, world_size, 0, torch.device("cpu"), dims)
 
 
-def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
+def rehearse(cfg: Config) -> tuple[MemoryLedger, HostLedger, str | None]:
     """The GPU and host ledgers of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, nodes of
     host_memory_gb, and the first failure (None when every phase ran and fits)."""
     from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
@@ -452,7 +471,9 @@ def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
             try:
                 run = run_phases(run_cfg, dist_env, ledger)
             except RehearsalError as exc:
+                assert exc.phases is not None  # run_phases attaches the run so far
                 failure, run = str(exc), exc.phases
+        assert run.policy is not None  # built before the engine, whose start is the first phase that can fail
         facts = host_facts(cfg, run.policy, run.args)  # shard shapes, on the fake mesh: no tensor is made
     host = HostLedger.of(ledger.rows, int(reh.host_memory_gb * GB), facts, offload=offload)
     if (row := ledger.first_overflow()) is not None:
@@ -461,20 +482,20 @@ def rehearse(cfg) -> tuple[MemoryLedger, HostLedger, str | None]:
             f"{(row.total - ledger.gpu_bytes) / GB:.1f} GB short"
         )
         failure = short if failure is None or failure.startswith(f"phase '{row.phase}'") else f"{short}; {failure}"
-    if (row := host.first_overflow()) is not None:
+    if (host_row := host.first_overflow()) is not None:
         short = (
-            f"host memory: phase '{row.phase}' needs {row.node / GB:.1f} GB of {host.node_bytes / GB:.0f} GB per "
-            f"node ({facts.ranks_per_node} ranks of {row.rank_total / GB:.1f} GB and the engines' processes): "
-            f"{(row.node - host.node_bytes) / GB:.1f} GB short"
+            f"host memory: phase '{host_row.phase}' needs {host_row.node / GB:.1f} GB of {host.node_bytes / GB:.0f} "
+            f"GB per node ({facts.ranks_per_node} ranks of {host_row.rank_total / GB:.1f} GB and the engines' "
+            f"processes): {(host_row.node - host.node_bytes) / GB:.1f} GB short"
         )
         failure = short if failure is None else f"{failure}; {short}"
     return ledger, host, failure
 
 
-def main(cfg) -> int:
+def main(cfg: Config) -> int:
     """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
     node's host memory (naming it and the shortfall)."""
-    from config import ConfigError
+    from errors import ConfigError
 
     reh = cfg.rehearse
     if not (cfg.model.hf_path or cfg.model.preset or reh.preset):

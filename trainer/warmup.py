@@ -16,29 +16,33 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel.checkpoint import CheckpointManager
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
+from trainer.losses import sft_micro_batch_loss
 from trainer.packing import PackItem, pack_micro_batches
-from trainer.policy import sft_micro_batch_loss
-from trainer.signals import StopRequested
+from trainer.phase_runner import Checkpointed, PhaseRunner
 from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
+    from config.schema import TrainingConfig
+    from model.qwen2 import Qwen2
     from model.tokenizer import Tokenizer
+    from observe.progress import Progress
+    from parallel.checkpoint import CheckpointManager
+    from parallel.dist_env import DistEnv
     from rl.data import PromptExample
-    from trainer.distributed import DistEnv
-    from trainer.signals import GracefulStop
 
 log = logging.getLogger("train")
 
 
 class SFTWarmup:
-    """Teacher forcing on solved examples, one AdamW step at a time; `done` steps so far.
+    """Teacher forcing on solved examples, one AdamW step at a time; `done` steps so far. Built once from the
+    [training] section (`from_config`), then run under a phase runner (`run`).
 
     Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
     (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
@@ -46,16 +50,15 @@ class SFTWarmup:
 
     def __init__(
         self,
-        model,
-        examples,
-        tokenizer,
+        model: Qwen2,
+        examples: Sequence[PromptExample],
+        tokenizer: Tokenizer,
+        dist_env: DistEnv,
         *,
         steps: int,
         batch_size: int,
         lr: float,
         micro_batch_tokens: int,
-        dist_env,
-        device,
         seed: int = 0,
         weight_decay: float = 0.0,
     ):
@@ -68,18 +71,45 @@ class SFTWarmup:
         if batch_size % dist_env.dp_size:
             raise ValueError(f"sft_batch_size {batch_size} does not divide over {dist_env.dp_size} data-parallel ranks")
         self.model, self.tokenizer, self.steps = model, tokenizer, steps
-        self.micro_batch_tokens, self.dist_env, self.device = micro_batch_tokens, dist_env, device
+        self.micro_batch_tokens, self.dist_env, self.device = micro_batch_tokens, dist_env, dist_env.device
         self.share = batch_size // dist_env.dp_size
         self.rng = random.Random(f"sft-{seed}-{dist_env.dp_rank}")
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 - 0.9 * s / max(1, steps))
         self.done = 0
 
-    def state_dict(self) -> dict:
+    @classmethod
+    def from_config(
+        cls,
+        training: TrainingConfig,
+        model: Qwen2,
+        examples: Sequence[PromptExample],
+        tokenizer: Tokenizer,
+        dist_env: DistEnv,
+        *,
+        seed: int,
+    ) -> SFTWarmup:
+        return cls(
+            model,
+            examples,
+            tokenizer,
+            dist_env,
+            steps=training.sft_warmup_steps,
+            batch_size=training.sft_batch_size,
+            lr=training.sft_lr,
+            micro_batch_tokens=training.micro_batch_tokens,
+            seed=seed,
+        )
+
+    def checkpointed(self) -> Checkpointed:
+        """What the warm-up's checkpoints hold besides `state_dict`: the model, its own AdamW and schedule."""
+        return Checkpointed(self.model, self.optimizer, self.schedule)
+
+    def state_dict(self) -> dict[str, Any]:
         """What the model, optimizer and schedule do not hold: the step count and the batch sampler's RNG."""
         return {"done": self.done, "rng": self.rng.getstate()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = state["done"]
         self.rng.setstate(state["rng"])
 
@@ -88,7 +118,7 @@ class SFTWarmup:
         self.model.train()
         picked = self.rng.sample(self.solved, min(self.share, len(self.solved)))
         stop = self.tokenizer.stop_ids[0]
-        items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution) + [stop]) for e in picked]
+        items = [PackItem(e.prompt_ids, self.tokenizer.encode(e.solution or "") + [stop]) for e in picked]
         micro_batches = equalize_micro_batch_count(
             pack_micro_batches(items, self.micro_batch_tokens, self.dist_env.dims.tp), self.dist_env
         )
@@ -109,74 +139,38 @@ class SFTWarmup:
         self.done += 1
         return total
 
+    def run(
+        self,
+        runner: PhaseRunner | None = None,
+        *,
+        resume: bool = True,
+        progress: Progress | None = None,
+        on_log: Callable[[int, float], None] | None = None,
+        log_every: int = 50,
+    ) -> list[float]:
+        """The warm-up to `steps` AdamW steps; returns the loss curve of the steps run here.
 
-def sft_warmup(
-    model: torch.nn.Module,
-    examples: list[PromptExample],
-    tokenizer: Tokenizer,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    micro_batch_tokens: int,
-    dist_env: DistEnv,
-    device: torch.device,
-    seed: int = 0,
-    weight_decay: float = 0.0,
-    log_every: int = 50,
-    on_log=None,
-    progress=None,
-    checkpoints: CheckpointManager | None = None,
-    resume: bool = True,
-    interval: int = 0,
-    stop: GracefulStop | None = None,
-) -> list[float]:
-    """Run the warm-up to `steps` AdamW steps of teacher forcing; returns the loss curve of the steps run here.
-
-    progress: an observe.progress.Progress advanced once per step (None: no display).
-    checkpoints: where the warm-up's checkpoints go (None: nowhere); with `resume`, the newest one is
-    continued; every `interval` steps (0: never) one is written, keeping the newest.
-    stop: a trainer.signals.GracefulStop; once a signal arrived, a checkpoint of the last step is written
-    (to `checkpoints`) and StopRequested is raised.
-    """
-    warm = SFTWarmup(
-        model,
-        examples,
-        tokenizer,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        micro_batch_tokens=micro_batch_tokens,
-        dist_env=dist_env,
-        device=device,
-        seed=seed,
-        weight_decay=weight_decay,
-    )
-    saved = checkpoints.resume(model, warm.optimizer, warm.schedule) if checkpoints is not None and resume else None
-    if saved is not None:
-        warm.load_state_dict(saved["warmup"])
-        log.info("supervised warm-up resumed after step %d of %d", warm.done, steps)
-        if progress is not None:
-            progress.update(warm.done)
-
-    def save():
-        checkpoints.save(warm.done, model, warm.optimizer, warm.schedule, {"warmup": warm.state_dict()})
-
-    losses = []
-    while warm.done < steps:
-        loss = warm.step()
-        losses.append(loss)
-        if progress is not None:
-            progress.update(1, loss=loss)
-        if on_log is not None and ((warm.done - 1) % log_every == 0 or warm.done == steps):
-            on_log(warm.done - 1, loss)
-        if checkpoints is not None and interval and warm.done % interval == 0 and warm.done < steps:
-            save()
-        if stop is not None and stop.requested(dist_env):
-            if checkpoints is not None and warm.done not in checkpoints.complete_steps():
-                save()
-            raise StopRequested(stop.signal_name, warm.done, phase="supervised warm-up step")
-    return losses
+        runner: resumes the newest warm-up checkpoint (with `resume`), writes its interval checkpoints and
+        stops on a signal after checkpointing (None: no checkpoints, no stop). progress: advanced once per
+        step. on_log(step index, loss): every `log_every` steps and at the last.
+        """
+        saved = runner.resume() if runner is not None and resume else None
+        if saved is not None:
+            self.load_state_dict(saved["warmup"])
+            log.info("supervised warm-up resumed after step %d of %d", self.done, self.steps)
+            if progress is not None:
+                progress.update(self.done)
+        losses = []
+        while self.done < self.steps:
+            loss = self.step()
+            losses.append(loss)
+            if progress is not None:
+                progress.update(1, loss=loss)
+            if on_log is not None and ((self.done - 1) % log_every == 0 or self.done == self.steps):
+                on_log(self.done - 1, loss)
+            if runner is not None:
+                runner.end_of_step(self.done, lambda: {"warmup": self.state_dict()})
+        return losses
 
 
 def discard_warmup_checkpoints(checkpoints: CheckpointManager, is_main: bool) -> None:

@@ -6,7 +6,7 @@ For each phase, on one GPU:
 
   trainer peak      tensors the trainer has allocated at the phase's peak, by part (parameters, gradients,
                     optimizer state, gathered FSDP units, activations and temporaries); parts that live in
-                    host memory (cpu_offload) are kept apart, for the host ledger (trainer/host_ledger.py);
+                    host memory (cpu_offload) are kept apart, for the host ledger (preflight/host_ledger.py);
   allocator reserve memory the caching allocator keeps for the trainer beyond that peak: it holds on to
                     the largest footprint since the last empty_cache(), and no other process (the engine)
                     can use it;

@@ -12,18 +12,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from parallel.dims import ParallelDims
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 # Six hours: longer than any one generation round of the shipped configs (32B, 20k-token responses).
 DEFAULT_CONTROL_TIMEOUT_S = 6 * 3600
 
 
-def new_control_group(ranks: list[int] | None, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S):
-    """A gloo group over `ranks` (None: every rank) with a timeout that outlasts the slowest generation.
+def new_control_group(ranks: list[int] | None, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> dist.ProcessGroup | int:
+    """A gloo group over `ranks` (None: every rank) with a timeout that outlasts the slowest generation;
+    a rank outside `ranks` gets torch's placeholder for a group it is not in (the int NON_GROUP_MEMBER).
     Collective: every rank must call it, in the same order. In a fake world (a rehearsal on PyTorch's
     "fake" backend) the group stays fake: gloo would wait for peers that do not exist."""
     backend = None if dist.get_backend() == "fake" else "gloo"
@@ -37,7 +42,7 @@ class DistEnv:
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    control_group: object = None  # gloo group of every rank (None: the default group)
+    control_group: dist.ProcessGroup | None = None  # gloo group of every rank (None: the default group)
     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
 
     @property
@@ -53,14 +58,14 @@ class DistEnv:
         return self.dims.dp
 
     @property
-    def dp_group(self):
+    def dp_group(self) -> dist.ProcessGroup | None:
         return self.dims.dp_mesh().get_group() if self.mesh is not None else None
 
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh | None:
         return self.dims.world_mesh
 
-    def all_reduce(self, values: list[float], op: str = "sum", group="dp") -> list[float]:
+    def all_reduce(self, values: list[float], op: str = "sum", group: str = "dp") -> list[float]:
         """Reduce a few Python numbers over the data-parallel ranks, or over every rank with group="world"
         (on the gloo control group: ranks may wait there for the slowest engine)."""
         if self.world_size == 1:
@@ -73,7 +78,7 @@ class DistEnv:
         )
         return tensor.tolist()
 
-    def barrier(self):
+    def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
@@ -101,11 +106,15 @@ def init_distributed(
             else:
                 dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         dims.build_mesh(device.type)
-    control = new_control_group(None, control_timeout_s) if world_size > 1 else None
+    control: dist.ProcessGroup | None = None
+    if world_size > 1:
+        group = new_control_group(None, control_timeout_s)
+        assert isinstance(group, dist.ProcessGroup)  # every rank is a member of a group over every rank
+        control = group
     return DistEnv(rank, world_size, local_rank, device, dims, control, control_timeout_s)
 
 
-def shutdown_distributed(clean: bool = True):
+def shutdown_distributed(clean: bool = True) -> None:
     """Leave the process group. clean: every rank got here (after a failure a peer may never arrive, so no
     barrier then)."""
     if dist.is_initialized():

@@ -10,14 +10,15 @@ is done: an engine spans the GPUs of several trainer ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from trainer.distributed import DistEnv
+    from parallel.dist_env import DistEnv
 
-_observers = []  # called after each return (the rehearsal's ledger records it)
+_observers: list[Callable[[], object]] = []  # called after each return (the rehearsal's ledger records it)
 
 
 def return_cached_memory(dist_env: DistEnv) -> None:
@@ -33,12 +34,12 @@ def return_cached_memory(dist_env: DistEnv) -> None:
 class observe_cache_returns:
     """Context manager: call `fn()` after every return_cached_memory inside it."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[[], object]) -> None:
         self.fn = fn
 
-    def __enter__(self):
+    def __enter__(self) -> observe_cache_returns:
         _observers.append(self.fn)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _observers.remove(self.fn)

@@ -1,0 +1,227 @@
+"""k samples per problem from an engine, each scored as training scores it: rollout/engine.py
+`check_completions`, then rl/reward.py `rule_score` on `response_text`, so the same tokens get the same reward
+in training and in evaluation. The estimators and the majority-vote rules are in rl/eval_metrics.py; the
+report in evaluation/report.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from evaluation.report import make_report
+from rl.data import load_prompts, rows_to_examples, synthetic_task_rows
+from rl.eval_metrics import ProblemResult, pass_ks
+from rl.reward import rule_score
+from rollout.engine import Completion, SamplingParams, check_completions
+
+if TYPE_CHECKING:
+    from config import Config
+    from model.tokenizer import Tokenizer
+    from observe.progress import Progress
+    from rl.data import PromptExample
+    from rollout.engine import Engine
+
+Gather = Callable[[list[ProblemResult]], list[ProblemResult]]
+
+
+def evaluate(
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    *,
+    strict_box: bool = False,
+    progress: Progress | bool | None = None,
+    pass_at: Sequence[int] | None = None,
+    prompts_per_call: int | None = None,
+    gather: Gather | None = None,
+) -> dict[str, Any]:
+    """Generate `params.n` (= k) samples for each example, score them, and summarise.
+
+    examples: distinct problems (rl/data.py PromptExample: prompt_ids, ground_truth, data_source);
+        k comes from params.n, so a data set loaded with repeat > 1 is refused.
+    progress: None/False for no display, True for one on stderr, or an object with `update(n, **postfix)`
+        (e.g. observe.progress.Progress) that is advanced by the number of problems done, with the
+        running accuracy as `acc=`.
+    pass_at: the j of the reported pass@j (each <= k); None or empty: 1 and k.
+    prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
+        engine's batch fullest; smaller calls give the progress display finer steps).
+    gather: merges the per-problem results of all ranks (e.g. wrapping all_gather_object) when each
+        rank evaluates its own share of the problems (which may be empty); None for a single process.
+
+    Returns {"k", "overall": {...}, "by_source": {source: {...}}, "sampling": {...}, "time_s"}; the
+    rows hold num_problems, num_samples, avg@k, pass@j, maj@k, response_length/mean (tokens, stop
+    token included) and truncated_share (samples that hit max_new_tokens).
+    """
+    examples = list(examples)
+    ks = checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
+    start = time.perf_counter()
+    results = problem_results(
+        engine, examples, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=prompts_per_call
+    )
+    elapsed = time.perf_counter() - start
+    if gather is not None:
+        results = gather(results)  # a rank with no share of the problems contributes nothing
+        if not results:
+            raise ValueError("evaluate() needs at least one example (none on any rank)")
+    return make_report(results, ks, params, strict_box, elapsed)
+
+
+def problem_results(
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    *,
+    strict_box: bool,
+    progress: Progress | bool | None,
+    prompts_per_call: int | None,
+) -> list[ProblemResult]:
+    """evaluate's generation and scoring of this process's examples, one ProblemResult each."""
+    k = params.n
+    chunk = prompts_per_call or max(len(examples), 1)
+    owned = progress is True
+    if progress is True:
+        from observe.progress import Progress
+
+        shown: Progress | None = Progress(total=len(examples), desc="eval", unit="problems")
+    else:
+        shown = progress or None
+    results: list[ProblemResult] = []
+    # Ranks that share one engine (SGLang's TP group) generate in one collective call: a rank without
+    # problems still takes part, with no prompts, or its group would wait for it forever.
+    starts = range(0, len(examples), chunk) if examples or getattr(engine, "group", None) is None else [0]
+    try:
+        for begin in starts:
+            batch = examples[begin : begin + chunk]
+            completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
+            results.extend(
+                score_completions(
+                    batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
+                )
+            )
+            if shown is not None and batch:
+                done = results[-len(batch) :]
+                shown.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
+    finally:
+        if owned and shown is not None:
+            shown.close()
+    return results
+
+
+def checked_pass_ks(
+    params: SamplingParams,
+    examples: Sequence[PromptExample],
+    pass_at: Sequence[int] | None,
+    prompts_per_call: int | None,
+    gather: Gather | bool | None,
+) -> tuple[int, ...]:
+    """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
+    if not examples and gather is None:
+        raise ValueError("evaluate() needs at least one example")
+    _refuse_repeats(examples)
+    k = params.n
+    ks = tuple(pass_at or pass_ks(k))
+    bad = [j for j in ks if not 1 <= j <= k]
+    if bad:
+        raise ValueError(f"pass@{bad[0]} needs between 1 and k = {k} samples per problem")
+    if prompts_per_call is not None and prompts_per_call < 1:
+        raise ValueError(f"prompts_per_call must be >= 1 or None, got {prompts_per_call}")
+    return ks
+
+
+def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> SamplingParams:
+    """The params of one generate call. A fixed seed is combined with the call's first problem, so calls
+    (chunks, data-parallel ranks) draw independent samples instead of replaying one random stream; the
+    same problems and seed still give the same samples."""
+    if params.seed is None or not batch:
+        return params
+    return dataclasses.replace(params, seed=zlib.crc32(f"{params.seed}-{begin}-{batch[0].index}".encode()))
+
+
+def params_from_config(cfg: Config, stop_token_ids: Sequence[int], seed: int | None = None) -> SamplingParams:
+    """Evaluation SamplingParams from a config.Config: eval.k samples at eval.temperature / eval.top_p /
+    eval.top_k, responses of eval.max_response_length tokens (default: rollout.max_response_length).
+    Greedy decoding is temperature 0 with no filter (the configuration's rules hold eval.k to 1 for it)."""
+    ev = cfg.eval
+    return SamplingParams(
+        max_new_tokens=cfg.eval_max_new_tokens,
+        temperature=0.0 if ev.greedy else ev.temperature,
+        top_p=1.0 if ev.greedy else ev.top_p,
+        top_k=-1 if ev.greedy else ev.top_k,
+        n=ev.k,
+        stop_token_ids=tuple(stop_token_ids),
+        seed=seed,
+    )
+
+
+def load_eval_set(cfg: Config, tokenizer: Tokenizer) -> list[PromptExample]:
+    """The held-out problems of `data.eval_path` (a parquet file, or the synthetic task's eval split),
+    prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
+    data = cfg.data
+    if data.eval_path == "synthetic":
+        rows = synthetic_task_rows(data, "eval")
+        examples = rows_to_examples(
+            rows,
+            tokenizer,
+            max_prompt_length=data.max_prompt_length,
+            overflow=data.prompt_overflow,
+            source_name="synthetic eval",
+        )[0]
+    else:
+        examples = load_prompts(
+            data.eval_path, tokenizer, max_prompt_length=data.max_prompt_length, overflow=data.prompt_overflow
+        )
+    return examples[: cfg.eval.eval_size] if cfg.eval.eval_size else examples
+
+
+def score_completions(
+    examples: Sequence[PromptExample],
+    completions: Sequence[Completion],
+    tokenizer: Tokenizer,
+    k: int,
+    *,
+    strict_box: bool = False,
+    stop_ids: Sequence[int] = (),
+) -> list[ProblemResult]:
+    """One ProblemResult per example from its k completions (grouped by prompt, as engines return them).
+
+    Each response is scored as training scores it (rl/reward.py `rule_score` on `response_text`:
+    special tokens, such as the final <|im_end|>, are not part of the answer). An engine answer with
+    missing, aborted or misgrouped completions raises rollout.engine.EngineFailure.
+    """
+    check_completions(completions, len(examples), k)
+    results = []
+    for p, example in enumerate(examples):
+        group = completions[p * k : (p + 1) * k]
+        scores = [
+            rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
+            for c in group
+        ]
+        results.append(
+            ProblemResult(
+                data_source=example.data_source,
+                acc=[bool(s["acc"]) for s in scores],
+                pred=[s["pred"] for s in scores],
+                response_length=[len(c.token_ids) for c in group],
+                truncated=[c.finish_reason == "length" for c in group],
+            )
+        )
+    return results
+
+
+def _refuse_repeats(examples: Sequence) -> None:
+    seen: dict[tuple, int] = {}
+    for i, e in enumerate(examples):
+        key = (tuple(e.prompt_ids), e.ground_truth)
+        if key in seen:
+            raise ValueError(
+                f"example {i} repeats example {seen[key]}: evaluate distinct problems (load with "
+                "repeat=1) and set the samples per problem with SamplingParams.n = k"
+            )
+        seen[key] = i

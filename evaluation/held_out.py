@@ -1,0 +1,103 @@
+"""The held-out evaluation during training: every data-parallel rank evaluates its share of the problems with
+its engine's current weights, and the ranks merge their results over the gloo control group."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from evaluation.evaluate import checked_pass_ks, problem_results
+from evaluation.report import flat_metrics, make_report, write_report
+from parallel.device_memory import return_cached_memory
+from rl.eval_metrics import ProblemResult
+from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+    from observe.progress import Progress
+    from parallel.dist_env import DistEnv
+    from rl.data import PromptExample
+
+
+# What a rank reports after its share: ("ok", its results) or ("died" | "failed", why).
+Outcome = tuple[str, "list[ProblemResult] | str"]
+
+
+def _gather_outcomes(outcome: Outcome, dist_env: DistEnv) -> list[tuple[int, Outcome]]:
+    """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
+    (parallel/dist_env.py): a rank whose engine finished first waits here for the slowest, which can
+    take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
+    rollout.round_timeout_s."""
+    everyone: list[Any] = [None] * dist_env.world_size
+    dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
+    return everyone
+
+
+def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | None) -> list[ProblemResult]:
+    """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
+    same share: the first one's is kept), or, when any rank failed, that failure raised on every rank:
+    an engine's death (EngineDied) first."""
+    for kind in ("died", "failed"):
+        failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == kind]
+        if failed:
+            if local_error is not None and (kind == "failed" or isinstance(local_error, EngineDied)):
+                raise local_error
+            rank, why = failed[0]
+            error = EngineDied if kind == "died" else EngineFailure
+            raise error(f"the evaluation failed on rank {rank}: {why}")
+    shares: dict[int, list[ProblemResult]] = {}
+    for dp_rank, (_, results) in everyone:
+        assert not isinstance(results, str)  # every rank reported "ok"
+        shares.setdefault(dp_rank, results)
+    return [r for dp_rank in sorted(shares) for r in shares[dp_rank]]
+
+
+def run_held_out_eval(
+    engine: Engine,
+    examples: Sequence[PromptExample],
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    dist_env: DistEnv,
+    run_path: str,
+    step: int,
+    *,
+    strict_box: bool = False,
+    progress: Progress | None = None,
+    pass_at: Sequence[int] = (),
+) -> dict[str, float]:
+    """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
+
+    The trainer's cached GPU memory is handed back before the engine takes its memory back
+    (parallel/device_memory.py). Data-parallel ranks split the problems and merge their results over the gloo
+    control group (`_gather_outcomes`); tensor-parallel peers evaluate the same share with the same
+    weights and seeds. A failure on any rank (the engine's death: EngineDied) is raised on every rank.
+    """
+    return_cached_memory(dist_env)
+    mine = examples[dist_env.dp_rank :: dist_env.dp_size]
+    ks = checked_pass_ks(params, mine, pass_at, None, gather=dist_env.world_size > 1 or None)
+    start = time.perf_counter()
+    try:
+        engine.resume_memory()
+        results = problem_results(
+            engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=None
+        )
+        outcome: Outcome = ("ok", results)
+        local_error = None
+    except Exception as exc:
+        if dist_env.world_size == 1:
+            raise
+        outcome = ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}")
+        local_error = exc
+    elapsed = time.perf_counter() - start
+    if dist_env.world_size > 1:
+        results = _merged(_gather_outcomes(outcome, dist_env), local_error)
+    if not results:
+        raise ValueError("evaluate() needs at least one example (none on any rank)")
+    report = make_report(results, ks, params, strict_box, elapsed)
+    if dist_env.is_main:
+        write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
+    return flat_metrics(report)

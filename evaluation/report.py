@@ -1,0 +1,82 @@
+"""The evaluation report: avg@k / pass@k / maj@k per data source and overall (rl/eval_metrics.py), as a
+fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rl.eval_metrics import ProblemResult, summarize
+from rollout.engine import SamplingParams
+
+
+def make_report(
+    results: list[ProblemResult], ks: Sequence[int], params: SamplingParams, strict_box: bool, elapsed: float
+) -> dict[str, Any]:
+    """evaluate's report of all results (see evaluate)."""
+    k = params.n
+    report = summarize(results, ks)
+    report["sampling"] = {
+        "n": k,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "strict_box": strict_box,
+    }
+    report["time_s"] = elapsed
+    return report
+
+
+def _pass_keys(row: dict) -> list[str]:
+    return sorted((key for key in row if key.startswith("pass@")), key=lambda key: int(key[5:]))
+
+
+def format_table(report: dict) -> str:
+    """A fixed-width table: one row per data source, then "overall"; accuracies in percent."""
+    k = report["k"]
+    metric_keys = [f"avg@{k}", *_pass_keys(report["overall"]), f"maj@{k}"]
+    rows = [(source, row) for source, row in report["by_source"].items()] + [("overall", report["overall"])]
+    width = max(len("source"), *(len(name) for name, _ in rows))
+    header = f"{'source':<{width}}  {'problems':>8}" + "".join(f"  {m:>8}" for m in metric_keys)
+    header += f"  {'mean len':>8}  {'truncated':>9}"
+    lines = [header, "-" * len(header)]
+    for name, row in rows:
+        if name == "overall" and len(rows) > 1:
+            lines.append("-" * len(header))
+        line = f"{name:<{width}}  {row['num_problems']:>8}" + "".join(f"  {100 * row[m]:>7.1f}%" for m in metric_keys)
+        length, truncated = row.get("response_length/mean"), row.get("truncated_share")
+        line += f"  {length:>8.1f}" if length is not None else f"  {'-':>8}"
+        line += f"  {100 * truncated:>8.1f}%" if truncated is not None else f"  {'-':>9}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
+    """The report as flat metrics for metrics.jsonl: eval/avg_at_k, eval/pass_at_<j>, eval/pass_at_k,
+    eval/maj_at_k, eval/response_length/mean, eval/truncated_share, and eval/<source>/avg_at_k."""
+    k = report["k"]
+    overall = report["overall"]
+    out = {f"{prefix}avg_at_k": overall[f"avg@{k}"], f"{prefix}maj_at_k": overall[f"maj@{k}"]}
+    for key in _pass_keys(overall):
+        out[f"{prefix}pass_at_{key[5:]}"] = overall[key]
+    if f"pass@{k}" in overall:
+        out[f"{prefix}pass_at_k"] = overall[f"pass@{k}"]
+    for key in ("response_length/mean", "truncated_share"):
+        if key in overall:
+            out[prefix + key] = overall[key]
+    for source, row in report["by_source"].items():
+        out[f"{prefix}{source}/avg_at_k"] = row[f"avg@{k}"]
+    return out
+
+
+def write_report(report: dict, path: str) -> None:
+    """Write the report as indented JSON (folders created; replaced atomically)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)

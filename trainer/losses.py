@@ -1,0 +1,145 @@
+"""Policy log-probs on packed micro-batches, and the DAPO / supervised losses built on them.
+
+The log-prob of response token k of a sample is read from the hidden state that predicts it (see
+trainer/packing.py). Only those rows go through the output head, in chunks (model/logprob.py), or
+vocabulary-parallel when the head is tensor-parallel (parallel/logprob.py): the [tokens, vocab] logits
+are never materialised, and prompt positions never reach the head at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from model.logprob import DEFAULT_CHUNK, token_logprobs
+from parallel.logprob import vocab_parallel_token_logprobs
+from rl.correction import truncated_is_weights
+from rl.loss import policy_loss
+from trainer.packing import MicroBatch
+
+if TYPE_CHECKING:
+    from config.schema import AlgorithmConfig, LossAgg, RolloutConfig
+    from model.qwen2 import Qwen2
+
+
+def micro_batch_logprobs(
+    model: Qwen2,
+    mb: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(o_t | q, o_<t) / T-tempered, and the entropy, on the micro-batch's [S, L] response grid."""
+    hidden = model(mb.tokens, mb.positions, mb.document_ids, context=mb.attention_context(), return_hidden=True)
+    if isinstance(hidden, DTensor):  # sequence-parallel output of the final norm
+        hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
+    selected = hidden[0, mb.predict_positions]
+    weight = model.output_weight()
+    if isinstance(weight, DTensor):  # vocabulary-sharded head under tensor parallelism
+        logp, entropy = vocab_parallel_token_logprobs(
+            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+    else:
+        logp, entropy = token_logprobs(
+            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+    return mb.grid(logp), (mb.grid(entropy) if entropy is not None else None)
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What the whole mini-batch holds, over every micro-batch and data-parallel rank: valid tokens, and the
+    sequences and groups that have a valid token (the denominators of rl/loss.py's aggregations)."""
+
+    tokens: float | None  # None (in a test of one micro-batch alone): the micro-batch's own count
+    seqs: float | None
+    groups: float | None
+
+
+@dataclass(frozen=True)
+class DAPOLoss:
+    """The DAPO policy loss of one micro-batch (Eq. 8, 10), with the run's settings: built once from the
+    [algorithm] and [rollout] sections (`from_config`), then called with data only.
+
+        loss = policy_loss(log pi, log pi_old, A, mask; eps_low, eps_high, c, agg, global counts)
+
+    The global counts make the loss `sum(token losses here) / count over the whole mini-batch`, so the
+    gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py).
+    """
+
+    clip_low: float  # eps_low of Eq. 10
+    clip_high: float  # eps_high of Eq. 10 (clip-higher)
+    clip_c: float  # dual clip c for A < 0
+    agg: LossAgg  # token-mean (Eq. 8) or a sample-level mode
+    temperature: float  # log-probs at the rollout's temperature (rollout.logprob_temperature)
+    norm_len: float | None  # seq-mean-token-sum-norm's constant length (rollout.max_response_length)
+    truncated_is: bool = False  # min(pi_old / pi_rollout, cap) on fresh samples too (rl/correction.py)
+    is_cap: float = 2.0
+    chunk_size: int = DEFAULT_CHUNK  # rows of the output head at a time (model/logprob.py)
+
+    @classmethod
+    def from_config(cls, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> DAPOLoss:
+        return cls(
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            clip_c=algorithm.clip_c,
+            agg=algorithm.loss_agg,
+            temperature=rollout.logprob_temperature,
+            norm_len=rollout.max_response_length,
+            truncated_is=algorithm.truncated_is,
+            is_cap=algorithm.truncated_is_cap,
+        )
+
+    def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, dict[str, Any]]:
+        """This micro-batch's share of the mini-batch loss, and its metrics (rl/loss.py's, plus the entropy and
+        token-probability sums over its valid tokens and its log-probs [S, L])."""
+        logp, entropy = micro_batch_logprobs(model, mb, temperature=self.temperature, chunk_size=self.chunk_size)
+        assert entropy is not None  # asked for: with_entropy defaults to True
+        assert mb.old_logp is not None, "pi_old is filled before the updates (trainer/update.py)"
+        # Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
+        # carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the
+        # clip stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only
+        # when truncated_is is on, to absorb engine/trainer numeric differences.
+        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=self.is_cap)
+        if not self.truncated_is:
+            weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
+        # Groups never straddle ranks, but may straddle micro-batches: each group's tokens over the whole
+        # mini-batch are stored per sample in `mb.group_tokens`.
+        by_group = self.agg == "group-token-mean"
+        loss, metrics = policy_loss(
+            logp,
+            mb.old_logp,
+            mb.advantages,
+            mb.mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            clip_c=self.clip_c,
+            agg=self.agg,
+            global_num_tokens=counts.tokens,
+            global_num_seqs=counts.seqs,
+            token_weights=weights,
+            group_ids=mb.group_ids if by_group else None,
+            group_num_tokens=mb.group_tokens if by_group else None,
+            global_num_groups=counts.groups if by_group else None,
+            norm_len=self.norm_len,
+        )
+        valid = mb.mask > 0
+        with torch.no_grad():
+            metrics = dict(metrics)
+            metrics["entropy_sum"] = (entropy.float() * valid).sum()
+            metrics["token_prob_sum"] = (logp.detach().float().exp() * valid).sum()
+            metrics["valid_tokens"] = valid.sum()
+            metrics["logp"] = logp.detach()  # [S, L]: at the step-start weights, pi_old itself (trainer/update.py)
+        return loss, metrics
+
+
+def sft_micro_batch_loss(
+    model: Qwen2, mb: MicroBatch, *, global_num_tokens: float, chunk_size: int = DEFAULT_CHUNK
+) -> torch.Tensor:
+    """Supervised warm-up: -sum log p(solution tokens) / tokens in the whole batch (teacher forcing)."""
+    logp, _ = micro_batch_logprobs(model, mb, chunk_size=chunk_size, with_entropy=False)
+    return -(logp * mb.mask).sum() / global_num_tokens

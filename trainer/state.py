@@ -1,0 +1,82 @@
+"""Where a DAPO run stands, as plain data for its checkpoints (parallel/plain_state.py).
+
+`TrainState` is the loop's own position (the last completed step, ...). `LoopPosition` is where the loop
+stands in its data between two steps: the prompt sampler's position (plain already) and the batch
+builder's carry-over queue, whose groups (trainer.scoring.RolloutGroup) are stored as their prompt (once)
+and their samples' fields, and rebuilt as the same objects on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rl.data import PromptExample, PromptSampler
+from rl.filter import DynamicBatchBuilder, ScoredGroup
+from trainer.scoring import RolloutGroup, Sample
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The loop's position: checkpointed with every step, beside the data's (`LoopPosition`)."""
+
+    step: int = 0  # the last completed DAPO step
+    sft_done: bool = False  # the supervised warm-up has run (it is not repeated on resume)
+    tokens: int = 0  # response tokens trained on so far
+    nonfinite_in_a_row: int = 0  # updates skipped in a row for a non-finite gradient, across steps and restarts
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for field in dataclasses.fields(self):
+            if field.name in saved:
+                setattr(self, field.name, saved[field.name])
+
+
+def _group_to_plain(group: RolloutGroup) -> dict[str, Any]:
+    samples = group.payload
+    example = samples[0].example
+    if any(s.example is not example for s in samples):
+        raise ValueError("a carried-over group holds samples of different prompts")
+    return {
+        "example": dataclasses.asdict(example),
+        "acc": group.acc,
+        "score": group.score,
+        "samples": [
+            {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "example"} for s in samples
+        ],
+    }
+
+
+def _group_from_plain(plain: dict[str, Any]) -> RolloutGroup:
+    example = PromptExample(**plain["example"])
+    samples = [Sample(example=example, **fields) for fields in plain["samples"]]
+    return ScoredGroup(payload=samples, acc=plain["acc"], score=plain["score"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPosition:
+    """The data position between two steps: {"sampler": ..., "builder": ...} in a checkpoint's train state."""
+
+    sampler: dict[str, Any]
+    builder: dict[str, Any]  # the builder's state, its carried-over groups as plain data
+
+    @classmethod
+    def of(cls, sampler: PromptSampler, builder: DynamicBatchBuilder[list[Sample]]) -> LoopPosition:
+        state = builder.state_dict()
+        carry = [(born, _group_to_plain(group)) for born, group in state["carry"]]
+        return cls(sampler.state_dict(), dict(state, carry=carry))
+
+    def plain(self) -> dict[str, Any]:
+        return {"sampler": self.sampler, "builder": self.builder}
+
+    @classmethod
+    def pop_from(cls, saved: dict[str, Any]) -> LoopPosition:
+        """The position stored in a checkpoint's train state `saved` (its keys are removed from it)."""
+        return cls(saved.pop("sampler"), saved.pop("builder"))
+
+    def restore(self, sampler: PromptSampler, builder: DynamicBatchBuilder[list[Sample]]) -> None:
+        sampler.load_state_dict(self.sampler)
+        carry = [(born, _group_from_plain(g)) for born, g in self.builder["carry"]]
+        builder.load_state_dict(dict(self.builder, carry=carry))
