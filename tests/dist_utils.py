@@ -53,12 +53,15 @@ def _rank_main(fn, rank, world_size, store_path, results, args, kwargs):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, start: str = "fork", **kwargs) -> list:
     """fn(rank, world_size, *args, **kwargs) on `world_size` gloo ranks; returns the results ordered by rank.
 
     `fn` must be a module-level function; its return value must be picklable (tensors are fine).
+    start="spawn" starts each rank in a fresh interpreter (seconds each) instead of forking the test
+    process: for measurements of what a rank holds, which must not inherit the test process's heap,
+    threads and mappings, whatever ran in it before.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

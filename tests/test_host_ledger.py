@@ -40,9 +40,9 @@ ARGS = ModelArgs(
 
 def gloo_gather_copies(world_size: int) -> int:
     """What gloo holds in host memory for all-gathers still in flight, at most: on this CPU rig FSDP's
-    all-gather runs on gloo, which copies the call's input (1/world of the unit) and output (the unit) into
-    buffers of its own and frees them from its worker thread after the call has returned, so one gather's
-    copies can still be resident when FSDP's prefetch issues the next. Two copies of the largest gathered
+    all-gather runs on gloo, which holds a copy of the call's output (the unit; at most with its input, 1/world
+    of the unit) in buffers of its own and frees them from its worker thread after the call has returned, so
+    one gather's copies can still be resident when FSDP's prefetch issues the next. Two copies of the largest gathered
     unit (a block's parameters in bf16; the root's lm_head and norm are smaller) bound it. On GPUs the
     gathers are NCCL's, on the device, and the host ledger rightly has no such part."""
     with torch.device("meta"):
@@ -125,7 +125,9 @@ def test_the_host_ledger_matches_the_resident_memory_of_every_phase(checkpoint, 
     assert host.facts.load > 0 and on_cpu.rows[0].rank["load"] == host.facts.load
     phases = list(predicted)
     first_gather = phases.index("train: old log-probs")
-    for rank, resident in enumerate(run_ranks(_resident, world_size, cfg)):
+    # Fresh interpreters: ranks forked from the test process inherit its heap, threads and mappings, and
+    # measured up to twice the ledger after a full suite had run in it.
+    for rank, resident in enumerate(run_ranks(_resident, world_size, cfg, start="spawn")):
         assert resident.keys() == predicted.keys()
         for phase, real in resident.items():
             # From the first all-gather on, gloo's copies may be resident too, in the phase that gathers or,
@@ -144,6 +146,7 @@ def _gather_copies(rank, world_size, numel):
     return_freed_memory_at_once()
     shard = torch.ones(numel // world_size, dtype=torch.bfloat16)
     out = torch.zeros(numel, dtype=torch.bfloat16)  # written: its pages are resident before the gather
+    torch.distributed.all_gather_into_tensor(out, shard)  # the first call's one-time costs (code, connections)
     extra = []
     for _ in range(3):
         start = reset_peak()
@@ -153,12 +156,13 @@ def _gather_copies(rank, world_size, numel):
 
 
 @pytest.mark.multiprocess
-def test_a_gloo_all_gather_copies_its_input_and_output_once():
-    """The rule gloo_gather_copies rests on: one all-gather's copies are its input and output, once."""
+def test_a_gloo_all_gather_holds_a_copy_of_its_output_at_most_with_its_input():
+    """The rule gloo_gather_copies rests on: beyond its tensors, one all-gather holds a buffer of its output's
+    size (measured: the output), never more than a copy of its input and output."""
     numel, world_size = 12 * 2**20, 4
-    copies = (numel + numel // world_size) * 2
-    for extra in run_ranks(_gather_copies, world_size, numel):
-        assert 0.9 * copies <= extra <= 1.1 * copies, (extra / MiB, copies / MiB)
+    output, copies = numel * 2, (numel + numel // world_size) * 2
+    for extra in run_ranks(_gather_copies, world_size, numel, start="spawn"):
+        assert 0.9 * output <= extra <= 1.1 * copies, (extra / MiB, output / MiB, copies / MiB)
 
 
 def test_pinned_blocks_are_powers_of_two():
