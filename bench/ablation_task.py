@@ -120,10 +120,9 @@ def generate(cfg, policy_dir: str, prompts: int):
     from parallel.sharded_policy import build_policy
     from rl.data import PromptSampler
     from rl.reward import response_text
-    from rollout.engine import SamplingParams
     from rollout.engine_spec import EngineSpec
     from trainer.build import build_tokenizer, load_datasets
-    from trainer.rollout_phase import generate_call
+    from trainer.rollout_phase import generate_call, rollout_sampling
     from trainer.scoring import RewardSettings
 
     torch.manual_seed(cfg.job.seed)
@@ -132,16 +131,7 @@ def generate(cfg, policy_dir: str, prompts: int):
     train_set, _ = load_datasets(cfg.data, tokenizer)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
     engine = EngineSpec.from_config(cfg).start_beside(model, dist)
-    ro = cfg.rollout
-    params = SamplingParams(
-        max_new_tokens=ro.max_response_length,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        n=ro.n,
-        stop_token_ids=tokenizer.stop_ids,
-        seed=cfg.job.seed,
-    )
+    params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
     sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     examples = sampler.next_batch(prompts)
     groups, _, _ = generate_call(engine, examples, params, tokenizer, RewardSettings.from_config(cfg))

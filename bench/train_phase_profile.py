@@ -81,10 +81,9 @@ def build(config: str, overrides: list[str]):
     from parallel.dist_env import init_distributed
     from parallel.sharded_policy import build_policy
     from rl.data import PromptSampler
-    from rollout.engine import SamplingParams
     from rollout.engine_spec import EngineSpec
     from trainer.build import build_tokenizer, load_datasets
-    from trainer.rollout_phase import generate_call
+    from trainer.rollout_phase import generate_call, rollout_sampling
     from trainer.scoring import RewardSettings
 
     cfg = load_config(config, overrides)
@@ -94,16 +93,8 @@ def build(config: str, overrides: list[str]):
     train_set, _ = load_datasets(cfg.data, tokenizer, eval_size=cfg.eval.eval_size)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
     engine = EngineSpec.from_config(cfg).start_beside(model, dist)
-    prompts, ro = cfg.training.train_batch_size, cfg.rollout
-    params = SamplingParams(
-        max_new_tokens=ro.max_response_length,
-        temperature=ro.temperature,
-        top_p=ro.top_p,
-        top_k=ro.top_k,
-        n=ro.n,
-        stop_token_ids=tokenizer.stop_ids,
-        seed=0,
-    )
+    prompts = cfg.training.train_batch_size
+    params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, seed=0)
     reward = dataclasses.replace(RewardSettings.from_config(cfg), strict_box=False)
     sampler = PromptSampler(train_set, seed=0, shuffle=True, dp_rank=0, dp_size=1)
     groups, _, _ = generate_call(engine, sampler.next_batch(prompts), params, tokenizer, reward, step=1)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import IntEnum
 from typing import TYPE_CHECKING, TypeVar
 
@@ -26,6 +26,7 @@ from trainer.step_metrics import SampleTotals
 
 if TYPE_CHECKING:
     from config import Config
+    from config.schema import RolloutConfig
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
@@ -71,6 +72,20 @@ def generate_call(
             continue
         return groups, generated - start, time.perf_counter() - generated
     raise last_error
+
+
+def rollout_sampling(rollout: RolloutConfig, stop_ids: Iterable[int], seed: int) -> SamplingParams:
+    """How a training rollout samples: rollout.n responses per prompt of at most rollout.max_response_length
+    tokens, at the section's temperature, top-p and top-k, stopping at `stop_ids`."""
+    return SamplingParams(
+        max_new_tokens=rollout.max_response_length,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        n=rollout.n,
+        stop_token_ids=tuple(stop_ids),
+        seed=seed,
+    )
 
 
 def call_params(params: SamplingParams, call: int) -> SamplingParams:
@@ -196,15 +211,7 @@ class RolloutPhase:
         dist_env: DistEnv,
     ) -> RolloutPhase:
         ro = cfg.rollout
-        params = SamplingParams(
-            max_new_tokens=ro.max_response_length,
-            temperature=ro.temperature,
-            top_p=ro.top_p,
-            top_k=ro.top_k,
-            n=ro.n,
-            stop_token_ids=tuple(tokenizer.stop_ids),
-            seed=cfg.job.seed,
-        )
+        params = rollout_sampling(ro, tokenizer.stop_ids, cfg.job.seed)
         ranks_per_engine = ro.tp_size if ro.engine == "sglang" else 1
         return cls(
             engine,
