@@ -272,7 +272,7 @@ class InThisProcess:
 
 def _kill_own_tree(signum=None, frame=None) -> None:
     """launch_phase_sigquit_handler: kill_process_tree(os.getpid()): the children, then this process."""
-    for child in _children(os.getpid()):
+    for child in children():  # a zombie has nothing left to kill
         try:
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
@@ -280,8 +280,10 @@ def _kill_own_tree(signum=None, frame=None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def children(pid: int | None = None) -> set[int]:
+    """Live (not zombie) child processes of `pid` (default: this one), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -289,8 +291,8 @@ def _children(pid: int) -> list[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
     return found
 
 

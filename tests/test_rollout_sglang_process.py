@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from dist_utils import run_ranks
-from sglang_model import StrictSGLang, flatten_bucket, serialize
+from sglang_model import StrictSGLang, children, flatten_bucket, serialize
 
 from model.args import PRESETS
 from model.hf import save_hf
@@ -41,22 +41,6 @@ def engine_class(**model_options):
             return serialize(payload)
 
     return Engine
-
-
-def children(pid: int | None = None) -> set[int]:
-    """Live (not zombie) child processes of `pid` (default: this one), from /proc."""
-    pid = os.getpid() if pid is None else pid
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(entry))
-    return found
 
 
 def engine_children(before: set[int]) -> set[int]:

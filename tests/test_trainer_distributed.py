@@ -8,9 +8,19 @@ from dist_utils import run_ranks
 SLOW = 4.0  # seconds the slow rank generates; the default group's timeout is half of it
 
 
+def _default_group_shorter_than(seconds, rank, world, store_path):
+    """Rebuild this rank's default process group with a timeout of half of `seconds`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store, timeout=timedelta(seconds=seconds / 2))
+
+
 def _slow_engine_worker(rank, world, store_path):
     import time
-    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -18,14 +28,7 @@ def _slow_engine_worker(rank, world, store_path):
     from rollout.engine_spec import engine_group
 
     # The default group gets a timeout shorter than one generation (NCCL's is 10 minutes, rounds take hours).
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        store=dist.FileStore(store_path, world),
-        timeout=timedelta(seconds=SLOW / 2),
-    )
+    _default_group_shorter_than(SLOW, rank, world, store_path)
     env = init_distributed(1, -1, 1)  # control groups: the default timeout of rollout.round_timeout_s
     group, _ = engine_group(2, env)
     backend = dist.get_backend(group)
@@ -98,9 +101,6 @@ class _AnswerTokenizer:
 
 
 def _late_eval_worker(rank, world, store_path, run_path):
-    from datetime import timedelta
-
-    import torch.distributed as dist
 
     from evaluation.held_out import run_held_out_eval
     from parallel.dist_env import init_distributed
@@ -108,14 +108,7 @@ def _late_eval_worker(rank, world, store_path, run_path):
     from rollout.engine import SamplingParams
 
     # As above: the default group's timeout is shorter than one engine's evaluation (NCCL: 10 minutes).
-    dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=world,
-        store=dist.FileStore(store_path, world),
-        timeout=timedelta(seconds=SLOW / 2),
-    )
+    _default_group_shorter_than(SLOW, rank, world, store_path)
     env = init_distributed(1, -1, 1)
     problems = [PromptExample([k], "1", "t", []) for k in range(2)]
     engine = _SlowEngine(SLOW if rank == 1 else 0.0)  # rank 1's engine evaluates for longer
