@@ -125,6 +125,7 @@ def test_the_host_ledger_matches_the_resident_memory_of_every_phase(checkpoint, 
     assert host.facts.load > 0 and on_cpu.rows[0].rank["load"] == host.facts.load
     phases = list(predicted)
     first_gather = phases.index("train: old log-probs")
+    gather_copies = gloo_gather_copies(world_size)
     # Fresh interpreters: ranks forked from the test process inherit its heap, threads and mappings, and
     # measured up to twice the ledger after a full suite had run in it.
     for rank, resident in enumerate(run_ranks(_resident, world_size, cfg, start="spawn")):
@@ -132,7 +133,7 @@ def test_the_host_ledger_matches_the_resident_memory_of_every_phase(checkpoint, 
         for phase, real in resident.items():
             # From the first all-gather on, gloo's copies may be resident too, in the phase that gathers or,
             # freed late by its worker thread, in the next: a bound the ledger is allowed to miss by.
-            unseen = gloo_gather_copies(world_size) if phases.index(phase) >= first_gather else 0
+            unseen = gather_copies if phases.index(phase) >= first_gather else 0
             assert -0.15 * real <= real - predicted[phase] <= 0.15 * real + unseen, (
                 f"rank {rank}, phase '{phase}': the ledger says {predicted[phase] / MiB:.1f} MiB, "
                 f"the process held {real / MiB:.1f} MiB"
