@@ -119,7 +119,9 @@ def policy_loss(
     Returns:
         (loss, metrics). metrics holds detached scalars over this call's valid tokens:
         pg_clipfrac (share of tokens where the clipped term is the larger one), pg_clipfrac_lower
-        (share of tokens where the dual clip binds, A < 0), ppo_kl (mean of old_logp - logp,
+        (share of tokens where the dual clip binds, A < 0), pg_clipfrac_upper (share of tokens clipped at the
+        upper bound, A > 0 and r > 1 + eps_high), clipped_upper_prob (mean pi_old probability of those
+        tokens, 0 without any; weight it by pg_clipfrac_upper x num_tokens), ppo_kl (mean of old_logp - logp,
         clamped like the ratio), ratio_max, num_tokens and num_nonempty_seqs (rows with a valid
         token); weight them by num_tokens to combine micro-batches.
     """
@@ -141,7 +143,7 @@ def _token_losses(
     clip_low: float,
     clip_high: float,
     clip_c: float | None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Per-token losses [B, T], zero where not valid, and the terms the metrics read (Eq. 10, dual clip).
 
         r = exp(clamp(logp - old_logp, -20, 20))
@@ -149,7 +151,8 @@ def _token_losses(
         l = min(l, -A c)   when A < 0 (clip_c = c; None: no dual clip)
         l = w l            with the constant token_weights w, when given
 
-    Returns (l, (log_ratio, ratio, clip_binds, dual_binds)); clip_binds: the clipped term is the larger one.
+    Returns (l, (log_ratio, ratio, clip_binds, dual_binds, upper_binds, old_logp)); clip_binds: the clipped term
+    is the larger one; upper_binds: it is, at the upper bound (A > 0, r > 1 + eps_high).
     """
     dtype = torch.promote_types(logp.dtype, torch.float32)
     # Zero masked positions before exp(): padding may hold garbage (inf, NaN), and a NaN there would
@@ -171,7 +174,8 @@ def _token_losses(
     if token_weights is not None:
         per_token = per_token * torch.where(valid, token_weights.detach().to(dtype), 0.0)
     per_token = torch.where(valid, per_token, 0.0)
-    return per_token, (log_ratio, ratio, clipped > unclipped, dual_binds)
+    clip_binds = clipped > unclipped
+    return per_token, (log_ratio, ratio, clip_binds, dual_binds, clip_binds & (advantages > 0), old_logp)
 
 
 @torch.no_grad()
@@ -181,14 +185,21 @@ def _metrics(
     ratio: torch.Tensor,
     clip_binds: torch.Tensor,
     dual_binds: torch.Tensor,
+    upper_binds: torch.Tensor,
+    old_logp: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The detached metrics of `policy_loss` over the valid tokens (see its Returns)."""
     dtype = ratio.dtype
     num_tokens = valid.sum()
     denom = num_tokens.clamp(min=1).to(dtype)
+    upper = upper_binds & valid
+    num_upper = upper.sum()
     metrics = {
         "pg_clipfrac": (clip_binds & valid).sum().to(dtype) / denom,
         "pg_clipfrac_lower": (dual_binds & valid).sum().to(dtype) / denom,
+        "pg_clipfrac_upper": num_upper.to(dtype) / denom,
+        # DAPO Fig. 3: the upper clip caps tokens the old policy gave a low probability.
+        "clipped_upper_prob": torch.where(upper, old_logp.exp(), 0.0).sum() / num_upper.clamp(min=1).to(dtype),
         "ppo_kl": torch.where(valid, -log_ratio, 0.0).sum() / denom,
         "ratio_max": torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
         "num_tokens": num_tokens,

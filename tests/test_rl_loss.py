@@ -60,6 +60,9 @@ def test_hand_computed_metrics():
     loss, metrics = policy_loss(*hand_example())
     assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 6)  # r 1.5 (A > 0) and r 0.7 (A < 0)
     assert metrics["pg_clipfrac_lower"].item() == pytest.approx(1 / 6)  # r 20 with A < 0
+    # Clipped at the upper bound: only r 1.5 with A > 0 (r 3 is masked); its pi_old probability is e^-2.
+    assert metrics["pg_clipfrac_upper"].item() == pytest.approx(1 / 6)
+    assert metrics["clipped_upper_prob"].item() == pytest.approx(math.exp(-2.0), rel=1e-12)
     assert metrics["ppo_kl"].item() == pytest.approx(-math.log(1.5 * 0.5 * 0.7 * 20) / 6)
     assert metrics["ratio_max"].item() == pytest.approx(20.0)
     assert metrics["num_tokens"].item() == 6 and metrics["num_nonempty_seqs"].item() == 3
@@ -83,6 +86,8 @@ def test_dual_clip_and_clip_higher_switches():
     assert loss.item() == pytest.approx((18.32 - 20 + 6) / 6)
     loss, _ = policy_loss(*hand_example(), clip_high=0.2)  # symmetric clip: r 1.5 -> -1.2
     assert loss.item() == pytest.approx((18.32 + 0.08) / 6)
+    _, metrics = policy_loss(*hand_example(), clip_high=0.6)  # r 1.5 is inside [0.8, 1.6]: nothing up-clipped
+    assert metrics["pg_clipfrac_upper"].item() == 0 and metrics["clipped_upper_prob"].item() == 0
 
 
 def test_token_weights_multiply_the_per_token_loss():

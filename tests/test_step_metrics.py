@@ -71,6 +71,8 @@ def test_all_samples_and_kept_batch_are_logged_under_their_own_names():
     assert row["reward/mean"] == pytest.approx((1 - 7) / 8) and row["acc/mean"] == pytest.approx(1 / 8)
     assert row["response_length/mean"] == pytest.approx((1 + 7 * 2) / 8) and row["response_length/max"] == 2
     assert row["response_length/clip_ratio"] == pytest.approx(4 / 8)
+    assert row["reward/truncated_mean"] == -1  # the four truncated samples are all wrong
+    assert math.isnan(row["kept/reward/truncated_mean"])  # the kept group has none
     assert row["kept/reward/mean"] == pytest.approx((1 - 3) / 4) and row["kept/acc/mean"] == pytest.approx(1 / 4)
     assert row["kept/response_length/mean"] == pytest.approx(7 / 4) and row["kept/response_length/max"] == 2
     assert row["kept/response_length/clip_ratio"] == 0
@@ -86,4 +88,4 @@ def test_a_step_with_nothing_to_train_on_logs_what_it_generated():
     assert row["response_length/max"] == 2 and row["response_length/clip_ratio"] == pytest.approx(0.5)
     assert row["groups/all_wrong_share"] == 1 and row["groups/kept_share"] == 0
     kept = [key for key in row if key.startswith("kept/")]
-    assert len(kept) == 5 and all(math.isnan(row[key]) for key in kept)  # no batch: null in metrics.jsonl
+    assert len(kept) == 6 and all(math.isnan(row[key]) for key in kept)  # no batch: null in metrics.jsonl

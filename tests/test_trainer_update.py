@@ -192,6 +192,10 @@ def test_mini_batches_and_epochs_step_from_the_moved_weights_against_the_step_st
     start, updates, stats = _train(groups, cfg, lr=20.0)
     assert len(updates) == 4 and stats["updates"] == 4
     assert stats["pg_clipfrac"] + stats["pg_clipfrac_lower"] > 0  # the clip was exercised
+    # The upper clip is a part of pg_clipfrac; the tokens it caps have a pi_old probability (NaN: none capped).
+    assert 0 <= stats["pg_clipfrac_upper"] <= stats["pg_clipfrac"]
+    prob = stats["token_prob/clipped_upper_mean"]
+    assert (0 < prob <= 1) if stats["pg_clipfrac_upper"] > 0 else math.isnan(prob)
     for (weights, grads), part in zip(updates, [groups[:2], groups[2:], groups[:2], groups[2:]]):
         model = copy.deepcopy(start)
         with torch.no_grad():

@@ -26,14 +26,15 @@ log = logging.getLogger("train")
 
 @dataclass(frozen=True)
 class SampleTotals:
-    """Sums over a set of samples: count, score, correct, response tokens, truncated responses, and the
-    longest response (a max, not a sum). `+` combines two sets (e.g. generation rounds)."""
+    """Sums over a set of samples: count, score, correct, response tokens, truncated responses and their score,
+    and the longest response (a max, not a sum). `+` combines two sets (e.g. generation rounds)."""
 
     samples: float = 0.0
     score: float = 0.0
     acc: float = 0.0
     length: float = 0.0
     truncated: float = 0.0
+    truncated_score: float = 0.0
     longest: float = 0.0
 
     @classmethod
@@ -46,6 +47,7 @@ class SampleTotals:
             acc=float(sum(s.acc for s in samples)),
             length=float(sum(lengths)),
             truncated=float(sum(s.finish_reason == "length" for s in samples)),
+            truncated_score=float(sum(s.score for s in samples if s.finish_reason == "length")),
             longest=float(max(lengths, default=0)),
         )
 
@@ -57,7 +59,7 @@ class SampleTotals:
         return [getattr(self, name) for name in _SUMMED]
 
 
-_SUMMED = ("samples", "score", "acc", "length", "truncated")
+_SUMMED = ("samples", "score", "acc", "length", "truncated", "truncated_score")
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,17 @@ class SampleMeans:
     length: float
     length_max: float
     clip_ratio: float  # truncated share
+    truncated_reward: float  # mean reward of the truncated samples (DAPO Figs. 4-5); NaN without any
 
     @classmethod
     def of(cls, sums: list[float], longest: float) -> SampleMeans:
-        n, score, acc, length, truncated = sums
+        n, score, acc, length, truncated, truncated_score = sums
 
         def mean(x: float) -> float:
             return x / n if n else math.nan
 
-        return cls(mean(score), mean(acc), mean(length), longest if n else math.nan, mean(truncated))
+        truncated_reward = truncated_score / truncated if truncated else math.nan
+        return cls(mean(score), mean(acc), mean(length), longest if n else math.nan, mean(truncated), truncated_reward)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         return {
@@ -86,6 +90,7 @@ class SampleMeans:
             f"{prefix}response_length/mean": self.length,
             f"{prefix}response_length/max": self.length_max,
             f"{prefix}response_length/clip_ratio": self.clip_ratio,
+            f"{prefix}reward/truncated_mean": self.truncated_reward,
         }
 
 

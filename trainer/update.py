@@ -189,6 +189,8 @@ class PassStats:
     loss: float
     pg_clipfrac: float  # clipped tokens' share x valid tokens
     pg_clipfrac_lower: float
+    pg_clipfrac_upper: float  # tokens clipped at the upper bound
+    clipped_upper_prob_sum: float  # their pi_old probabilities, summed
     ppo_kl: float
     entropy_sum: float
     token_prob_sum: float
@@ -203,6 +205,8 @@ class StepSums:
     loss: float = 0.0
     pg_clipfrac: float = 0.0
     pg_clipfrac_lower: float = 0.0
+    pg_clipfrac_upper: float = 0.0
+    clipped_upper_prob_sum: float = 0.0
     ppo_kl: float = 0.0
     entropy_sum: float = 0.0
     token_prob_sum: float = 0.0
@@ -225,7 +229,16 @@ class StepSums:
         return StepSums(self.loss, **dict(zip(_METRIC_SUMS, reduced)))
 
 
-_METRIC_SUMS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy_sum", "token_prob_sum", "valid_tokens")
+_METRIC_SUMS = (
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "pg_clipfrac_upper",
+    "clipped_upper_prob_sum",
+    "ppo_kl",
+    "entropy_sum",
+    "token_prob_sum",
+    "valid_tokens",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +249,8 @@ class TrainStats:
     loss: float
     pg_clipfrac: float
     pg_clipfrac_lower: float
+    pg_clipfrac_upper: float
+    clipped_upper_prob: float  # mean pi_old probability of the tokens clipped at the upper bound (NaN: none)
     ppo_kl: float
     entropy: float
     token_prob_mean: float
@@ -252,6 +267,8 @@ class TrainStats:
             "loss": self.loss,
             "pg_clipfrac": self.pg_clipfrac,
             "pg_clipfrac_lower": self.pg_clipfrac_lower,
+            "pg_clipfrac_upper": self.pg_clipfrac_upper,
+            "token_prob/clipped_upper_mean": self.clipped_upper_prob,
             "ppo_kl": self.ppo_kl,
             "entropy": self.entropy,
             "token_prob/mean": self.token_prob_mean,
@@ -426,10 +443,13 @@ class TrainPhase:
         loss, metrics = self.loss(self.model, mb, counts)
         loss.backward()
         n = float(metrics["num_tokens"])
+        upper = float(metrics["pg_clipfrac_upper"]) * n
         stats = PassStats(
             loss=loss.item(),  # the micro-batch's one host sync for its loss
             pg_clipfrac=float(metrics["pg_clipfrac"]) * n,
             pg_clipfrac_lower=float(metrics["pg_clipfrac_lower"]) * n,
+            pg_clipfrac_upper=upper,
+            clipped_upper_prob_sum=float(metrics["clipped_upper_prob"]) * upper,
             ppo_kl=float(metrics["ppo_kl"]) * n,
             entropy_sum=float(metrics["entropy_sum"]),
             token_prob_sum=float(metrics["token_prob_sum"]),
@@ -458,6 +478,10 @@ class TrainPhase:
             loss=sums.loss / updates if updates else nan,
             pg_clipfrac=per_token(sums.pg_clipfrac),
             pg_clipfrac_lower=per_token(sums.pg_clipfrac_lower),
+            pg_clipfrac_upper=per_token(sums.pg_clipfrac_upper),
+            clipped_upper_prob=(
+                sums.clipped_upper_prob_sum / sums.pg_clipfrac_upper if sums.pg_clipfrac_upper else nan
+            ),
             ppo_kl=per_token(sums.ppo_kl),
             entropy=per_token(sums.entropy_sum),
             token_prob_mean=per_token(sums.token_prob_sum),
