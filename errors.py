@@ -6,7 +6,7 @@
       CheckpointError    an HF checkpoint directory, or one of the run's own checkpoints (model/, parallel/)
       RunFolderError     a run folder in use by another run, or one that cannot be prepared (trainer/)
     RunStopped           the run stopped for a reason it names, with its work saved or left intact: one line
-      StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; trainer/signals.py)
+      StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; run/signals.py)
       EngineDied         the rollout engine's process ended (exit 1; rollout/engine.py)
       NonFiniteStateError  weights gone NaN or inf, never saved (exit 1; parallel/finite.py)
 

@@ -26,13 +26,14 @@ import sys
 
 import torch
 
-from config import check_runnable, config_to_dict, parse_cli
+from config import config_to_dict, parse_cli
 from errors import report
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
+from preflight.checks import check_runnable
+from run.folder import finished_run_report
 from trainer.build import build
 from trainer.loop import Trainer
-from trainer.run_folder import finished_run_report
 
 log = logging.getLogger("train")
 

@@ -50,7 +50,7 @@ sys.path.insert(0, ROOT)
 
 from config import ConfigError, config_to_dict, load_config  # noqa: E402
 from parallel.checkpoint import CheckpointManager  # noqa: E402
-from trainer.run_folder import finished_at  # noqa: E402
+from run.folder import finished_at  # noqa: E402
 
 TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")

@@ -13,12 +13,10 @@ section (config/loader.py). Any problem raises `ConfigError` naming the key, whe
 is wrong.
 
 Settings that only matter when training starts (model and data paths) may stay unset in a recipe:
-`check_runnable(cfg)` (config/checks.py) refuses them just before training, so `--dry-run` works on
-shipped recipes. It also refuses, in one error that lists the overrides that run, every setting this
-machine cannot run (a GPU recipe on a CPU: preflight/machine.py), before any data or model is loaded.
+`check_runnable(cfg)` (preflight/checks.py) refuses them just before training, so `--dry-run` works on
+shipped recipes.
 """
 
-from config.checks import check_machine, check_runnable, evaluates
 from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
 from config.loader import sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
@@ -60,11 +58,8 @@ __all__ = [
     "ParallelismConfig",
     "RolloutConfig",
     "TrainingConfig",
-    "check_machine",
-    "check_runnable",
     "config_parser",
     "config_to_dict",
-    "evaluates",
     "load_config",
     "parse_cli",
     "parse_config_args",

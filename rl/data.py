@@ -344,15 +344,15 @@ def synthetic_arithmetic_rows(
 
 
 def synthetic_task_levels(task: str) -> list[int]:
-    """The difficulty levels of a synthetic task: "arithmetic" (this module) or "chain" (rl/synthetic_chain.py)."""
-    from rl.synthetic_chain import CHAIN_LEVELS
+    """The difficulty levels of a synthetic task: "arithmetic" (this module) or "chain" (tasks/chain.py)."""
+    from tasks.chain import CHAIN_LEVELS
 
     return sorted(CHAIN_LEVELS if task == "chain" else SYNTHETIC_LEVELS)
 
 
 def synthetic_task_limit(task: str, difficulty: int, split: str) -> int:
     """The most distinct problems one split of a synthetic task's level holds (see the task's generator)."""
-    from rl.synthetic_chain import chain_problem_limit
+    from tasks.chain import chain_problem_limit
 
     if task == "chain":
         return chain_problem_limit(difficulty, split)
@@ -362,7 +362,7 @@ def synthetic_task_limit(task: str, difficulty: int, split: str) -> int:
 def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
     """The rows of one split of the synthetic task a [data] section (config.schema.DataConfig) describes:
     data.synthetic_task at data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
-    from rl.synthetic_chain import synthetic_chain_rows
+    from tasks.chain import synthetic_chain_rows
 
     count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
     if data.synthetic_task == "chain":

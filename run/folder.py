@@ -14,7 +14,7 @@
         plots/panel.png    the monitoring panel drawn from metrics.jsonl
         eval/step_<N>.json one report per held-out evaluation
         .lock              held by the run's main process while it runs: a second run on the folder is refused
-                           (trainer/run_lock.py)
+                           (run/lock.py)
 
 Rerunning the same command resumes an unfinished run; `--fresh` moves the folder aside to
 `<name>.old-<n>` (never deleted) and starts over.
@@ -31,7 +31,7 @@ import shutil
 
 from errors import RunFolderError
 from parallel.checkpoint import CheckpointManager
-from trainer.run_lock import FolderBusyError, FolderLock
+from run.lock import FolderBusyError, FolderLock
 
 log = logging.getLogger("train")
 
@@ -54,7 +54,7 @@ def prepare_run_folder(
 ) -> str:
     """Create the run folder, prove it is writable and has room, and snapshot the configuration.
 
-    lock: the run's lock on the folder (trainer/run_lock.py), taken before anything else: a folder another
+    lock: the run's lock on the folder (run/lock.py), taken before anything else: a folder another
     live run holds is refused (RunFolderError naming the holder), also with --fresh.
 
     fresh=True (train.py --fresh) first moves an existing folder aside to `<name>.old-<n>`, saying where.

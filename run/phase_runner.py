@@ -2,7 +2,7 @@
 
     resume       the phase's newest intact checkpoint (parallel/checkpoint.py verifies it first)
     interval     a checkpoint every `interval` steps (0: none)
-    stop         after a first SIGTERM / SIGINT on any rank (trainer/signals.py): a checkpoint of the last
+    stop         after a first SIGTERM / SIGINT on any rank (run/signals.py): a checkpoint of the last
                  completed step, then StopRequested on every rank (train.py exits 143 / 130)
     failure      a checkpoint of the last completed step, then the error (`stop_with_checkpoint`)
 
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from parallel.finite import NonFiniteStateError
-from trainer.signals import StopRequested
+from run.signals import StopRequested
 
 if TYPE_CHECKING:
     from parallel.checkpoint import CheckpointManager
     from parallel.dist_env import DistEnv
-    from trainer.signals import GracefulStop
+    from run.signals import GracefulStop
 
 Extra = Callable[[], dict[str, Any]]  # the phase's own state, as plain data, at the moment of a save
 

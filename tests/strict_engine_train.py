@@ -23,7 +23,7 @@ from sglang_model import StrictSGLang, flatten_bucket, serialize  # noqa: E402
 import rl.reward  # noqa: E402
 import train  # noqa: E402
 import trainer.update  # noqa: E402
-from config import check_runnable  # noqa: E402
+from preflight.checks import check_runnable  # noqa: E402
 from rollout.sglang_engine import SGLangEngine  # noqa: E402
 from tests.planted_train import planted_score  # noqa: E402
 

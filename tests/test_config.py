@@ -10,8 +10,9 @@ import textwrap
 import pytest
 
 import config
-from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli, validate
+from config import Config, ConfigError, config_to_dict, load_config, parse_cli, validate
 from config.loader import coerce
+from preflight.checks import check_runnable
 from preflight.machine import Machine
 from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
 

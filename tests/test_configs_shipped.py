@@ -8,9 +8,10 @@ import os
 
 import pytest
 
-from config import Config, ConfigError, check_runnable, config_to_dict, load_config, parse_cli
+from config import Config, ConfigError, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
 from model.hf_adapter import hf_config_from_args
+from preflight.checks import check_runnable
 from preflight.machine import Machine
 from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION

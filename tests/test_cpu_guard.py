@@ -14,11 +14,12 @@ import torch
 
 import eval as eval_command
 import train
-from config import ConfigError, check_runnable, load_config
+from config import ConfigError, load_config
 from model.args import get_preset
 from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
+from preflight.checks import check_runnable
 from preflight.machine import Machine, machine_fixes, probe_machine
 from rl.data import synthetic_arithmetic_rows, write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION

@@ -5,8 +5,8 @@ from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
+from run.state import LoopPosition
 from trainer.scoring import Sample
-from trainer.state import LoopPosition
 
 
 def _group(i):

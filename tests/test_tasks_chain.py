@@ -1,4 +1,4 @@
-"""The chain-sum task (rl/synthetic_chain.py): its worked solutions, splits, styles and configuration."""
+"""The chain-sum task (tasks/chain.py): its worked solutions, splits, styles and configuration."""
 
 import re
 
@@ -7,7 +7,7 @@ import pytest
 from config import ConfigError, load_config
 from rl.data import synthetic_task_rows
 from rl.reward import compute_score
-from rl.synthetic_chain import CHAIN_LEVELS, chain_problem_limit, chain_solution, synthetic_chain_rows
+from tasks.chain import CHAIN_LEVELS, chain_problem_limit, chain_solution, synthetic_chain_rows
 
 
 def _terms(row) -> tuple[int, ...]:

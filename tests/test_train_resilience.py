@@ -20,9 +20,9 @@ import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
 from rollout.torch_engine import TorchEngine
+from run.folder import RunFolderError, prepare_run_folder
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
-from trainer.run_folder import RunFolderError, prepare_run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -348,7 +348,7 @@ def test_the_main_command_resumes_a_run_killed_during_the_warm_up(tmp_path):
 
 
 def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkeypatch, signal_handlers):
-    from trainer.signals import StopRequested
+    from run.signals import StopRequested
 
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_eval = trainer.loop.run_held_out_eval
@@ -367,7 +367,7 @@ def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkey
 
 
 def test_a_stop_seen_on_another_rank_does_not_make_this_ranks_first_signal_the_second(monkeypatch):
-    from trainer.signals import GracefulStop
+    from run.signals import GracefulStop
 
     class OtherRankSignalled:
         def all_reduce(self, values, op="sum", group="dp"):
@@ -550,7 +550,7 @@ def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handl
 def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_path, monkeypatch, signal_handlers):
     """A round of 4 prompts x 4 samples in calls of 8 requests (2 prompts) is 2 calls; a SIGTERM during the
     first stops the step after it: the second never runs, the last completed step is checkpointed."""
-    from trainer.signals import StopRequested
+    from run.signals import StopRequested
 
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_generate = TorchEngine.generate

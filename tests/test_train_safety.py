@@ -23,10 +23,10 @@ from model.hf import save_hf
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
 from parallel.finite import NonFiniteStateError
+from run.lock import FolderBusyError, FolderLock
 from tests.planted_train import planted_score
 from tests.test_checkpoint_integrity import garbage_rank_json, overwrite_16_bytes_inside_a_tensor
 from tests.test_train_e2e import overrides, read_rows
-from trainer.run_lock import FolderBusyError, FolderLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANTED_TRAIN = [sys.executable, "tests/planted_train.py"]

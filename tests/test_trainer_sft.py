@@ -9,8 +9,8 @@ from parallel.checkpoint import CheckpointManager
 from parallel.dims import ParallelDims
 from parallel.dist_env import DistEnv
 from rl.data import PromptExample
-from trainer.phase_runner import PhaseRunner
-from trainer.signals import StopRequested
+from run.phase_runner import PhaseRunner
+from run.signals import StopRequested
 from trainer.warmup import SFTWarmup
 
 ARGS = PRESETS["tiny"]

@@ -31,9 +31,9 @@ from rl.data import (
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
+from run.folder import prepare_run_folder, run_folder_path
+from run.lock import FolderLock
 from trainer.rollout_phase import RolloutPhase
-from trainer.run_folder import prepare_run_folder, run_folder_path
-from trainer.run_lock import FolderLock
 from trainer.scoring import Sample
 from trainer.update import TrainPhase, build_optimizer
 

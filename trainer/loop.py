@@ -1,7 +1,7 @@
 """The DAPO trainer: one iteration of Algorithm 1 (`Trainer.step`) over the components train.py built once
 (trainer/build.py), and the phases around the loop (resume, warm-up, evaluation, the end).
 
-Both the supervised warm-up and the DAPO loop run under a phase runner (trainer/phase_runner.py): resume
+Both the supervised warm-up and the DAPO loop run under a phase runner (run/phase_runner.py): resume
 from the newest intact checkpoint, a checkpoint every interval, and every stop after the first step's data
 went out checkpoints the last completed step first, so a rerun of the same command resumes. That includes
 the death of an engine's process (EngineDied, rollout/engine_process.py): the policy lives in the trainer's
@@ -27,12 +27,12 @@ from parallel.device_memory import return_cached_memory
 from parallel.hf_export import export_hf
 from rollout.engine import EngineDied, EngineFailure
 from rollout.weight_sync import sync_weights
+from run.folder import WARMUP_CHECKPOINTS, mark_finished
+from run.phase_runner import Checkpointed, Extra, PhaseRunner
+from run.signals import GracefulStop, StopRequested
+from run.state import LoopPosition, TrainState
 from trainer.build import Components
-from trainer.phase_runner import Checkpointed, Extra, PhaseRunner
 from trainer.rollout_phase import Outcome, RolloutBatch, RolloutError, RoundStopped, agree
-from trainer.run_folder import WARMUP_CHECKPOINTS, mark_finished
-from trainer.signals import GracefulStop, StopRequested
-from trainer.state import LoopPosition, TrainState
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, rollout_stats, training_mfu
 from trainer.update import TrainStats
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints

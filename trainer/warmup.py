@@ -23,9 +23,9 @@ import torch
 
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
+from run.phase_runner import Checkpointed, PhaseRunner
 from trainer.losses import sft_micro_batch_loss
 from trainer.packing import PackItem, pack_micro_batches
-from trainer.phase_runner import Checkpointed, PhaseRunner
 from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
