@@ -29,18 +29,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_loss = trainer.losses.policy_loss
+    real_loss = trainer.losses.token_mean
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
-        loss, metrics = real_loss(*args, **kwargs)
+        loss = real_loss(*args, **kwargs)
         calls["n"] += 1
         # Micro-batch 1 of step 1 is NaN (one skipped update); from step 2 on every loss is NaN.
         if calls["n"] == 1 or calls["n"] > 2:
             loss = loss * float("nan")
-        return loss, metrics
+        return loss
 
-    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "token_mean", poisoned)
     argv = overrides(
         str(tmp_path),
         steps=4,
@@ -62,16 +62,16 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 
 def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_loss = trainer.losses.policy_loss
+    real_loss = trainer.losses.token_mean
     poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
-        loss, metrics = real_loss(*args, **kwargs)
+        loss = real_loss(*args, **kwargs)
         calls["n"] += 1
-        return (loss * float("nan") if calls["n"] >= poison_from["call"] else loss), metrics
+        return loss * float("nan") if calls["n"] >= poison_from["call"] else loss
 
-    monkeypatch.setattr(trainer.losses, "policy_loss", poisoned)
+    monkeypatch.setattr(trainer.losses, "token_mean", poisoned)
     settings = {
         "training.max_nonfinite_steps": 3,
         "training.mini_batch_size": 2,

@@ -9,7 +9,7 @@ are never materialised, and prompt positions never reach the head at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from model.logprob import DEFAULT_CHUNK, token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
 from rl.correction import truncated_is_weights
-from rl.loss import policy_loss
+from rl.loss import ClipStats, clipped_token_loss, token_mean
+from rl.loss_modes import Normalisers, aggregate
 from trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def micro_batch_logprobs(
 @dataclass(frozen=True)
 class GlobalCounts:
     """What the whole mini-batch holds, over every micro-batch and data-parallel rank: valid tokens, and the
-    sequences and groups that have a valid token (the denominators of rl/loss.py's aggregations)."""
+    sequences and groups that have a valid token (the denominators of Eq. 8 and of rl/loss_modes.py)."""
 
     tokens: float | None  # None (in a test of one micro-batch alone): the micro-batch's own count
     seqs: float | None
@@ -61,14 +62,28 @@ class GlobalCounts:
 
 
 @dataclass(frozen=True)
+class PassStats:
+    """What one micro-batch's loss pass tells the step's metrics: Eq. 10's clip statistics, the entropy and
+    token-probability sums over its valid tokens, and its log-probs [S, L] (at the step-start weights, pi_old
+    itself: trainer/mismatch.py)."""
+
+    clip: ClipStats
+    entropy_sum: torch.Tensor
+    token_prob_sum: torch.Tensor
+    logp: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DAPOLoss:
-    """The DAPO policy loss of one micro-batch (Eq. 8, 10), with the run's settings: built once from the
-    [algorithm] and [rollout] sections (`from_config`), then called with data only.
+    """The DAPO policy loss of one micro-batch (Eq. 10, then Eq. 8), with the run's settings: built once from
+    the [algorithm] and [rollout] sections (`from_config`), then called with data only.
 
-        loss = policy_loss(log pi, log pi_old, A, mask; eps_low, eps_high, c, agg, global counts)
+        l = clipped_token_loss(log pi, log pi_old, A; eps_low, eps_high, c)      Eq. 10, per token
+        loss = token_mean(l, N_tokens of the whole mini-batch)                   Eq. 8
 
-    The global counts make the loss `sum(token losses here) / count over the whole mini-batch`, so the
-    gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py).
+    With the mini-batch's global count N_tokens (`GlobalCounts`), each micro-batch's loss is its share, so the
+    gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py). Table 1's other
+    `agg` modes divide by their own counts (rl/loss_modes.py).
     """
 
     clip_low: float  # eps_low of Eq. 10
@@ -94,47 +109,42 @@ class DAPOLoss:
             is_cap=algorithm.truncated_is_cap,
         )
 
-    def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, dict[str, Any]]:
-        """This micro-batch's share of the mini-batch loss, and its metrics (rl/loss.py's, plus the entropy and
-        token-probability sums over its valid tokens and its log-probs [S, L])."""
+    def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, PassStats]:
+        """This micro-batch's share of the mini-batch loss, and what it tells the step's metrics."""
         logp, entropy = micro_batch_logprobs(model, mb, temperature=self.temperature, chunk_size=self.chunk_size)
         assert entropy is not None  # asked for: with_entropy defaults to True
         assert mb.old_logp is not None, "pi_old is filled before the updates (trainer/update.py)"
-        # Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
-        # carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the
-        # clip stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only
-        # when truncated_is is on, to absorb engine/trainer numeric differences.
-        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=self.is_cap)
-        if not self.truncated_is:
-            weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
-        # Groups never straddle ranks, but may straddle micro-batches: each group's tokens over the whole
-        # mini-batch are stored per sample in `mb.group_tokens`.
-        by_group = self.agg == "group-token-mean"
-        loss, metrics = policy_loss(
+        valid = mb.mask > 0
+        per_token, clip = clipped_token_loss(
             logp,
             mb.old_logp,
             mb.advantages,
-            mb.mask,
+            valid,
             clip_low=self.clip_low,
             clip_high=self.clip_high,
             clip_c=self.clip_c,
-            agg=self.agg,
-            global_num_tokens=counts.tokens,
-            global_num_seqs=counts.seqs,
-            token_weights=weights,
-            group_ids=mb.group_ids if by_group else None,
-            group_num_tokens=mb.group_tokens if by_group else None,
-            global_num_groups=counts.groups if by_group else None,
-            norm_len=self.norm_len,
+            token_weights=self.importance_weights(mb),
         )
-        valid = mb.mask > 0
+        if self.agg == "token-mean":
+            loss = token_mean(per_token, valid, counts.tokens)
+        else:  # groups never straddle ranks, but may straddle micro-batches: mb.group_tokens holds their counts
+            norm = Normalisers(counts.seqs, mb.group_ids, mb.group_tokens, counts.groups, self.norm_len)
+            loss = aggregate(per_token, valid, self.agg, norm)
         with torch.no_grad():
-            metrics = dict(metrics)
-            metrics["entropy_sum"] = (entropy.float() * valid).sum()
-            metrics["token_prob_sum"] = (logp.detach().float().exp() * valid).sum()
-            metrics["valid_tokens"] = valid.sum()
-            metrics["logp"] = logp.detach()  # [S, L]: at the step-start weights, pi_old itself (trainer/update.py)
-        return loss, metrics
+            entropy_sum = (entropy.float() * valid).sum()
+            token_prob_sum = (logp.detach().float().exp() * valid).sum()
+        return loss, PassStats(clip, entropy_sum, token_prob_sum, logp.detach())
+
+    def importance_weights(self, mb: MicroBatch) -> torch.Tensor:
+        """Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
+        carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the clip
+        stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only when
+        truncated_is is on, to absorb engine/trainer numeric differences."""
+        assert mb.old_logp is not None
+        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=self.is_cap)
+        if not self.truncated_is:
+            weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
+        return weights
 
 
 def sft_micro_batch_loss(

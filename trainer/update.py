@@ -2,7 +2,7 @@
 
     A_i = (R_i - mean(R)) / (std(R) + eps) per group (Eq. 9, rl/advantage.py)
     for each of train_batch_size / mini_batch_size mini-batches (x ppo_epochs):
-        loss = sum over micro-batches and ranks of policy_loss(..., global counts)   (Eq. 8, 10)
+        loss = sum over micro-batches and ranks of DAPOLoss(..., global counts)   (Eq. 10, then Eq. 8)
         clip the global gradient norm, AdamW step
 
 Micro-batches are packed rows of at most `micro_batch_tokens` tokens. FSDP runs collectives in every
@@ -440,22 +440,23 @@ class TrainPhase:
 
     def _loss_pass(self, mb: MicroBatch, counts: GlobalCounts) -> tuple[PassStats, torch.Tensor]:
         """Forward, the DAPO loss, backward: the pass's statistics (one host read of its loss) and log-probs."""
-        loss, metrics = self.loss(self.model, mb, counts)
+        loss, passed = self.loss(self.model, mb, counts)
         loss.backward()
-        n = float(metrics["num_tokens"])
-        upper = float(metrics["pg_clipfrac_upper"]) * n
+        clip = passed.clip
+        n = float(clip.num_tokens)
+        upper = float(clip.pg_clipfrac_upper) * n
         stats = PassStats(
             loss=loss.item(),  # the micro-batch's one host sync for its loss
-            pg_clipfrac=float(metrics["pg_clipfrac"]) * n,
-            pg_clipfrac_lower=float(metrics["pg_clipfrac_lower"]) * n,
+            pg_clipfrac=float(clip.pg_clipfrac) * n,
+            pg_clipfrac_lower=float(clip.pg_clipfrac_lower) * n,
             pg_clipfrac_upper=upper,
-            clipped_upper_prob_sum=float(metrics["clipped_upper_prob"]) * upper,
-            ppo_kl=float(metrics["ppo_kl"]) * n,
-            entropy_sum=float(metrics["entropy_sum"]),
-            token_prob_sum=float(metrics["token_prob_sum"]),
-            valid_tokens=float(metrics["valid_tokens"]),
+            clipped_upper_prob_sum=float(clip.clipped_upper_prob) * upper,
+            ppo_kl=float(clip.ppo_kl) * n,
+            entropy_sum=float(passed.entropy_sum),
+            token_prob_sum=float(passed.token_prob_sum),
+            valid_tokens=n,
         )
-        return stats, metrics["logp"]
+        return stats, passed.logp
 
     def _stats(
         self,
