@@ -47,7 +47,7 @@ PIECES = [
     ("output head + log-prob (all passes)", "token_logprobs", "model/logprob.py"),
     ("attention (all passes)", "attend", ".py"),
     ("backward", "backward", "torch/_tensor.py"),
-    ("grad clip + AdamW", "_optimizer_step", "trainer/update.py"),
+    ("grad clip + AdamW", "__call__", "trainer/optimizer.py"),  # OptimizerStep.__call__
 ]
 GENERATION_PIECES = [
     ("prefill", "_prefill_logits", "rollout/torch_engine.py"),

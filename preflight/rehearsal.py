@@ -13,8 +13,8 @@ phases in their real order, through the functions train.py itself calls:
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
     train: forward + backward     trainer/losses.py DAPOLoss, backward
-    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, trainer/update.py build_optimizer's
-                                  AdamW step, zero_grad
+    train: optimizer step         trainer/optimizer.py OptimizerStep: clip, build_optimizer's AdamW step,
+                                  zero_grad, the finiteness check
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        engine.resume_memory() at the next step's start
 
@@ -295,10 +295,10 @@ class _Phases:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         from parallel.device_memory import return_cached_memory
-        from parallel.grad_clip import clip_grad_norm_
         from rollout.weight_sync import sync_weights
         from trainer.losses import DAPOLoss, GlobalCounts
-        from trainer.update import build_optimizer, fill_old_logprobs
+        from trainer.optimizer import OptimizerStep, build_optimizer
+        from trainer.update import fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
         assert policy is not None and engine is not None, "step() follows build()"
@@ -319,10 +319,7 @@ class _Phases:
             loss.backward()
 
         def optimizer_step() -> None:
-            grads = [p for p in policy.parameters() if p.grad is not None]
-            clip_grad_norm_(grads, max(cfg.optimizer.grad_clip, 1e-6))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            OptimizerStep.from_config(cfg.optimizer, policy, optimizer)("the rehearsal's update")
 
         phase("rollout", engine.resume_memory)
         phase("release", engine.release_memory)
@@ -389,7 +386,9 @@ def fake_tensor_mode() -> FakeTensorMode:
     Why: train.py builds its modules on the meta device and then calls `to_empty`; a module whose meta
     parameters were themselves fake cannot be moved (nn.Module._apply must swap a fake parameter in
     place, and the fake mode holds weak references to it). And the trainer's input checks read a few
-    values of the (small, real) micro-batch, which a fake tensor cannot give.
+    values of the (small, real) micro-batch, which a fake tensor cannot give. A value the trainer reads
+    back from a fake tensor (a gradient norm, AdamW's step count) reads as 1, a flag (a finiteness check)
+    as False: finite, nothing to report.
     """
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.utils._pytree import tree_leaves
@@ -416,6 +415,8 @@ def fake_tensor_mode() -> FakeTensorMode:
             args: Sequence[object] = (),
             kwargs: Mapping[str, object] | None = None,
         ) -> object:
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+                return int(args[0].dtype != torch.bool)  # .item(), float(), bool() of a fake tensor
             if runs_for_real(args, kwargs):
                 with unset_fake_temporarily():
                     return func(*args, **(kwargs or {}))

@@ -13,6 +13,7 @@ from typing import Any
 
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
+from trainer.optimizer import SkippedUpdates
 from trainer.scoring import RolloutGroup, Sample
 
 
@@ -23,15 +24,17 @@ class TrainState:
     step: int = 0  # the last completed DAPO step
     sft_done: bool = False  # the supervised warm-up has run (it is not repeated on resume)
     tokens: int = 0  # response tokens trained on so far
-    nonfinite_in_a_row: int = 0  # updates skipped in a row for a non-finite gradient, across steps and restarts
+    # The optimizer step's count of updates skipped in a row for a non-finite gradient (trainer/optimizer.py),
+    # carried over steps and restarts.
+    skipped: SkippedUpdates = dataclasses.field(default_factory=SkippedUpdates)
 
     def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        plain = {"step": self.step, "sft_done": self.sft_done, "tokens": self.tokens}
+        return {**plain, "nonfinite_in_a_row": self.skipped.in_a_row}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        for field in dataclasses.fields(self):
-            if field.name in saved:
-                setattr(self, field.name, saved[field.name])
+        self.step, self.sft_done, self.tokens = saved["step"], saved["sft_done"], saved["tokens"]
+        self.skipped.in_a_row = saved["nonfinite_in_a_row"]
 
 
 def _group_to_plain(group: RolloutGroup) -> dict[str, Any]:

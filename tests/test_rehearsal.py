@@ -39,6 +39,7 @@ def small_config(world_size, **extra):
 
 def _measured(rank, world_size, cfg):
     """train.py's phases on real gloo ranks with real tensors, measured by PyTorch's memory trackers."""
+    import parallel.sharded_policy
     from parallel.dims import ParallelDims
     from parallel.dist_env import DistEnv
 
@@ -46,7 +47,19 @@ def _measured(rank, world_size, cfg):
     dims.build_mesh("cpu")
     ledger = MemoryLedger(10**12, 0)
     # fill=False: the checkpoint is read into host memory, which the ledger does not count (here the host
-    # and the "GPU" are one device); the shards it fills are allocated either way.
+    # and the "GPU" are one device); the shards it fills are allocated either way. Their values are whatever
+    # the allocator left there: zeroed in place (no memory), so that the gradient norm is finite and the
+    # optimizer step is not skipped.
+    shard_policy = parallel.sharded_policy.shard_policy
+
+    def zeroed(*args, **kwargs):
+        policy = shard_policy(*args, **kwargs)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.zero_()
+        return policy
+
+    parallel.sharded_policy.shard_policy = zeroed
     run_phases(cfg, DistEnv(rank, world_size, rank, torch.device("cpu"), dims), ledger, fill=False)
     return {row.phase: row.trainer_peak for row in ledger.rows}
 

@@ -33,9 +33,10 @@ from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
 from run.folder import prepare_run_folder, run_folder_path
 from run.lock import FolderLock
+from trainer.optimizer import build_optimizer
 from trainer.rollout_phase import RolloutPhase
 from trainer.scoring import Sample
-from trainer.update import TrainPhase, build_optimizer
+from trainer.update import TrainPhase
 
 if TYPE_CHECKING:
     from config import Config

@@ -45,7 +45,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, parts: Components):
         self.cfg, self.parts, self.dist = cfg, parts, parts.dist
-        self.state = TrainState()
+        self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
         self.stop = GracefulStop()  # listening from `resume` on
         checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
         self.runner = PhaseRunner(
@@ -158,7 +158,9 @@ class Trainer:
         if not training.sft_warmup_steps or self.state.sft_done:
             return
         start = time.perf_counter()
-        warm = SFTWarmup.from_config(training, p.policy, p.train_set, p.tokenizer, self.dist, seed=cfg.job.seed)
+        warm = SFTWarmup.from_config(
+            training, cfg.optimizer, p.policy, p.train_set, p.tokenizer, self.dist, seed=cfg.job.seed
+        )
         checkpoints = CheckpointManager(f"{p.run_path}/{WARMUP_CHECKPOINTS}", keep=1)
         runner = PhaseRunner(
             checkpoints,
@@ -274,12 +276,10 @@ class Trainer:
         """The step's updates on this rank's groups; the step is then done. Returns its record so far."""
         train_start = time.perf_counter()
         with self.progress(None, f"step {step} train", "micro-batches") as bar:
-            in_a_row = self.state.nonfinite_in_a_row
-            stats: TrainStats = self.parts.update.run(step, batch.groups, nonfinite_in_a_row=in_a_row, progress=bar)
+            stats: TrainStats = self.parts.update.run(step, batch.groups, progress=bar)
         seconds = time.perf_counter() - train_start
         self.state.step = step
         self.state.tokens += int(stats.train_tokens)
-        self.state.nonfinite_in_a_row = stats.nonfinite_in_a_row
         mfu = training_mfu(
             self.parts.policy.args,
             batch.groups,
@@ -297,7 +297,7 @@ class Trainer:
 
     def stop_after_nonfinite_updates(self, step: int, record: StepRecord, step_start: float) -> None:
         """Too many non-finite updates in a row: write the step's row, checkpoint it and stop."""
-        skipped = self.state.nonfinite_in_a_row
+        skipped = self.state.skipped.in_a_row
         if skipped >= self.cfg.training.max_nonfinite_steps:
             record.times.step = time.perf_counter() - step_start
             self.write(step, record.row())

@@ -15,22 +15,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from parallel.finite import NonFiniteStateError, nonfinite_state
-from parallel.grad_clip import clip_grad_norm_
 from rl.advantage import group_advantages
 from rl.reward import overlong_filter_mask
 from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
 from trainer.mismatch import Mismatch, MismatchProbe
+from trainer.optimizer import OptimizerStep
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 
 if TYPE_CHECKING:
     from config import Config
-    from config.schema import AlgorithmConfig, OptimizerConfig, TrainingConfig
+    from config.schema import AlgorithmConfig, TrainingConfig
     from model.qwen2 import Qwen2
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
@@ -164,24 +162,6 @@ def fill_old_logprobs(
     return recomputed
 
 
-def build_optimizer(
-    params: Iterable[torch.nn.Parameter], opt: OptimizerConfig, *, foreach: bool | None = None
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `params` with the [optimizer] section's settings, and its schedule: a linear warm-up over
-    the first `warmup_steps` rollout steps that update the policy (TrainPhase.run), then constant (the
-    paper's schedule). foreach: torch's choice by default (the rehearsal names the one a run takes)."""
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=opt.lr,
-        betas=(opt.betas[0], opt.betas[1]),
-        eps=opt.eps,
-        weight_decay=opt.weight_decay,
-        foreach=foreach,
-    )
-    warmup = max(1, opt.warmup_steps)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-
-
 @dataclasses.dataclass(frozen=True)
 class PassStats:
     """One micro-batch's loss pass: its share of the mini-batch loss, and its token-weighted metric sums."""
@@ -260,7 +240,6 @@ class TrainStats:
     lr: float  # the rate this step ran at
     train_tokens: float  # valid tokens trained on, per epoch
     mismatch: Mismatch
-    nonfinite_in_a_row: int  # skipped updates in a row at the step's end, counted across steps
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -284,30 +263,29 @@ class TrainStats:
 class TrainPhase:
     """The updates of a step, built once from the run's sections (`from_config`) and called with data.
 
-    model, optimizer, scheduler: the policy and its AdamW (`build_optimizer`); loss: the DAPO loss
-    (trainer/losses.py); training: the [training] section; algorithm: the [algorithm] section (advantage and
-    overlong-filter settings); grad_clip: optimizer.grad_clip; old_logprobs: where pi_old comes from
+    model: the policy; optimizer_step: its AdamW step (trainer/optimizer.py), scheduler: the learning-rate
+    schedule; loss: the DAPO loss (trainer/losses.py); training: the [training] section; algorithm: the
+    [algorithm] section (advantage and overlong-filter settings); old_logprobs: where pi_old comes from
     (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`).
     """
 
     def __init__(
         self,
         model: Qwen2,
-        optimizer: torch.optim.Optimizer,
+        optimizer_step: OptimizerStep,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         dist_env: DistEnv,
         loss: DAPOLoss,
         *,
         training: TrainingConfig,
         algorithm: AlgorithmConfig,
-        grad_clip: float,
         old_logprobs: str,
         share_prompts: bool,
     ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer_step, self.scheduler = model, optimizer_step, scheduler
         self.dist, self.device, self.loss = dist_env, dist_env.device, loss
         self.training, self.algorithm = training, algorithm
-        self.grad_clip, self.old_logprobs, self.share_prompts = grad_clip, old_logprobs, share_prompts
+        self.old_logprobs, self.share_prompts = old_logprobs, share_prompts
 
     @classmethod
     def from_config(
@@ -321,23 +299,20 @@ class TrainPhase:
         """The phase with the sections and decisions of `cfg` it reads."""
         return cls(
             model,
-            optimizer,
+            OptimizerStep.from_config(cfg.optimizer, model, optimizer),
             scheduler,
             dist_env,
             DAPOLoss.from_config(cfg.algorithm, cfg.rollout),
             training=cfg.training,
             algorithm=cfg.algorithm,
-            grad_clip=cfg.optimizer.grad_clip,
             old_logprobs=old_logprob_source(cfg),
             share_prompts=shares_prompts(cfg, dist_env, dist_env.device),
         )
 
-    def run(
-        self, step: int, groups: list[RolloutGroup], nonfinite_in_a_row: int = 0, progress: Progress | None = None
-    ) -> TrainStats:
+    def run(self, step: int, groups: list[RolloutGroup], progress: Progress | None = None) -> TrainStats:
         """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
-        training metrics (reduced over ranks). nonfinite_in_a_row: skipped updates in a row before this step.
-        progress: set to the number of micro-batches to run and advanced after each (None: no display)."""
+        training metrics (reduced over ranks). progress: set to the number of micro-batches to run and
+        advanced after each (None: no display)."""
         mini_batches = self._mini_batches(step, groups)
         self.model.train()
         probe = MismatchProbe()
@@ -365,22 +340,19 @@ class TrainPhase:
                         probe.add(logp, mb)
                     self._report_pass(step, index, micro_index, stats, progress)
                 sums.end_mini_batch(self.dist)
-                norm = self._optimizer_step(step, index)
+                norm = self.optimizer_step(f"step {step}, mini-batch {index}")
                 outcomes.append(norm is not None)
                 grad_norms += [norm] if norm is not None else []
         mismatch = probe.result(self.dist)
         self._warn_if_rollout_logprobs_differ(step, mismatch)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step ran at
+        lr = self.optimizer_step.optimizer.param_groups[0]["lr"]  # the rate this step ran at
         if any(outcomes):
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
             # up warm-up either; the schedule's position is checkpointed with it.
             self.scheduler.step()
-        in_a_row = nonfinite_in_a_row
-        for finite in outcomes:
-            in_a_row = 0 if finite else in_a_row + 1
-        return self._stats(sums.over_ranks(self.dist), grad_norms, outcomes, lr, mismatch, in_a_row)
+        return self._stats(sums.over_ranks(self.dist), grad_norms, outcomes, lr, mismatch)
 
     def _fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], probe: MismatchProbe) -> list[MicroBatch]:
         """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones measure
@@ -465,7 +437,6 @@ class TrainPhase:
         outcomes: list[bool],
         lr: float,
         mismatch: Mismatch,
-        nonfinite_in_a_row: int,
     ) -> TrainStats:
         """The step's training metrics from its sums over every rank."""
         tokens = sums.valid_tokens
@@ -492,7 +463,6 @@ class TrainPhase:
             lr=lr,
             train_tokens=tokens / self.training.ppo_epochs,
             mismatch=mismatch,
-            nonfinite_in_a_row=nonfinite_in_a_row,
         )
 
     def _global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:
@@ -506,27 +476,3 @@ class TrainPhase:
             seqs += float(rows.sum())
             groups.update(mb.group_ids[rows.to(mb.group_ids.device)].tolist())
         return GlobalCounts(*self.dist.all_reduce([tokens, seqs, float(len(groups))]))
-
-    def _optimizer_step(self, step: int, index: int) -> float | None:
-        """Clip the global grad norm and step; returns the norm, or None for a skipped update.
-
-        A non-finite gradient norm skips the update (the weights and AdamW's state stay as they were) and
-        counts as a non-finite update. After the step the weights are checked (parallel/finite.py: one fused
-        reduction, agreed by every rank): weights gone NaN or inf cannot be taken back without a second copy
-        of the policy and its moments, so the run stops without saving that state (NonFiniteStateError) and a
-        rerun resumes from the newest checkpoint, which was verified finite when it was written."""
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = float(clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("step %d, mini-batch %d: non-finite gradient norm %s; update skipped", step, index, norm)
-            return None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        after = nonfinite_state(self.model)
-        if after is not None:
-            raise NonFiniteStateError(
-                f"step {step}, mini-batch {index}: after the optimizer step {after} (gradient norm {norm:.4g}); "
-                f"stopping without saving this state: rerun the same command to resume from the newest checkpoint"
-            )
-        return norm

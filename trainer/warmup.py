@@ -21,15 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from parallel.finite import NonFiniteStateError, nonfinite_state
-from parallel.grad_clip import clip_grad_norm_
 from run.phase_runner import Checkpointed, PhaseRunner
 from trainer.losses import sft_micro_batch_loss
+from trainer.optimizer import OptimizerStep
 from trainer.packing import PackItem, pack_micro_batches
 from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
-    from config.schema import TrainingConfig
+    from config.schema import OptimizerConfig, TrainingConfig
     from model.qwen2 import Qwen2
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
@@ -45,7 +44,8 @@ class SFTWarmup:
     [training] section (`from_config`), then run under a phase runner (`run`).
 
     Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
-    (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable.
+    (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable. Its
+    step is DAPO's (trainer/optimizer.py): clipped at optimizer.grad_clip, weights checked after it.
     """
 
     def __init__(
@@ -61,6 +61,7 @@ class SFTWarmup:
         micro_batch_tokens: int,
         seed: int = 0,
         weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
     ):
         self.solved = [e for e in examples if e.solution]
         if not self.solved:
@@ -76,12 +77,14 @@ class SFTWarmup:
         self.rng = random.Random(f"sft-{seed}-{dist_env.dp_rank}")
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 - 0.9 * s / max(1, steps))
+        self.optimizer_step = OptimizerStep(model, self.optimizer, grad_clip=grad_clip)
         self.done = 0
 
     @classmethod
     def from_config(
         cls,
         training: TrainingConfig,
+        optimizer: OptimizerConfig,
         model: Qwen2,
         examples: Sequence[PromptExample],
         tokenizer: Tokenizer,
@@ -99,6 +102,7 @@ class SFTWarmup:
             lr=training.sft_lr,
             micro_batch_tokens=training.micro_batch_tokens,
             seed=seed,
+            grad_clip=optimizer.grad_clip,
         )
 
     def checkpointed(self) -> Checkpointed:
@@ -129,12 +133,7 @@ class SFTWarmup:
             loss.backward()
             total += loss.item()
         total = self.dist_env.all_reduce([total])[0]
-        clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        problem = nonfinite_state(self.model)
-        if problem is not None:  # never trained on, checkpointed or exported (the last warm-up checkpoint stays)
-            raise NonFiniteStateError(f"supervised warm-up step {self.done}: {problem} after the update; stopping")
+        self.optimizer_step(f"supervised warm-up step {self.done}")  # a non-finite gradient skips the update
         self.schedule.step()
         self.done += 1
         return total
