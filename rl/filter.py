@@ -21,10 +21,10 @@ many, and carries the surplus over to later steps (first in, first out; groups o
     builder.start_step(step)                      # carried-over groups come first
     while not builder.full() and builder.rounds < max_rounds:
         builder.add_round(generate_and_score())   # list of ScoredGroup
-    batch, diagnostics = builder.finish()
+    batch, stats = builder.finish()
 
-Diagnostics describe the groups generated in this step before filtering (all-correct / all-wrong /
-mixed shares, mean pass rate), plus rounds used and samples generated per kept sample.
+`FilterStats` describes the groups generated in this step before filtering (all correct, all wrong,
+the pass rates), the groups kept, and where the batch came from.
 """
 
 from __future__ import annotations
@@ -85,6 +85,36 @@ class ScoredGroup(Generic[Payload]):
     @property
     def pass_rate(self) -> float:
         return sum(self.acc) / len(self.acc)
+
+
+@dataclass(frozen=True)
+class FilterStats:
+    """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
+    filtering, with how many were all correct or all wrong and their pass rates summed; the new groups (and
+    samples) it kept; and where the batch came from: carried-over groups used, surplus carried to the next
+    step, stale ones dropped, and the groups missing from a short batch."""
+
+    rounds: int
+    groups_generated: int
+    samples_generated: int
+    all_correct: int
+    all_wrong: int
+    pass_rate_sum: float
+    groups_kept: int
+    samples_kept: int
+    groups_in_batch: int
+    groups_from_carry: int
+    groups_carried_over: int
+    groups_dropped_stale: int
+    shortfall: int
+
+    def share(self, groups: float) -> float:
+        """`groups` as a share of the groups generated (NaN when none was: a batch served from carry-over)."""
+        return groups / self.groups_generated if self.groups_generated else math.nan
+
+    @property
+    def samples_per_kept_sample(self) -> float:
+        return self.samples_generated / self.samples_kept if self.samples_kept else math.nan
 
 
 class DynamicBatchBuilder(Generic[Payload]):
@@ -200,8 +230,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         """Groups waiting in the carry-over queue (between steps)."""
         return len(self._carry)
 
-    def finish(self) -> tuple[list[ScoredGroup[Payload]], dict[str, float]]:
-        """End the step: the batch (oldest groups first) and the step's diagnostics."""
+    def finish(self) -> tuple[list[ScoredGroup[Payload]], FilterStats]:
+        """End the step: the batch (oldest groups first) and what the filter did (`FilterStats`)."""
         self._require_step("finish")
         batch = self._kept[: self.train_batch_size]
         surplus = self._kept[self.train_batch_size :]
@@ -214,9 +244,24 @@ class DynamicBatchBuilder(Generic[Payload]):
                 f"after {self._rounds} of {self.max_rounds} generation rounds"
             )
             if self.on_shortfall == "raise":
-                raise RuntimeError(message)
+                raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
             warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
-        return [group for _, group in batch], self._diagnostics(batch, surplus, shortfall)
+        stats = FilterStats(
+            rounds=self._rounds,
+            groups_generated=self._generated_groups,
+            samples_generated=self._generated_samples,
+            all_correct=self._all_correct,
+            all_wrong=self._all_wrong,
+            pass_rate_sum=self._pass_rate_sum,
+            groups_kept=len(self._kept) - self._from_carry,
+            samples_kept=self._kept_samples,
+            groups_in_batch=len(batch),
+            groups_from_carry=min(self._from_carry, len(batch)),
+            groups_carried_over=len(surplus),
+            groups_dropped_stale=self._dropped_stale,
+            shortfall=max(shortfall, 0),
+        )
+        return [group for _, group in batch], stats
 
     # -- checkpointing ----------------------------------------------------------------------------
 
@@ -251,32 +296,3 @@ class DynamicBatchBuilder(Generic[Payload]):
         if self._step is None:
             raise RuntimeError(f"{caller}: call start_step(step) first")
         return self._step
-
-    def _diagnostics(
-        self, batch: Sequence[tuple[int, ScoredGroup]], surplus: Sequence[tuple[int, ScoredGroup]], shortfall: int
-    ) -> dict[str, float]:
-        generated = self._generated_groups
-        kept_new = len(self._kept) - self._from_carry
-
-        def share(count: int) -> float:
-            return count / generated if generated else math.nan
-
-        return {
-            "rounds": self._rounds,
-            "groups_generated": generated,
-            "samples_generated": self._generated_samples,
-            "share_all_correct": share(self._all_correct),
-            "share_all_wrong": share(self._all_wrong),
-            "share_mixed": share(generated - self._all_correct - self._all_wrong),
-            "mean_pass_rate": self._pass_rate_sum / generated if generated else math.nan,
-            "groups_kept": kept_new,
-            "kept_share": share(kept_new),
-            "samples_per_kept_sample": (
-                self._generated_samples / self._kept_samples if self._kept_samples else math.nan
-            ),
-            "groups_in_batch": len(batch),
-            "groups_from_carry": min(self._from_carry, len(batch)),
-            "groups_carried_over": len(surplus),
-            "groups_dropped_stale": self._dropped_stale,
-            "shortfall": max(shortfall, 0),
-        }

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rl.filter import DynamicBatchBuilder, ScoredGroup, keep_group
+from rl.filter import DynamicBatchBuilder, FilterStats, ScoredGroup, keep_group
 
 # -- keep rule -------------------------------------------------------------------------------------
 
@@ -88,29 +88,29 @@ def test_rounds_until_full_then_surplus_is_carried_over():
     assert names(batch) == ["a", "d"]
     assert builder.num_carried == 1
     # 5 groups of 4 generated; pass rates 0.5, 1, 0, 0.25, 0.75; kept a, d, e (12 samples)
-    assert diag == {
-        "rounds": 2,
-        "groups_generated": 5,
-        "samples_generated": 20,
-        "share_all_correct": 0.2,
-        "share_all_wrong": 0.2,
-        "share_mixed": 0.6,
-        "mean_pass_rate": 0.5,
-        "groups_kept": 3,
-        "kept_share": 0.6,
-        "samples_per_kept_sample": 20 / 12,
-        "groups_in_batch": 2,
-        "groups_from_carry": 0,
-        "groups_carried_over": 1,
-        "groups_dropped_stale": 0,
-        "shortfall": 0,
-    }
+    assert diag == FilterStats(
+        rounds=2,
+        groups_generated=5,
+        samples_generated=20,
+        all_correct=1,
+        all_wrong=1,
+        pass_rate_sum=2.5,
+        groups_kept=3,
+        samples_kept=12,
+        groups_in_batch=2,
+        groups_from_carry=0,
+        groups_carried_over=1,
+        groups_dropped_stale=0,
+        shortfall=0,
+    )
+    assert diag.share(diag.all_correct) == diag.share(diag.all_wrong) == 0.2 and diag.share(diag.groups_kept) == 0.6
+    assert diag.share(diag.pass_rate_sum) == 0.5 and diag.samples_per_kept_sample == 20 / 12
 
     builder.start_step(1)  # the carried group comes first
     builder.add_round([group("f", MIXED), group("g", MIXED)])
     batch, diag = builder.finish()
     assert names(batch) == ["e", "f"]
-    assert diag["groups_from_carry"] == 1 and diag["groups_carried_over"] == 1 and diag["groups_kept"] == 2
+    assert diag.groups_from_carry == 1 and diag.groups_carried_over == 1 and diag.groups_kept == 2
 
 
 def test_carry_over_is_fifo_and_can_fill_a_batch_without_generating():
@@ -121,10 +121,10 @@ def test_carry_over_is_fifo_and_can_fill_a_batch_without_generating():
     builder.start_step(1)
     assert builder.full()  # b and c are waiting: no generation needed
     batch, diag = builder.finish()
-    assert names(batch) == ["b"] and diag["rounds"] == 0 and diag["groups_generated"] == 0
-    assert math.isnan(diag["share_mixed"]) and math.isnan(diag["mean_pass_rate"])
-    assert math.isnan(diag["samples_per_kept_sample"])
-    assert diag["groups_from_carry"] == 1 and diag["groups_carried_over"] == 1
+    assert names(batch) == ["b"] and diag.rounds == 0 and diag.groups_generated == 0
+    assert math.isnan(diag.share(0)) and math.isnan(diag.share(diag.pass_rate_sum))
+    assert math.isnan(diag.samples_per_kept_sample)
+    assert diag.groups_from_carry == 1 and diag.groups_carried_over == 1
     builder.start_step(2)
     builder.add_round([group("d", MIXED)])
     assert names(builder.finish()[0]) == ["c"]  # older than d
@@ -141,7 +141,7 @@ def test_stale_groups_are_dropped():
     assert not builder.full()
     builder.add_round([group("d", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["d"] and diag["groups_dropped_stale"] == 1
+    assert names(batch) == ["d"] and diag.groups_dropped_stale == 1
 
 
 def test_skipped_steps_count_towards_staleness():
@@ -152,7 +152,7 @@ def test_skipped_steps_count_towards_staleness():
     builder.start_step(3)
     builder.add_round([group("c", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["c"] and diag["groups_dropped_stale"] == 1
+    assert names(batch) == ["c"] and diag.groups_dropped_stale == 1
 
 
 def test_zero_staleness_disables_carry_over():
@@ -164,7 +164,7 @@ def test_zero_staleness_disables_carry_over():
     assert not builder.full()
     builder.add_round([group("c", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["c"] and diag["groups_dropped_stale"] == 1
+    assert names(batch) == ["c"] and diag.groups_dropped_stale == 1
 
 
 def test_shortfall_fill_warns_and_trains_on_what_was_kept():
@@ -175,7 +175,7 @@ def test_shortfall_fill_warns_and_trains_on_what_was_kept():
     assert not builder.full() and builder.rounds == 2
     with pytest.warns(RuntimeWarning, match="kept 2 of 3 groups at step 5 after 2 of 2"):
         batch, diag = builder.finish()
-    assert names(batch) == ["a", "b"] and diag["shortfall"] == 1 and diag["groups_in_batch"] == 2
+    assert names(batch) == ["a", "b"] and diag.shortfall == 1 and diag.groups_in_batch == 2
 
 
 def test_shortfall_raise():
@@ -193,8 +193,8 @@ def test_disabled_keeps_everything_in_one_round():
     assert builder.full()
     batch, diag = builder.finish()
     assert names(batch) == ["a", "b", "c"]
-    assert diag["rounds"] == 1 and diag["groups_kept"] == 3 and diag["samples_per_kept_sample"] == 1.0
-    assert diag["share_all_correct"] == pytest.approx(1 / 3)  # diagnostics are still computed
+    assert diag.rounds == 1 and diag.groups_kept == 3 and diag.samples_per_kept_sample == 1.0
+    assert diag.share(diag.all_correct) == pytest.approx(1 / 3)  # diagnostics are still computed
 
 
 def test_disabled_with_a_short_round_applies_the_shortfall_policy():
@@ -234,8 +234,8 @@ def test_training_loop_usage():
         builder.add_round(next(rounds))
     batch, diag = builder.finish()
     assert names(batch) == ["r0-0", "r0-2", "r0-4", "r1-0"]
-    assert diag["rounds"] == 2 and diag["groups_carried_over"] == 1
-    assert diag["share_all_wrong"] == 0.25 and diag["share_all_correct"] == pytest.approx(4 / 12)
+    assert diag.rounds == 2 and diag.groups_carried_over == 1
+    assert diag.share(diag.all_wrong) == 0.25 and diag.share(diag.all_correct) == pytest.approx(4 / 12)
 
 
 def test_misuse_is_refused():

@@ -7,12 +7,12 @@ import math
 import pytest
 from dist_utils import OneProcess
 
+from observe.records import row as metrics_row
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
 from trainer.rollout_phase import RolloutPhase
 from trainer.scoring import RewardSettings
-from trainer.step_metrics import rollout_stats
 
 
 class _AnswerTokenizer:
@@ -61,7 +61,7 @@ def _row(engine, train_batch_size, max_rounds):
             prompts_per_round=2,
         )
         batch = phase.collect(1)
-    return batch.groups, rollout_stats(batch, OneProcess(), group_size=4).metrics()
+    return batch.groups, metrics_row(batch.metrics)
 
 
 def test_all_samples_and_kept_batch_are_logged_under_their_own_names():

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from observe.records import row
 from parallel.dims import ParallelDims
 from parallel.dist_env import DistEnv
 from rl.data import PromptExample, PromptSampler
@@ -51,7 +52,7 @@ class AnswerTokenizer(DigitTokenizer):
 def collect_batch(
     step, builder, engine, sampler, per_round, params, tokenizer, reward, dist_env, progress=None, **options
 ):
-    """RolloutPhase(...).collect(step): (this rank's groups, the filter's diagnostics)."""
+    """RolloutPhase(...).collect(step): (this rank's groups, the phase's metrics by name)."""
     stop_requested = options.pop("stop_requested", None)
     phase = RolloutPhase(
         engine,
@@ -65,7 +66,7 @@ def collect_batch(
         **options,
     )
     batch = phase.collect(step, progress=progress, stop_requested=stop_requested)
-    return batch.groups, batch.filter_stats
+    return batch.groups, row(batch.metrics)
 
 
 def test_rounds_fill_the_batch_and_surplus_is_carried_over():
@@ -77,23 +78,23 @@ def test_rounds_fill_the_batch_and_surplus_is_carried_over():
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     batch, diag = collect_batch(1, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
     # Round 1 sees prompts 0..5 (kept: 0, 3), round 2 sees 6..11 (kept: 6, 9): full after two rounds.
-    assert engine.calls == [6, 6] and diag["rounds"] == 2
+    assert engine.calls == [6, 6] and diag["gen/rounds"] == 2
     assert [g.payload[0].example.prompt_ids[0] for g in batch] == [0, 3, 6, 9]
-    assert diag["groups_generated"] == 12 and diag["share_all_wrong"] == pytest.approx(8 / 12)
-    assert diag["samples_per_kept_sample"] == pytest.approx(48 / 16)
+    assert diag["gen/samples"] == 12 * 4 and diag["groups/all_wrong_share"] == pytest.approx(8 / 12)
+    assert diag["gen/samples_per_kept_sample"] == pytest.approx(48 / 16)
     assert builder.num_carried == 0
 
     # Step 2: one round of 12 prompts (12..23) keeps 12, 15, 18, 21: exactly full; a third step with a
     # round of 12 (24..29, 0..5) keeps 24, 27, 0, 3 -> full; no surplus until a round over-fills.
     batch, diag = collect_batch(2, builder, engine, sampler, 12, params, AnswerTokenizer(), reward, SingleProcess())
-    assert diag["rounds"] == 1 and [g.payload[0].example.prompt_ids[0] for g in batch] == [12, 15, 18, 21]
+    assert diag["gen/rounds"] == 1 and [g.payload[0].example.prompt_ids[0] for g in batch] == [12, 15, 18, 21]
     batch, diag = collect_batch(3, builder, engine, sampler, 18, params, AnswerTokenizer(), reward, SingleProcess())
     # 18 prompts: 24..29 then 0..11 -> kept 24, 27, 0, 3, 6, 9: four trained, two carried to step 4.
     assert [g.payload[0].example.prompt_ids[0] for g in batch] == [24, 27, 0, 3]
-    assert builder.num_carried == 2 and diag["groups_carried_over"] == 2
+    assert builder.num_carried == 2 and diag["groups/carried_over"] == 2
     batch, diag = collect_batch(4, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
     assert [g.payload[0].example.prompt_ids[0] for g in batch][:2] == [6, 9]
-    assert diag["groups_from_carry"] == 2
+    assert diag["groups/from_carry"] == 2
 
 
 def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
@@ -104,7 +105,7 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     with pytest.warns(RuntimeWarning, match="kept 1 of 4 groups"):
         batch, diag = collect_batch(1, builder, engine, sampler, 5, params, AnswerTokenizer(), reward, SingleProcess())
-    assert len(batch) == 1 and diag["rounds"] == 2 and diag["shortfall"] == 3
+    assert len(batch) == 1 and diag["gen/rounds"] == 2 and diag["groups/shortfall"] == 3
 
     class AbortingEngine(PlantedEngine):
         def generate(self, prompts, params):
@@ -176,7 +177,7 @@ def test_a_round_is_split_into_calls_and_the_display_advances_after_each():
             progress,
             prompts_per_call=3,
         )
-    assert engine.calls == [3, 3, 1] and diag["rounds"] == 1 and len(batch) == 3
+    assert engine.calls == [3, 3, 1] and diag["gen/rounds"] == 1 and len(batch) == 3
     assert len(set(seeds)) == 3  # each call its own random stream (the first keeps the round's seed)
     # Kept groups after each call: prompt 0 in the first (0-2), 3 in the second (3-5), 6 in the third.
     assert progress.updates == [

@@ -33,8 +33,7 @@ from run.signals import GracefulStop, StopRequested
 from run.state import LoopPosition, TrainState
 from trainer.build import Components
 from trainer.rollout_phase import Outcome, RolloutBatch, RolloutError, RoundStopped, agree
-from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, rollout_stats, training_mfu
-from trainer.update import TrainStats
+from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
 log = logging.getLogger("train")
@@ -273,14 +272,17 @@ class Trainer:
             )
 
     def train(self, step: int, batch: RolloutBatch) -> StepRecord:
-        """The step's updates on this rank's groups; the step is then done. Returns its record so far."""
+        """The step's updates on this rank's groups; the step is then done. Returns its record so far, its
+        metrics combined over every rank."""
         train_start = time.perf_counter()
         with self.progress(None, f"step {step} train", "micro-batches") as bar:
-            stats: TrainStats = self.parts.update.run(step, batch.groups, progress=bar)
+            trained = self.parts.update.run(step, batch.groups, progress=bar)
         seconds = time.perf_counter() - train_start
         self.state.step = step
-        self.state.tokens += int(stats.train_tokens)
-        mfu = training_mfu(
+        record = StepRecord(batch.metrics, trained, StepTimes(train=seconds))
+        record.reduce(self.dist)
+        self.state.tokens += int(trained.train_tokens.result())
+        record.mfu = training_mfu(
             self.parts.policy.args,
             batch.groups,
             seconds,
@@ -288,12 +290,7 @@ class Trainer:
             ppo_epochs=self.cfg.training.ppo_epochs,
             metrics=self.cfg.metrics,
         )
-        return StepRecord(
-            rollout_stats(batch, self.dist, group_size=self.cfg.rollout.n),
-            stats,
-            StepTimes(generate=batch.generate_s, score=batch.score_s, train=seconds),
-            mfu,
-        )
+        return record
 
     def stop_after_nonfinite_updates(self, step: int, record: StepRecord, step_start: float) -> None:
         """Too many non-finite updates in a row: write the step's row, checkpoint it and stop."""

@@ -1,9 +1,9 @@
 """How far the engine's log-probs are from the trainer's, measured once per step (rl/correction.py).
 
-Both sides score the same sampled tokens with the weights of the step's start: the trainer's pi_old
-(recomputed), or, where the engine's log-probs serve as pi_old, the first mini-batch's loss pass (its
-weights have not moved yet). A probe collects those (trainer log-probs, micro-batch) pairs during the step
-and reduces them over every rank at its end.
+Both sides score the same sampled tokens with the weights of the step's start: the trainer's pi_old where
+it is recomputed, and, where the engine's log-probs serve as pi_old, the first mini-batch's loss pass (its
+weights have not moved yet). The update hands the probe every log-prob it computes at those weights
+(`MismatchProbe.saw`); the probe measures each micro-batch once, into the step's metrics.
 
     mean |delta|, max |delta|, k3 = E[exp(delta) - 1 - delta], share of |p_trainer - p_engine| > 0.1
     with delta = log p_trainer - log p_engine over the valid tokens of fresh samples
@@ -11,59 +11,61 @@ and reduces them over every rank at its end.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
+from observe.records import Max, Mean, logged
 from rl.correction import mismatch_metrics
 
 if TYPE_CHECKING:
-    from parallel.dist_env import DistEnv
+    import torch
+
     from trainer.packing import MicroBatch
 
-MISMATCH_KEYS = ("mismatch/mean_abs_logp", "mismatch/max_abs_logp", "mismatch/k3_kl", "mismatch/prob_diff_gt_0.1")
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """The step's engine vs trainer log-prob gap (NaN when no fresh sample was measured)."""
-
-    mean_abs_logp: float = math.nan
-    max_abs_logp: float = math.nan
-    k3_kl: float = math.nan
-    prob_diff_gt_0_1: float = math.nan
-
-    def metrics(self) -> dict[str, float]:
-        values = (self.mean_abs_logp, self.max_abs_logp, self.k3_kl, self.prob_diff_gt_0_1)
-        return dict(zip(MISMATCH_KEYS, values))
+log = logging.getLogger(__name__)
 
 
 @dataclass
+class MismatchMetrics:
+    """The step's engine vs trainer log-prob gap over the measured tokens (NaN where none was measured)."""
+
+    mean_abs_logp: Mean = logged("mean_abs_logp", Mean)
+    max_abs_logp: Max = logged("max_abs_logp", Max)
+    k3_kl: Mean = logged("k3_kl", Mean)
+    prob_diff: Mean = logged("prob_diff_gt_0.1", Mean)
+
+
 class MismatchProbe:
-    """The (trainer log-probs at the step-start weights [S, L], micro-batch) pairs of one step."""
+    """The update's hook for one step: measures the micro-batches `first` (the first mini-batch's, whose
+    loss pass runs at the step-start weights) and every recomputed pi_old, each once."""
 
-    measured: list[tuple[torch.Tensor, MicroBatch]] = field(default_factory=list)
+    def __init__(self, metrics: MismatchMetrics, first: list[MicroBatch]):
+        self.metrics, self.unmeasured = metrics, list(first)
 
-    def add(self, trainer_logp: torch.Tensor, mb: MicroBatch) -> None:
-        self.measured.append((trainer_logp, mb))
+    def saw(self, trainer_logp: torch.Tensor, mb: MicroBatch, *, step_start: bool = False) -> None:
+        """The trainer's log-probs of `mb`: measured if they are at the step-start weights (`step_start`, or
+        `mb` is one of the first mini-batch's, not measured yet)."""
+        if not step_start and not any(mb is m for m in self.unmeasured):
+            return
+        self.unmeasured = [m for m in self.unmeasured if m is not mb]
+        # Fresh samples only: carried-over ones differ by design (an older policy drew them).
+        m = mismatch_metrics(trainer_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
+        n = float(m["mismatch_num_tokens"])
+        if n:
+            self.metrics.mean_abs_logp.add(float(m["mismatch_abs_logp_mean"]) * n, n)
+            self.metrics.max_abs_logp.add(float(m["mismatch_abs_logp_max"]))
+            self.metrics.k3_kl.add(float(m["mismatch_k3_kl"]) * n, n)
+            self.metrics.prob_diff.add(float(m["mismatch_prob_diff_frac"]) * n, n)
 
-    def result(self, dist_env: DistEnv) -> Mismatch:
-        """The gap over every rank's measured tokens (two all-reduces: every rank calls it)."""
-        sums = [0.0, 0.0, 0.0, 0.0]  # tokens, |delta| sum, k3 sum, |delta p| > 0.1 count
-        worst = 0.0
-        for trainer_logp, mb in self.measured:
-            # Fresh samples only: carried-over ones differ by design (an older policy drew them).
-            m = mismatch_metrics(trainer_logp, mb.rollout_logp, mb.mask * ~mb.stale.unsqueeze(1))
-            n = float(m["mismatch_num_tokens"])
-            sums[0] += n
-            sums[1] += float(m["mismatch_abs_logp_mean"]) * n
-            sums[2] += float(m["mismatch_k3_kl"]) * n
-            sums[3] += float(m["mismatch_prob_diff_frac"]) * n
-            worst = max(worst, float(m["mismatch_abs_logp_max"]))
-        tokens, abs_sum, k3_sum, far = dist_env.all_reduce(sums)
-        worst = dist_env.all_reduce([worst], op="max")[0]
-        if not tokens:  # no fresh sample to compare: nothing measured
-            return Mismatch()
-        return Mismatch(abs_sum / tokens, worst, k3_sum / tokens, far / tokens)
+    def warn_if_above(self, tolerance: float, step: int, setting: str) -> None:
+        """Where the engine's log-probs serve as pi_old: warn when they differ from the trainer's by more."""
+        worst = self.metrics.max_abs_logp.result()
+        if worst > tolerance:
+            log.warning(
+                "step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet serve as pi_old "
+                "(algorithm.old_logprobs = %r); set it to 'recompute'",
+                step,
+                worst,
+                setting,
+            )

@@ -22,7 +22,7 @@ from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
 from trainer.scoring import RewardSettings, RolloutGroup, Sample, score_groups
-from trainer.step_metrics import SampleTotals
+from trainer.step_metrics import RolloutMetrics
 
 if TYPE_CHECKING:
     from config import Config
@@ -159,14 +159,11 @@ def agreed_call(dist_env: DistEnv, step: int, round_number: int, call: Callable[
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """What a step's rollout phase hands the update: this rank's groups (kept, carried over), the filter's
-    diagnostics (rl/filter.py), the totals of every sample generated, and the time spent."""
+    """What a step's rollout phase hands the update: this rank's groups (kept, carried over), and the phase's
+    metrics (every sample generated, the batch, what the filter did, the time spent)."""
 
-    groups: list[RolloutGroup]
-    filter_stats: dict[str, float]
-    generated: SampleTotals
-    generate_s: float = 0.0
-    score_s: float = 0.0
+    groups: list[RolloutGroup] = dataclasses.field(default_factory=list)
+    metrics: RolloutMetrics = dataclasses.field(default_factory=RolloutMetrics)
 
 
 class RolloutPhase:
@@ -240,7 +237,7 @@ class RolloutPhase:
         """
         builder = self.builder
         builder.start_step(step)
-        batch = RolloutBatch([], {}, SampleTotals())
+        batch = RolloutBatch()
         shown = 0
         while True:
             everyone_full = self.dist.all_reduce([float(builder.full())], op="min")[0] > 0
@@ -251,15 +248,11 @@ class RolloutPhase:
                 generate = functools.partial(
                     generate_call, self.engine, part, params, self.tokenizer, self.reward, step
                 )
-                new, gen_s, score_s = agreed_call(self.dist, step, builder.rounds + 1, generate)
-                batch.generate_s += gen_s
-                batch.score_s += score_s
-                groups.extend(new)
+                groups += batch.metrics.add_call(agreed_call(self.dist, step, builder.rounds + 1, generate))
                 shown = _after_call(step, builder, groups, call, progress, shown, stop_requested)
             builder.add_round(groups)
-            batch.generated = batch.generated + SampleTotals.of(groups)
         _refuse_shortfall(step, builder, self.dist)
-        batch.groups, batch.filter_stats = builder.finish()
+        batch.groups = batch.metrics.add_batch(builder.finish(), self.params.n)
         return batch
 
     def _calls(self, step: int) -> list[tuple[tuple[int, int], list[PromptExample], SamplingParams]]:

@@ -1,9 +1,14 @@
-"""The per-step metrics row (the DAPO paper's monitoring panel) and where it is written."""
+"""The per-step metrics row (the DAPO paper's monitoring panel): each metric declared once, with how it
+combines over micro-batches and ranks (observe/records.py), and where the row is written.
+
+The rollout phase adds to `RolloutMetrics` and the update to `TrainMetrics`, each on its own rank; at the
+step's end `StepRecord.reduce` combines both over every rank (one all-reduce per kind) and `row` is the line
+of metrics.jsonl.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,175 +16,151 @@ from typing import TYPE_CHECKING
 from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
 from observe.plot import plot_run
+from observe.records import MAX, SAME, SUM, Max, Mean, Sum, logged, over_ranks, row
+from trainer.mismatch import MismatchMetrics
 
 if TYPE_CHECKING:
     import torch
 
     from config import MetricsConfig
     from parallel.dist_env import DistEnv
-    from trainer.rollout_phase import RolloutBatch
+    from rl.filter import FilterStats
+    from trainer.losses import PassStats
     from trainer.scoring import RolloutGroup
-    from trainer.update import TrainStats
 
 log = logging.getLogger("train")
 
 
-@dataclass(frozen=True)
-class SampleTotals:
-    """Sums over a set of samples: count, score, correct, response tokens, truncated responses and their score,
-    and the longest response (a max, not a sum). `+` combines two sets (e.g. generation rounds)."""
+@dataclass
+class SampleMetrics:
+    """Reward, accuracy and lengths of a set of samples: every sample a step generated, or the batch it
+    trained on. NaN (null) without samples."""
 
-    samples: float = 0.0
-    score: float = 0.0
-    acc: float = 0.0
-    length: float = 0.0
-    truncated: float = 0.0
-    truncated_score: float = 0.0
-    longest: float = 0.0
+    reward: Mean = logged("reward/mean", Mean)
+    acc: Mean = logged("acc/mean", Mean)
+    length: Mean = logged("response_length/mean", Mean)
+    longest: Max = logged("response_length/max", Max)
+    truncated: Mean = logged("response_length/clip_ratio", Mean)  # the truncated share
+    truncated_reward: Mean = logged("reward/truncated_mean", Mean)  # of the truncated samples (DAPO Figs. 4-5)
 
-    @classmethod
-    def of(cls, groups: Iterable[RolloutGroup]) -> SampleTotals:
+    def add(self, groups: Iterable[RolloutGroup]) -> None:
         samples = [s for g in groups for s in g.payload]
-        lengths = [len(s.response_ids) for s in samples]
-        return cls(
-            samples=float(len(samples)),
-            score=float(sum(s.score for s in samples)),
-            acc=float(sum(s.acc for s in samples)),
-            length=float(sum(lengths)),
-            truncated=float(sum(s.finish_reason == "length" for s in samples)),
-            truncated_score=float(sum(s.score for s in samples if s.finish_reason == "length")),
-            longest=float(max(lengths, default=0)),
-        )
-
-    def __add__(self, other: SampleTotals) -> SampleTotals:
-        summed = {name: getattr(self, name) + getattr(other, name) for name in _SUMMED}
-        return SampleTotals(**summed, longest=max(self.longest, other.longest))
-
-    def summed(self) -> list[float]:
-        return [getattr(self, name) for name in _SUMMED]
+        truncated = [s.score for s in samples if s.finish_reason == "length"]
+        n = len(samples)
+        self.reward.add(float(sum(s.score for s in samples)), n)
+        self.acc.add(float(sum(s.acc for s in samples)), n)
+        self.length.add(float(sum(len(s.response_ids) for s in samples)), n)
+        for s in samples:
+            self.longest.add(float(len(s.response_ids)))
+        self.truncated.add(float(len(truncated)), n)
+        self.truncated_reward.add(float(sum(truncated)), len(truncated))
 
 
-_SUMMED = ("samples", "score", "acc", "length", "truncated", "truncated_score")
+@dataclass
+class RolloutMetrics:
+    """A step's rollout phase: what it generated (the panel's view of the policy: also a step whose groups
+    were all dropped shows it), what it trained on (kept groups, carried-over ones included), and the groups.
+    The shares are of the groups generated: NaN on a step served entirely from carried-over groups."""
 
-
-@dataclass(frozen=True)
-class SampleMeans:
-    """Reward, accuracy and length means of a set of samples over every rank; NaN (null) without samples."""
-
-    reward: float
-    acc: float
-    length: float
-    length_max: float
-    clip_ratio: float  # truncated share
-    truncated_reward: float  # mean reward of the truncated samples (DAPO Figs. 4-5); NaN without any
-
-    @classmethod
-    def of(cls, sums: list[float], longest: float) -> SampleMeans:
-        n, score, acc, length, truncated, truncated_score = sums
-
-        def mean(x: float) -> float:
-            return x / n if n else math.nan
-
-        truncated_reward = truncated_score / truncated if truncated else math.nan
-        return cls(mean(score), mean(acc), mean(length), longest if n else math.nan, mean(truncated), truncated_reward)
-
-    def metrics(self, prefix: str) -> dict[str, float]:
-        return {
-            f"{prefix}reward/mean": self.reward,
-            f"{prefix}acc/mean": self.acc,
-            f"{prefix}response_length/mean": self.length,
-            f"{prefix}response_length/max": self.length_max,
-            f"{prefix}response_length/clip_ratio": self.clip_ratio,
-            f"{prefix}reward/truncated_mean": self.truncated_reward,
-        }
-
-
-@dataclass(frozen=True)
-class RolloutStats:
-    """A step's rollout phase over every rank: what it generated, what it trained on, and the groups.
-
-    generated describes every sample of the step's rounds (the panel's view of the policy: also a step whose
-    groups were all dropped shows what it generated); kept the batch trained on (kept groups, carried-over
-    ones included). The shares are over every rank's generated groups; NaN on a step served entirely from
-    carried-over groups (nothing generated, nothing filtered).
-    """
-
-    generated: SampleMeans
-    kept: SampleMeans
-    kept_share: float
-    all_correct_share: float
-    all_wrong_share: float
-    rounds: float
-    samples: float  # generated over every round and rank: the x axis of accuracy against samples (DAPO Fig. 6)
-    samples_per_kept_sample: float
-    in_batch: float
+    generated: SampleMetrics = logged("", SampleMetrics)
+    kept: SampleMetrics = logged("kept/", SampleMetrics)
+    kept_share: Mean = logged("groups/kept_share", Mean)
+    all_correct_share: Mean = logged("groups/all_correct_share", Mean)
+    all_wrong_share: Mean = logged("groups/all_wrong_share", Mean)
+    rounds: Sum = logged("gen/rounds", Sum, SAME)
+    samples: Sum = logged("gen/samples", Sum)  # the x axis of accuracy against generated samples (DAPO Fig. 6)
+    samples_per_kept_sample: Mean = logged("gen/samples_per_kept_sample", Mean)
+    in_batch: Sum = logged("groups/in_batch", Sum)
     # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
     # dropped, and the groups missing from a short batch (on_shortfall = "fill").
-    from_carry: float
-    carried_over: float
-    dropped_stale: float
-    shortfall: float
+    from_carry: Sum = logged("groups/from_carry", Sum)
+    carried_over: Sum = logged("groups/carried_over", Sum)
+    dropped_stale: Sum = logged("groups/dropped_stale", Sum)
+    shortfall: Sum = logged("groups/shortfall", Sum)
+    generate_s: Sum = logged("time/generate", Sum, MAX)  # the slowest rank's
+    score_s: Sum = logged("time/score", Sum, MAX)
+
+    def add_call(self, call: tuple[list[RolloutGroup], float, float]) -> list[RolloutGroup]:
+        """The groups of one generate call (trainer/rollout_phase.py generate_call), counted with its time."""
+        groups, generate_s, score_s = call
+        self.generated.add(groups)
+        self.generate_s.add(generate_s)
+        self.score_s.add(score_s)
+        return groups
+
+    def add_batch(self, batch: tuple[list[RolloutGroup], FilterStats], group_size: int) -> list[RolloutGroup]:
+        """The batch dynamic sampling handed out (rl/filter.py), counted with what the filter did."""
+        groups, f = batch
+        self.kept.add(groups)
+        self.kept_share.add(f.groups_kept, f.groups_generated)
+        self.all_correct_share.add(f.all_correct, f.groups_generated)
+        self.all_wrong_share.add(f.all_wrong, f.groups_generated)
+        self.rounds.add(f.rounds)
+        self.samples.add(f.samples_generated)
+        self.samples_per_kept_sample.add(f.samples_generated, f.groups_kept * group_size)
+        for record, count in (
+            (self.in_batch, f.groups_in_batch),
+            (self.from_carry, f.groups_from_carry),
+            (self.carried_over, f.groups_carried_over),
+            (self.dropped_stale, f.groups_dropped_stale),
+            (self.shortfall, f.shortfall),
+        ):
+            record.add(count)
+        return groups
+
+
+@dataclass
+class TrainMetrics:
+    """A step's training phase: per-token means over the trained tokens (NaN without any), means over the
+    optimizer updates (which every rank runs alike), and the engine/trainer mismatch."""
+
+    loss: Mean = logged("loss", Mean, (SUM, SAME))  # each update's mini-batch loss: its shares summed over ranks
+    pg_clipfrac: Mean = logged("pg_clipfrac", Mean)
+    pg_clipfrac_lower: Mean = logged("pg_clipfrac_lower", Mean)
+    pg_clipfrac_upper: Mean = logged("pg_clipfrac_upper", Mean)
+    clipped_upper_prob: Mean = logged("token_prob/clipped_upper_mean", Mean)  # of the upper-clipped tokens
+    ppo_kl: Mean = logged("ppo_kl", Mean)
+    entropy: Mean = logged("entropy", Mean)
+    token_prob: Mean = logged("token_prob/mean", Mean)
+    grad_norm: Mean = logged("grad_norm", Mean, (SAME, SAME))  # of the updates that were not skipped
+    skipped: Sum = logged("updates_skipped_nonfinite", Sum, SAME)
+    updates: Sum = logged("updates", Sum, SAME)
+    lr: Sum = logged("lr", Sum, SAME)  # the rate this step ran at
+    train_tokens: Sum = logged("train_tokens", Sum)  # valid tokens trained on (once, whatever ppo_epochs)
+    mismatch: MismatchMetrics = logged("mismatch/", MismatchMetrics)
+
+    def add_pass(self, stats: PassStats) -> None:
+        """One micro-batch's loss pass, weighted by its valid tokens."""
+        clip = stats.clip
+        n = float(clip.num_tokens)
+        upper = float(clip.pg_clipfrac_upper) * n
+        self.pg_clipfrac.add(float(clip.pg_clipfrac) * n, n)
+        self.pg_clipfrac_lower.add(float(clip.pg_clipfrac_lower) * n, n)
+        self.pg_clipfrac_upper.add(upper, n)
+        self.clipped_upper_prob.add(float(clip.clipped_upper_prob) * upper, upper)
+        self.ppo_kl.add(float(clip.ppo_kl) * n, n)
+        self.entropy.add(float(stats.entropy_sum), n)
+        self.token_prob.add(float(stats.token_prob_sum), n)
+
+    def add_update(self, loss: float, grad_norm: float | None) -> None:
+        """One optimizer update: its mini-batch loss (this rank's share) and gradient norm (None: skipped)."""
+        self.loss.add(loss)
+        self.updates.add(1)
+        if grad_norm is None:
+            self.skipped.add(1)
+        else:
+            self.grad_norm.add(grad_norm)
 
     def metrics(self) -> dict[str, float]:
-        return {
-            **self.generated.metrics(""),
-            **self.kept.metrics("kept/"),
-            "groups/kept_share": self.kept_share,
-            "groups/all_correct_share": self.all_correct_share,
-            "groups/all_wrong_share": self.all_wrong_share,
-            "gen/rounds": self.rounds,
-            "gen/samples": self.samples,  # every sample the step's rounds generated (all ranks)
-            "gen/samples_per_kept_sample": self.samples_per_kept_sample,
-            "groups/in_batch": self.in_batch,
-            "groups/from_carry": self.from_carry,
-            "groups/carried_over": self.carried_over,
-            "groups/dropped_stale": self.dropped_stale,
-            "groups/shortfall": self.shortfall,
-        }
-
-
-def rollout_stats(batch: RolloutBatch, dist_env: DistEnv, *, group_size: int) -> RolloutStats:
-    """RolloutStats of this rank's `batch`, reduced over the data-parallel ranks."""
-    every, kept, stats = batch.generated, SampleTotals.of(batch.groups), batch.filter_stats
-    sums = dist_env.all_reduce(every.summed() + kept.summed())
-    longest = dist_env.all_reduce([every.longest, kept.longest], op="max")
-    counted = ("groups_generated", "samples_generated", "groups_kept")
-    generated_groups, generated_samples, kept_groups = dist_env.all_reduce([float(stats[k]) for k in counted])
-    # Each rank reports shares of its own generated groups.
-    mine = float(stats["groups_generated"])
-    share_keys = ("share_all_correct", "share_all_wrong")
-    all_correct, all_wrong = dist_env.all_reduce([stats[k] * mine if mine else 0.0 for k in share_keys])
-    in_batch = dist_env.all_reduce([float(len(batch.groups))])[0]
-    origin = ("groups_from_carry", "groups_carried_over", "groups_dropped_stale", "shortfall")
-    from_carry, carried_over, dropped_stale, shortfall = dist_env.all_reduce([float(stats[k]) for k in origin])
-
-    def share(count: float) -> float:
-        return count / generated_groups if generated_groups else math.nan
-
-    return RolloutStats(
-        generated=SampleMeans.of(sums[: len(_SUMMED)], longest[0]),
-        kept=SampleMeans.of(sums[len(_SUMMED) :], longest[1]),
-        kept_share=share(kept_groups),
-        all_correct_share=share(all_correct),
-        all_wrong_share=share(all_wrong),
-        rounds=stats["rounds"],
-        samples=generated_samples,
-        samples_per_kept_sample=generated_samples / (kept_groups * group_size) if kept_groups else math.nan,
-        in_batch=in_batch,
-        from_carry=from_carry,
-        carried_over=carried_over,
-        dropped_stale=dropped_stale,
-        shortfall=shortfall,
-    )
+        """The logged values, by name (of every rank once `StepRecord.reduce` combined them)."""
+        return row(self)
 
 
 @dataclass
 class StepTimes:
-    """Seconds a step spent in each phase (None: the phase did not run)."""
+    """Seconds the main rank spent in the phases after the rollout (None: the phase did not run)."""
 
-    generate: float
-    score: float
-    train: float
+    train: float = 0.0
     sync: float | None = None
     step: float | None = None
     eval: float | None = None
@@ -187,30 +168,33 @@ class StepTimes:
 
 @dataclass
 class StepRecord:
-    """One step's line of metrics.jsonl: its fields are the logged metrics (`row`)."""
+    """One step's line of metrics.jsonl."""
 
-    rollout: RolloutStats
-    train: TrainStats
-    times: StepTimes
+    rollout: RolloutMetrics
+    train: TrainMetrics
+    times: StepTimes = field(default_factory=StepTimes)
     mfu: float | None = None  # None where the device's peak is unknown (CPU)
     eval: dict[str, float] = field(default_factory=dict)  # the held-out evaluation's eval/... metrics, if due
 
+    def reduce(self, dist_env: DistEnv) -> None:
+        """Both phases' metrics over every rank (every rank calls it)."""
+        over_ranks((self.rollout, self.train), dist_env)
+
     def row(self) -> dict[str, float | None]:
         t = self.times
-        row: dict[str, float | None] = {**self.rollout.metrics(), **self.train.metrics()}
-        row.update({"time/generate": t.generate, "time/score": t.score, "time/train": t.train})
+        line: dict[str, float | None] = {**row(self.rollout, self.train), "time/train": t.train}
         if self.mfu is not None:
-            row["mfu"] = self.mfu
+            line["mfu"] = self.mfu
         if t.sync is not None:
-            row["time/sync"] = t.sync
+            line["time/sync"] = t.sync
         if t.step is not None:
-            row["time/step"] = t.step
+            line["time/step"] = t.step
             if t.sync is not None:  # a complete step
-                row["tokens_per_s"] = self.train.train_tokens / max(t.step, 1e-9)
-        row.update(self.eval)
+                line["tokens_per_s"] = self.train.train_tokens.result() / max(t.step, 1e-9)
+        line.update(self.eval)
         if t.eval is not None:
-            row["time/eval"] = t.eval
-        return row
+            line["time/eval"] = t.eval
+        return line
 
 
 # Dense bf16 peak per device from datasheets, for the MFU column (no entry: not logged unless

@@ -12,9 +12,7 @@ with an empty one (loss mask 0), which changes no gradient.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,9 +20,10 @@ import torch
 from rl.advantage import group_advantages
 from rl.reward import overlong_filter_mask
 from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
-from trainer.mismatch import Mismatch, MismatchProbe
+from trainer.mismatch import MismatchProbe
 from trainer.optimizer import OptimizerStep
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
+from trainer.step_metrics import TrainMetrics
 
 if TYPE_CHECKING:
     from config import Config
@@ -162,104 +161,6 @@ def fill_old_logprobs(
     return recomputed
 
 
-@dataclasses.dataclass(frozen=True)
-class PassStats:
-    """One micro-batch's loss pass: its share of the mini-batch loss, and its token-weighted metric sums."""
-
-    loss: float
-    pg_clipfrac: float  # clipped tokens' share x valid tokens
-    pg_clipfrac_lower: float
-    pg_clipfrac_upper: float  # tokens clipped at the upper bound
-    clipped_upper_prob_sum: float  # their pi_old probabilities, summed
-    ppo_kl: float
-    entropy_sum: float
-    token_prob_sum: float
-    valid_tokens: float
-
-
-@dataclasses.dataclass
-class StepSums:
-    """What a step's loss passes add up to on this rank; `loss`: the mini-batch losses, each summed over
-    every rank (`end_mini_batch`)."""
-
-    loss: float = 0.0
-    pg_clipfrac: float = 0.0
-    pg_clipfrac_lower: float = 0.0
-    pg_clipfrac_upper: float = 0.0
-    clipped_upper_prob_sum: float = 0.0
-    ppo_kl: float = 0.0
-    entropy_sum: float = 0.0
-    token_prob_sum: float = 0.0
-    valid_tokens: float = 0.0
-    mini_batch_loss: float = 0.0  # this rank's share of the current mini-batch's loss
-
-    def add(self, stats: PassStats) -> None:
-        self.mini_batch_loss += stats.loss
-        for name in _METRIC_SUMS:
-            setattr(self, name, getattr(self, name) + getattr(stats, name))
-
-    def end_mini_batch(self, dist_env: DistEnv) -> None:
-        """The mini-batch's loss: its micro-batches' shares summed over every rank (a collective)."""
-        self.loss += dist_env.all_reduce([self.mini_batch_loss])[0]
-        self.mini_batch_loss = 0.0
-
-    def over_ranks(self, dist_env: DistEnv) -> StepSums:
-        """The metric sums over every rank (one all-reduce; the loss is reduced already)."""
-        reduced = dist_env.all_reduce([getattr(self, name) for name in _METRIC_SUMS])
-        return StepSums(self.loss, **dict(zip(_METRIC_SUMS, reduced)))
-
-
-_METRIC_SUMS = (
-    "pg_clipfrac",
-    "pg_clipfrac_lower",
-    "pg_clipfrac_upper",
-    "clipped_upper_prob_sum",
-    "ppo_kl",
-    "entropy_sum",
-    "token_prob_sum",
-    "valid_tokens",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainStats:
-    """The training phase of one step, as it is logged (`metrics`): per-token means over every rank's
-    trained tokens (NaN without any), per-update means, and the engine/trainer mismatch."""
-
-    loss: float
-    pg_clipfrac: float
-    pg_clipfrac_lower: float
-    pg_clipfrac_upper: float
-    clipped_upper_prob: float  # mean pi_old probability of the tokens clipped at the upper bound (NaN: none)
-    ppo_kl: float
-    entropy: float
-    token_prob_mean: float
-    grad_norm: float
-    updates_skipped_nonfinite: int
-    updates: int
-    lr: float  # the rate this step ran at
-    train_tokens: float  # valid tokens trained on, per epoch
-    mismatch: Mismatch
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "loss": self.loss,
-            "pg_clipfrac": self.pg_clipfrac,
-            "pg_clipfrac_lower": self.pg_clipfrac_lower,
-            "pg_clipfrac_upper": self.pg_clipfrac_upper,
-            "token_prob/clipped_upper_mean": self.clipped_upper_prob,
-            "ppo_kl": self.ppo_kl,
-            "entropy": self.entropy,
-            "token_prob/mean": self.token_prob_mean,
-            "grad_norm": self.grad_norm,
-            "updates_skipped_nonfinite": self.updates_skipped_nonfinite,
-            "updates": self.updates,
-            "lr": self.lr,
-            "train_tokens": self.train_tokens,
-            **self.mismatch.metrics(),
-        }
-
-
 class TrainPhase:
     """The updates of a step, built once from the run's sections (`from_config`) and called with data.
 
@@ -309,20 +210,22 @@ class TrainPhase:
             share_prompts=shares_prompts(cfg, dist_env, dist_env.device),
         )
 
-    def run(self, step: int, groups: list[RolloutGroup], progress: Progress | None = None) -> TrainStats:
-        """Advantages, old log-probs and the step's updates on this rank's `groups`; returns the step's
-        training metrics (reduced over ranks). progress: set to the number of micro-batches to run and
-        advanced after each (None: no display)."""
-        mini_batches = self._mini_batches(step, groups)
+    def run(self, step: int, groups: list[RolloutGroup], progress: Progress | None = None) -> TrainMetrics:
+        """Lines 9-12 on this rank's `groups`: advantages and mini-batches (`mini_batches`), pi_old, then for
+        each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
+        rank's training metrics (StepRecord.reduce combines the ranks'). progress: set to the number of
+        micro-batches to run and advanced after each (None: no display)."""
+        metrics = TrainMetrics()
+        mini_batches = self.mini_batches(step, groups, metrics)
+        mismatch = MismatchProbe(metrics.mismatch, mini_batches[0] if mini_batches else [])
         self.model.train()
-        probe = MismatchProbe()
-        recomputed = self._fill_old_logprobs(mini_batches, probe)
+        self.fill_old_logprobs(mini_batches, mismatch)
         if progress is not None:
             progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
-        sums, grad_norms, outcomes = StepSums(), [], []
-        for epoch in range(self.training.ppo_epochs):
+        metrics.lr.add(self.optimizer_step.optimizer.param_groups[0]["lr"])  # the rate this step runs at
+        for _ in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
-                counts = self._global_counts(mbs)
+                counts = self.global_counts(mbs)
                 if counts.seqs == 0:
                     # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
                     # left it empty, or overlong filtering masked every sample. No update, and nothing that
@@ -330,63 +233,39 @@ class TrainPhase:
                     if progress is not None:
                         progress.update(len(mbs))
                     continue
-                # Where the engine's log-probs serve as pi_old, the step's first loss passes measure the gap:
-                # the weights have not moved yet, so their log-probs are pi_old.
-                fresh = [mb for mb in mbs if not any(mb is r for r in recomputed)] if epoch == index == 0 else []
-                for micro_index, mb in enumerate(mbs):
-                    stats, logp = self._loss_pass(mb, counts)
-                    sums.add(stats)
-                    if any(mb is m for m in fresh):
-                        probe.add(logp, mb)
-                    self._report_pass(step, index, micro_index, stats, progress)
-                sums.end_mini_batch(self.dist)
-                norm = self.optimizer_step(f"step {step}, mini-batch {index}")
-                outcomes.append(norm is not None)
-                grad_norms += [norm] if norm is not None else []
-        mismatch = probe.result(self.dist)
-        self._warn_if_rollout_logprobs_differ(step, mismatch)
-        lr = self.optimizer_step.optimizer.param_groups[0]["lr"]  # the rate this step ran at
-        if any(outcomes):
+                shares = [self.loss_pass(mb, counts, metrics, mismatch, progress) for mb in mbs]
+                metrics.add_update(sum(shares), self.optimizer_step(f"step {step}, mini-batch {index}"))
+        if metrics.updates.result() > metrics.skipped.result():
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
             # up warm-up either; the schedule's position is checkpointed with it.
             self.scheduler.step()
-        return self._stats(sums.over_ranks(self.dist), grad_norms, outcomes, lr, mismatch)
+        if self.old_logprobs == "rollout":
+            mismatch.warn_if_above(ROLLOUT_LOGP_TOLERANCE, step, self.algorithm.old_logprobs)
+        return metrics
 
-    def _fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], probe: MismatchProbe) -> list[MicroBatch]:
-        """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones measure
-        the engine/trainer gap. Every rank runs as many forwards as the rank that needs the most (FSDP)."""
+    def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], mismatch: MismatchProbe | None = None) -> None:
+        """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones are
+        measured against the engine's (`mismatch`). Every rank runs as many forwards as the rank that needs the
+        most (FSDP)."""
         source = self.old_logprobs
         needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
         most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
         temperature, chunk = self.loss.temperature, self.loss.chunk_size
-        recomputed = [
-            mb
-            for mbs, m in zip(mini_batches, most)
-            for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m))
-        ]
-        for mb in recomputed:
-            assert mb.old_logp is not None  # just filled
-            probe.add(mb.old_logp, mb)
-        return recomputed
+        for mbs, m in zip(mini_batches, most):
+            for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m)):
+                if mismatch is not None:
+                    assert mb.old_logp is not None  # just filled
+                    mismatch.saw(mb.old_logp, mb, step_start=True)
 
-    def _warn_if_rollout_logprobs_differ(self, step: int, mismatch: Mismatch) -> None:
-        if self.old_logprobs == "rollout" and mismatch.max_abs_logp > ROLLOUT_LOGP_TOLERANCE:
-            log.warning(
-                "step %d: the engine's log-probs differ from the trainer's by up to %.2g, yet "
-                "serve as pi_old (algorithm.old_logprobs = %r); set it to 'recompute'",
-                step,
-                mismatch.max_abs_logp,
-                self.algorithm.old_logprobs,
-            )
-
-    def _mini_batches(self, step: int, groups: list[RolloutGroup]) -> list[list[MicroBatch]]:
-        """This rank's groups as packed micro-batches per mini-batch, on the device, as many on every rank."""
+    def mini_batches(self, step: int, groups: list[RolloutGroup], metrics: TrainMetrics) -> list[list[MicroBatch]]:
+        """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
+        as many on every rank; their valid tokens counted in `metrics`."""
         alg = self.algorithm
         num_updates = self.training.train_batch_size // self.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
-        items = pack_items_for_groups(
+        group_items = pack_items_for_groups(
             groups,
             adv_eps=alg.adv_eps,
             norm_by_std=alg.norm_adv_by_std,
@@ -394,78 +273,34 @@ class TrainPhase:
             group_offset=group_offset,
             step=step,
         )
+        metrics.train_tokens.add(float(sum(items[0].group_num_tokens for items in group_items if items)))
         mini_batches = []
-        for mini in split_into_mini_batches(items, num_updates):
+        for mini in split_into_mini_batches(group_items, num_updates):
             tokens, tp = self.training.micro_batch_tokens, self.dist.dims.tp
             mbs = pack_micro_batches(mini, tokens, tp, share_prompts=self.share_prompts) if mini else []
             mini_batches.append([mb.to(self.device) for mb in equalize_micro_batch_count(mbs, self.dist)])
         return mini_batches
 
-    @staticmethod
-    def _report_pass(step: int, index: int, micro_index: int, stats: PassStats, progress: Progress | None) -> None:
-        if not math.isfinite(stats.loss):
-            log.warning(
-                "step %d: non-finite loss %s in mini-batch %d, micro-batch %d", step, stats.loss, index, micro_index
-            )
+    def loss_pass(
+        self,
+        mb: MicroBatch,
+        counts: GlobalCounts,
+        metrics: TrainMetrics,
+        mismatch: MismatchProbe | None = None,
+        progress: Progress | None = None,
+    ) -> float:
+        """Forward, the DAPO loss (Eq. 10, 8), backward: returns the micro-batch's share of the mini-batch loss
+        (its one host read); its statistics go to `metrics`, its log-probs to the mismatch probe."""
+        loss, stats = self.loss(self.model, mb, counts)
+        loss.backward()
+        metrics.add_pass(stats)
+        if mismatch is not None:
+            mismatch.saw(stats.logp, mb)
         if progress is not None:
             progress.update(1)
+        return loss.item()
 
-    def _loss_pass(self, mb: MicroBatch, counts: GlobalCounts) -> tuple[PassStats, torch.Tensor]:
-        """Forward, the DAPO loss, backward: the pass's statistics (one host read of its loss) and log-probs."""
-        loss, passed = self.loss(self.model, mb, counts)
-        loss.backward()
-        clip = passed.clip
-        n = float(clip.num_tokens)
-        upper = float(clip.pg_clipfrac_upper) * n
-        stats = PassStats(
-            loss=loss.item(),  # the micro-batch's one host sync for its loss
-            pg_clipfrac=float(clip.pg_clipfrac) * n,
-            pg_clipfrac_lower=float(clip.pg_clipfrac_lower) * n,
-            pg_clipfrac_upper=upper,
-            clipped_upper_prob_sum=float(clip.clipped_upper_prob) * upper,
-            ppo_kl=float(clip.ppo_kl) * n,
-            entropy_sum=float(passed.entropy_sum),
-            token_prob_sum=float(passed.token_prob_sum),
-            valid_tokens=n,
-        )
-        return stats, passed.logp
-
-    def _stats(
-        self,
-        sums: StepSums,
-        grad_norms: list[float],
-        outcomes: list[bool],
-        lr: float,
-        mismatch: Mismatch,
-    ) -> TrainStats:
-        """The step's training metrics from its sums over every rank."""
-        tokens = sums.valid_tokens
-        nan = math.nan  # no token was trained on
-
-        def per_token(x: float) -> float:
-            return x / tokens if tokens else nan
-
-        updates = len(outcomes)
-        return TrainStats(
-            loss=sums.loss / updates if updates else nan,
-            pg_clipfrac=per_token(sums.pg_clipfrac),
-            pg_clipfrac_lower=per_token(sums.pg_clipfrac_lower),
-            pg_clipfrac_upper=per_token(sums.pg_clipfrac_upper),
-            clipped_upper_prob=(
-                sums.clipped_upper_prob_sum / sums.pg_clipfrac_upper if sums.pg_clipfrac_upper else nan
-            ),
-            ppo_kl=per_token(sums.ppo_kl),
-            entropy=per_token(sums.entropy_sum),
-            token_prob_mean=per_token(sums.token_prob_sum),
-            grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else nan,
-            updates_skipped_nonfinite=outcomes.count(False),
-            updates=updates,
-            lr=lr,
-            train_tokens=tokens / self.training.ppo_epochs,
-            mismatch=mismatch,
-        )
-
-    def _global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:
+    def global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:
         """Loss tokens, sequences and groups of the mini-batch over every rank. Sequences and groups count only
         those with a loss token (rl/loss.py): overlong-filtered samples and padding rows are left out."""
         tokens, seqs, groups = 0.0, 0.0, set()
