@@ -4,15 +4,18 @@
     interval     a checkpoint every `interval` steps (0: none)
     stop         after a first SIGTERM / SIGINT on any rank (run/signals.py): a checkpoint of the last
                  completed step, then StopRequested on every rank (train.py exits 143 / 130)
-    failure      a checkpoint of the last completed step, then the error (`stop_with_checkpoint`)
+    failure      a checkpoint of the last completed step, then the error (`stop_with_checkpoint`; the guard
+                 around engine calls, run/guard.py, stops this way)
 
-A phase hands the runner what it checkpoints (`Checkpointed`: the model, its optimizer and schedule) and,
-at each save, its own state as plain data (`extra`); a checkpoint that exists already is not written twice.
+A phase hands the runner what it checkpoints (`Checkpointed`: the model, its optimizer and schedule, and how
+to read the last completed step and the phase's own state as plain data); a checkpoint that exists already is
+not written twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -26,16 +29,17 @@ if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
     from run.signals import GracefulStop
 
-Extra = Callable[[], dict[str, Any]]  # the phase's own state, as plain data, at the moment of a save
-
 
 @dataclass(frozen=True)
 class Checkpointed:
-    """What a phase's checkpoints hold besides its own state."""
+    """What a phase's checkpoints hold: the model, its optimizer and schedule, and at the moment of a save the
+    last completed step (`step`) and the phase's own state as plain data (`extra`)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: Callable[[], int]
+    extra: Callable[[], dict[str, Any]]
 
 
 class PhaseRunner:
@@ -67,34 +71,45 @@ class PhaseRunner:
         s = self.state
         return self.checkpoints.resume(s.model, s.optimizer, s.scheduler)
 
-    def save(self, step: int, extra: Extra) -> None:
-        """A checkpoint of `step` (none when it exists already)."""
-        if step in self.checkpoints.complete_steps():
-            return
-        s = self.state
-        self.checkpoints.save(step, s.model, s.optimizer, s.scheduler, extra())
+    def save(self) -> None:
+        """A checkpoint of the last completed step (none when it exists already)."""
+        s, step = self.state, self.state.step()
+        if step not in self.checkpoints.complete_steps():
+            self.checkpoints.save(step, s.model, s.optimizer, s.scheduler, s.extra())
 
-    def end_of_step(self, step: int, extra: Extra) -> None:
-        """After `step` completed: its interval checkpoint when due, then a stop when one was asked for."""
+    def end_of_step(self) -> None:
+        """After a step completed: its interval checkpoint when due, then a stop when one was asked for."""
+        step = self.state.step()
         if self.interval and step % self.interval == 0 and step != self.last_step:
-            self.save(step, extra)
-        self.stop_if_requested(step, extra)
+            self.save()
+        self.stop_if_requested()
 
-    def stop_if_requested(self, step: int, extra: Extra | None) -> None:
-        """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective), checkpoint `step`
-        (extra None: no checkpoint) and raise StopRequested."""
+    def stop_if_requested(self, *, save: bool = True) -> None:
+        """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective), checkpoint (unless
+        not `save`) and raise StopRequested."""
         if self.stop is not None and self.stop.requested(self.dist):
-            error = StopRequested(self.stop.signal_name or "a signal", step, phase=self.step_name)
-            self.stop_with_checkpoint(step, extra, error)
+            error = StopRequested(self.stop.signal_name or "a signal", self.state.step(), phase=self.step_name)
+            self.stop_with_checkpoint(error, save=save)
 
     def stop_with_checkpoint(
-        self, step: int, extra: Extra | None, error: BaseException, cause: BaseException | None = None
+        self, error: BaseException, cause: BaseException | None = None, *, save: bool = True
     ) -> NoReturn:
-        """Checkpoint `step` (extra None: no checkpoint), then raise `error`. A policy gone non-finite is not
-        saved: the refusal is then the error (parallel/finite.py)."""
-        if extra is not None:
+        """Checkpoint the last completed step (unless not `save`), then raise `error`. A policy gone non-finite
+        is not saved: the refusal is then the error (parallel/finite.py)."""
+        if save:
             try:
-                self.save(step, extra)
+                self.save()
             except NonFiniteStateError as refused:
                 raise refused from error
         raise error from cause
+
+    @contextmanager
+    def as_of_now(self) -> Iterator[None]:
+        """Checkpoints taken inside save the phase as it stands at entry (a step abandoned midway is saved as
+        not begun)."""
+        state, step, extra = self.state, self.state.step(), self.state.extra()
+        self.state = Checkpointed(state.model, state.optimizer, state.scheduler, lambda: step, lambda: extra)
+        try:
+            yield
+        finally:
+            self.state = state

@@ -11,6 +11,7 @@ from observe.records import row as metrics_row
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, SamplingParams
+from run.guard import Guard
 from trainer.rollout_phase import RolloutPhase
 from trainer.scoring import RewardSettings
 
@@ -60,7 +61,7 @@ def _row(engine, train_batch_size, max_rounds):
             reward=reward,
             prompts_per_round=2,
         )
-        batch = phase.collect(1)
+        batch = phase.collect(1, Guard(OneProcess()))
     return batch.groups, metrics_row(batch.metrics)
 
 

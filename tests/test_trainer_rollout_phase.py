@@ -9,7 +9,9 @@ from parallel.dist_env import DistEnv
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure, SamplingParams
-from trainer.rollout_phase import RolloutPhase, RoundStopped, prompts_per_call
+from run.guard import Guard
+from run.signals import StopRequested
+from trainer.rollout_phase import RolloutPhase, prompts_per_call
 from trainer.scoring import RewardSettings
 
 
@@ -52,8 +54,9 @@ class AnswerTokenizer(DigitTokenizer):
 def collect_batch(
     step, builder, engine, sampler, per_round, params, tokenizer, reward, dist_env, progress=None, **options
 ):
-    """RolloutPhase(...).collect(step): (this rank's groups, the phase's metrics by name)."""
-    stop_requested = options.pop("stop_requested", None)
+    """RolloutPhase(...).collect(step): (this rank's groups, the phase's metrics by name); runner: the guard's
+    phase runner (None: failures raised as they are, no stops)."""
+    runner = options.pop("runner", None)
     phase = RolloutPhase(
         engine,
         sampler,
@@ -65,7 +68,7 @@ def collect_batch(
         prompts_per_round=per_round,
         **options,
     )
-    batch = phase.collect(step, progress=progress, stop_requested=stop_requested)
+    batch = phase.collect(step, Guard(dist_env, runner), progress)
     return batch.groups, row(batch.metrics)
 
 
@@ -187,12 +190,23 @@ def test_a_round_is_split_into_calls_and_the_display_advances_after_each():
     ]
 
 
+class StopAtBoundary:
+    """A phase runner stand-in whose stop is asked for at boundary `n` (it saves nothing)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def stop_if_requested(self):
+        self.n -= 1
+        if self.n == 0:
+            raise StopRequested("SIGTERM", 0)
+
+
 def test_a_stop_requested_between_calls_ends_the_round():
     engine = PlantedEngine(lambda k: {0})
     sampler = PromptSampler(_examples(30), shuffle=False)
     builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=2)
-    asked = []
-    with pytest.raises(RoundStopped, match="step 1: stopped after generate call 2 of 3"):
+    with pytest.raises(StopRequested, match="stopped by SIGTERM"):
         collect_batch(
             1,
             builder,
@@ -204,7 +218,7 @@ def test_a_stop_requested_between_calls_ends_the_round():
             RewardSettings(max_response_length=4, overlong_penalty=False),
             SingleProcess(),
             prompts_per_call=2,
-            stop_requested=lambda: asked.append(1) or len(asked) == 2,
+            runner=StopAtBoundary(2),
         )
     assert engine.calls == [2, 2]  # the third call of the round never started
 

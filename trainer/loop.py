@@ -1,21 +1,20 @@
 """The DAPO trainer: one iteration of Algorithm 1 (`Trainer.step`) over the components train.py built once
 (trainer/build.py), and the phases around the loop (resume, warm-up, evaluation, the end).
 
-Both the supervised warm-up and the DAPO loop run under a phase runner (run/phase_runner.py): resume
-from the newest intact checkpoint, a checkpoint every interval, and every stop after the first step's data
-went out checkpoints the last completed step first, so a rerun of the same command resumes. That includes
-the death of an engine's process (EngineDied, rollout/engine_process.py): the policy lives in the trainer's
-process and is intact, so every rank checkpoints and stops (`Trainer.engine_died`). Every way out of a run
-goes through `Trainer.close`: the rollout engine is shut down, the signal handlers restored and the run
-folder released, also when a step fails.
+Every call into the rollout engine goes through one guard (run/guard.py): it runs on every rank, the ranks
+agree on how it went, and a failure on any of them checkpoints the last completed step and stops every rank
+(an engine whose process died included: the policy lives in the trainer's process and is intact); a signal
+stops the run at the next phase boundary with a checkpoint. The warm-up and the loop run under a phase runner
+(run/phase_runner.py: resume, interval checkpoints, stops). Every way out of a run goes through
+`Trainer.close`: the rollout engine is shut down, the signal handlers restored, the run folder released, and
+the row of a step that completed but was not logged yet is written.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 from config import Config
 from evaluation.evaluate import params_from_config
@@ -25,14 +24,14 @@ from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
 from parallel.device_memory import return_cached_memory
 from parallel.hf_export import export_hf
-from rollout.engine import EngineDied, EngineFailure
 from rollout.weight_sync import sync_weights
 from run.folder import WARMUP_CHECKPOINTS, mark_finished
-from run.phase_runner import Checkpointed, Extra, PhaseRunner
-from run.signals import GracefulStop, StopRequested
+from run.guard import Guard
+from run.phase_runner import Checkpointed, PhaseRunner
+from run.signals import GracefulStop
 from run.state import LoopPosition, TrainState
 from trainer.build import Components
-from trainer.rollout_phase import Outcome, RolloutBatch, RolloutError, RoundStopped, agree
+from trainer.rollout_phase import RolloutBatch
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
@@ -47,80 +46,62 @@ class Trainer:
         self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
         self.stop = GracefulStop()  # listening from `resume` on
         checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
-        self.runner = PhaseRunner(
-            checkpoints,
-            Checkpointed(parts.policy, parts.optimizer, parts.scheduler),
-            self.stop,
-            self.dist,
-            interval=cfg.checkpoint.interval if cfg.checkpoint.enabled else 0,
-        )
+        saved = Checkpointed(parts.policy, parts.optimizer, parts.scheduler, lambda: self.state.step, self.extra)
+        interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
+        self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
+        self.guard = Guard(self.dist, self.runner)
         self.metrics: MetricsWriter | None = None
+        self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
 
-    # --- Checkpoints, stops, weights ---------------------------------------------------------------
-    def extra(self, position: LoopPosition | None = None) -> Extra:
-        """The loop's state for a checkpoint of the last completed step, with the data `position` it ended at
-        (default: where the data stands at the save)."""
+    # --- Algorithm 1 -------------------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        """One iteration of Algorithm 1: dynamic-sampling rollouts, the DAPO updates, the weights to the engine."""
+        times = StepTimes()  # the step's clock
+        with self.guard.as_of_now():  # until the update, a stop saves the step as not begun
+            batch = self.rollouts(step)  # lines 3-8
+        record = self.train(step, batch, times)  # lines 9-12
+        self.guard.call(f"step {step}, weight sync", self.sync_weights)  # the new policy into the engine
+        self.after_step(step, record)
 
-        def plain() -> dict[str, Any]:
-            at = position or LoopPosition.of(self.parts.sampler, self.parts.builder)
-            return {**self.state.state_dict(), **at.plain()}
+    def rollouts(self, step: int) -> RolloutBatch:
+        """Lines 3-8 with the engine's memory around them: taken back to generate, released for training."""
+        p, guard = self.parts, self.guard
+        guard.call(f"step {step}, resume", self.resume_engine)
+        with self.progress(p.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
+            batch = p.rollout.collect(step, guard, bar)  # generate, score, filter until the batch is full
+        guard.call(f"step {step}, release", p.engine.release_memory, boundary=True)  # room for training
+        return batch
 
-        return plain
+    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
+        """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""
+        times.lap()  # the rollout phase's time is in its metrics
+        with self.progress(None, f"step {step} train", "micro-batches") as bar:
+            record = StepRecord(batch.metrics, self.parts.update.run(step, batch.groups, progress=bar), times)
+        times.train = times.lap()
+        self.state.step, self.unlogged = step, (step, record)
+        record.reduce(self.dist)  # one all-reduce per kind
+        self.state.tokens += int(record.train.train_tokens.result())
+        cfg = self.cfg
+        args = (self.parts.policy.args, batch.groups, times.train, self.dist)
+        record.mfu = training_mfu(*args, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
+        return record
 
-    def save_checkpoint(self) -> None:
-        """Checkpoint the last completed step (none when it exists already)."""
-        self.runner.save(self.state.step, self.extra())
-
-    def stop_with_checkpoint(
-        self, error: Exception, position: LoopPosition | None = None, *, cause: BaseException | None = None
-    ) -> NoReturn:
-        """Checkpoint the last completed step (at data `position`, default: now), then raise `error`."""
-        self.runner.stop_with_checkpoint(self.state.step, self.extra(position), error, cause)
-
-    def stop_if_requested(self, position: LoopPosition | None = None, *, save: bool = True) -> None:
-        """At a phase boundary: after a first SIGTERM / SIGINT on any rank, checkpoint and stop."""
-        self.runner.stop_if_requested(self.state.step, self.extra(position) if save else None)
-
-    def engine_died(self, exc: EngineDied, position: LoopPosition | None = None) -> NoReturn:
-        """An engine's process is gone; the policy, in this process, is intact: checkpoint the last completed
-        step (at data `position`, default: now) and stop with EngineDied on every rank."""
-        self.stop_with_checkpoint(
-            EngineDied(f"{exc}. Checkpoint of step {self.state.step} saved; rerun the same command to resume"),
-            position,
-            cause=exc,
-        )
-
-    def engine_call(self, what: str, fn: Callable[[], object], position: LoopPosition | None = None) -> None:
-        """fn(), a call into the rollout engine, on every rank; then all ranks agree on how it went. If it
-        failed on any rank, every rank checkpoints (the policy is intact) and stops: with EngineDied when an
-        engine's process died, else with the engine's error."""
-        error = None
-        try:
-            fn()
-        except Exception as exc:
-            error = exc
-        outcome = Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED if error else Outcome.OK
-        worst = agree(self.dist, outcome)
-        if worst == Outcome.ENGINE_DIED:
-            died = error if isinstance(error, EngineDied) else None
-            self.engine_died(died or EngineDied(f"the rollout engine of another rank died during {what}"), position)
-        if worst == Outcome.FAILED:
-            self.stop_with_checkpoint(
-                RuntimeError(
-                    f"the rollout engine failed during {what}: {error or 'on another rank (see its log)'}. "
-                    f"Checkpoint of step {self.state.step} saved; rerun to resume (with the cause fixed)"
-                ),
-                position,
-                cause=error,
-            )
+    # --- Engine calls, checkpoints, metrics --------------------------------------------------------
+    def resume_engine(self) -> None:
+        """The engine takes its memory back; the trainer's cached blocks are handed back first."""
+        return_cached_memory(self.dist)
+        self.parts.engine.resume_memory()
 
     def sync_weights(self) -> None:
-        """Push the policy's weights into the rollout engine in place."""
-        bucket_bytes = self.cfg.rollout.weight_sync_bucket_mb << 20
-        self.engine_call(
-            "weight sync", lambda: sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=bucket_bytes)
-        )
+        """Push the policy's weights into the rollout engine in place (the first bucket maps the engine's
+        weights back: the trainer's cached blocks are handed back first)."""
+        return_cached_memory(self.dist)
+        sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
+
+    def extra(self) -> dict[str, Any]:
+        """The loop's state and the data's position, as plain data for a checkpoint."""
+        return {**self.state.state_dict(), **LoopPosition.of(self.parts.sampler, self.parts.builder).plain()}
 
     def progress(self, total: int | None, desc: str, unit: str) -> Progress:
         return Progress(
@@ -131,7 +112,27 @@ class Trainer:
         assert self.metrics is not None, "resume() opens metrics.jsonl"
         self.metrics.write(step, row)
 
-    # --- Before the loop ---------------------------------------------------------------------------
+    def held_out(self, step: int) -> dict[str, float]:
+        """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
+        p, cfg = self.parts, self.cfg
+        with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
+            return self.guard.call(
+                f"the evaluation at step {step}",
+                lambda: run_held_out_eval(
+                    p.engine,
+                    p.eval_set,
+                    p.tokenizer,
+                    self.eval_params,
+                    self.dist,
+                    p.run_path,
+                    step,
+                    strict_box=cfg.algorithm.strict_box,
+                    progress=bar,
+                    pass_at=cfg.eval.pass_at,
+                ),
+            )
+
+    # --- Around the loop ---------------------------------------------------------------------------
     def resume(self) -> None:
         """Load the latest checkpoint (if resuming), then open metrics.jsonl and start listening for signals."""
         p = self.parts
@@ -140,7 +141,7 @@ class Trainer:
             LoopPosition.pop_from(saved).restore(p.sampler, p.builder)
             self.state.load_state_dict(saved)
             log.info("resumed from step %d", self.state.step)
-            self.sync_weights()
+            self.guard.call("resume", self.sync_weights)
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
         self.metrics = MetricsWriter(
             p.run_path,
@@ -179,30 +180,10 @@ class Trainer:
             )
         self.state.sft_done = True
         if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
-            self.save_checkpoint()
+            self.runner.save()
         discard_warmup_checkpoints(checkpoints, self.dist.is_main)
-        self.sync_weights()
+        self.guard.call("the weight sync after the warm-up", self.sync_weights)
         log.info("supervised warm-up: %d steps in %.1fs", training.sft_warmup_steps, time.perf_counter() - start)
-
-    def held_out(self, step: int) -> dict[str, float]:
-        """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
-        p = self.parts
-        with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
-            try:
-                return run_held_out_eval(
-                    p.engine,
-                    p.eval_set,
-                    p.tokenizer,
-                    self.eval_params,
-                    self.dist,
-                    p.run_path,
-                    step,
-                    strict_box=self.cfg.algorithm.strict_box,
-                    progress=bar,
-                    pass_at=self.cfg.eval.pass_at,
-                )
-            except EngineDied as exc:  # raised on every rank: run_held_out_eval agrees on failures
-                self.engine_died(exc)
 
     def evaluate_at_start(self) -> None:
         """The held-out accuracy before DAPO (eval.at_start), unless the run resumes past step 0."""
@@ -212,99 +193,12 @@ class Trainer:
             log.info(
                 "held-out accuracy before DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n
             )
-        self.stop_if_requested()
-
-    # --- Algorithm 1 -------------------------------------------------------------------------------
-    def step(self, step: int) -> None:
-        """One iteration of Algorithm 1: dynamic-sampling rollouts, the DAPO updates, the weights to the engine."""
-        p, step_start = self.parts, time.perf_counter()
-        # Where this step starts: a step abandoned after its rollouts is checkpointed as not begun.
-        before_step = LoopPosition.of(p.sampler, p.builder)
-        # Lines 3-8: generate, score and filter groups until the batch is full.
-        return_cached_memory(self.dist)  # the engine takes its memory back: the trainer's cached blocks first
-        self.engine_call("resume", p.engine.resume_memory, before_step)
-        batch = self.rollouts(step, before_step)
-        # Colocated: the KV cache makes room for training activations.
-        self.engine_call("release", p.engine.release_memory, before_step)
-        self.stop_if_requested(before_step)
-        # Lines 9-12: advantages, then the DAPO loss over each mini-batch and an AdamW step.
-        record = self.train(step, batch)
-        self.stop_after_nonfinite_updates(step, record, step_start)
-        # The new policy into the engine for the next step's rollouts.
-        sync_start = time.perf_counter()
-        return_cached_memory(self.dist)  # the first bucket maps the engine's weights back
-        try:
-            self.sync_weights()
-        except EngineDied:  # the step is done and checkpointed: a resume does not redo it, so log it now
-            record.times.step = time.perf_counter() - step_start
-            self.write(step, record.row())
-            raise
-        record.times.sync = time.perf_counter() - sync_start
-        record.times.step = time.perf_counter() - step_start
-        self.after_step(step, record)
-
-    def rollouts(self, step: int, before_step: LoopPosition) -> RolloutBatch:
-        """Generation rounds until the batch is full; a failure checkpoints the step before and stops."""
-        p = self.parts
-        try:
-            with self.progress(p.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
-                return p.rollout.collect(step, progress=bar, stop_requested=lambda: self.stop.requested(self.dist))
-        except EngineDied as exc:
-            self.engine_died(exc, before_step)
-        except RoundStopped:
-            self.stop_with_checkpoint(StopRequested(self.stop.signal_name or "a signal", self.state.step), before_step)
-        except EngineFailure as exc:
-            self.stop_with_checkpoint(
-                RuntimeError(
-                    f"step {step}: {exc}; the retry failed too. Checkpoint of step {self.state.step} saved; rerun the "
-                    f"same command to resume"
-                ),
-                before_step,
-                cause=exc,
-            )
-        except RolloutError as exc:  # a shortfall under on_shortfall = "raise", or a scoring error
-            self.stop_with_checkpoint(
-                RuntimeError(
-                    f"{exc}. Checkpoint of step {self.state.step} saved; rerun to resume (with the cause fixed)"
-                ),
-                before_step,
-                cause=exc,
-            )
-
-    def train(self, step: int, batch: RolloutBatch) -> StepRecord:
-        """The step's updates on this rank's groups; the step is then done. Returns its record so far, its
-        metrics combined over every rank."""
-        train_start = time.perf_counter()
-        with self.progress(None, f"step {step} train", "micro-batches") as bar:
-            trained = self.parts.update.run(step, batch.groups, progress=bar)
-        seconds = time.perf_counter() - train_start
-        self.state.step = step
-        record = StepRecord(batch.metrics, trained, StepTimes(train=seconds))
-        record.reduce(self.dist)
-        self.state.tokens += int(trained.train_tokens.result())
-        record.mfu = training_mfu(
-            self.parts.policy.args,
-            batch.groups,
-            seconds,
-            self.dist,
-            ppo_epochs=self.cfg.training.ppo_epochs,
-            metrics=self.cfg.metrics,
-        )
-        return record
-
-    def stop_after_nonfinite_updates(self, step: int, record: StepRecord, step_start: float) -> None:
-        """Too many non-finite updates in a row: write the step's row, checkpoint it and stop."""
-        skipped = self.state.skipped.in_a_row
-        if skipped >= self.cfg.training.max_nonfinite_steps:
-            record.times.step = time.perf_counter() - step_start
-            self.write(step, record.row())
-            self.stop_with_checkpoint(
-                RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved, stopping")
-            )
+        self.runner.stop_if_requested()
 
     def after_step(self, step: int, record: StepRecord) -> None:
         """The step's held-out evaluation (every eval.interval steps), its metrics row, its interval checkpoint,
-        and a stop when one was asked for."""
+        and a stop when one was asked for or too many updates in a row were skipped."""
+        record.times.sync = record.times.lap()
         ev = self.cfg.eval
         last = step == self.cfg.training.steps
         due = ev.interval and step % ev.interval == 0 and not (last and ev.at_end)
@@ -313,9 +207,12 @@ class Trainer:
             record.eval = self.held_out(step)
             record.times.eval = time.perf_counter() - eval_start
         self.write(step, record.row())
-        self.runner.end_of_step(step, self.extra())
+        self.unlogged = None
+        self.runner.end_of_step()
+        skipped = self.state.skipped.in_a_row
+        if skipped >= self.cfg.training.max_nonfinite_steps:
+            self.guard.stop(RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved"))
 
-    # --- The end -----------------------------------------------------------------------------------
     def finish(self) -> None:
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
@@ -324,8 +221,8 @@ class Trainer:
             self.write(step, scores)
             log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
         if cfg.checkpoint.enabled:
-            self.save_checkpoint()  # no-op when the last step's interval checkpoint exists
-        self.stop_if_requested(save=False)
+            self.runner.save()  # no-op when the last step's interval checkpoint exists
+        self.runner.stop_if_requested(save=False)
         if cfg.checkpoint.export_hf:
             export_hf(p.policy, f"{p.run_path}/hf")
             if self.dist.is_main:
@@ -336,8 +233,12 @@ class Trainer:
             mark_finished(p.run_path, step)
 
     def close(self) -> None:
-        """On every way out: the signal handlers restored, the rollout engine shut down, the run folder released."""
+        """On every way out: a completed step's row written (its checkpoint holds it: a resume does not redo it),
+        the signal handlers restored, the rollout engine shut down, the run folder released."""
         try:
+            if self.unlogged is not None:
+                step, record = self.unlogged
+                self.write(step, record.row())
             self.stop.restore()
             self.parts.engine.shutdown()
         finally:

@@ -9,6 +9,7 @@ of metrics.jsonl.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -158,12 +159,20 @@ class TrainMetrics:
 
 @dataclass
 class StepTimes:
-    """Seconds the main rank spent in the phases after the rollout (None: the phase did not run)."""
+    """Seconds the main rank spent in the phases after the rollout (None: the phase did not run), laps of a
+    clock that starts with the step."""
 
     train: float = 0.0
     sync: float | None = None
-    step: float | None = None
+    step: float | None = None  # the step's seconds so far (its evaluation apart)
     eval: float | None = None
+    clock: list[float] = field(default_factory=lambda: [time.perf_counter()] * 2, repr=False)  # start, last lap
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or the step's start); `step` becomes the seconds since the start."""
+        now = time.perf_counter()
+        seconds, self.clock[1], self.step = now - self.clock[1], now, now - self.clock[0]
+        return seconds
 
 
 @dataclass
@@ -172,7 +181,7 @@ class StepRecord:
 
     rollout: RolloutMetrics
     train: TrainMetrics
-    times: StepTimes = field(default_factory=StepTimes)
+    times: StepTimes
     mfu: float | None = None  # None where the device's peak is unknown (CPU)
     eval: dict[str, float] = field(default_factory=dict)  # the held-out evaluation's eval/... metrics, if due
 

@@ -106,12 +106,16 @@ class SFTWarmup:
         )
 
     def checkpointed(self) -> Checkpointed:
-        """What the warm-up's checkpoints hold besides `state_dict`: the model, its own AdamW and schedule."""
-        return Checkpointed(self.model, self.optimizer, self.schedule)
+        """What the warm-up's checkpoints hold: the model, its own AdamW and schedule, the steps done and
+        `state_dict`."""
+        return Checkpointed(self.model, self.optimizer, self.schedule, lambda: self.done, self.plain)
 
     def state_dict(self) -> dict[str, Any]:
         """What the model, optimizer and schedule do not hold: the step count and the batch sampler's RNG."""
         return {"done": self.done, "rng": self.rng.getstate()}
+
+    def plain(self) -> dict[str, Any]:
+        return {"warmup": self.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = state["done"]
@@ -168,7 +172,7 @@ class SFTWarmup:
             if on_log is not None and ((self.done - 1) % log_every == 0 or self.done == self.steps):
                 on_log(self.done - 1, loss)
             if runner is not None:
-                runner.end_of_step(self.done, lambda: {"warmup": self.state_dict()})
+                runner.end_of_step()
         return losses
 
 
