@@ -14,7 +14,7 @@ from typing import Literal
 
 from config.loader import Rule, above, at_least, bounded
 from model.args import PRESETS
-from rl.data import synthetic_task_levels, synthetic_task_limit
+from tasks.catalog import TASKS, problem_limit
 
 DType = Literal["float32", "bfloat16"]
 LossAgg = Literal[
@@ -104,8 +104,8 @@ class DataConfig:
     eval_path: str = "synthetic"  # held-out set in the same schema (AIME 2024 in the paper), or "synthetic"
     max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
     prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
-    synthetic_task: Literal["arithmetic", "chain"] = "arithmetic"  # built-in task: rl/data.py, tasks/chain.py
-    synthetic_difficulty: int = at_least(2, 1)  # level of the synthetic task (SYNTHETIC_LEVELS, CHAIN_LEVELS)
+    synthetic_task: Literal["arithmetic", "chain"] = "arithmetic"  # built-in task: tasks/arithmetic.py, tasks/chain.py
+    synthetic_difficulty: int = at_least(2, 1)  # level of the synthetic task (tasks/catalog.py)
     synthetic_num_train: int = at_least(2000, 1)  # synthetic training problems
     synthetic_num_eval: int = at_least(200, 1)  # synthetic held-out problems (disjoint from training)
     synthetic_answer_share: float = _share(1.0)  # share of arithmetic worked solutions ending in the "Answer:" line
@@ -115,7 +115,7 @@ class DataConfig:
     def rules(self) -> Iterator[Rule]:
         splits = [split for split in ("train", "eval") if getattr(self, f"{split}_path") == "synthetic"]
         if splits:
-            levels = synthetic_task_levels(self.synthetic_task)
+            levels = sorted(TASKS[self.synthetic_task])
             yield (
                 "synthetic_difficulty",
                 self.synthetic_difficulty in levels,
@@ -128,7 +128,7 @@ class DataConfig:
                 "answers in prose (the chain task's worked solutions differ in length instead)",
             )
         for split in splits:
-            most = synthetic_task_limit(self.synthetic_task, self.synthetic_difficulty, split)
+            most = problem_limit(self.synthetic_task, self.synthetic_difficulty, split)
             yield (
                 f"synthetic_num_{split}",
                 getattr(self, f"synthetic_num_{split}") <= most,

@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from evaluation.report import make_report
-from rl.data import load_prompts, rows_to_examples, synthetic_task_rows
+from rl.data import load_prompts, rows_to_examples
 from rl.eval_metrics import ProblemResult, pass_ks
 from rl.reward import rule_score
 from rollout.engine import Completion, SamplingParams, check_completions
+from tasks.catalog import synthetic_task_rows
 
 if TYPE_CHECKING:
     from config import Config

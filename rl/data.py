@@ -1,17 +1,16 @@
-"""Prompt sets in the DAPO-Math-17k schema, the built-in synthetic arithmetic task, and a resumable sampler.
+"""Prompt sets in the DAPO-Math-17k schema and a resumable sampler.
 
 A row of the schema (one parquet row, or one dict here; what each field may hold: rl/prompt_row.py):
     {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
      "reward_model": {"style": "rule", "ground_truth": str | [str, ...]}, "extra_info": {...}}
 
-The synthetic task writes rows of exactly this schema, so the demo and the tests exercise the same
-reader as a real DAPO-Math-17k file. Its rows also carry a worked solution in
+The built-in synthetic tasks (tasks/) write rows of exactly this schema, so the demo and the tests exercise
+the same reader as a real DAPO-Math-17k file. Their rows also carry a worked solution in
 `extra_info["solution"]`, used by the supervised warm-up that precedes DAPO in the CPU demo.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -25,7 +24,6 @@ from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from config.schema import DataConfig
     from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -254,126 +252,6 @@ def write_parquet_rows(rows: list[dict], path: str) -> None:
     import datasets
 
     datasets.Dataset.from_list(rows).to_parquet(path)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The synthetic arithmetic task
-# ---------------------------------------------------------------------------------------------------
-
-# (operators, operand range) per difficulty level.
-SYNTHETIC_LEVELS = {
-    1: ("+", 10),
-    2: ("+", 100),
-    3: ("+-", 100),
-    4: ("+-*", 100),
-    5: ("+-*", 1000),
-}
-
-
-def _is_eval_problem(a: int, op: str, b: int, eval_share: float) -> bool:
-    """Split by a hash of the problem: train and eval are disjoint by construction. "a + b" and "b + a"
-    (likewise "*") are one problem with one worked solution, so the hash sees them in one order."""
-    if op in "+*":
-        a, b = min(a, b), max(a, b)
-    digest = int(hashlib.sha256(f"{a} {op} {b}".encode()).hexdigest()[:8], 16)
-    return digest / 0xFFFFFFFF < eval_share
-
-
-def synthetic_problem_limit(difficulty: int, split: str, eval_share: float = 0.2) -> int:
-    """The most problems one split of a difficulty level may ask for: 90% of the split's expected number
-    of distinct problems (beyond that, drawing distinct ones would take ever longer)."""
-    if difficulty not in SYNTHETIC_LEVELS:
-        raise ValueError(f"synthetic difficulty must be one of {sorted(SYNTHETIC_LEVELS)}, got {difficulty}")
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    operators, limit = SYNTHETIC_LEVELS[difficulty]
-    return int(0.9 * len(operators) * limit * limit * (eval_share if split == "eval" else 1 - eval_share))
-
-
-def synthetic_arithmetic_rows(
-    num: int,
-    *,
-    difficulty: int = 2,
-    split: str = "train",
-    seed: int = 0,
-    eval_share: float = 0.2,
-    answer_line_share: float = 1.0,
-) -> list[dict]:
-    """`num` distinct arithmetic problems of one split, as DAPO-schema rows with worked solutions.
-
-    The problem `a op b` with `a, b` drawn from [0, range) is asked inside DAPO's prompt template; the
-    solution is "a op b = c" followed by "Answer: c". Train and eval splits never share a problem, nor
-    its commuted twin ("b + a" for "a + b").
-
-    answer_line_share: the share of worked solutions that end with the "Answer: c" line the reward
-    reads; the others state the result in prose ("a op b = c, so the result is c."), which the rule
-    reward scores as wrong. Below 1, a model fitted to these solutions follows the requested answer
-    format only part of the time, as base models do: something DAPO's verifiable reward teaches.
-    """
-    if not 0.0 <= answer_line_share <= 1.0:
-        raise ValueError(f"answer_line_share must be in [0, 1], got {answer_line_share}")
-    most = synthetic_problem_limit(difficulty, split, eval_share)
-    if num > most:
-        raise ValueError(f"difficulty {difficulty} gives at most {most} distinct {split} problems; asked for {num}")
-    operators, limit = SYNTHETIC_LEVELS[difficulty]
-    rng = random.Random(f"{seed}-{difficulty}")
-    style_rng = random.Random(f"{seed}-{difficulty}-{split}-style")
-    rows: list[dict[str, object]] = []
-    seen: set[str] = set()
-    while len(rows) < num:
-        a, b, op = rng.randrange(limit), rng.randrange(limit), rng.choice(operators)
-        text = f"{a} {op} {b}"
-        if text in seen or _is_eval_problem(a, op, b, eval_share) != (split == "eval"):
-            continue
-        seen.add(text)
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        answer_line = style_rng.random() < answer_line_share
-        solution = (
-            f"{text} = {value}\nAnswer: {value}" if answer_line else f"{text} = {value}, so the result is {value}."
-        )
-        rows.append(
-            {
-                "data_source": f"synthetic_arithmetic_l{difficulty}",
-                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
-                "ability": "MATH",
-                "reward_model": {"style": "rule", "ground_truth": str(value)},
-                "extra_info": {"index": len(rows), "split": split, "solution": solution},
-            }
-        )
-    return rows
-
-
-def synthetic_task_levels(task: str) -> list[int]:
-    """The difficulty levels of a synthetic task: "arithmetic" (this module) or "chain" (tasks/chain.py)."""
-    from tasks.chain import CHAIN_LEVELS
-
-    return sorted(CHAIN_LEVELS if task == "chain" else SYNTHETIC_LEVELS)
-
-
-def synthetic_task_limit(task: str, difficulty: int, split: str) -> int:
-    """The most distinct problems one split of a synthetic task's level holds (see the task's generator)."""
-    from tasks.chain import chain_problem_limit
-
-    if task == "chain":
-        return chain_problem_limit(difficulty, split)
-    return synthetic_problem_limit(difficulty, split)
-
-
-def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
-    """The rows of one split of the synthetic task a [data] section (config.schema.DataConfig) describes:
-    data.synthetic_task at data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
-    from tasks.chain import synthetic_chain_rows
-
-    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    if data.synthetic_task == "chain":
-        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 SHORTFALL_POLICIES = ("fill", "raise")
 FILTER_METRICS = ("acc", "score")
@@ -117,6 +117,21 @@ class FilterStats:
         return self.samples_generated / self.samples_kept if self.samples_kept else math.nan
 
 
+class SamplingSettings(Protocol):
+    """What `DynamicBatchBuilder.from_config` reads of the [algorithm] section."""
+
+    @property
+    def max_num_gen_batches(self) -> int: ...
+    @property
+    def on_shortfall(self) -> str: ...
+    @property
+    def carry_over_max_staleness(self) -> int: ...
+    @property
+    def dynamic_sampling(self) -> bool: ...
+    @property
+    def filter_metric(self) -> str: ...
+
+
 class DynamicBatchBuilder(Generic[Payload]):
     """Collects kept groups over generation rounds into batches of exactly `train_batch_size` groups.
 
@@ -169,6 +184,18 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._last_step: int | None = None
         self._kept: list[tuple[int, ScoredGroup[Payload]]]  # (step generated, group) of the current step, oldest first
         self._reset_step_state()
+
+    @classmethod
+    def from_config(cls, algorithm: SamplingSettings, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
+        """The builder of an [algorithm] section (config.schema.AlgorithmConfig) for a rank's share of a batch."""
+        return cls(
+            train_batch_size,
+            algorithm.max_num_gen_batches,
+            on_shortfall=algorithm.on_shortfall,
+            max_staleness=algorithm.carry_over_max_staleness,
+            enabled=algorithm.dynamic_sampling,
+            metric=algorithm.filter_metric,
+        )
 
     # -- step lifecycle ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ base model's reasoning does:
 Every digit is its own token (Qwen2's pre-tokenisation), so a line costs about 11 tokens and the split style of
 a long chain runs past a short generation budget: one group of samples holds short, medium and truncated
 responses, and the longer styles are the more reliable ones where they fit. The rows have the DAPO-Math-17k
-schema of `rl.data.synthetic_arithmetic_rows`; the style of each worked solution is in
+schema of tasks/arithmetic.py; the style of each worked solution is in
 `extra_info["style"]`.
 """
 
@@ -23,36 +23,15 @@ import random
 from collections.abc import Sequence
 
 from rl.data import DAPO_PROMPT_TEMPLATE
+from tasks.catalog import CHAIN_LEVELS, problem_limit
 
-# (fewest terms, most terms, operands drawn from [1, limit)) per level.
-CHAIN_LEVELS = {
-    1: (2, 3, 10),
-    2: (2, 5, 30),
-    3: (2, 6, 100),
-}
 CHAIN_STYLES = ("direct", "stepwise", "split")
-
-
-def _level(difficulty: int) -> tuple[int, int, int]:
-    if difficulty not in CHAIN_LEVELS:
-        raise ValueError(f"chain-sum difficulty must be one of {sorted(CHAIN_LEVELS)}, got {difficulty}")
-    return CHAIN_LEVELS[difficulty]
 
 
 def _is_eval_chain(terms: Sequence[int], eval_share: float) -> bool:
     """Split by a hash of the sorted terms: reorderings of one problem (same sum) fall in one split."""
     digest = int(hashlib.sha256(" + ".join(map(str, sorted(terms))).encode()).hexdigest()[:8], 16)
     return digest / 0xFFFFFFFF < eval_share
-
-
-def chain_problem_limit(difficulty: int, split: str, eval_share: float = 0.2) -> int:
-    """The most problems one split of a level may ask for: 90% of the split's expected number of distinct
-    ordered chains (beyond that, drawing distinct ones would take ever longer)."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    fewest, most, limit = _level(difficulty)
-    total = sum((limit - 1) ** k for k in range(fewest, most + 1))
-    return int(0.9 * total * (eval_share if split == "eval" else 1 - eval_share))
 
 
 def _add_lines(total: int, operand: int, style: str) -> list[str]:
@@ -100,10 +79,10 @@ def synthetic_chain_rows(
     """
     if len(style_shares) != len(CHAIN_STYLES) or min(style_shares) < 0 or abs(sum(style_shares) - 1) > 1e-9:
         raise ValueError(f"style_shares must be {len(CHAIN_STYLES)} shares >= 0 summing to 1, got {style_shares}")
-    most = chain_problem_limit(difficulty, split, eval_share)
+    most = problem_limit("chain", difficulty, split, eval_share)
     if num > most:
         raise ValueError(f"chain-sum level {difficulty} has at most {most} distinct {split} problems; asked for {num}")
-    fewest, longest, limit = _level(difficulty)
+    fewest, longest, limit = CHAIN_LEVELS[difficulty]
     rng = random.Random(f"chain-{seed}-{difficulty}")
     style_rng = random.Random(f"chain-{seed}-{difficulty}-{split}-style")
     rows: list[dict] = []

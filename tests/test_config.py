@@ -14,7 +14,8 @@ from config import Config, ConfigError, config_to_dict, load_config, parse_cli, 
 from config.loader import coerce
 from preflight.checks import check_runnable
 from preflight.machine import Machine
-from rl.data import DataError, synthetic_arithmetic_rows, write_parquet_rows
+from rl.data import DataError, write_parquet_rows
+from tasks.arithmetic import synthetic_arithmetic_rows
 
 
 def write(path, text):

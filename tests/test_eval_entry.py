@@ -23,10 +23,11 @@ from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import train_bpe_tokenizer
 from observe.progress import Progress
-from rl.data import rows_to_examples, synthetic_arithmetic_rows
+from rl.data import rows_to_examples
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, EngineFailure, SamplingParams
 from rollout.torch_engine import TorchEngine
+from tasks.arithmetic import synthetic_arithmetic_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,9 +13,9 @@ import torch
 import train
 from model.hf import load_hf
 from model.tokenizer import Tokenizer
-from rl.data import synthetic_arithmetic_rows
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
+from tasks.arithmetic import synthetic_arithmetic_rows
 from tests import chat_templates
 from tests.test_tokenizer import CONVERSATIONS, _qwen_style_dir
 

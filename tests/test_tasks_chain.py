@@ -5,9 +5,9 @@ import re
 import pytest
 
 from config import ConfigError, load_config
-from rl.data import synthetic_task_rows
 from rl.reward import compute_score
-from tasks.chain import CHAIN_LEVELS, chain_problem_limit, chain_solution, synthetic_chain_rows
+from tasks.catalog import CHAIN_LEVELS, problem_limit, synthetic_task_rows
+from tasks.chain import chain_solution, synthetic_chain_rows
 
 
 def _terms(row) -> tuple[int, ...]:
@@ -64,8 +64,8 @@ def test_style_shares_choose_the_worked_solutions_and_are_checked():
 
 def test_the_limit_is_ninety_percent_of_the_splits_distinct_chains():
     # Level 1: 2 or 3 terms from 1..9: 9^2 + 9^3 = 810 ordered chains, 20% held out.
-    assert chain_problem_limit(1, "eval") == int(0.9 * 810 * 0.2)
-    assert chain_problem_limit(1, "train") == int(0.9 * 810 * 0.8)
+    assert problem_limit("chain", 1, "eval") == int(0.9 * 810 * 0.2)
+    assert problem_limit("chain", 1, "train") == int(0.9 * 810 * 0.8)
     with pytest.raises(ValueError, match="has at most 145 distinct eval problems"):
         synthetic_chain_rows(146, difficulty=1, split="eval")
     assert len(synthetic_chain_rows(145, difficulty=1, split="eval")) == 145  # the limit itself is reachable

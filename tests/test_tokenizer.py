@@ -167,7 +167,8 @@ def test_errors_name_the_problem(tmp_path, trained):
 
 def test_phrases_collapse_a_repeated_template_and_still_round_trip():
     from model.tokenizer import render_chat, train_bpe_tokenizer
-    from rl.data import DAPO_PROMPT_TEMPLATE, synthetic_arithmetic_rows
+    from rl.data import DAPO_PROMPT_TEMPLATE
+    from tasks.arithmetic import synthetic_arithmetic_rows
 
     rows = synthetic_arithmetic_rows(300, difficulty=2, seed=0)
     texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] for r in rows]
@@ -235,7 +236,7 @@ def _assert_same_as_transformers(ours, path, conversations, texts=TRICKY_TEXTS):
 
 def test_demo_tokenizer_is_what_transformers_rebuilds(tmp_path):
     from config import DEFAULT_CONFIG, load_config
-    from rl.data import synthetic_arithmetic_rows
+    from tasks.arithmetic import synthetic_arithmetic_rows
     from trainer.build import build_tokenizer
 
     cfg = load_config(DEFAULT_CONFIG, [f"job.run_dir={tmp_path}", "data.synthetic_num_train=2000"])

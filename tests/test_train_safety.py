@@ -270,7 +270,7 @@ def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(t
 
 def test_eval_warns_on_non_finite_weights(tmp_path, capsys):
     from model.tokenizer import train_bpe_tokenizer
-    from rl.data import synthetic_arithmetic_rows
+    from tasks.arithmetic import synthetic_arithmetic_rows
 
     rows = synthetic_arithmetic_rows(40, split="train", seed=1)
     tokenizer = train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], vocab_size=300)

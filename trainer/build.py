@@ -20,22 +20,16 @@ from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.device_memory import return_cached_memory
 from parallel.sharded_policy import build_sharded_policy
-from rl.data import (
-    DAPO_PROMPT_TEMPLATE,
-    PromptExample,
-    PromptSampler,
-    load_prompts,
-    rows_to_examples,
-    synthetic_task_rows,
-)
+from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_prompts, rows_to_examples
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
 from run.folder import prepare_run_folder, run_folder_path
 from run.lock import FolderLock
+from tasks.catalog import synthetic_task_rows
 from trainer.optimizer import build_optimizer
 from trainer.rollout_phase import RolloutPhase
-from trainer.scoring import Sample
+from trainer.types import Sample
 from trainer.update import TrainPhase
 
 if TYPE_CHECKING:
@@ -106,14 +100,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
 
     policy, engine = build_policy_and_engine(cfg, dist)
     optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer)
-    alg = cfg.algorithm
-    builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder(
-        cfg.training.train_batch_size // dist.dp_size,
-        alg.max_num_gen_batches,
-        on_shortfall=alg.on_shortfall,
-        max_staleness=alg.carry_over_max_staleness,
-        enabled=alg.dynamic_sampling,
-        metric=alg.filter_metric,
+    builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder.from_config(
+        cfg.algorithm, cfg.training.train_batch_size // dist.dp_size
     )
     rollout = RolloutPhase.from_config(cfg, engine, sampler, builder, tokenizer, dist)
     update = TrainPhase.from_config(policy, optimizer, scheduler, cfg, dist)

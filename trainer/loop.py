@@ -31,8 +31,8 @@ from run.phase_runner import Checkpointed, PhaseRunner
 from run.signals import GracefulStop
 from run.state import LoopPosition, TrainState
 from trainer.build import Components
-from trainer.rollout_phase import RolloutBatch
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
+from trainer.types import RolloutBatch
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
 log = logging.getLogger("train")

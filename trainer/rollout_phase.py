@@ -21,8 +21,8 @@ from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine, SamplingParams
 from run.guard import engine_reported, retried
-from trainer.scoring import RewardSettings, RolloutGroup, Sample, score_groups
-from trainer.step_metrics import RolloutMetrics
+from trainer.scoring import RewardSettings, score_groups
+from trainer.types import RolloutBatch, RolloutGroup, Sample
 
 if TYPE_CHECKING:
     from config import Config
@@ -87,15 +87,6 @@ def prompts_per_call(requests_per_call: int, n: int, ranks_per_engine: int = 1) 
     requests (prompts x n, summed over the `ranks_per_engine` ranks that share the engine); at least one
     whole group: a prompt's n samples are never split over calls."""
     return max(1, requests_per_call // (n * ranks_per_engine))
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """What a step's rollout phase hands the update: this rank's groups (kept, carried over), and the phase's
-    metrics (every sample generated, the batch, what the filter did, the time spent)."""
-
-    groups: list[RolloutGroup] = dataclasses.field(default_factory=list)
-    metrics: RolloutMetrics = dataclasses.field(default_factory=RolloutMetrics)
 
 
 class RolloutPhase:

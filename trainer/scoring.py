@@ -13,33 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
-from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rl.reward import overlong_penalty, rule_score
 from rollout.engine import Completion, check_completions
+from trainer.types import RolloutGroup, Sample
 
 if TYPE_CHECKING:
     from config import Config
     from model.tokenizer import Tokenizer
-
-
-@dataclass
-class Sample:
-    example: PromptExample
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    acc: bool
-    score: float  # rule reward + overlong penalty
-    pred: str | None
-    step: int = 0  # the training step whose rollout generated it (carried-over samples are older)
-
-
-# A prompt's G samples from generation to packing: dynamic sampling (rl/filter.py) reads their acc or score,
-# the update packs the samples.
-RolloutGroup: TypeAlias = ScoredGroup[list[Sample]]
+    from rl.data import PromptExample
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
     from rl.filter import FilterStats
     from trainer.losses import PassStats
-    from trainer.scoring import RolloutGroup
+    from trainer.types import RolloutGroup
 
 log = logging.getLogger("train")
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from model.qwen2 import Qwen2
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
-    from trainer.scoring import RolloutGroup
+    from trainer.types import RolloutGroup
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,63 @@
+"""The built-in synthetic tasks by name, as the [data] section names them: their difficulty levels (tables
+the configuration reads without importing the tasks), how many distinct problems a level's split holds, and
+the rows of a split, in the DAPO-Math-17k schema (tasks/arithmetic.py, tasks/chain.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from config.schema import DataConfig
+
+# arithmetic: (operators, operands drawn from [0, limit)) per level
+ARITHMETIC_LEVELS = {
+    1: ("+", 10),
+    2: ("+", 100),
+    3: ("+-", 100),
+    4: ("+-*", 100),
+    5: ("+-*", 1000),
+}
+# chain: (fewest terms, most terms, operands drawn from [1, limit)) per level
+CHAIN_LEVELS = {
+    1: (2, 3, 10),
+    2: (2, 5, 30),
+    3: (2, 6, 100),
+}
+TASKS: dict[str, dict[int, tuple[Any, ...]]] = {"arithmetic": ARITHMETIC_LEVELS, "chain": CHAIN_LEVELS}
+
+
+def problem_limit(task: str, difficulty: int, split: str, eval_share: float = 0.2) -> int:
+    """The most problems one split of a task's level may ask for: 90% of the split's expected number of
+    distinct problems (beyond that, drawing distinct ones would take ever longer). A problem falls in the
+    held-out split with probability eval_share."""
+    levels = TASKS[task]
+    if difficulty not in levels:
+        raise ValueError(f"{task} difficulty must be one of {sorted(levels)}, got {difficulty}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if task == "chain":
+        fewest, most, limit = CHAIN_LEVELS[difficulty]
+        total = sum((limit - 1) ** k for k in range(fewest, most + 1))  # ordered chains
+    else:
+        operators, limit = ARITHMETIC_LEVELS[difficulty]
+        total = len(operators) * limit * limit
+    return int(0.9 * total * (eval_share if split == "eval" else 1 - eval_share))
+
+
+def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
+    """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
+    data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
+    from tasks.arithmetic import synthetic_arithmetic_rows
+    from tasks.chain import synthetic_chain_rows
+
+    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
+    if data.synthetic_task == "chain":
+        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
+    return synthetic_arithmetic_rows(
+        count,
+        difficulty=data.synthetic_difficulty,
+        split=split,
+        seed=data.seed,
+        answer_line_share=data.synthetic_answer_share,
+    )

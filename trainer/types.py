@@ -1,0 +1,47 @@
+"""The data of one DAPO step, in the order it flows (a reader's first stop):
+
+PromptExample (rl/data.py)     a prompt's token ids, its chat messages and the ground truth
+Sample                         one response to it: tokens, the engine's log-probs, how it ended, its reward
+RolloutGroup                   a prompt's G samples, scored: dynamic sampling (Eq. 11) reads their accuracy
+RolloutBatch                   what the rollout phase (lines 3-8) hands the update: this rank's groups
+PackItem, MicroBatch           samples with their advantages (Eq. 9), packed into token-budgeted rows
+                               (trainer/packing.py)
+GlobalCounts, PassStats        a mini-batch's counts for Eq. 8, and what one loss pass tells the metrics
+                               (trainer/losses.py)
+StepRecord                     the step's line of metrics.jsonl (trainer/step_metrics.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from rl.data import PromptExample
+from rl.filter import ScoredGroup
+from trainer.step_metrics import RolloutMetrics
+
+
+@dataclass
+class Sample:
+    example: PromptExample
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    acc: bool
+    score: float  # rule reward + overlong penalty
+    pred: str | None
+    step: int = 0  # the training step whose rollout generated it (carried-over samples are older)
+
+
+# A prompt's G samples from generation to packing: dynamic sampling (rl/filter.py) reads their acc or score,
+# the update packs the samples.
+RolloutGroup: TypeAlias = ScoredGroup[list[Sample]]
+
+
+@dataclass
+class RolloutBatch:
+    """What a step's rollout phase hands the update: this rank's groups (kept, carried over), and the phase's
+    metrics (every sample generated, the batch, what the filter did, the time spent)."""
+
+    groups: list[RolloutGroup] = field(default_factory=list)
+    metrics: RolloutMetrics = field(default_factory=RolloutMetrics)
