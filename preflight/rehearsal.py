@@ -8,15 +8,15 @@ phases in their real order, through the functions train.py itself calls:
     load + shard, engine start    train.py's build order (trainer/build.py build_policy_and_engine):
                                   parallel/sharded_policy.py, then the engine of rollout/engine_spec.py as
                                   a stand-in that holds memory by the engine's rules (rollout/sglang_memory.py)
-    rollout                       engine.resume_memory(): the engine holds everything
+    then train.py's step itself (trainer/loop.py StepPhases.step), each engine call a phase:
+    rollout                       the step's resume: the engine holds everything while it generates
     release                       engine.release_memory()
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
-    train: forward + backward     trainer/losses.py DAPOLoss, backward
-    train: optimizer step         trainer/optimizer.py OptimizerStep: clip, build_optimizer's AdamW step,
-                                  zero_grad, the finiteness check
+    train: forward+backward       TrainPhase.loss_pass: trainer/losses.py DAPOLoss, backward
+    train: optimizer step         TrainPhase.optimizer_step (trainer/optimizer.py): clip, AdamW, zero, check
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
-    resume                        engine.resume_memory() at the next step's start
+    resume                        the next step's resume
 
 PyTorch's memory trackers (torch.distributed._tools: MemTracker for the build, FSDPMemTracker after it)
 measure the trainer's tensors of each phase at its peak; preflight/gpu_ledger.py adds the allocator's
@@ -34,7 +34,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -43,6 +43,10 @@ from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
 from rollout.engine_spec import EngineSpec
+from run.guard import Guard
+from trainer.loop import StepPhases
+from trainer.step_metrics import StepRecord, StepTimes, TrainMetrics
+from trainer.types import RolloutBatch
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -50,10 +54,12 @@ if TYPE_CHECKING:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from config import Config
-    from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
     from preflight.gpu_ledger import PhaseRow
+    from rollout.engine import Completion, SamplingParams
     from trainer.packing import MicroBatch
+
+T = TypeVar("T")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -142,6 +148,9 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        raise NotImplementedError("the rehearsal measures the memory generation holds, not its tokens")
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
         if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
@@ -194,16 +203,20 @@ def run_phases(cfg: Config, dist_env: DistEnv, ledger: MemoryLedger, *, fill: bo
     with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
         try:
             run.build(fill)
-            run.step()
+            run.rehearse_step()
         except RehearsalError as exc:
             exc.phases = run
             raise
     return run
 
 
-class _Phases:
+class _Phases(StepPhases):
     """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
-    FSDPMemTracker (which knows FSDP's parameter states) from then on."""
+    FSDPMemTracker (which knows FSDP's parameter states) from then on. The step after the build is train.py's
+    own sequence (trainer/loop.py StepPhases): its engine calls go through `_MeasuredCalls`, and its update is
+    the trainer's, in three measured parts."""
+
+    engine: StandInEngine
 
     def __init__(self, cfg: Config, dist_env: DistEnv, ledger: MemoryLedger):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -212,11 +225,11 @@ class _Phases:
         self.cfg = replace(
             cfg, model=replace(cfg.model, preset="" if cfg.model.hf_path else (cfg.model.preset or cfg.rehearse.preset))
         )
-        self.dist_env, self.ledger = dist_env, ledger
+        self.dist_env, self.dist, self.ledger = dist_env, dist_env, ledger
+        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
         self.build_tracker = MemTracker()
         self.tracker: FSDPMemTracker | None = None  # from the build's end on
-        self.policy: Qwen2 | None = None
-        self.engine: StandInEngine | None = None
+        self.guard = _MeasuredCalls(self)
 
     def allocated_on_gpu(self) -> int:
         if self.tracker is not None:
@@ -283,62 +296,76 @@ class _Phases:
         note: str = "",
         on_host: tuple[str, ...] = HOST_PARTS_WHEN_OFFLOADED,
     ) -> PhaseRow:
-        assert self.tracker is not None and self.engine is not None, "the phases after the build"
+        assert self.tracker is not None, "the phases after the build"
         self.tracker.reset_mod_stats()  # per-module statistics are kept for one pass only
         with self.tracker:
             fn()
         parts = _gpu_parts(self.tracker, "peak")
         return self.ledger.record(name, parts, self.engine.held(), note, on_host=on_host)
 
-    def step(self) -> None:
-        """One step of train.py's loop after the build (see the module docstring)."""
+    def rehearse_step(self) -> None:
+        """train.py's step after the build (trainer/loop.py StepPhases.step), then the next step's resume."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        from parallel.device_memory import return_cached_memory
-        from rollout.weight_sync import sync_weights
-        from trainer.losses import DAPOLoss, GlobalCounts
-        from trainer.optimizer import OptimizerStep, build_optimizer
-        from trainer.update import fill_old_logprobs
+        from trainer.optimizer import build_optimizer
+        from trainer.update import TrainPhase
 
-        cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
-        assert policy is not None and engine is not None, "step() follows build()"
+        cfg, policy = self.cfg, self.policy
         # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
         # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
-        optimizer, _ = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not ledger.offload)
+        optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not self.ledger.offload)
+        self.update = TrainPhase.from_config(policy, optimizer, scheduler, cfg, self.dist_env)
         self.tracker = FSDPMemTracker(policy, optimizer)
+        self.step(1)
+        self.guard.call("step 2, resume", self.resume_engine)
+
+    def generate(self, step: int) -> RolloutBatch:
+        """Generation holds the engine's memory, measured as the "rollout" phase: nothing to add here."""
+        return RolloutBatch()
+
+    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
+        """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
+        needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
+        from trainer.losses import GlobalCounts
+        from trainer.update import fill_old_logprobs
+
+        cfg, policy, update, metrics = self.cfg, self.policy, self.update, TrainMetrics()
         mb = longest_micro_batch(cfg, self.dist_env.device)
-        dapo_loss = DAPOLoss.from_config(cfg.algorithm, cfg.rollout)
+        counts = GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
-
-        def old_logprobs() -> None:
-            fill_old_logprobs(policy, [mb], dapo_loss.temperature, dapo_loss.chunk_size)
-
-        def train_micro_batch() -> None:
-            loss, _ = dapo_loss(policy, mb, GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0))
-            loss.backward()
-
-        def optimizer_step() -> None:
-            OptimizerStep.from_config(cfg.optimizer, policy, optimizer)("the rehearsal's update")
-
-        phase("rollout", engine.resume_memory)
-        phase("release", engine.release_memory)
-        if cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the cache itself
-            ledger.empty_cache(self.allocated_on_gpu())
         policy.train()
-        phase("train: old log-probs", old_logprobs, tokens)
-        phase("train: forward+backward", train_micro_batch, tokens)
+        temperature, chunk = update.loss.temperature, update.loss.chunk_size
+        self.phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, chunk), tokens)
+        self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts, metrics), tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
-        phase("train: optimizer step", optimizer_step, on_host=(*HOST_PARTS_WHEN_OFFLOADED, "activations"))
-        # train.py hands the cached memory back before the engine maps memory again (parallel/device_memory.py).
-        return_cached_memory(self.dist_env)
-        phase(
-            "weight sync",
-            lambda: sync_weights(policy, engine, bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
-            f"buckets of {cfg.rollout.weight_sync_bucket_mb} MB",
-        )
-        return_cached_memory(self.dist_env)
-        phase("resume", engine.resume_memory)
+        on_host = (*HOST_PARTS_WHEN_OFFLOADED, "activations")
+        self.phase("train: optimizer step", lambda: update.optimizer_step("the rehearsal's update"), on_host=on_host)
+        return StepRecord(batch.metrics, metrics, times)
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        pass
+
+
+class _MeasuredCalls(Guard):
+    """The step sequence's engine calls, each measured as a ledger phase (one rank rehearses: nothing to agree
+    on). The engine's resume before the rollout is the "rollout" phase (the engine then holds everything it
+    generates with); the next step's is "resume"."""
+
+    def __init__(self, phases: _Phases):
+        super().__init__(phases.dist_env)
+        self.phases = phases
+
+    def call(self, what: str, fn: Callable[[], T], *, boundary: bool = False) -> T:
+        phases, name = self.phases, what.split(", ")[-1]
+        if name == "resume" and what.startswith("step 1"):
+            name = "rollout"
+        note = f"buckets of {phases.cfg.rollout.weight_sync_bucket_mb} MB" if name == "weight sync" else ""
+        result: list[T] = []
+        phases.phase(name, lambda: result.append(fn()), note)
+        if name == "release" and phases.cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties
+            phases.ledger.empty_cache(phases.allocated_on_gpu())  # the allocator's cache itself
+        return result[0]
 
 
 def _restart(tracker: MemTracker) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import Config
 from evaluation.evaluate import params_from_config
@@ -35,26 +35,27 @@ from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_
 from trainer.types import RolloutBatch
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
+if TYPE_CHECKING:
+    from model.qwen2 import Qwen2
+    from parallel.dist_env import DistEnv
+    from rollout.engine import Engine
+
 log = logging.getLogger("train")
 
 
-class Trainer:
-    """Algorithm 1 over built components; `state` is what a checkpoint records of the loop."""
+class StepPhases:
+    """One step's phases in the order that sharing the GPUs with the engine requires: the engine takes its
+    memory back (the trainer's cached blocks handed back first), generates and frees its KV cache for
+    training; the trainer trains; the new weights go into the engine. `Trainer` runs them; the rehearsal
+    (preflight/rehearsal.py) runs the same sequence over stand-ins and measures each phase. Each engine call
+    goes through `guard` (run/guard.py)."""
 
-    def __init__(self, cfg: Config, parts: Components):
-        self.cfg, self.parts, self.dist = cfg, parts, parts.dist
-        self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
-        self.stop = GracefulStop()  # listening from `resume` on
-        checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
-        saved = Checkpointed(parts.policy, parts.optimizer, parts.scheduler, lambda: self.state.step, self.extra)
-        interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
-        self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
-        self.guard = Guard(self.dist, self.runner)
-        self.metrics: MetricsWriter | None = None
-        self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
-        self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
+    guard: Guard
+    engine: Engine
+    policy: Qwen2
+    dist: DistEnv
+    bucket_bytes: int  # of the weight sync (rollout.weight_sync_bucket_mb)
 
-    # --- Algorithm 1 -------------------------------------------------------------------------------
     def step(self, step: int) -> None:
         """One iteration of Algorithm 1: dynamic-sampling rollouts, the DAPO updates, the weights to the engine."""
         times = StepTimes()  # the step's clock
@@ -66,12 +67,56 @@ class Trainer:
 
     def rollouts(self, step: int) -> RolloutBatch:
         """Lines 3-8 with the engine's memory around them: taken back to generate, released for training."""
-        p, guard = self.parts, self.guard
-        guard.call(f"step {step}, resume", self.resume_engine)
-        with self.progress(p.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
-            batch = p.rollout.collect(step, guard, bar)  # generate, score, filter until the batch is full
-        guard.call(f"step {step}, release", p.engine.release_memory, boundary=True)  # room for training
+        self.guard.call(f"step {step}, resume", self.resume_engine)
+        batch = self.generate(step)  # generate, score, filter until the batch is full
+        self.guard.call(f"step {step}, release", self.engine.release_memory, boundary=True)  # room for training
         return batch
+
+    def resume_engine(self) -> None:
+        return_cached_memory(self.dist)
+        self.engine.resume_memory()
+
+    def sync_weights(self) -> None:
+        """The policy's weights into the engine, in place (the first bucket maps the engine's weights back)."""
+        return_cached_memory(self.dist)
+        sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
+
+    def generate(self, step: int) -> RolloutBatch:
+        raise NotImplementedError
+
+    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
+        raise NotImplementedError
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        raise NotImplementedError
+
+
+class Trainer(StepPhases):
+    """Algorithm 1 over built components; `state` is what a checkpoint records of the loop."""
+
+    def __init__(self, cfg: Config, parts: Components):
+        self.cfg, self.parts, self.dist = cfg, parts, parts.dist
+        self.engine, self.policy, self.bucket_bytes = (
+            parts.engine,
+            parts.policy,
+            cfg.rollout.weight_sync_bucket_mb << 20,
+        )
+        self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
+        self.stop = GracefulStop()  # listening from `resume` on
+        checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
+        saved = Checkpointed(parts.policy, parts.optimizer, parts.scheduler, lambda: self.state.step, self.extra)
+        interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
+        self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
+        self.guard = Guard(self.dist, self.runner)
+        self.metrics: MetricsWriter | None = None
+        self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
+        self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
+
+    # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
+    def generate(self, step: int) -> RolloutBatch:
+        """Lines 3-8 on this rank: generation rounds until every rank's batch is full (trainer/rollout_phase.py)."""
+        with self.progress(self.parts.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
+            return self.parts.rollout.collect(step, self.guard, bar)
 
     def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""
@@ -87,18 +132,7 @@ class Trainer:
         record.mfu = training_mfu(*args, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
         return record
 
-    # --- Engine calls, checkpoints, metrics --------------------------------------------------------
-    def resume_engine(self) -> None:
-        """The engine takes its memory back; the trainer's cached blocks are handed back first."""
-        return_cached_memory(self.dist)
-        self.parts.engine.resume_memory()
-
-    def sync_weights(self) -> None:
-        """Push the policy's weights into the rollout engine in place (the first bucket maps the engine's
-        weights back: the trainer's cached blocks are handed back first)."""
-        return_cached_memory(self.dist)
-        sync_weights(self.parts.policy, self.parts.engine, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20)
-
+    # --- Checkpoints, metrics, evaluation ----------------------------------------------------------
     def extra(self) -> dict[str, Any]:
         """The loop's state and the data's position, as plain data for a checkpoint."""
         return {**self.state.state_dict(), **LoopPosition.of(self.parts.sampler, self.parts.builder).plain()}
