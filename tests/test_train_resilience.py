@@ -99,7 +99,7 @@ def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, m
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
-        match=r"step 2: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
+        match=r"step 2, generation round 1: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
         r"error: out of memory \(simulated\); the retry failed too",
     ):
         train.main(argv)
