@@ -20,22 +20,7 @@ shipped recipes.
 from config.cli import DEFAULT_CONFIG, config_parser, load_config, parse_cli, parse_config_args
 from config.loader import sections, split_overrides, validate
 from config.loader import to_dict as config_to_dict
-from config.schema import (
-    AlgorithmConfig,
-    CheckpointConfig,
-    Config,
-    DataConfig,
-    DType,
-    EvalConfig,
-    JobConfig,
-    LossAgg,
-    MetricsConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelismConfig,
-    RolloutConfig,
-    TrainingConfig,
-)
+from config.schema import Config
 from errors import ConfigError
 
 SECTIONS: dict[str, type] = sections(Config)
@@ -43,21 +28,8 @@ SECTIONS: dict[str, type] = sections(Config)
 __all__ = [
     "DEFAULT_CONFIG",
     "SECTIONS",
-    "AlgorithmConfig",
-    "CheckpointConfig",
     "Config",
     "ConfigError",
-    "DataConfig",
-    "DType",
-    "EvalConfig",
-    "JobConfig",
-    "LossAgg",
-    "MetricsConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelismConfig",
-    "RolloutConfig",
-    "TrainingConfig",
     "config_parser",
     "config_to_dict",
     "load_config",

@@ -23,7 +23,7 @@ from trainer.mismatch import MismatchMetrics
 if TYPE_CHECKING:
     import torch
 
-    from config import MetricsConfig
+    from config.schema import MetricsConfig
     from parallel.dist_env import DistEnv
     from rl.filter import FilterStats
     from trainer.losses import PassStats
@@ -99,14 +99,11 @@ class RolloutMetrics:
         self.rounds.add(f.rounds)
         self.samples.add(f.samples_generated)
         self.samples_per_kept_sample.add(f.samples_generated, f.groups_kept * group_size)
-        for record, count in (
-            (self.in_batch, f.groups_in_batch),
-            (self.from_carry, f.groups_from_carry),
-            (self.carried_over, f.groups_carried_over),
-            (self.dropped_stale, f.groups_dropped_stale),
-            (self.shortfall, f.shortfall),
-        ):
-            record.add(count)
+        self.in_batch.add(f.groups_in_batch)
+        self.from_carry.add(f.groups_from_carry)
+        self.carried_over.add(f.groups_carried_over)
+        self.dropped_stale.add(f.groups_dropped_stale)
+        self.shortfall.add(f.shortfall)
         return groups
 
 
