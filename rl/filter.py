@@ -87,26 +87,26 @@ class ScoredGroup(Generic[Payload]):
         return sum(self.acc) / len(self.acc)
 
 
-@dataclass(frozen=True)
+@dataclass
 class FilterStats:
     """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
     filtering, with how many were all correct or all wrong and their pass rates summed; the new groups (and
     samples) it kept; and where the batch came from: carried-over groups used, surplus carried to the next
     step, stale ones dropped, and the groups missing from a short batch."""
 
-    rounds: int
-    groups_generated: int
-    samples_generated: int
-    all_correct: int
-    all_wrong: int
-    pass_rate_sum: float
-    groups_kept: int
-    samples_kept: int
-    groups_in_batch: int
-    groups_from_carry: int
-    groups_carried_over: int
-    groups_dropped_stale: int
-    shortfall: int
+    rounds: int = 0
+    groups_generated: int = 0
+    samples_generated: int = 0
+    all_correct: int = 0
+    all_wrong: int = 0
+    pass_rate_sum: float = 0.0
+    groups_kept: int = 0
+    samples_kept: int = 0
+    groups_in_batch: int = 0
+    groups_from_carry: int = 0
+    groups_carried_over: int = 0
+    groups_dropped_stale: int = 0
+    shortfall: int = 0
 
     def share(self, groups: float) -> float:
         """`groups` as a share of the groups generated (NaN when none was: a batch served from carry-over)."""
@@ -182,8 +182,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._carry: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group), oldest first
         self._step: int | None = None
         self._last_step: int | None = None
-        self._kept: list[tuple[int, ScoredGroup[Payload]]]  # (step generated, group) of the current step, oldest first
-        self._reset_step_state()
+        self._kept: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group) of this step, oldest first
+        self._stats = FilterStats()
 
     @classmethod
     def from_config(cls, algorithm: SamplingSettings, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
@@ -205,32 +205,32 @@ class DynamicBatchBuilder(Generic[Payload]):
             raise RuntimeError(f"start_step({step}): step {self._step} was never finished")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"start_step({step}): steps must increase (last was {self._last_step})")
-        self._reset_step_state()
-        self._step = step
+        self._step, self._stats = step, FilterStats()
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
-        self._dropped_stale = len(self._carry) - len(fresh)
+        self._stats.groups_dropped_stale = len(self._carry) - len(fresh)
         self._carry.clear()
         self._kept = fresh
-        self._from_carry = len(fresh)
+        self._stats.groups_from_carry = len(fresh)
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
         """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        step = self._require_step("add_round")
-        if self._rounds >= self.max_rounds:
+        step, st = self._require_step("add_round"), self._stats
+        if st.rounds >= self.max_rounds:
             raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
-        self._rounds += 1
+        st.rounds += 1
         for group in groups:
             if not isinstance(group, ScoredGroup):
                 raise TypeError(f"add_round: expected ScoredGroup items, got {type(group).__name__}")
-            self._generated_groups += 1
-            self._generated_samples += group.size
-            self._pass_rate_sum += group.pass_rate
+            st.groups_generated += 1
+            st.samples_generated += group.size
+            st.pass_rate_sum += group.pass_rate
             correct = sum(group.acc)
-            self._all_correct += correct == group.size
-            self._all_wrong += correct == 0
+            st.all_correct += correct == group.size
+            st.all_wrong += correct == 0
             if self.keeps(group):
                 self._kept.append((step, group))
-                self._kept_samples += group.size
+                st.groups_kept += 1
+                st.samples_kept += group.size
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
@@ -240,12 +240,12 @@ class DynamicBatchBuilder(Generic[Payload]):
     def full(self) -> bool:
         """True once the batch can be handed out (with dynamic sampling off: after one round)."""
         self._require_step("full")
-        return len(self._kept) >= self.train_batch_size or (not self.enabled and self._rounds >= 1)
+        return len(self._kept) >= self.train_batch_size or (not self.enabled and self._stats.rounds >= 1)
 
     @property
     def rounds(self) -> int:
         """Generation rounds added in the current step."""
-        return self._rounds
+        return self._stats.rounds
 
     @property
     def num_kept(self) -> int:
@@ -265,30 +265,18 @@ class DynamicBatchBuilder(Generic[Payload]):
         shortfall = self.train_batch_size - len(batch)
         step, self._step, self._last_step = self._step, None, self._step
         self._carry.extend(surplus)
+        st = self._stats
         if shortfall > 0:
             message = (
                 f"dynamic sampling kept {len(batch)} of {self.train_batch_size} groups at step {step} "
-                f"after {self._rounds} of {self.max_rounds} generation rounds"
+                f"after {st.rounds} of {self.max_rounds} generation rounds"
             )
             if self.on_shortfall == "raise":
                 raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
             warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
-        stats = FilterStats(
-            rounds=self._rounds,
-            groups_generated=self._generated_groups,
-            samples_generated=self._generated_samples,
-            all_correct=self._all_correct,
-            all_wrong=self._all_wrong,
-            pass_rate_sum=self._pass_rate_sum,
-            groups_kept=len(self._kept) - self._from_carry,
-            samples_kept=self._kept_samples,
-            groups_in_batch=len(batch),
-            groups_from_carry=min(self._from_carry, len(batch)),
-            groups_carried_over=len(surplus),
-            groups_dropped_stale=self._dropped_stale,
-            shortfall=max(shortfall, 0),
-        )
-        return [group for _, group in batch], stats
+        st.groups_in_batch, st.groups_carried_over, st.shortfall = len(batch), len(surplus), max(shortfall, 0)
+        st.groups_from_carry = min(st.groups_from_carry, len(batch))
+        return [group for _, group in batch], st
 
     # -- checkpointing ----------------------------------------------------------------------------
 
@@ -305,18 +293,6 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._last_step = state["last_step"]
 
     # -- internals --------------------------------------------------------------------------------
-
-    def _reset_step_state(self) -> None:
-        self._kept = []
-        self._rounds = 0
-        self._from_carry = 0
-        self._dropped_stale = 0
-        self._generated_groups = 0
-        self._generated_samples = 0
-        self._kept_samples = 0
-        self._pass_rate_sum = 0.0
-        self._all_correct = 0
-        self._all_wrong = 0
 
     def _require_step(self, caller: str) -> int:
         """The step in progress; RuntimeError naming `caller` between steps."""

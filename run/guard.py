@@ -4,18 +4,11 @@ and raise on failure; stop at the phase boundaries.
 The engines may hold collectives (SGLang's tensor parallelism, the weight sync), so a call that fails on one
 rank must stop every rank at the same point, or the others wait in a collective for a rank that left.
 `Guard.call(what, fn)` runs fn() on every rank, then the ranks agree on the worst outcome (one all-reduce on
-the gloo control group):
-
-    OK            the call's result
-    ENGINE_DIED   an engine's process is gone (EngineDied): the policy, in the trainer's process, is intact;
-                  every rank checkpoints the last completed step and raises EngineDied (train.py exits 1)
-    ENGINE_FAILED the engine failed or aborted requests, and the retry failed too (EngineFailure)
-    FAILED        anything else (scoring, data, a batch dynamic sampling could not fill under "raise")
-
-A failure is checkpointed by the phase runner (run/phase_runner.py) and raised on every rank with what was
-running and that the rerun resumes. A call that ends at a phase boundary (`boundary=True`, e.g. between two
-generate calls) is followed by a stop when a SIGTERM / SIGINT arrived on any rank: a checkpoint, then
-StopRequested (exit 143 / 130).
+the gloo control group): OK, FAILED (an exception: the engine's after its retry, EngineFailure, or anything
+else) or ENGINE_DIED (an engine's process is gone: the policy, in the trainer's process, is intact). On a
+failure every rank checkpoints the last completed step (run/phase_runner.py) and raises the error, EngineDied
+first, naming what was running and that the rerun resumes. A call at a phase boundary (`boundary=True`, e.g.
+between two generate calls) is followed by a stop when a SIGTERM / SIGINT arrived on any rank.
 
 An engine's own failure is retried before it reaches the guard (`retried`): what the engine itself reported
 (its exception, aborted requests), never a collective's failure, which would desynchronise the ranks.
@@ -43,9 +36,8 @@ class Outcome(IntEnum):
     """How a call went on one rank; the ranks agree on the worst (`agree`)."""
 
     OK = 0
-    ENGINE_FAILED = 1
-    FAILED = 2
-    ENGINE_DIED = 3
+    FAILED = 1
+    ENGINE_DIED = 2
 
 
 def agree(dist_env: DistEnv, outcome: Outcome) -> Outcome:
@@ -110,9 +102,7 @@ class Guard:
 def _outcome(error: Exception | None) -> Outcome:
     if error is None:
         return Outcome.OK
-    if isinstance(error, EngineDied):
-        return Outcome.ENGINE_DIED
-    return Outcome.ENGINE_FAILED if isinstance(error, EngineFailure) else Outcome.FAILED
+    return Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED
 
 
 def retried(fn: Callable[[], T], retries: int) -> T:

@@ -12,9 +12,10 @@ the row of a step that completed but was not logged yet is written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from config import Config
 from evaluation.evaluate import params_from_config
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("train")
 
 
-class StepPhases:
+class StepPhases(Protocol):
     """One step's phases in the order that sharing the GPUs with the engine requires: the engine takes its
     memory back (the trainer's cached blocks handed back first), generates and frees its KV cache for
     training; the trainer trains; the new weights go into the engine. `Trainer` runs them; the rehearsal
@@ -81,14 +82,11 @@ class StepPhases:
         return_cached_memory(self.dist)
         sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
 
-    def generate(self, step: int) -> RolloutBatch:
-        raise NotImplementedError
+    def generate(self, step: int) -> RolloutBatch: ...
 
-    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
-        raise NotImplementedError
+    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord: ...
 
-    def after_step(self, step: int, record: StepRecord) -> None:
-        raise NotImplementedError
+    def after_step(self, step: int, record: StepRecord) -> None: ...
 
 
 class Trainer(StepPhases):
@@ -148,23 +146,13 @@ class Trainer(StepPhases):
 
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
-        p, cfg = self.parts, self.cfg
+        p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
+        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step)
         with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
-            return self.guard.call(
-                f"the evaluation at step {step}",
-                lambda: run_held_out_eval(
-                    p.engine,
-                    p.eval_set,
-                    p.tokenizer,
-                    self.eval_params,
-                    self.dist,
-                    p.run_path,
-                    step,
-                    strict_box=cfg.algorithm.strict_box,
-                    progress=bar,
-                    pass_at=cfg.eval.pass_at,
-                ),
+            evaluation = functools.partial(
+                run_held_out_eval, *args, strict_box=alg.strict_box, progress=bar, pass_at=ev.pass_at
             )
+            return self.guard.call(f"the evaluation at step {step}", evaluation)
 
     # --- Around the loop ---------------------------------------------------------------------------
     def resume(self) -> None:

@@ -12,7 +12,6 @@ with an empty one (loss mask 0), which changes no gradient.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
     from trainer.types import RolloutGroup
-
-log = logging.getLogger(__name__)
 
 
 def pack_items_for_groups(
