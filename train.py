@@ -6,7 +6,7 @@
     python train.py --config X --dry-run                                 # print the resolved config
     python train.py --config X --rehearse                                # the run's per-GPU memory, on CPU
 
-Algorithm 1, as this file runs it (one iteration: trainer/loop.py, Trainer.step):
+Algorithm 1, as this file runs it (one iteration: trainer/loop.py, StepPhases.step):
     for step = 1..M:
         repeat (at most max_num_gen_batches rounds)                      trainer/rollout_phase.py
             sample prompts; generate G responses each with the engine    rollout/
