@@ -327,7 +327,9 @@ class _Phases(StepPhases):
     def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
         """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
         needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
+        from observe.progress import Progress
         from trainer.losses import GlobalCounts
+        from trainer.mismatch import MismatchProbe
         from trainer.update import fill_old_logprobs
 
         cfg, policy, update, metrics = self.cfg, self.policy, self.update, TrainMetrics()
@@ -337,7 +339,8 @@ class _Phases(StepPhases):
         policy.train()
         temperature, chunk = update.loss.temperature, update.loss.chunk_size
         self.phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, chunk), tokens)
-        self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts, metrics), tokens)
+        measured = MismatchProbe(metrics.mismatch, []), Progress(enabled=False)
+        self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts, metrics, *measured), tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         on_host = (*HOST_PARTS_WHEN_OFFLOADED, "activations")
         self.phase("train: optimizer step", lambda: update.optimizer_step("the rehearsal's update"), on_host=on_host)

@@ -108,14 +108,6 @@ class FilterStats:
     groups_dropped_stale: int = 0
     shortfall: int = 0
 
-    def share(self, groups: float) -> float:
-        """`groups` as a share of the groups generated (NaN when none was: a batch served from carry-over)."""
-        return groups / self.groups_generated if self.groups_generated else math.nan
-
-    @property
-    def samples_per_kept_sample(self) -> float:
-        return self.samples_generated / self.samples_kept if self.samples_kept else math.nan
-
 
 class SamplingSettings(Protocol):
     """What `DynamicBatchBuilder.from_config` reads of the [algorithm] section."""

@@ -95,14 +95,9 @@ def token_mean(per_token: torch.Tensor, valid: torch.Tensor, global_num_tokens: 
 
 @dataclass(frozen=True)
 class ClipStats:
-    """Detached scalars of Eq. 10 over a call's valid tokens; weight them by num_tokens to combine calls.
-
-    pg_clipfrac: share of tokens where the clipped term is the larger one; pg_clipfrac_lower: share where the
-    dual clip binds (A < 0); pg_clipfrac_upper: share clipped at the upper bound (A > 0, r > 1 + eps_high);
-    clipped_upper_prob: mean pi_old probability of those (0 without any; weight it by pg_clipfrac_upper x
-    num_tokens); ppo_kl: mean of old_logp - logp, clamped like the ratio; num_nonempty_seqs: rows with a
-    valid token.
-    """
+    """Detached scalars of Eq. 10 over a call's valid tokens (weight them by num_tokens to combine calls): the
+    shares clipped (the clipped term the larger), dual-clipped (A < 0) and clipped at the upper bound (A > 0),
+    the mean pi_old probability of the last (weight it by their count), mean old_logp - logp (clamped)."""
 
     pg_clipfrac: torch.Tensor
     pg_clipfrac_lower: torch.Tensor

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from observe.progress import Progress
 from rl.advantage import group_advantages
 from rl.reward import overlong_filter_mask
 from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from config import Config
     from config.schema import AlgorithmConfig, TrainingConfig
     from model.qwen2 import Qwen2
-    from observe.progress import Progress
     from parallel.dist_env import DistEnv
     from trainer.types import RolloutGroup
 
@@ -217,8 +217,8 @@ class TrainPhase:
         mismatch = MismatchProbe(metrics.mismatch, mini_batches[0] if mini_batches else [])
         self.model.train()
         self.fill_old_logprobs(mini_batches, mismatch)
-        if progress is not None:
-            progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
+        progress = progress or Progress(enabled=False)
+        progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
         metrics.lr.add(self.optimizer_step.optimizer.param_groups[0]["lr"])  # the rate this step runs at
         for _ in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
@@ -227,8 +227,7 @@ class TrainPhase:
                     # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
                     # left it empty, or overlong filtering masked every sample. No update, and nothing that
                     # would enter the logged loss or grad norm as a zero.
-                    if progress is not None:
-                        progress.update(len(mbs))
+                    progress.update(len(mbs))
                     continue
                 shares = [self.loss_pass(mb, counts, metrics, mismatch, progress) for mb in mbs]
                 metrics.add_update(sum(shares), self.optimizer_step(f"step {step}, mini-batch {index}"))
@@ -242,7 +241,7 @@ class TrainPhase:
             mismatch.warn_if_above(ROLLOUT_LOGP_TOLERANCE, step, self.algorithm.old_logprobs)
         return metrics
 
-    def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], mismatch: MismatchProbe | None = None) -> None:
+    def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], mismatch: MismatchProbe) -> None:
         """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones are
         measured against the engine's (`mismatch`). Every rank runs as many forwards as the rank that needs the
         most (FSDP)."""
@@ -252,9 +251,8 @@ class TrainPhase:
         temperature, chunk = self.loss.temperature, self.loss.chunk_size
         for mbs, m in zip(mini_batches, most):
             for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m)):
-                if mismatch is not None:
-                    assert mb.old_logp is not None  # just filled
-                    mismatch.saw(mb.old_logp, mb, step_start=True)
+                assert mb.old_logp is not None  # just filled
+                mismatch.saw(mb.old_logp, mb, step_start=True)
 
     def mini_batches(self, step: int, groups: list[RolloutGroup], metrics: TrainMetrics) -> list[list[MicroBatch]]:
         """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
@@ -283,18 +281,16 @@ class TrainPhase:
         mb: MicroBatch,
         counts: GlobalCounts,
         metrics: TrainMetrics,
-        mismatch: MismatchProbe | None = None,
-        progress: Progress | None = None,
+        mismatch: MismatchProbe,
+        progress: Progress,
     ) -> float:
         """Forward, the DAPO loss (Eq. 10, 8), backward: returns the micro-batch's share of the mini-batch loss
         (its one host read); its statistics go to `metrics`, its log-probs to the mismatch probe."""
         loss, stats = self.loss(self.model, mb, counts)
         loss.backward()
         metrics.add_pass(stats)
-        if mismatch is not None:
-            mismatch.saw(stats.logp, mb)
-        if progress is not None:
-            progress.update(1)
+        mismatch.saw(stats.logp, mb)
+        progress.update(1)
         return loss.item()
 
     def global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:
