@@ -1,5 +1,5 @@
-"""The DAPO trainer: one iteration of Algorithm 1 (`Trainer.step`) over the components train.py built once
-(trainer/build.py), and the phases around the loop (resume, warm-up, evaluation, the end).
+"""The DAPO trainer: one iteration of Algorithm 1 (`StepPhases.step`, which `Trainer` runs) over the components
+train.py built once (trainer/build.py), and the phases around the loop (resume, warm-up, evaluation, the end).
 
 Every call into the rollout engine goes through one guard (run/guard.py): it runs on every rank, the ranks
 agree on how it went, and a failure on any of them checkpoints the last completed step and stops every rank
