@@ -153,6 +153,9 @@ class RolloutConfig:
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = at_least(1024, 1)  # bucket size of the trainer -> engine weight copy
     round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for the others' generation (gloo groups)
+    # Deadlines of calls into an engine process (SGLang; rollout/sglang_engine.py): past one the engine counts as hung
+    call_timeout_s: int = at_least(600, 1)  # deadline of a control call (release, resume, a bucket, flush)
+    min_tokens_per_s: float = above(2500.0, 0)  # a generate call's: call_timeout_s + requests x max tokens / this
     # 4096: the most requests SGLang 0.5.21 runs at once (resolve_max_num_reqs), so a call never starves it.
     requests_per_call: int = at_least(4096, 1)  # requests (prompts x n) per engine generate call of a round
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
