@@ -38,18 +38,16 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """A file's size and content hash (None: a manifest of an older version, which recorded sizes only)."""
+    """A file's size and content hash."""
 
     size: int
-    digest: str | None
+    digest: str
 
     def to_json(self) -> dict:
         return {"bytes": self.size, HASH_NAME: self.digest}
 
     @staticmethod
-    def from_json(value: Any) -> FileRecord:  # a manifest's JSON value: a size, or {"bytes", hash}
-        if isinstance(value, int):  # the older manifest: {name: size}
-            return FileRecord(value, None)
+    def from_json(value: Any) -> FileRecord:  # a manifest's JSON value: {"bytes", hash}
         return FileRecord(int(value["bytes"]), str(value[HASH_NAME]))
 
 
@@ -167,7 +165,7 @@ def check_file(root: str, name: str, expected: FileRecord) -> str | None:
     size = os.path.getsize(path)
     if size != expected.size:
         return f"file {name} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
-    if expected.digest is not None and file_record(path).digest != expected.digest:
+    if file_record(path).digest != expected.digest:
         return f"file {name} does not match its content hash (its bytes changed after it was written)"
     return None
 

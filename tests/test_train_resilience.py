@@ -19,6 +19,7 @@ import trainer.losses
 import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
+from parallel.checkpoint_files import file_record
 from rollout.torch_engine import TorchEngine
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
@@ -507,7 +508,9 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     torch.save({"train_state": {"step": 1}}, step_1 / "train_state" / "rank-00000.pt")
     manifest = json.loads((step_1 / "COMPLETE.json").read_text())
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("train_state/")}
-    manifest["files"]["train_state/rank-00000.pt"] = os.path.getsize(step_1 / "train_state" / "rank-00000.pt")
+    manifest["files"]["train_state/rank-00000.pt"] = file_record(
+        str(step_1 / "train_state" / "rank-00000.pt")
+    ).to_json()
     (step_1 / "COMPLETE.json").write_text(json.dumps(manifest))
     result = subprocess.run(
         [sys.executable, "train.py", *overrides(str(tmp_path), steps=2)],
