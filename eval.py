@@ -32,6 +32,7 @@ from config import Config, config_parser, parse_config_args
 from errors import ConfigError, report
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
+from model.hf import check_finite_weights
 from rollout.engine_spec import EngineSpec
 
 
@@ -86,28 +87,6 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
-    """Print one warning line when the checkpoint's weights hold NaN or inf (its answers would mean nothing);
-    returns the names of those tensors. Reads the safetensors files one tensor at a time."""
-    import glob
-
-    from model.hf import open_safetensors
-    from parallel.finite import nonfinite_names
-
-    names = []
-    for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with open_safetensors(file) as f:
-            for key in f.keys():
-                names += nonfinite_names([(key, f.get_tensor(key))])
-    if names:
-        print(
-            f"warning: {model_dir} holds NaN or inf in {len(names)} weight tensor{'s' if len(names) > 1 else ''} "
-            f"(first: {names[0]}); its answers, and this evaluation, mean nothing",
-            file=sys.stderr,
-        )
-    return names
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
@@ -115,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(cfg.model.hf_path)
-    warn_on_nonfinite_weights(model_dir)
+    check_finite_weights(model_dir)
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)

@@ -176,6 +176,23 @@ def tied_head_differs_error(path: str) -> CheckpointError:
     )
 
 
+def nonfinite_weights_error(file: str, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} holds NaN or inf in {name}: a policy with non-finite weights can be neither trained nor "
+        "evaluated; use an intact checkpoint (this one is damaged, or was saved after its training diverged)"
+    )
+
+
+def check_finite_weights(path: str) -> None:
+    """Refuse (CheckpointError naming the file and the tensor) an HF checkpoint whose weights hold NaN or inf;
+    reads one tensor at a time."""
+    for file, names in _checkpoint_files(path).items():
+        with open_safetensors(file) as f:
+            for name in names:
+                if not bool(torch.isfinite(f.get_tensor(name)).all()):
+                    raise nonfinite_weights_error(file, name)
+
+
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
     """Our Qwen2 from a HF checkpoint directory: config.json + model.safetensors, or shards + index.
 

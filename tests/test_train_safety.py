@@ -13,14 +13,10 @@ import time
 import pytest
 import torch
 
-import eval as eval_command
 import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
-from model.args import PRESETS
-from model.hf import save_hf
-from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
 from parallel.finite import NonFiniteStateError
 from tests.planted_train import planted_score
@@ -267,22 +263,3 @@ def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(t
         train.main(overrides(str(tmp_path), steps=3, **{"training.mini_batch_size": 4}))
     _assert_nothing_saved_after_step_1(tmp_path)
 
-
-def test_eval_warns_on_non_finite_weights(tmp_path, capsys):
-    from model.tokenizer import train_bpe_tokenizer
-    from rl.data import synthetic_arithmetic_rows
-
-    rows = synthetic_arithmetic_rows(40, split="train", seed=1)
-    tokenizer = train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], vocab_size=300)
-    model = build_model(PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size), seed=3)
-    with torch.no_grad():
-        model.layers["0"].mlp.up_proj.weight[1, 2] = float("nan")
-    save_hf(model.named_parameters(), str(tmp_path / "hf"), args=model.args)
-    tokenizer.save(str(tmp_path / "hf"))
-    eval_command.main(
-        ["--model", str(tmp_path / "hf"), "--data", "synthetic", "--data.synthetic_num_eval=1", "--eval.k=1"]
-        + ["--eval.max_response_length=2", "--metrics.progress=false", "--data.max_prompt_length=1024"]
-        + ["--training.micro_batch_tokens=2048"]
-    )
-    err = capsys.readouterr().err
-    assert f"warning: {tmp_path / 'hf'} holds NaN or inf in 1 weight tensor (first: model.layers.0.mlp.up_proj" in err
