@@ -61,14 +61,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-from errors import CheckpointError
+from errors import CheckpointError, first_os_error
 from parallel.checkpoint_files import (
     HASH_NAME,
     NO_SPACE,
     FileRecord,
     WrittenFiles,
     describe_file_system,
-    first_os_error,
     hashing_writer,
     verify,
 )

@@ -189,24 +189,6 @@ def records_of(root: str) -> dict[str, FileRecord]:
     return out
 
 
-def first_os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError behind `exc`: itself, its cause or context, or one inside DCP's CheckpointException."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        failures = getattr(current, "failures", None)  # DCP: {rank: (exception, traceback)}
-        if isinstance(failures, dict):
-            stack += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
-        stack += [current.__cause__, current.__context__]
-    return None
-
-
 def describe_file_system(path: str) -> str:
     """The device holding `path` and where it is mounted, e.g. "/dev/vda1 (mounted at /data)"."""
     target = os.path.realpath(path)

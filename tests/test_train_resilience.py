@@ -395,6 +395,21 @@ def test_a_changed_configuration_on_resume_is_kept_beside_the_first_and_named(tm
     assert json.loads((tmp_path / "run" / "config.launch-2.json").read_text())["optimizer"]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("damage", ['{"optimizer": {"lr": 0.0', "[1, 2]", b"\xff\xfe{}"])
+def test_a_damaged_configuration_snapshot_is_named_in_one_line(tmp_path, damage):
+    """Cut short by a crash of an older version (it was not written atomically), edited, or not text at all."""
+    (tmp_path / "run").mkdir()
+    config = tmp_path / "run" / "config.json"
+    config.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+    with pytest.raises(RunFolderError) as refused:
+        prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}})
+    assert str(refused.value).startswith(f"{config}, the configuration this run started with, is damaged (")
+    assert str(refused.value).endswith("): restore it, or move it aside and this launch saves its own")
+    os.rename(config, tmp_path / "aside.json")  # as the message says: the next launch saves its own
+    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}})
+    assert json.loads(config.read_text()) == {"optimizer": {"lr": 0.001}}
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # Enough steps that the signal, sent once step 1 is logged, lands before the run ends (a step of this

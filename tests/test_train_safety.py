@@ -263,3 +263,67 @@ def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(t
         train.main(overrides(str(tmp_path), steps=3, **{"training.mini_batch_size": 4}))
     _assert_nothing_saved_after_step_1(tmp_path)
 
+
+# ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
+
+
+def _disk_full_at(monkeypatch, name: str, error: int = errno.ENOSPC) -> None:
+    """Writes to files whose name holds `name` (errors.py's atomic writes, metrics.jsonl's appends) fail as on a
+    full disk: half the bytes go out, then the OS error. A read-only folder (EROFS) refuses the file itself."""
+    import io
+
+    import errors
+    import observe.metrics_log
+
+    class HalfThenFull(io.FileIO):
+        def write(self, data):
+            super().write(bytes(memoryview(data).cast("B")[: max(1, len(data) // 2)]))
+            raise OSError(error, os.strerror(error), self.name)
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if name in os.path.basename(str(file)) and set(mode) & set("wa"):
+            if error == errno.EROFS:
+                raise OSError(error, os.strerror(error), str(file))
+            return HalfThenFull(file, mode.replace("b", ""))
+        return open(file, mode, *args, **kwargs)
+
+    for module in (errors, observe.metrics_log):
+        monkeypatch.setattr(module, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize(
+    "path, error, settings",
+    [
+        ("config.json", errno.EROFS, {}),  # the run folder's configuration snapshot, on a read-only file system
+        ("eval/step_000000.json", errno.ENOSPC, {"eval.at_start": True}),  # the evaluation report before DAPO
+        ("metrics.jsonl", errno.ENOSPC, {}),
+        ("hf", errno.ENOSPC, {}),  # the HF export
+        pytest.param("finished.json", errno.ENOSPC, {}, marks=pytest.mark.slow),
+    ],
+)
+def test_a_write_that_fails_is_one_line_exit_2_and_leaves_nothing_half_written(
+    tmp_path, planted, monkeypatch, capsys, path, error, settings
+):
+    run, name = tmp_path / "run", os.path.basename(path)
+    if path == "hf":  # safetensors writes through a file of its own and names the OS error in its message only
+
+        def save_file(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr("safetensors.torch.save_file", save_file)
+    else:
+        _disk_full_at(monkeypatch, name, error)
+    with pytest.raises(SystemExit) as stopped:
+        train.run_cli(overrides(str(tmp_path), steps=1, **settings))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1] == (
+        f"error: cannot write {run / path}: {os.strerror(error)}; make room or make its folder writable, then run "
+        "the same command again"
+    )
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name.startswith(name))
+    if name == "metrics.jsonl":  # the half line was cut off again
+        assert left == ["metrics.jsonl"] and (run / "metrics.jsonl").read_text() == ""
+    else:
+        assert left == [], left
+    assert not (run / "finished.json").exists()
