@@ -379,7 +379,10 @@ def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) 
     n = len(written)
     final = [SINGLE_FILE] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
     remove_model_files(path, keep=final)
+    umask = os.umask(0o022)
+    os.umask(umask)
     for (tmp, _), name in zip(written, final):
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600: readable as every other file of the export
         os.replace(tmp, os.path.join(path, name))
     if n > 1:
         index = {
