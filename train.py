@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+from typing import Any
 
 import torch
 
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallelism.tp,
         control_timeout_s=cfg.rollout.round_timeout_s,
     )
-    trainer, finished = None, False
+    trainer, finished, handlers = None, False, {}
     try:
         torch.manual_seed(cfg.job.seed)
         threads, why = set_intra_op_threads(cfg.job.cpu_threads, cpu_offload=cfg.parallelism.cpu_offload)
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         if report is not None:  # rerunning a finished run: its result, and nothing else
+            handlers = _finished_on_signals()
             for line in report if dist.is_main else ():
                 log.info(line)
         else:
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             for step in range(trainer.state.step + 1, cfg.training.steps + 1):
                 trainer.step(step)  # Algorithm 1
             trainer.finish()  # held-out accuracy, last checkpoint, HF export, plot
+            trainer.stop.restore()
+            handlers = _finished_on_signals()  # while the engine shuts down
         finished = True
         return 0
     finally:
@@ -85,6 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.close()
         finally:
             shutdown_distributed(clean=finished)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+
+def _finished_on_signals() -> dict[int, Any]:
+    """From the moment the run is finished: a SIGTERM / SIGINT stops nothing, says so, and the run exits 0.
+    Returns the handlers it replaced."""
+
+    def answer(signum: int, frame: object) -> None:
+        log.info("%s received: the run is finished; nothing to stop", signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, answer) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def run_cli(argv: list[str] | None = None) -> None:

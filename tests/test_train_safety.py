@@ -264,6 +264,46 @@ def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(t
     _assert_nothing_saved_after_step_1(tmp_path)
 
 
+# ---- a signal to a finished run -----------------------------------------------------------------------------
+
+# train.py (planted reward) that sends itself a SIGTERM as its engine shuts down and as it leaves the process
+# group: once the run is finished (the first launch's end, a rerun of the finished run).
+_SIGTERM_WHEN_DONE = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import rl.reward, train
+from rollout.torch_engine import TorchEngine
+from planted_train import planted_score
+
+def sigterm_first(real):
+    def wrapper(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    return wrapper
+
+rl.reward.compute_score = planted_score
+TorchEngine.shutdown = sigterm_first(TorchEngine.shutdown)
+train.shutdown_distributed = sigterm_first(train.shutdown_distributed)
+train.run_cli(sys.argv[1:])
+"""
+
+
+def test_a_sigterm_to_a_finished_run_says_so_and_exits_0(tmp_path):
+    code = _SIGTERM_WHEN_DONE.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    for launch in ("the first", "a rerun"):
+        result = subprocess.run(
+            [sys.executable, "-c", code, *overrides(str(tmp_path), steps=1)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, (launch, result.stderr[-3000:])
+        assert "SIGTERM received: the run is finished; nothing to stop" in result.stderr, (launch, result.stderr)
+        assert "saving a checkpoint" not in result.stderr and "Traceback" not in result.stderr
+    assert "this run finished at step 1" in result.stderr
+
+
 # ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
 
 
