@@ -590,3 +590,18 @@ def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_pat
         train.main(argv)
     assert calls == [2, 2, 2]  # step 1: two calls; step 2: one, then the stop
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
+
+
+def test_a_prompt_set_smaller_than_a_generation_round_is_warned_about_in_one_line(caplog):
+    from config import load_config
+    from trainer.build import warn_if_fewer_than_a_round
+
+    cfg = load_config(None, ["training.train_batch_size=64"])  # x gen_batch_multiplier 3: 192 prompts a round
+    with caplog.at_level("WARNING", logger="train"):
+        warn_if_fewer_than_a_round(cfg, 192)
+        assert caplog.records == []
+        warn_if_fewer_than_a_round(cfg, 100)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.train_path holds 100 prompts, fewer than one generation round draws (192): a round repeats prompts "
+        "and their groups are not independent; use more prompts or a smaller training.train_batch_size"
+    ]
