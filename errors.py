@@ -25,7 +25,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import IO, TextIO
+from typing import IO
 
 EXIT_BAD_INPUT = 2
 
@@ -136,10 +136,10 @@ class RunStopped(Exception):
         return f"error: {self}"
 
 
-def report(exc: BaseException, *, prefix: str = "", stream: TextIO | None = None) -> int | None:
-    """Print the one line of a UserError or RunStopped (after `prefix`) to `stream` (stderr) and return its
-    exit code; None for every other exception, which the caller re-raises with its traceback."""
+def report(exc: BaseException, *, prefix: str = "", show: Callable[[str], None] | None = None) -> int | None:
+    """Show the one line of a UserError or RunStopped (after `prefix`; default: on stderr) and return its exit
+    code; None for every other exception, which the caller re-raises with its traceback."""
     if not isinstance(exc, UserError | RunStopped):
         return None
-    print(prefix + exc.line(), file=stream or sys.stderr)
+    (show or (lambda line: print(line, file=sys.stderr)))(prefix + exc.line())
     return exc.exit_code

@@ -30,6 +30,7 @@ import torch
 
 from config import check_runnable, config_to_dict, parse_cli
 from errors import report
+from observe.console import once_per_job
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
 from trainer.build import build
@@ -109,10 +110,12 @@ def run_cli(argv: list[str] | None = None) -> None:
     damaged run folder and a full disk included); a signal stops with a checkpoint and 143 / 130; a policy gone
     non-finite or a rollout engine whose process died is one line and 1 (the newest checkpoint is intact,
     rerunning resumes); anything else keeps its traceback."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console = once_per_job()  # under torchrun: a line every rank prints, printed once
     try:
         sys.exit(main(argv))
     except Exception as exc:
-        code = report(exc)
+        code = report(exc, show=console.print_line if console else None)
         if code is None:
             raise
         sys.exit(code)
