@@ -5,6 +5,7 @@
       DataError          a prompt data file (rl/data.py)
       CheckpointError    an HF checkpoint directory, or one of the run's own checkpoints (model/, parallel/)
       RunFolderError     a run folder in use by another run, or one that cannot be prepared (trainer/)
+      WriteError         a file the run writes, on a full disk or a read-only or forbidden folder (`writing`)
     RunStopped           the run stopped for a reason it names, with its work saved or left intact: one line
       StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; run/signals.py)
       EngineDied         the rollout engine's process ended (exit 1; rollout/engine.py)
@@ -12,12 +13,19 @@
 
 Everything else is a failure of the program and keeps its traceback (exit 1): a ValueError raised by a bug
 is not bad input, so the entry points catch these classes and nothing wider.
+
+Every file a run writes goes through `write_atomically` (whole or absent, never half-written) or `writing`
+(a write's full disk, read-only file system or missing permission is a WriteError naming the file).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sys
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from typing import IO
 
 EXIT_BAD_INPUT = 2
 
@@ -54,6 +62,71 @@ class RunFolderError(UserError):
     """The run folder cannot be used (another run holds it, or it cannot be prepared); raised before any work."""
 
 
+class WriteError(UserError):
+    """A file the run writes cannot be written for a reason the person running it can fix; nothing half-written
+    is left behind."""
+
+
+# What a person can fix: a full disk or quota, a read-only file system, a folder they may not write to.
+FIXABLE_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def first_os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind `exc`: itself, its cause or context, or one inside DCP's CheckpointException."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        failures = getattr(current, "failures", None)  # DCP: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            stack += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        stack += [current.__cause__, current.__context__]
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Writes to `path` inside: an OSError of FIXABLE_WRITE_ERRORS (itself, or behind the error raised, as DCP
+    wraps one) becomes a WriteError naming `path`."""
+    try:
+        yield
+    except BaseException as exc:
+        os_error = None if isinstance(exc, WriteError) else first_os_error(exc)
+        if os_error is None or os_error.errno not in FIXABLE_WRITE_ERRORS:
+            raise
+        raise WriteError(
+            f"cannot write {path}: {os_error.strerror or os_error}; make room or make its folder writable, then run "
+            "the same command again"
+        ) from exc
+
+
+def write_atomically(path: str, content: str | bytes | Callable[[IO[bytes]], object]) -> None:
+    """`path` holds `content` (text, bytes, or what a function writes into the open file), whole or not at all:
+    written to a temporary file in the same folder, fsynced, renamed over `path` (removed on failure).
+    Errors as `writing`."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with writing(path):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(tmp, "wb") as f:
+                if callable(content):
+                    content(f)
+                else:
+                    f.write(content.encode() if isinstance(content, str) else content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+
+
 class RunStopped(Exception):
     """The run stopped for a reason its message names; what it had done is saved or left intact."""
 
@@ -63,10 +136,10 @@ class RunStopped(Exception):
         return f"error: {self}"
 
 
-def report(exc: BaseException, *, prefix: str = "", stream: TextIO | None = None) -> int | None:
-    """Print the one line of a UserError or RunStopped (after `prefix`) to `stream` (stderr) and return its
-    exit code; None for every other exception, which the caller re-raises with its traceback."""
+def report(exc: BaseException, *, prefix: str = "", show: Callable[[str], None] | None = None) -> int | None:
+    """Show the one line of a UserError or RunStopped (after `prefix`; default: on stderr) and return its exit
+    code; None for every other exception, which the caller re-raises with its traceback."""
     if not isinstance(exc, UserError | RunStopped):
         return None
-    print(prefix + exc.line(), file=stream or sys.stderr)
+    (show or (lambda line: print(line, file=sys.stderr)))(prefix + exc.line())
     return exc.exit_code

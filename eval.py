@@ -29,9 +29,10 @@ import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, report
+from errors import ConfigError, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
+from model.hf import check_finite_weights
 from rollout.engine_spec import EngineSpec
 
 
@@ -62,6 +63,17 @@ def resolve_checkpoint(path: str) -> str:
         raise ConfigError("model.hf_path is not set: pass --model DIR (an HF checkpoint directory or a run folder)")
     if os.path.isfile(os.path.join(path, "hf", "config.json")):
         return os.path.join(path, "hf")
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # a run folder whose run has not finished
+        from parallel.checkpoint import CheckpointManager
+
+        steps = CheckpointManager(os.path.join(path, "checkpoints")).complete_steps()
+        at = f"its newest checkpoint is step {steps[-1]}" if steps else "it has no checkpoint yet"
+        why = (
+            f"its run has not finished ({at}); the export is written when it finishes (run its train.py command again)"
+        )
+        if os.path.isfile(os.path.join(path, "finished.json")):
+            why = "its run finished with checkpoint.export_hf = false"
+        raise ConfigError(f"--model {path} is a run folder without an HF export: {why}; or pass an HF checkpoint")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     raise ConfigError(
@@ -86,28 +98,6 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-def warn_on_nonfinite_weights(model_dir: str) -> list[str]:
-    """Print one warning line when the checkpoint's weights hold NaN or inf (its answers would mean nothing);
-    returns the names of those tensors. Reads the safetensors files one tensor at a time."""
-    import glob
-
-    from model.hf import open_safetensors
-    from parallel.finite import nonfinite_names
-
-    names = []
-    for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-        with open_safetensors(file) as f:
-            for key in f.keys():
-                names += nonfinite_names([(key, f.get_tensor(key))])
-    if names:
-        print(
-            f"warning: {model_dir} holds NaN or inf in {len(names)} weight tensor{'s' if len(names) > 1 else ''} "
-            f"(first: {names[0]}); its answers, and this evaluation, mean nothing",
-            file=sys.stderr,
-        )
-    return names
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
@@ -115,7 +105,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(cfg.model.hf_path)
-    warn_on_nonfinite_weights(model_dir)
+    check_finite_weights(model_dir)
+    if args.json:  # a folder that cannot take the report is refused before the evaluation, not after it
+        with writing(args.json):
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            open(f"{args.json}.probe", "w").close()
+            os.remove(f"{args.json}.probe")
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
@@ -147,10 +142,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def run_cli(argv: list[str] | None = None) -> None:
     """`main` with the exits a shell expects, as train.py's (errors.py): bad input (a configuration problem,
-    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint) is one line and
-    exit code 2; anything else is a failure and keeps its traceback."""
+    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint; a report that
+    cannot be written) is one line and exit code 2; Ctrl-C one line and 130; anything else is a failure and
+    keeps its traceback."""
     try:
         main(argv)
+    except KeyboardInterrupt:
+        print("eval.py: interrupted (Ctrl-C); no report was written", file=sys.stderr)
+        sys.exit(130)
     except Exception as exc:
         code = report(exc, prefix="eval.py: ")
         if code is None:

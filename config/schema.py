@@ -54,6 +54,15 @@ def _fraction(default: float, note: str = "") -> float:
     return bounded(default, lambda v: 0 < v < 1, f"must be in (0, 1){note}")
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimizer's state is float32
+
+
+def _learning_rate(default: float) -> float:
+    return bounded(
+        default, lambda v: 0 < v <= FLOAT32_MAX, f"must be in (0, {FLOAT32_MAX:.4g}] (float32 holds no more)"
+    )
+
+
 def _betas(default: tuple[float, float]) -> tuple[float, float]:
     return bounded(default, lambda v: all(0 <= b < 1 for b in v), "both betas must be in [0, 1)")
 
@@ -153,12 +162,23 @@ class RolloutConfig:
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = at_least(1024, 1)  # bucket size of the trainer -> engine weight copy
     round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for the others' generation (gloo groups)
+    # Deadlines of calls into an engine process (SGLang; rollout/sglang_engine.py): past one the engine counts as hung
+    call_timeout_s: int = at_least(600, 1)  # deadline of a control call (release, resume, a bucket, flush)
+    min_tokens_per_s: float = above(2500.0, 0)  # a generate call's: call_timeout_s + requests x max tokens / this
     # 4096: the most requests SGLang 0.5.21 runs at once (resolve_max_num_reqs), so a call never starves it.
     requests_per_call: int = at_least(4096, 1)  # requests (prompts x n) per engine generate call of a round
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
+
+    def rules(self) -> Iterator[Rule]:
+        yield (
+            "n",
+            self.n * self.tp_size <= self.requests_per_call,
+            f"must be <= rollout.requests_per_call / rollout.tp_size = {self.requests_per_call // self.tp_size}: a "
+            "generate call holds whole groups, one from each rank of an engine, and no more than requests_per_call",
+        )
 
     @property
     def logprob_temperature(self) -> float:
@@ -193,7 +213,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = above(1e-6, 0)  # AdamW learning rate, constant after warm-up
+    lr: float = _learning_rate(1e-6)  # AdamW learning rate, constant after warm-up
     betas: tuple[float, float] = _betas((0.9, 0.999))  # AdamW (beta1, beta2)
     eps: float = above(1e-8, 0)  # AdamW epsilon
     weight_decay: float = at_least(0.1, 0)  # decoupled weight decay
@@ -210,7 +230,7 @@ class TrainingConfig:
     ppo_epochs: int = at_least(1, 1)  # passes over each step's batch
     share_prompts: bool = True  # a group's samples share one prompt copy in a micro-batch (SDPA, tp = 1, no compile)
     sft_warmup_steps: int = at_least(0, 0)  # supervised steps on solved examples before DAPO (0 = none)
-    sft_lr: float = above(1e-4, 0)  # learning rate of the supervised warm-up
+    sft_lr: float = _learning_rate(1e-4)  # learning rate of the supervised warm-up
     sft_batch_size: int = at_least(32, 1)  # examples per supervised step
     max_nonfinite_steps: int = at_least(3, 1)  # abort after this many non-finite updates in a row
 

@@ -4,10 +4,10 @@ fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON f
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from errors import write_atomically
 from rl.eval_metrics import ProblemResult, summarize
 from rollout.engine import SamplingParams
 
@@ -73,10 +73,5 @@ def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
 
 
 def write_report(report: dict, path: str) -> None:
-    """Write the report as indented JSON (folders created; replaced atomically)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write the report as indented JSON (folders created; replaced atomically; errors.py write_atomically)."""
+    write_atomically(path, json.dumps(report, indent=2) + "\n")

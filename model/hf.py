@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from errors import WriteError, writing
 from model.args import ModelArgs
 from model.hf_adapter import (
     CONFIG_NAME,
@@ -176,6 +178,23 @@ def tied_head_differs_error(path: str) -> CheckpointError:
     )
 
 
+def nonfinite_weights_error(file: str, name: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} holds NaN or inf in {name}: a policy with non-finite weights can be neither trained nor "
+        "evaluated; use an intact checkpoint (this one is damaged, or was saved after its training diverged)"
+    )
+
+
+def check_finite_weights(path: str) -> None:
+    """Refuse (CheckpointError naming the file and the tensor) an HF checkpoint whose weights hold NaN or inf;
+    reads one tensor at a time."""
+    for file, names in _checkpoint_files(path).items():
+        with open_safetensors(file) as f:
+            for name in names:
+                if not bool(torch.isfinite(f.get_tensor(name)).all()):
+                    raise nonfinite_weights_error(file, name)
+
+
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
     """Our Qwen2 from a HF checkpoint directory: config.json + model.safetensors, or shards + index.
 
@@ -293,7 +312,13 @@ class _ShardWriter:
         """Write the current shard (if it holds any tensor) to the next temporary file and start a new one."""
         if self.shard:
             tmp = os.path.join(self.path, f".tmp-shard-{len(self.written):05d}.safetensors")
-            self.save_file(self.shard, tmp, metadata={"format": "pt"})
+            try:
+                self.save_file(self.shard, tmp, metadata={"format": "pt"})
+            except Exception as exc:  # safetensors names an OS error in its message only: "... (os error 28)"
+                code = re.search(r"\(os error (\d+)\)", str(exc))
+                if code is None:
+                    raise
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc
             self.written.append((tmp, list(self.shard)))
         self.shard, self.shard_bytes = {}, 0
 
@@ -354,7 +379,10 @@ def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) 
     n = len(written)
     final = [SINGLE_FILE] if n == 1 else [shard_file_name(i + 1, n) for i in range(n)]
     remove_model_files(path, keep=final)
+    umask = os.umask(0o022)
+    os.umask(umask)
     for (tmp, _), name in zip(written, final):
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600: readable as every other file of the export
         os.replace(tmp, os.path.join(path, name))
     if n > 1:
         index = {
@@ -383,6 +411,18 @@ def _id_list(value: Any) -> list[int]:  # a JSON value: an id, a list of ids or 
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+@contextlib.contextmanager
+def exporting(path: str) -> Iterator[None]:
+    """Writes of an export into `path`: one that fails for a reason a person can fix (errors.py `writing`: a full
+    disk, a read-only folder) removes the folder, so no half export is left (a rerun exports again)."""
+    try:
+        with writing(path):
+            yield
+    except WriteError:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 def complete_hf_export(path: str, tokenizer: Tokenizer, model_source: str | None = None) -> None:
     """Add to the checkpoint in `path` (config.json + weights) what makes it generate as training did.
 
@@ -394,26 +434,31 @@ def complete_hf_export(path: str, tokenizer: Tokenizer, model_source: str | None
       generation_config.json it is carried instead: unchanged when its eos ids already include every stop
       id, otherwise with the missing stop ids appended to them.
     """
-    tokenizer.save(path)
-    config_path = os.path.join(path, CONFIG_NAME)
-    config = read_json(config_path)
-    config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
-    write_json(config_path, config)
+    with exporting(path):
+        tokenizer.save(path)
+        config_path = os.path.join(path, CONFIG_NAME)
+        config = read_json(config_path)
+        config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+        write_json(config_path, config)
 
-    out = os.path.join(path, GENERATION_CONFIG_NAME)
-    source = os.path.join(model_source, GENERATION_CONFIG_NAME) if model_source else None
-    if source and os.path.isfile(source):
-        carried = read_json(source)
-        eos = _id_list(carried.get("eos_token_id"))
-        missing = [i for i in tokenizer.stop_ids if i not in eos]
-        if not missing:
-            if os.path.abspath(source) != os.path.abspath(out):
-                shutil.copyfile(source, out)
+        out = os.path.join(path, GENERATION_CONFIG_NAME)
+        source = os.path.join(model_source, GENERATION_CONFIG_NAME) if model_source else None
+        if source and os.path.isfile(source):
+            carried = read_json(source)
+            eos = _id_list(carried.get("eos_token_id"))
+            missing = [i for i in tokenizer.stop_ids if i not in eos]
+            if not missing:
+                if os.path.abspath(source) != os.path.abspath(out):
+                    shutil.copyfile(source, out)
+                return
+            carried["eos_token_id"] = eos + missing
+            write_json(out, carried)
             return
-        carried["eos_token_id"] = eos + missing
-        write_json(out, carried)
-        return
-    write_json(
-        out,
-        {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids), "pad_token_id": tokenizer.pad_id},
-    )
+        write_json(
+            out,
+            {
+                "bos_token_id": tokenizer.bos_id,
+                "eos_token_id": list(tokenizer.stop_ids),
+                "pad_token_id": tokenizer.pad_id,
+            },
+        )

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from errors import CheckpointError
+from errors import CheckpointError, write_atomically
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
 
@@ -308,9 +308,7 @@ def read_json(path: str) -> dict:
 
 
 def write_json(path: str, value: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    write_atomically(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
 def read_hf_config(path: str) -> ModelArgs:

@@ -3,8 +3,9 @@
 A line is `{"step": <int>, "<key>": <number or null>, ...}`. Values are ints or floats; bools become
 0/1, 0-d tensors and numpy scalars their Python number, and NaN / +-inf become null (JSON has no
 such numbers) so that every line is strict JSON any tool can read. The file is opened in append
-mode and flushed after every line: a crashed or resumed run keeps what it logged, and a plot can
-read the file while the run writes it. After a resume from an earlier checkpoint, `truncate_after`
+mode and each line is one unbuffered write: a crashed or resumed run keeps what it logged, a plot can
+read the file while the run writes it, and a write that fails (a full disk) is cut off again, so no
+half line stays (a WriteError, errors.py). After a resume from an earlier checkpoint, `truncate_after`
 drops the lines of steps that will be redone.
 
 TensorBoard (optional): the same values go to a `SummaryWriter` in run_dir/tensorboard/ with the
@@ -13,11 +14,15 @@ JSONL keys as tags (NaN and inf as they are; TensorBoard shows them). Only rank 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING, TextIO
+from io import FileIO
+from typing import TYPE_CHECKING
+
+from errors import write_atomically, writing
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -35,12 +40,12 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, self.FILENAME)
         self.active = rank == 0
-        self._file: TextIO | None = None
+        self._file: FileIO | None = None
         self._writer: SummaryWriter | None = None
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab", buffering=0)
         if resume_after is not None:
             self.truncate_after(resume_after)
         if tensorboard:
@@ -66,13 +71,26 @@ class MetricsLogger:
             return
         if self._file is None:
             raise RuntimeError(f"MetricsLogger for {self.path} is closed")
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
-        self._file.flush()
+        self._append(json.dumps(row, allow_nan=False) + "\n")
         if self._writer is not None:
             for key, value in raw.items():
                 if value is not None:
                     self._writer.add_scalar(key, value, global_step=int(step))
             self._writer.flush()
+
+    def _append(self, line: str) -> None:
+        """Append `line` whole, or cut a partial write off again and raise WriteError."""
+        assert self._file is not None
+        data, start = line.encode(), self._file.seek(0, os.SEEK_END)
+        with writing(self.path):
+            try:
+                done = 0
+                while done < len(data):
+                    done += self._file.write(data[done:]) or 0
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._file.fileno(), start)
+                raise
 
     def truncate_after(self, step: int) -> int:
         """Drop the lines of steps > `step` (they will be logged again after a resume); returns how many."""
@@ -80,17 +98,13 @@ class MetricsLogger:
             return 0
         if self._file is None:
             raise RuntimeError(f"MetricsLogger for {self.path} is closed")
-        self._file.flush()
         rows = read_metrics(self.path)
         kept = [row for row in rows if row["step"] <= step]
         if len(kept) != len(rows) or not _ends_with_newline(self.path):
             # Rewritten also when a killed run left a partial last line: the next line would be glued to it.
-            tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
             self._file.close()
-            os.replace(tmp, self.path)
-            self._file = open(self.path, "a", encoding="utf-8")
+            write_atomically(self.path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
+            self._file = open(self.path, "ab", buffering=0)
         return len(rows) - len(kept)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from errors import WriteError, write_atomically
 from observe.metrics_log import MetricsLogger, read_metrics
 
 if TYPE_CHECKING:
@@ -189,14 +190,11 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     """
     rows = read_metrics(os.path.join(run_dir, MetricsLogger.FILENAME))
     out = out or os.path.join(run_dir, "plots", "panel.png")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     steps = [row["step"] for row in rows]
     name = os.path.basename(os.path.normpath(run_dir))
     title = f"{name}: steps {min(steps)}-{max(steps)}" if steps else f"{name}: no steps logged yet"
     fig = build_figure(rows, title)
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=DPI)
-    os.replace(tmp, out)
+    write_atomically(out, lambda f: fig.savefig(f, dpi=DPI, format="png"))
     return out
 
 
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         print(plot_run(args.run_dir, args.out))
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, WriteError) as exc:
         parser.exit(2, f"observe.plot: {exc}\n")
 
 

@@ -21,11 +21,12 @@ reads back differently) removes its partial folder and raises CheckpointSaveErro
 cause; the previous checkpoints are untouched.
 
 Resuming: before anything is loaded, every file of the newest checkpoint is read and checked against the
-manifest (the files divided among the ranks). A damaged checkpoint (no manifest, a missing, truncated or
-changed file) is skipped with one log line naming the step and the file, and the next older intact one is
-used; the skipped ones are renamed `step-N.damaged` (kept for inspection), so the run's own later
-checkpoints are neither shadowed nor pruned by them. When checkpoints exist but none is intact, the run is
-refused (CheckpointError): nothing is moved, and nothing starts over silently.
+manifest (the files divided among the ranks). A damaged checkpoint (no manifest or one of sizes only, a missing,
+truncated or changed file, or files that load NaN or inf, the manifest rewritten to match) is skipped with one
+log line naming the step and the file or tensor, and the next older intact one is used; the skipped ones are
+renamed `step-N.damaged` (kept for inspection), so the run's own later checkpoints are neither shadowed nor
+pruned by them. When checkpoints exist but none is intact, the run is refused (CheckpointError): nothing is
+moved, and nothing starts over silently.
 
 Loading runs no code from the folder: the train state is JSON and safetensors, and DCP is read by
 parallel/safe_dcp.py (its index through a restricted unpickler, tensors only). Checkpoints of the older
@@ -60,14 +61,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-from errors import CheckpointError
+from errors import CheckpointError, first_os_error
 from parallel.checkpoint_files import (
     HASH_NAME,
     NO_SPACE,
     FileRecord,
     WrittenFiles,
     describe_file_system,
-    first_os_error,
     hashing_writer,
     verify,
 )
@@ -205,6 +205,8 @@ def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
+        if any(isinstance(value, int) for value in manifest["files"].values()):
+            return None, f"{MANIFEST} records file sizes only (an older version wrote it): its files cannot be verified"
         files = {str(name): FileRecord.from_json(value) for name, value in manifest["files"].items()}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
@@ -248,21 +250,16 @@ class CheckpointManager:
         names = sorted(manifest["files"])[share[0] :: share[1]]
         return verify(self.step_path(step), {name: manifest["files"][name] for name in names})
 
-    def _newest_intact(self) -> tuple[int | None, list[tuple[int, str]]]:
-        """(the newest intact checkpoint or None, the newer damaged ones as (step, problem), newest first).
-        Every rank checks its share of each checkpoint's files; collective."""
-        damaged: list[tuple[int, str]] = []
+    def _verdicts(self) -> Iterator[tuple[int, str | None]]:
+        """(step, why its files are damaged or None) of each checkpoint, newest first. Every rank checks its share
+        of each checkpoint's files; collective (every rank must take the same number of verdicts)."""
         for step in reversed(_broadcast(self.complete_steps())):
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
-            problem = next((p for p in problems if p is not None), None)
-            if problem is None:
-                return step, damaged
-            damaged.append((step, problem))
-        return None, damaged
+            yield step, next((p for p in problems if p is not None), None)
 
     def latest_valid_step(self) -> int | None:
-        """The newest intact checkpoint (None: there is none). Collective."""
-        return self._newest_intact()[0]
+        """The newest checkpoint whose files are intact (None: there is none). Collective."""
+        return next((step for step, problem in self._verdicts() if problem is None), None)
 
     def _name(self, step: int) -> str:
         return os.path.basename(self.step_path(step))
@@ -518,11 +515,21 @@ class CheckpointManager:
     ) -> dict[str, Any] | None:
         """Load the newest intact checkpoint, if any; returns its train state or None (no checkpoint at all).
 
-        Newer damaged ones are renamed `step-N.damaged`, each with one log line naming the file. When
-        checkpoints exist but none is intact, CheckpointError (nothing is moved): starting over would throw
-        away the run's work without a question."""
-        step, damaged = self._newest_intact()
-        if step is None and damaged:
+        Intact: its files match the manifest (checked before loading) and what it loads is finite (checked after:
+        NaN or inf written over its bytes with the manifest rewritten to match is damage too). Newer damaged ones
+        are renamed `step-N.damaged`, each with one log line naming the file or tensor. When checkpoints exist but
+        none is intact, CheckpointError (nothing is moved): starting over would throw away the run's work
+        without a question."""
+        damaged: list[tuple[int, str]] = []
+        for step, problem in self._verdicts():
+            if problem is None:
+                saved = self.load(step, model, optimizer, lr_scheduler)
+                problem = self._loaded_nonfinite(model, optimizer)
+                if problem is None:
+                    self._set_aside(damaged, step)
+                    return saved
+            damaged.append((step, problem))
+        if damaged:
             newest, problem = damaged[0]
             older = f" (and the {len(damaged) - 1} older ones are damaged too)" if len(damaged) > 1 else ""
             raise CheckpointError(
@@ -530,27 +537,29 @@ class CheckpointManager:
                 f"({problem}){older}. Nothing was moved or deleted; restore the damaged files, or start over "
                 f"with --fresh (the run folder is moved aside)"
             )
+        return None
+
+    @staticmethod
+    def _loaded_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
+        """Why the checkpoint just loaded is damaged although its files match the manifest (NaN or inf in its
+        weights or optimizer state), or None. A damaged one's optimizer state is dropped, so an older checkpoint
+        saved before the first update does not inherit it. Collective (parallel/finite.py)."""
+        problem = nonfinite_state(model, optimizer)
+        if problem is not None and optimizer is not None:
+            optimizer.state.clear()
+        return problem and f"it loads with NaN or inf: {problem}"
+
+    def _set_aside(self, damaged: list[tuple[int, str]], intact: int) -> None:
+        """Rename the damaged checkpoints newer than `intact` to `step-N.damaged`, one log line each (rank 0)."""
         if _rank() == 0:
             for bad, problem in damaged:
-                assert step is not None  # some are damaged, and none intact was refused above
                 aside = _unused_name(self.step_path(bad) + ".damaged")
                 os.replace(self.step_path(bad), aside)
                 log.warning(
                     "checkpoint %s is damaged (%s); resuming from %s instead; the damaged one is kept as %s",
                     self.step_path(bad),
                     problem,
-                    self._name(step),
+                    self._name(intact),
                     os.path.basename(aside),
                 )
         _barrier()
-        if step is None:
-            return None
-        if _rank() == 0:
-            manifest = self.manifest(step)[0]
-            assert manifest is not None  # the step was just found intact
-            if any(record.digest is None for record in manifest["files"].values()):
-                log.warning(
-                    "checkpoint %s has no content hashes (an earlier version wrote it): checked by size only",
-                    self.step_path(step),
-                )
-        return self.load(step, model, optimizer, lr_scheduler)

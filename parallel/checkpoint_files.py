@@ -38,18 +38,16 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 @dataclasses.dataclass(frozen=True)
 class FileRecord:
-    """A file's size and content hash (None: a manifest of an older version, which recorded sizes only)."""
+    """A file's size and content hash."""
 
     size: int
-    digest: str | None
+    digest: str
 
     def to_json(self) -> dict:
         return {"bytes": self.size, HASH_NAME: self.digest}
 
     @staticmethod
-    def from_json(value: Any) -> FileRecord:  # a manifest's JSON value: a size, or {"bytes", hash}
-        if isinstance(value, int):  # the older manifest: {name: size}
-            return FileRecord(value, None)
+    def from_json(value: Any) -> FileRecord:  # a manifest's JSON value: {"bytes", hash}
         return FileRecord(int(value["bytes"]), str(value[HASH_NAME]))
 
 
@@ -167,7 +165,7 @@ def check_file(root: str, name: str, expected: FileRecord) -> str | None:
     size = os.path.getsize(path)
     if size != expected.size:
         return f"file {name} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
-    if expected.digest is not None and file_record(path).digest != expected.digest:
+    if file_record(path).digest != expected.digest:
         return f"file {name} does not match its content hash (its bytes changed after it was written)"
     return None
 
@@ -189,24 +187,6 @@ def records_of(root: str) -> dict[str, FileRecord]:
             path = os.path.join(directory, name)
             out[os.path.relpath(path, root)] = file_record(path)
     return out
-
-
-def first_os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError behind `exc`: itself, its cause or context, or one inside DCP's CheckpointException."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        failures = getattr(current, "failures", None)  # DCP: {rank: (exception, traceback)}
-        if isinstance(failures, dict):
-            stack += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
-        stack += [current.__cause__, current.__context__]
-    return None
 
 
 def describe_file_system(path: str) -> str:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from model.hf import DEFAULT_MAX_SHARD_BYTES, remove_model_files, save_hf
+from model.hf import DEFAULT_MAX_SHARD_BYTES, exporting, remove_model_files, save_hf
 from model.hf_adapter import iter_hf_tensors, write_hf_config
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
@@ -94,7 +94,8 @@ def export_hf(
     dtype: cast the stored tensors (e.g. torch.bfloat16); default: the parameters' dtype. Older model files
     in `path` are replaced. Call outside forward/backward; FSDP units still gathered by a forward without
     backward are resharded first, so the fp32 master weights are written. Weights holding NaN or inf are
-    refused before anything is written (NonFiniteStateError).
+    refused before anything is written (NonFiniteStateError). A write that fails for a reason a person can fix
+    (a full disk, a read-only folder) is one WriteError on the rank that met it, which removes `path`.
     """
     if method not in ("dcp", "gather"):
         raise ValueError(f"export method must be 'dcp' or 'gather', got {method!r}")
@@ -102,19 +103,20 @@ def export_hf(
     problem = nonfinite_state(model)
     if problem is not None:  # a NaN policy is never exported
         raise NonFiniteStateError(f"{problem}; not exported to {path}")
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        save_hf(_local_tensors(model, dtype), path, args=model.args, max_shard_bytes=max_shard_bytes)
-        return
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        remove_model_files(path)
-        shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
-    dist.barrier()
-    if method == "gather":
-        _export_gather(model, path, dtype, max_shard_bytes)
-    else:
-        _export_dcp(model, path, dtype, max_shard_bytes)
+    with exporting(path):  # a full disk or a read-only folder: one WriteError, the folder removed
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            save_hf(_local_tensors(model, dtype), path, args=model.args, max_shard_bytes=max_shard_bytes)
+            return
         if dist.get_rank() == 0:
-            shutil.rmtree(os.path.join(path, "sharded"))
-            write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
-    dist.barrier()
+            os.makedirs(path, exist_ok=True)
+            remove_model_files(path)
+            shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
+        dist.barrier()
+        if method == "gather":
+            _export_gather(model, path, dtype, max_shard_bytes)
+        else:
+            _export_dcp(model, path, dtype, max_shard_bytes)
+            if dist.get_rank() == 0:
+                shutil.rmtree(os.path.join(path, "sharded"))
+                write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
+        dist.barrier()

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.args import ModelArgs, get_preset
-from model.hf import load_hf
-from model.hf_adapter import DTYPES, read_hf_config
+from model.hf import checkpoint_layout, load_hf, nonfinite_weights_error
+from model.hf_adapter import DTYPES, read_hf_config, to_hf_name
 from model.qwen2 import Qwen2, build_model
 from parallel.hf_load import load_hf_shards
 from parallel.parallelize import parallelize_qwen2
@@ -87,10 +87,30 @@ def fill_policy(model: Qwen2, model_cfg: ModelConfig, *, seed: int) -> None:
     """Step 4: this rank's shards from the checkpoint's rows, or from the preset's initialisation at `seed`."""
     if model_cfg.hf_path:
         load_hf_shards(model, model_cfg.hf_path)
+        _refuse_nonfinite_checkpoint(model, model_cfg.hf_path)
         return
     source = build_policy(model_cfg, torch.device("cpu"), seed=seed)
     copy_into_shards(model, ((name, p.detach()) for name, p in source.named_parameters()))
     del source
+
+
+def _refuse_nonfinite_checkpoint(model: Qwen2, path: str) -> None:
+    """A NaN or inf the ranks read into their shards, named (file, tensor) on every rank: CheckpointError.
+    One fused check of this rank's shards (parallel/finite.py), then every rank learns the first one found."""
+    import torch.distributed as dist
+
+    from parallel.finite import nonfinite_names
+    from parallel.plain_names import plain_named_parameters
+
+    mine = nonfinite_names(plain_named_parameters(model))[:1]
+    found: list[list[str] | None] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+    first = next((names[0] for names in found if names), None)
+    if first is not None:
+        hf_name = to_hf_name(first)
+        raise nonfinite_weights_error(checkpoint_layout(path, model.args).files[hf_name], hf_name)
 
 
 def build_sharded_policy(

@@ -42,12 +42,15 @@ def check_machine(cfg: Config, machine: Machine | None = None) -> None:
 def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
-    In this order: this machine can run the settings (`check_machine`: first, because it reads no file and
-    the paths of a recipe differ between the machines it may run on); the paths are set and exist; the
-    sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
-    rl.data.DataError). Configuration problems raise ConfigError.
+    In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
+    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); the paths
+    are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
+    only: an rl.data.DataError). Configuration problems raise ConfigError.
     """
+    from preflight.limits import check_limits
+
     check_machine(cfg, machine)
+    check_limits(cfg)  # sizes no machine runs
     max_positions = _model_max_positions(cfg)
     _check_tokenizer_dir(cfg)
     _check_data_paths(cfg)

@@ -18,7 +18,11 @@ adds what else lives there. For each phase, one rank (its process and its GPU's 
     engine      SGLang's scheduler process of this GPU (one per TP rank), from the engine's start on
 
 and per node: ranks per node x one rank, plus each engine's own processes (its detokenizer, and the
-process that owns `sglang.Engine`), each assumed the size of a process.
+process that owns `sglang.Engine`), each assumed the size of a process, and in the rollout the second copy of a
+generate call's result that each engine's leader rank unpickles from the engine's process (the first is the
+process's own): SGLang's output dicts and the Completions made of them, RESULT_BYTES_PER_TOKEN per generated
+token (CPython 3.11: a token is an int id twice, a float log-prob, a 3-tuple and list slots; measured with
+tracemalloc in tests/test_host_ledger.py) for the call's requests (preflight/limits.py) x the longest response.
 
 Pinned memory (torch 2.13, CUDA): FSDP2 with CPUOffloadPolicy(pin_memory=True) pins every sharded parameter
 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam._init_sharded_param and reset_sharded_param:
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 HOST_PARTS = ("process", "load", "params", "grads", "optimizer", "temps", "staging", "engine")
 _LABELS = {"optimizer": "optim"}
 ENGINE_PROCESSES_PER_ENGINE = 2  # the detokenizer and the process that owns sglang.Engine
+RESULT_BYTES_PER_TOKEN = 190  # a generate result in the leader's process, per generated token (module docstring)
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -79,6 +84,7 @@ class HostFacts:
     staging: int  # weight sync's host-side cast of the largest offloaded shard (0 without offload)
     engine_per_gpu: int  # what the engine keeps in host memory per GPU (its scheduler process)
     engine_per_engine: int  # and per engine (its other processes)
+    generate_result: int  # and in its leader rank during the rollout: the second copy of a generate call's result
     ranks_per_node: int
     engines_per_node: int
     checkpoint_bytes: int  # the checkpoint's size on disk (page cache note)
@@ -142,6 +148,8 @@ class HostLedger:
         if row.engine and not first:
             parts["engine"] = f.engine_per_gpu
         engines = f.engines_per_node * f.engine_per_engine if parts["engine"] else 0
+        if row.phase == "rollout":
+            engines += f.engines_per_node * f.generate_result
         host_row = HostRow(row.phase, parts, f.ranks_per_node * sum(parts.values()) + engines)
         self.rows.append(host_row)
         return host_row
@@ -167,7 +175,8 @@ class HostLedger:
         peak = self.peak()
         lines.append(
             f"host peak per node: {peak.node / GB:.1f} GB ({peak.phase}); per engine "
-            f"{f.engine_per_engine / GB:.1f} GB of its own processes x {f.engines_per_node} engines per node. "
+            f"{f.engine_per_engine / GB:.1f} GB of its own processes (in the rollout also {f.generate_result / GB:.1f} "
+            f"GB of a generate result in its leader) x {f.engines_per_node} engines per node. "
             f"Page cache, not counted: the checkpoint ({f.checkpoint_bytes / GB:.1f} GB) once per node."
         )
         return "\n".join(lines)
@@ -198,6 +207,7 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     from model.hf_adapter import DTYPES
     from parallel.hf_load import load_transient_bytes
     from preflight.disk_needs import checkpoint_dtype_and_bytes
+    from preflight.limits import engine_call_requests
 
     reh, offload = cfg.rehearse, cfg.parallelism.cpu_offload
     process = int(reh.host_process_gb * GB)
@@ -215,6 +225,7 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
         staging=max(t.numel() for t in shards) * engine_dtype_bytes if offload else 0,
         engine_per_gpu=process if sglang else 0,
         engine_per_engine=ENGINE_PROCESSES_PER_ENGINE * process if sglang else 0,
+        generate_result=RESULT_BYTES_PER_TOKEN * engine_call_requests(cfg) * cfg.rollout.max_response_length * sglang,
         ranks_per_node=ranks_per_node,
         engines_per_node=max(1, ranks_per_node // cfg.rollout.tp_size) if sglang else 0,
         checkpoint_bytes=checkpoint_bytes or num_params(args) * stored.itemsize,

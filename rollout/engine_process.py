@@ -28,8 +28,10 @@ The child (spawned: a fresh interpreter that inherits no CUDA state):
     MultiprocessingSerializer, output_str=True), which the child passes on as they came.
 
 The trainer sees the child's end as EngineDied (the pipe closed, or the process gone while it waited), with
-its exit status: a SIGKILL is how SGLang's own crash handling ends. `close` asks the engine to shut down,
-waits, then SIGKILLs the engine's process group.
+its exit status: a SIGKILL is how SGLang's own crash handling ends. A live engine that does not answer is the
+same failure: every call has a deadline (the caller's, rollout/sglang_engine.py; the start START_TIMEOUT_S),
+past which the engine's process group is SIGKILLed and EngineDied names the call and the deadline. `close`
+asks the engine to shut down, waits, then SIGKILLs the engine's process group.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
@@ -48,6 +51,8 @@ from rollout.engine import EngineDied
 
 TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 1.0  # how often a waiting trainer checks that the engine process still lives
+# SGLang's start reads the checkpoint and captures CUDA graphs: an hour reads a 65 GB checkpoint at 20 MB/s.
+START_TIMEOUT_S = 3600.0
 
 
 class EngineCallError(RuntimeError):
@@ -147,8 +152,8 @@ class EngineProcess:
         # processes of its own, which a daemon may not), also when the owner never called close().
         self._finalizer = multiprocessing.util.Finalize(self, self._shutdown, exitpriority=10)
         try:
-            self.group = self._receive("start")
-            self._receive("start")
+            self.group = self._receive("start", START_TIMEOUT_S)
+            self._receive("start", START_TIMEOUT_S)
         except BaseException:
             self.close(timeout_s=10)
             raise
@@ -157,21 +162,25 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self.process.pid
 
-    def call(self, method: str, *args: object, **kwargs: object) -> Any:
-        """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied.
-        (Any: whatever that method returns, unpickled from the pipe.)"""
+    def call(self, method: str, *args: object, deadline_s: float, **kwargs: object) -> Any:
+        """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied (also when
+        no answer came within deadline_s). (Any: whatever that method returns, unpickled from the pipe.)"""
         if self.dead is not None:
             raise EngineDied(self.dead)
         try:
             self._conn.send((method, args, kwargs))
         except OSError:
             self._died(method)
-        return self._receive(method)
+        return self._receive(method, deadline_s)
 
-    def _receive(self, what: str) -> Any:  # an unpickled reply
-        while not self._conn.poll(POLL_S):
+    def _receive(self, what: str, deadline_s: float) -> Any:  # an unpickled reply
+        end = time.monotonic() + deadline_s
+        while not self._conn.poll(max(0.0, min(POLL_S, end - time.monotonic()))):
             if not self.process.is_alive() and not self._conn.poll(0):
                 self._died(what)
+            if time.monotonic() >= end:
+                self._end_group()  # hung: ended like a dead one
+                self._died(what, f"no answer within its deadline of {deadline_s:,.0f} s: hung, its processes killed")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
@@ -180,10 +189,10 @@ class EngineProcess:
             raise EngineCallError(value)
         return value
 
-    def _died(self, what: str) -> NoReturn:
+    def _died(self, what: str, how: str | None = None) -> NoReturn:
         self.process.join(timeout=10)
         code = self.process.exitcode
-        how = (
+        how = how or (
             "still running"
             if code is None
             else f"killed by {signal.Signals(-code).name}"

@@ -49,6 +49,10 @@ class EngineSpec:
     def max_seq_len(self) -> int:
         return self.max_prompt_length + self.max_new_tokens
 
+    def deadlines(self) -> dict[str, Any]:
+        """An SGLang engine's call deadlines ([rollout] call_timeout_s, min_tokens_per_s)."""
+        return {"call_timeout_s": self.rollout.call_timeout_s, "min_tokens_per_s": self.rollout.min_tokens_per_s}
+
     def torch_options(self) -> dict[str, Any]:
         """The torch engine's [rollout] settings."""
         ro = self.rollout
@@ -95,6 +99,7 @@ class EngineSpec:
             context_length=context_length_for(self.max_prompt_length, self.max_new_tokens),
             group=group,
             device=dist_env.device,
+            **self.deadlines(),
         )
 
     def start_from_checkpoint(self, model_dir: str, longest_prompt: int, max_new_tokens: int) -> Engine:
@@ -111,6 +116,7 @@ class EngineSpec:
                 mem_fraction_static=ro.mem_fraction_static,
                 dtype=ro.dtype,
                 seed=self.seed,
+                **self.deadlines(),
             )
         from model.hf import load_hf
         from rollout.torch_engine import TorchEngine

@@ -55,6 +55,10 @@ Memory (colocated with the trainer on one GPU pool):
 Released weights are discarded, not offloaded: after a release every weight must be pushed again
 before resume_memory(), which refuses otherwise and names the missing weights.
 
+Deadlines: every call into the engine process has one (rollout/engine_process.py): a control call (release,
+resume, begin / end of an update, a bucket, flush) `call_timeout_s` (rollout.call_timeout_s), a generate call
+`generate_deadline_s` of its size; past it the engine is killed and the call raises EngineDied, as a dead one.
+
 Protocol state (update session open, released tags, weights pushed since the release) is the leader's:
 the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
 group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
@@ -203,6 +207,12 @@ def completions_from_sglang(
     return completions
 
 
+def generate_deadline_s(requests: int, max_new_tokens: int, call_timeout_s: float, min_tokens_per_s: float) -> float:
+    """A generate call's deadline: call_timeout_s + requests x max_new_tokens / min_tokens_per_s, every request
+    generating its longest response at the slowest throughput that is not a hang (rollout.min_tokens_per_s)."""
+    return call_timeout_s + requests * max_new_tokens / min_tokens_per_s
+
+
 def split_by_counts(items: list[_T], counts: list[int]) -> list[list[_T]]:
     """Cut a flat list into consecutive parts of the given lengths."""
     if sum(counts) != len(items):
@@ -242,6 +252,8 @@ class SGLangEngine:
         context_length: int | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        call_timeout_s: float = 600.0,
+        min_tokens_per_s: float = 2500.0,
         **engine_kwargs: object,  # more sglang.Engine server arguments
     ) -> None:
         dtype = to_dtype(dtype)  # config files name dtypes as strings
@@ -252,6 +264,7 @@ class SGLangEngine:
         self.dtype = dtype
         self.tp_size = tp_size
         self.context_length = context_length or self.args.max_position_embeddings
+        self.call_timeout_s, self.min_tokens_per_s = call_timeout_s, min_tokens_per_s  # deadlines (module doc)
         self.group = group
         self.device = torch.device(device) if device is not None else None
         if group is not None:
@@ -368,12 +381,12 @@ class SGLangEngine:
         if self._dead is not None:
             raise EngineDied(self._dead)
 
-    def _call(self, method: str, *args: object, **kwargs: object) -> Any:
-        """The leader's call into the engine process; its death is recorded before it is raised.
-        (Any: what the engine's method returned, unpickled.)"""
+    def _call(self, method: str, *args: object, deadline_s: float | None = None, **kwargs: object) -> Any:
+        """The leader's call into the engine process, by deadline_s (default call_timeout_s); its death (or
+        hang) is recorded before it is raised. (Any: what the engine's method returned, unpickled.)"""
         assert self._engine is not None  # the leader's, from __init__ (shutdown marks the engine dead first)
         try:
-            return self._engine.call(method, *args, **kwargs)
+            return self._engine.call(method, *args, deadline_s=deadline_s or self.call_timeout_s, **kwargs)
         except EngineDied as exc:
             self._dead = str(exc)
             raise
@@ -406,16 +419,20 @@ class SGLangEngine:
 
     @staticmethod
     def _check(what: str, result: object) -> None:
-        """SGLang's update calls return (success, message)."""
+        """SGLang's update calls return (success, message); flush_cache a FlushCacheReqOutput(success, message),
+        success False when requests are pending (srt/managers/scheduler.py Scheduler.flush_cache) or another
+        flush is under way (srt/managers/scheduler_components/flush_wrapper.py SchedulerFlushWrapper.handle)."""
         if isinstance(result, (tuple, list)) and not result[0]:
             raise RuntimeError(f"{what}: {result[1]}")
+        if getattr(result, "success", True) is False:
+            raise RuntimeError(f"{what} refused: {getattr(result, 'message', '') or 'the engine was not idle'}")
 
     def _end_session(self) -> None:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
             self._check("end_weight_update", self._call("end_weight_update"))
             self._session_open = False
-            self._call("flush_cache")
+            self._check("flush_cache", self._call("flush_cache"))  # prefixes cached with the old weights
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
@@ -512,6 +529,9 @@ class SGLangEngine:
         requests = [p for p in flat for _ in range(params.n)]
         outputs = self._call(
             "generate",
+            deadline_s=generate_deadline_s(
+                len(requests), params.max_new_tokens, self.call_timeout_s, self.min_tokens_per_s
+            ),
             input_ids=requests,
             return_logprob=True,
             sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length),

@@ -22,8 +22,9 @@ still take part in the gathers, which must move the same bytes on every rank. Wi
 holds its own full copy, so every rank passes its engine.
 With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
 `update_weights` gathers the ranks' buckets to the engine's leader.
-An engine whose process died (EngineDied) takes no more buckets, but its rank still takes part in every
-remaining gather, so the other ranks' sync completes; the death is raised at the end.
+An engine whose update failed (its process died: EngineDied, or any other error) takes no more buckets, but
+its rank still takes part in every remaining gather, so every rank's sync completes; the failure is raised at
+the end, where the ranks agree on it (trainer/loop.py engine_call).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
 from parallel.plain_names import plain_named_parameters
-from rollout.engine import EngineDied
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,15 +117,15 @@ def sync_weights(
         dtype = getattr(engine, "dtype", None)
     if device is None:
         device = getattr(engine, "device", None)
-    sent, died = 0, None
+    sent, failed = 0, None
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
-        if engine is not None and died is None:
+        if engine is not None and failed is None:
             try:
                 engine.update_weights(bucket)
-            except EngineDied as exc:
-                died = exc
+            except Exception as exc:  # the gathers go on: every rank must enter each of them
+                failed = exc
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket
-    if died is not None:
-        raise died
+    if failed is not None:
+        raise failed
     return sent

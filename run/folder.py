@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 
-from errors import RunFolderError
+from errors import RunFolderError, write_atomically
 from parallel.checkpoint import CheckpointManager
 from run.lock import FolderBusyError, FolderLock
 
@@ -151,11 +151,16 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
     learning rates and state whatever the new file says."""
     first = os.path.join(path, "config.json")
     if not os.path.isfile(first):
-        with open(first, "w") as f:
-            json.dump(config_dict, f, indent=2)
+        write_atomically(first, json.dumps(config_dict, indent=2))
         return
-    with open(first) as f:
-        previous = _flatten(json.load(f))
+    try:
+        with open(first, encoding="utf-8") as f:
+            previous = _flatten(json.load(f))
+    except (OSError, ValueError, AttributeError) as exc:  # not JSON, not UTF-8, not an object
+        raise RunFolderError(
+            f"{first}, the configuration this run started with, is damaged ({type(exc).__name__}: {exc}): restore "
+            "it, or move it aside and this launch saves its own"
+        ) from None
     current = _flatten(config_dict)
     changed = sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
     if not changed:
@@ -163,8 +168,7 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
     n = 2
     while os.path.exists(os.path.join(path, f"config.launch-{n}.json")):
         n += 1
-    with open(os.path.join(path, f"config.launch-{n}.json"), "w") as f:
-        json.dump(config_dict, f, indent=2)
+    write_atomically(os.path.join(path, f"config.launch-{n}.json"), json.dumps(config_dict, indent=2))
     log.warning(
         "this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
         "state restored from a checkpoint (optimizer, learning rate schedule, data position) keeps its "
@@ -179,8 +183,7 @@ FINISHED = "finished.json"
 
 def mark_finished(path: str, step: int) -> None:
     """Record that the run completed step `step` with its final evaluation, export and plot."""
-    with open(os.path.join(path, FINISHED), "w") as f:
-        json.dump({"step": step}, f)
+    write_atomically(os.path.join(path, FINISHED), json.dumps({"step": step}))
 
 
 def finished_at(path: str) -> int | None:

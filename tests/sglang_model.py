@@ -54,6 +54,12 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
 * Outputs (skip_tokenizer_init): {"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "output_token_logprobs": [(logprob, token id, None)]}}
   (TokenizerManager._handle_batch_output, BatchTokenIDOutput branch).
+* flush_cache returns a FlushCacheReqOutput(success, message) (srt/entrypoints/engine.py Engine.flush_cache,
+  srt/managers/io_struct.py): success False when requests are pending (srt/managers/scheduler.py
+  Scheduler.flush_cache) or another flush is under way (srt/managers/scheduler_components/flush_wrapper.py
+  SchedulerFlushWrapper.handle); it does not raise.
+* A hang: nothing in 0.5.21 bounds how long an Engine call may take (its watchdog covers forward batches
+  only); the model's hanging call never returns, and ignores SIGTERM as the engine process does.
 
 CPU stand-ins: a "GPU" is a FakeGPU byte ledger in shared memory (the trainer's process and the engine's
 see the same one); a CUDA IPC payload is a pickled, base64-encoded ((pid, serial number),
@@ -260,7 +266,7 @@ class InThisProcess:
     def __init__(self, engine: StrictSGLang):
         self.engine = engine
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, method: str, *args, deadline_s=None, **kwargs):
         return getattr(self.engine, method)(*args, **kwargs)
 
     def close(self) -> None:
@@ -304,8 +310,9 @@ class StrictSGLang:
     untagged_bytes, disable_cuda_graph: passed to plan_engine_memory.
     Test controls, by call kind ("generate", "release", "resume", "begin", "end", "update", "flush"):
     crash: {kind: k}: the scheduler hits an exception in the k-th call of that kind (from 1) and the
-        process ends as SGLang's does; delay: {kind: seconds} spent inside each such call; announce: a file
-        that gets each call's kind as a line when the call starts (tests wait for a phase with it).
+        process ends as SGLang's does; hang: {kind: k}: the k-th call of that kind never returns; delay:
+        {kind: seconds} spent inside each such call; announce: a file that gets each call's kind as a line
+        when the call starts, and "hang <time.time()>" when a hang begins (tests wait for a phase with it).
     """
 
     def __init__(
@@ -316,6 +323,7 @@ class StrictSGLang:
         untagged_bytes=MIB,
         disable_cuda_graph=False,
         crash=None,
+        hang=None,
         delay=None,
         announce=None,
         **launch,
@@ -348,7 +356,12 @@ class StrictSGLang:
         self.session = None
         self.running = 0  # requests the scheduler is working on (is_fully_idle is False while > 0)
         self.abort = set(abort)
-        self.crash, self.delay, self.announce = dict(crash or {}), dict(delay or {}), announce
+        self.crash, self.hang, self.delay, self.announce = (
+            dict(crash or {}),
+            dict(hang or {}),
+            dict(delay or {}),
+            announce,
+        )
         self.calls: list = []
         self.counts: collections.Counter = collections.Counter()
         self.generate_calls = 0
@@ -359,7 +372,7 @@ class StrictSGLang:
         self.sigterm_handler_installed = False
         self.gracefully_exit = False
         # Injected failures: {"begin" | "update": message} makes that call return (False, message) once, as
-        # the release does when a runner's update fails.
+        # the release does when a runner's update fails; {"flush": message} a refused flush.
         self.fail_next: dict[str, str] = {}
         self._hold()
 
@@ -389,6 +402,12 @@ class StrictSGLang:
             sys.exit(0)
         if self.crash.get(kind) == self.counts[kind]:
             self._die(RuntimeError(f"injected scheduler failure in {kind} call {self.counts[kind]}"))
+        if self.hang.get(kind) == self.counts[kind]:
+            if self.announce:
+                with open(self.announce, "a") as f:
+                    f.write(f"hang {time.time()}\n")
+            while True:
+                time.sleep(1)
 
     def _die(self, error: Exception):
         """run_scheduler_process: log the exception, SIGQUIT the process that owns the engine (this one)."""
@@ -433,10 +452,14 @@ class StrictSGLang:
 
     def flush_cache(self):
         self._call("flush")
+        if "flush" in self.fail_next:
+            return types.SimpleNamespace(success=False, message=self.fail_next.pop("flush"))
         return self._flush()
 
-    def _flush(self):
-        return types.SimpleNamespace(success=self.running == 0)  # FlushCacheReqOutput
+    def _flush(self):  # FlushCacheReqOutput
+        if self.running:
+            return types.SimpleNamespace(success=False, message="")
+        return types.SimpleNamespace(success=True, message="")
 
     # -- weight updates ------------------------------------------------------------------------
 

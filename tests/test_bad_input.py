@@ -84,6 +84,15 @@ def _misshape(folder):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _nan_in_a_weight(folder):
+    from safetensors.torch import load_file, save_file
+
+    path = str(folder / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.mlp.down_proj.weight"][-1, 5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _truncate(folder):
     path = folder / "model.safetensors"
     data = path.read_bytes()
@@ -116,6 +125,11 @@ DAMAGE = {
     "truncated-tokenizer": (
         lambda f: (f / "tokenizer.json").write_bytes((f / "tokenizer.json").read_bytes()[:100]),
         "{ckpt}/tokenizer.json is not a readable tokenizer (",
+    ),
+    "nan-in-a-weight": (
+        _nan_in_a_weight,
+        "{ckpt}/model.safetensors holds NaN or inf in model.layers.1.mlp.down_proj.weight: a policy with "
+        "non-finite weights can be neither trained nor evaluated",
     ),
     "misshaped-tensor": (
         _misshape,

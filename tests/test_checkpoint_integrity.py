@@ -1,16 +1,18 @@
 """Checkpoints are verified before they count and before they load, with real files on disk.
 
-Every kind of damage (bytes overwritten in place inside a tensor, random bytes of the same size, a changed
-train state or DCP index, a truncated or missing file) is one finding: the newest intact checkpoint is
-resumed, with one log line naming the damaged step and file; with none intact the resume is refused and
-nothing is moved. A newer checkpoint must read back as written before an older one is pruned; a failed save
-(a full disk) removes its partial folder and says the previous checkpoint is intact; NaN or infinite weights
-or optimizer state are never checkpointed or exported.
+Every kind of damage (bytes overwritten in place inside a tensor, random bytes of the same size, a changed train
+state or DCP index, a truncated or missing file) is one finding: the newest intact checkpoint is resumed, with
+one log line naming the damaged step and file; with none intact the resume is refused and nothing is moved. So
+is a checkpoint whose files match a manifest rewritten after NaN bytes were written into them (what it loads is
+checked too), and one whose manifest records sizes only. A newer checkpoint must read back as written before an
+older one is pruned; a failed save (a full disk) removes its partial folder and says the previous checkpoint is
+intact; NaN or infinite weights or optimizer state are never checkpointed or exported.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import pickle
@@ -23,6 +25,7 @@ import parallel.checkpoint
 from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
+from parallel.checkpoint_files import file_record
 from parallel.hf_export import export_hf
 from tests.test_parallel_checkpoint import _setup, _step
 
@@ -77,7 +80,31 @@ def missing_train_state_tensors(path: str) -> str:
     return name
 
 
+def _rewrite_manifest(path: str, edit) -> None:
+    with open(os.path.join(path, "COMPLETE.json")) as f:
+        manifest = json.load(f)
+    edit(manifest["files"])
+    with open(os.path.join(path, "COMPLETE.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def nan_with_the_manifest_rewritten_to_match(path: str) -> str:
+    """NaN bytes inside a tensor, and the manifest's record of its file rewritten to match: every file checks
+    out, and what they load does not."""
+    name = overwrite_16_bytes_inside_a_tensor(path)
+    _rewrite_manifest(path, lambda files: files.update({name: file_record(os.path.join(path, name)).to_json()}))
+    return "it loads with NaN or inf: the "
+
+
+def a_manifest_of_sizes_only(path: str) -> str:
+    """The manifest of an older version: sizes, no content hashes."""
+    _rewrite_manifest(path, lambda files: files.update({k: v["bytes"] for k, v in files.items()}))
+    return "COMPLETE.json records file sizes only (an older version wrote it): its files cannot be verified"
+
+
 DAMAGE = [
+    nan_with_the_manifest_rewritten_to_match,
+    a_manifest_of_sizes_only,
     overwrite_16_bytes_inside_a_tensor,
     random_bytes_in_the_tensor_file,
     garbage_rank_json,
@@ -129,7 +156,9 @@ def test_with_no_intact_checkpoint_the_resume_is_refused_and_nothing_is_moved(tm
     assert f"no intact checkpoint to resume from in {folder}: {STEP1} is damaged" in message
     assert damaged_file in message and "--fresh" in message and "\n" not in message
     assert os.listdir(folder) == [STEP1]  # neither moved aside nor deleted
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items()) and not optimizer.state
+    assert not optimizer.state and "is intact" not in message
+    if damage is not nan_with_the_manifest_rewritten_to_match:  # refused before anything was loaded
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_a_checkpoint_is_pruned_only_after_a_newer_one_reads_back_as_written(tmp_path, monkeypatch):

@@ -384,6 +384,73 @@ def test_cli_greedy_is_deterministic_and_bad_paths_are_named(checkpoint, tmp_pat
     assert "eval.k = 4 (command line): must be 1 with eval.greedy" in err
 
 
+def test_an_unfinished_run_folder_is_named_as_such(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000003").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"job": {"name": "run"}}))  # the run's configuration, not a model's
+    with pytest.raises(ConfigError) as refused:
+        eval_command.main(["--model", str(run), "--data", "synthetic"])
+    assert str(refused.value) == (
+        f"--model {run} is a run folder without an HF export: its run has not finished (its newest checkpoint is "
+        "step 3); the export is written when it finishes (run its train.py command again); or pass an HF checkpoint"
+    )
+    (run / "finished.json").write_text('{"step": 3}')
+    with pytest.raises(ConfigError, match="without an HF export: its run finished with checkpoint.export_hf = false"):
+        eval_command.main(["--model", str(run), "--data", "synthetic"])
+
+
+EVAL_ARGS = ["--data", "synthetic", "--data.synthetic_num_eval=2", "--eval.k=2", "--eval.max_response_length=4"]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(checkpoint, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_command, "evaluate", interrupted)
+    report = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as stopped:
+        eval_command.run_cli(["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(report)])
+    assert stopped.value.code == 130 and not report.exists()
+    assert capsys.readouterr().err.strip() == "eval.py: interrupted (Ctrl-C); no report was written"
+
+
+def test_a_report_that_cannot_be_written_is_one_line_and_a_read_only_folder_is_found_first(
+    checkpoint, tmp_path, monkeypatch, capsys, one_thread
+):
+    import errno
+
+    import errors
+
+    def refused(errno_):
+        def open_(file, mode="r", *args, **kwargs):
+            raise OSError(errno_, os.strerror(errno_), str(file))
+
+        return open_
+
+    report = tmp_path / "out" / "r.json"
+    argv = ["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(report), "--metrics.progress=false"]
+    evaluated = []
+    real_evaluate = eval_command.evaluate
+    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
+    monkeypatch.setattr(eval_command, "open", refused(errno.EROFS), raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        eval_command.run_cli(argv)
+    assert stopped.value.code == 2 and evaluated == []  # before the evaluation
+    assert capsys.readouterr().err.strip() == (
+        f"eval.py: error: cannot write {report}: Read-only file system; make room or make its folder writable, "
+        "then run the same command again"
+    )
+    monkeypatch.undo()
+    monkeypatch.setattr(errors, "open", refused(errno.ENOSPC), raising=False)  # the disk fills during the evaluation
+    with pytest.raises(SystemExit) as stopped:
+        eval_command.run_cli(argv)
+    assert stopped.value.code == 2 and os.listdir(report.parent) == []  # no report, no half of one
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"eval.py: error: cannot write {report}: No space left on device; make room or make its folder writable, "
+        "then run the same command again"
+    )
+
+
 def test_cli_subprocess(checkpoint, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

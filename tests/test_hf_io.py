@@ -10,7 +10,7 @@ from numerics import assert_close_to_float64
 from safetensors.torch import load_file, save_file
 
 from model.args import PRESETS, ModelArgs
-from model.hf import load_hf, save_hf
+from model.hf import complete_hf_export, load_hf, save_hf
 from model.hf_adapter import (
     DTYPES,
     CheckpointError,
@@ -418,6 +418,21 @@ def test_export_names_the_token_ids_and_stops_at_the_turn_end(tmp_path):
     assert os.path.isfile(os.path.join(path, "tokenizer.json")) and os.path.isfile(
         os.path.join(path, "tokenizer_config.json")
     )
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 200_000])  # one model.safetensors, or shards and an index
+def test_every_file_of_an_export_has_the_mode_new_files_get(tmp_path, shard_bytes):
+    """safetensors writes its files 0600 (through a private temporary file); an export's weights must be readable
+    by whoever can read its config.json: the mode this process gives new files (0666 less the umask)."""
+    umask = os.umask(0o027)  # a umask that lets the group read: 0640 for new files
+    try:
+        path = str(tmp_path / "export")
+        save_hf(build_model(PRESETS["tiny"], seed=0), path, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
+        complete_hf_export(path, _chat_tokenizer())
+    finally:
+        os.umask(umask)
+    modes = {name: os.stat(os.path.join(path, name)).st_mode & 0o777 for name in os.listdir(path)}
+    assert any(name.endswith(".safetensors") for name in modes) and set(modes.values()) == {0o640}, modes
 
 
 def test_a_source_generation_config_is_carried(tmp_path):

@@ -14,7 +14,7 @@ from config import load_config
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
 from preflight.gpu_ledger import GB, MemoryLedger
-from preflight.host_ledger import HostLedger, pinned_block_bytes
+from preflight.host_ledger import RESULT_BYTES_PER_TOKEN, HostLedger, pinned_block_bytes
 from preflight.rehearsal import rehearse, run_phases
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak, return_freed_memory_at_once
@@ -202,9 +202,13 @@ def test_offloaded_state_is_counted_in_its_pinned_blocks_and_per_node(capsys):
     assert rows["rollout"]["rank_gb"]["grads"] == 0 and rows["resume"]["rank_gb"]["grads"] == step["grads"]
     assert rows["weight sync"]["rank_gb"]["staging"] > 0
     assert rows["load + shard"]["rank_gb"]["load"] > 0 and rows["engine start"]["rank_gb"]["load"] == 0
+    # In the rollout each engine's leader also holds a generate call's result: 4096 requests (whole groups of
+    # demo_cpu's n = 8 from each of the engine's 2 ranks) of up to its 32 new tokens.
+    result = RESULT_BYTES_PER_TOKEN * 4096 * 32 / GB
     for phase, row in rows.items():
         rank = sum(row["rank_gb"].values())
         engines = 4 * 2 * 3 if row["rank_gb"]["engine"] else 0  # 4 engines of TP 2, 2 processes each
+        engines += 4 * result if phase == "rollout" else 0
         assert row["node_gb"] == pytest.approx(8 * rank + engines, abs=0.01), phase
     assert host["peak_node_gb"] == max(r["node_gb"] for r in host["phases"])
 
@@ -234,6 +238,7 @@ def test_sglang_keeps_nothing_released_in_host_memory_only_its_processes():
         staging=0,
         engine_per_gpu=GB,
         engine_per_engine=ENGINE_PROCESSES_PER_ENGINE * GB,
+        generate_result=3 * GB,
         ranks_per_node=8,
         engines_per_node=2,
         checkpoint_bytes=0,
@@ -241,9 +246,48 @@ def test_sglang_keeps_nothing_released_in_host_memory_only_its_processes():
     gpu = MemoryLedger(80 * 10**9, 0)
     gpu.record("load + shard", {"params": 0}, 0)
     gpu.record("engine start", {"params": 0}, 10**9)
+    gpu.record("rollout", {"params": 0}, 10**9)
     gpu.record("release", {"params": 0}, 10**8)
     host = HostLedger.of(gpu.rows, 10**12, facts, offload=False)
-    assert [r.node / GB for r in host.rows] == [8, 8 * 2 + 2 * 2, 8 * 2 + 2 * 2]
+    # In the rollout each engine's leader also holds the second copy of a generate call's result.
+    assert [r.node / GB for r in host.rows] == [8, 8 * 2 + 2 * 2, 8 * 2 + 2 * 2 + 2 * 3, 8 * 2 + 2 * 2]
+
+
+def test_a_generate_results_second_copy_takes_what_the_ledger_counts_per_token():
+    """The leader unpickles SGLang's output dicts of a call and makes Completions of them: measured with
+    tracemalloc on outputs shaped as SGLang 0.5.21 returns them (tests/sglang_model.py), over random ids and
+    log-probs (distinct objects, as the pipe delivers them). CPython's object sizes are fixed on 64-bit builds;
+    the 10% allow for the allocator's rounding."""
+    import pickle
+    import random
+    import tracemalloc
+
+    from sglang_model import _output
+
+    from preflight.host_ledger import RESULT_BYTES_PER_TOKEN
+    from rollout.sglang_engine import completions_from_sglang
+
+    requests, tokens, rng = 64, 256, random.Random(0)
+    outputs = [
+        _output(
+            [rng.randrange(152064) for _ in range(tokens)],
+            [-rng.random() for _ in range(tokens)],
+            {"type": "length"},
+            9,
+            str(i),
+        )
+        for i in range(requests)
+    ]
+    sent = pickle.dumps(outputs)  # what crosses the pipe
+    del outputs
+    tracemalloc.start()
+    try:
+        received = pickle.loads(sent)
+        completions = completions_from_sglang(received, requests, 1)
+        held = tracemalloc.get_traced_memory()[0] / (requests * tokens)
+    finally:
+        tracemalloc.stop()
+    assert len(completions) == requests and held <= RESULT_BYTES_PER_TOKEN <= 1.1 * held, held
 
 
 def test_the_host_and_disk_figures_of_the_32b_and_7b_headers():

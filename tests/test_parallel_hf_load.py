@@ -170,6 +170,19 @@ def test_a_tied_checkpoint_with_a_stored_head_loads_sharded_and_a_different_head
         assert "lm_head.weight that differs from model.embed_tokens.weight" in message
 
 
+@pytest.mark.multiprocess
+def test_a_nan_in_rows_one_rank_reads_is_named_on_every_rank(tmp_path):
+    """The last row of the embedding is rank 1's (FSDP shards rows): both ranks name its file and tensor."""
+    path = str(tmp_path / "nan")
+    save_hf(build_model(TIED, seed=1), path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.embed_tokens.weight"][-1, 0] = float("inf")
+    save_file(tensors, file, metadata={"format": "pt"})
+    for message in run_ranks(_load_tied, 2, path):
+        assert message.startswith(f"{file} holds NaN or inf in model.embed_tokens.weight: a policy with non-finite")
+
+
 def test_one_process_reads_the_checkpoint_as_load_hf_does(checkpoint):
     """No process group: the parameters are plain tensors, read whole; the values are load_hf's."""
     from parallel.dist_env import init_distributed

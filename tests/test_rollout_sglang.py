@@ -451,6 +451,17 @@ def test_a_failure_midway_leaves_the_leaders_true_state(checkpoint):
     assert sglang.calls.count("begin") == 1
 
 
+def test_a_refused_cache_flush_fails_the_resume(checkpoint):
+    """SGLang reports a flush it refused in its result (success False); the engine would then serve prefixes
+    cached with the old weights."""
+    engine = engine_class()(checkpoint, dtype=torch.float32)
+    engine.release_memory()
+    sync_weights(build_model(ARGS, seed=5), engine, bucket_bytes=50_000)
+    engine._engine.fail_next["flush"] = "Another flush_cache is already in progress."
+    with pytest.raises(RuntimeError, match="flush_cache refused: Another flush_cache is already in progress"):
+        engine.resume_memory()
+
+
 def _group_worker(rank, world, checkpoint):
     import torch.distributed as dist
 

@@ -122,7 +122,9 @@ def test_every_payload_we_send_is_read_by_sglangs_deserialiser_in_the_engine_pro
     assert all(isinstance(p, str) for p in payloads)
     process = EngineProcess(Receiver, {})
     try:
-        ranks = process.call("update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket")
+        ranks = process.call(
+            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", deadline_s=60
+        )
     finally:
         process.close()
     for rebuilt in ranks:

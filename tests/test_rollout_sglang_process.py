@@ -72,12 +72,14 @@ def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
     trainer = build_model(ARGS, seed=5)
     sync_weights(trainer, engine, bucket_bytes=50_000)  # the payload strings cross the pipe as they are
     engine.resume_memory()
-    pushed = process.call("read", "model")
+    pushed = process.call("read", "model", deadline_s=60)
     for name, param in trainer.named_parameters():
         assert torch.equal(pushed[name], param), name
     with pytest.raises(EngineCallError, match="ValueError: input_ids cannot be empty"):
-        process.call("generate", input_ids=[], sampling_params=[])  # an error inside: the process serves on
-    assert process.call("read", "calls")[-1] == "generate"
+        process.call(
+            "generate", input_ids=[], sampling_params=[], deadline_s=60
+        )  # an error inside: the process serves on
+    assert process.call("read", "calls", deadline_s=60)[-1] == "generate"
     engine.shutdown()
     assert process.process.exitcode == 0 and engine_children(before) == set()
     with pytest.raises(EngineDied, match="shut down"):

@@ -176,6 +176,35 @@ def _engine_on_one_rank_worker(rank, world):
     return rank
 
 
+class _FailsAtFirstBucket(_Recorder):
+    def update_weights(self, named_tensors):
+        raise RuntimeError("the engine refused the bucket")
+
+
+def _one_engine_fails_worker(rank, world):
+    import torch.distributed as dist
+
+    trainer = _shard(_distinct_model(7), "fsdp", world)
+    engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32)
+    receiver = _FailsAtFirstBucket(engine) if rank == 0 else _Recorder(engine)
+    try:
+        sent, failure = sync_weights(trainer, receiver, bucket_bytes=30_000), 0.0
+    except RuntimeError:
+        sent, failure = None, 1.0
+    agreed = torch.tensor([failure])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # what the trainer does next (trainer/loop.py engine_call)
+    return sent, float(agreed), len(receiver.buckets)
+
+
+@pytest.mark.multiprocess
+def test_a_failed_update_on_one_rank_finishes_every_gather_before_the_ranks_agree():
+    """Rank 0's engine refuses the first bucket: rank 0 still enters every all-gather of the sync (rank 1's
+    engine gets every bucket), and only then do both ranks agree that the sync failed."""
+    (sent0, agreed0, got0), (sent1, agreed1, got1) = run_ranks(_one_engine_fails_worker, 2, timeout=60)
+    assert sent0 is None and sent1 > 0 and agreed0 == agreed1 == 1.0
+    assert got0 == 0 and got1 > 1
+
+
 def _after_no_grad_forward_worker(rank, world, folder):
     from model.args import PRESETS as presets
     from parallel.checkpoint import CheckpointManager

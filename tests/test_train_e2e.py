@@ -1,7 +1,10 @@
 """train.py end to end on CPU: one process, FSDP=2 and TP=2 on gloo, and an exact resume."""
 
+import collections
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,9 +19,11 @@ from model.hf import load_hf
 from model.qwen2 import build_model
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
+from tests.test_checkpoint_integrity import garbage_rank_json
 from trainer.update import ROLLOUT_LOGP_TOLERANCE
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
 
 
 def overrides(run_dir, steps=2, **extra):
@@ -139,3 +144,50 @@ def test_dry_run_prints_the_resolved_config_without_building_a_model(config, cap
     resolved = json.loads(capsys.readouterr().out)
     assert set(resolved) >= {"model", "rollout", "algorithm", "training", "parallelism"}
     assert resolved["algorithm"]["kl_coef"] == 0.0
+
+
+def _torchrun(argv, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*command, "tests/planted_train.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_under_torchrun_a_line_every_rank_prints_comes_out_once(tmp_path):
+    """Two ranks print the same progress lines and stop with the same error: each comes out once."""
+    argv = overrides(str(tmp_path), steps=1, **{"parallelism.dp_shard": 2, "eval.at_end": True})
+    done = _torchrun(argv)
+    ours = [line for line in done.stderr.splitlines() if not line.startswith(("W1", "W0", "[W", "*****"))]
+    assert done.returncode == 0 and ours, done.stderr
+    assert [line for line, count in collections.Counter(ours).items() if count > 1] == [], done.stderr
+    assert sum(line.startswith("held-out accuracy after DAPO") for line in ours) == 1
+    # The same refusal on both ranks (their only checkpoint damaged): one line.
+    garbage_rank_json(os.path.join(tmp_path, "run", "checkpoints", "step-00000001"))
+    refused = _torchrun(overrides(str(tmp_path), steps=2, **{"parallelism.dp_shard": 2}))
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("checkpoint error: no intact checkpoint")]
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr
+
+
+def test_the_k_th_copy_of_a_line_is_printed_by_the_first_rank_to_reach_it(capsys):
+    """observe/console.py on a store two ranks share; a store that no longer answers prints everything."""
+    import torch.distributed as dist
+
+    from observe.console import OncePerJob
+
+    store = dist.HashStore()
+    rank0, rank1 = OncePerJob(store), OncePerJob(store)
+    for line in ("step 1", "step 1", "rank 1 alone"):
+        rank1.print_line(line)
+    for line in ("step 1", "step 1", "step 1"):
+        rank0.print_line(line)  # the third copy is rank 0's own
+    assert capsys.readouterr().err.splitlines() == ["step 1", "step 1", "rank 1 alone", "step 1"]
+
+    class Gone:
+        def add(self, key, amount):
+            raise RuntimeError("connection refused")
+
+    OncePerJob(Gone()).print_line("the store is gone")
+    assert capsys.readouterr().err == "the store is gone\n"

@@ -167,6 +167,41 @@ def test_an_engine_death_stops_every_rank_of_its_group(tmp_path, hf_dir, monkeyp
     assert saved_steps(tmp_path) == [1]
 
 
+def _stopped_at(rank, world, argv):
+    try:
+        train.main(argv)
+    except EngineDied as exc:
+        return exc.exit_code, str(exc), time.time()
+
+
+# A hang in each call kind of a 2-step run (counted as above); the first flush closes step 1's update session in
+# step 2's resume.
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "kind, call, during",
+    [
+        ("generate", 2, "generate"),
+        ("update", 1, "update_weights_from_tensor"),
+        pytest.param("release", 2, "release_memory_occupation", marks=pytest.mark.slow),
+        pytest.param("resume", 2, "resume_memory_occupation", marks=pytest.mark.slow),
+        pytest.param("flush", 1, "flush_cache", marks=pytest.mark.slow),
+    ],
+)
+def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
+    tmp_path, hf_dir, monkeypatch, kind, call, during
+):
+    announce, deadline = str(tmp_path / "calls"), 5
+    use_strict_model(monkeypatch.setattr, hang={kind: call}, announce=announce)
+    settings = {"rollout.tp_size": 2, "parallelism.dp_shard": 2, "rollout.call_timeout_s": deadline}
+    ended = run_ranks(_stopped_at, 2, sglang_argv(tmp_path, hf_dir, **settings, **{"rollout.min_tokens_per_s": 1e6}))
+    hung_at = float(next(line for line in open(announce) if line.startswith("hang")).split()[1])
+    for code, message, at in ended:  # every rank: exit code 1, the checkpoint of the step before, at the deadline
+        assert code == 1 and f"ended during {during} (no answer within its deadline of {deadline} s: hung" in message
+        assert message.endswith("Checkpoint of step 1 saved; rerun the same command to resume")
+        assert deadline <= at - hung_at < deadline + 30, at - hung_at
+    assert saved_steps(tmp_path) == [1]
+
+
 def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
     """A launcher's SIGKILL after its grace period: the engine process dies with its trainer (PR_SET_PDEATHSIG)."""
     announce = str(tmp_path / "calls")

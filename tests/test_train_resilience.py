@@ -19,6 +19,7 @@ import trainer.losses
 import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
+from parallel.checkpoint_files import file_record
 from rollout.torch_engine import TorchEngine
 from run.folder import RunFolderError, prepare_run_folder
 from tests.planted_train import planted_score
@@ -395,6 +396,21 @@ def test_a_changed_configuration_on_resume_is_kept_beside_the_first_and_named(tm
     assert json.loads((tmp_path / "run" / "config.launch-2.json").read_text())["optimizer"]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("damage", ['{"optimizer": {"lr": 0.0', "[1, 2]", b"\xff\xfe{}"])
+def test_a_damaged_configuration_snapshot_is_named_in_one_line(tmp_path, damage):
+    """Cut short by a crash of an older version (it was not written atomically), edited, or not text at all."""
+    (tmp_path / "run").mkdir()
+    config = tmp_path / "run" / "config.json"
+    config.write_bytes(damage if isinstance(damage, bytes) else damage.encode())
+    with pytest.raises(RunFolderError) as refused:
+        prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}})
+    assert str(refused.value).startswith(f"{config}, the configuration this run started with, is damaged (")
+    assert str(refused.value).endswith("): restore it, or move it aside and this launch saves its own")
+    os.rename(config, tmp_path / "aside.json")  # as the message says: the next launch saves its own
+    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}})
+    assert json.loads(config.read_text()) == {"optimizer": {"lr": 0.001}}
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # Enough steps that the signal, sent once step 1 is logged, lands before the run ends (a step of this
@@ -508,7 +524,9 @@ def test_a_checkpoint_that_would_run_code_stops_the_command_with_one_line(tmp_pa
     torch.save({"train_state": {"step": 1}}, step_1 / "train_state" / "rank-00000.pt")
     manifest = json.loads((step_1 / "COMPLETE.json").read_text())
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("train_state/")}
-    manifest["files"]["train_state/rank-00000.pt"] = os.path.getsize(step_1 / "train_state" / "rank-00000.pt")
+    manifest["files"]["train_state/rank-00000.pt"] = file_record(
+        str(step_1 / "train_state" / "rank-00000.pt")
+    ).to_json()
     (step_1 / "COMPLETE.json").write_text(json.dumps(manifest))
     result = subprocess.run(
         [sys.executable, "train.py", *overrides(str(tmp_path), steps=2)],
@@ -573,3 +591,18 @@ def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_pat
         train.main(argv)
     assert calls == [2, 2, 2]  # step 1: two calls; step 2: one, then the stop
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
+
+
+def test_a_prompt_set_smaller_than_a_generation_round_is_warned_about_in_one_line(caplog):
+    from config import load_config
+    from trainer.build import warn_if_fewer_than_a_round
+
+    cfg = load_config(None, ["training.train_batch_size=64"])  # x gen_batch_multiplier 3: 192 prompts a round
+    with caplog.at_level("WARNING", logger="train"):
+        warn_if_fewer_than_a_round(cfg, 192)
+        assert caplog.records == []
+        warn_if_fewer_than_a_round(cfg, 100)
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.train_path holds 100 prompts, fewer than one generation round draws (192): a round repeats prompts "
+        "and their groups are not independent; use more prompts or a smaller training.train_batch_size"
+    ]

@@ -13,14 +13,10 @@ import time
 import pytest
 import torch
 
-import eval as eval_command
 import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
-from model.args import PRESETS
-from model.hf import save_hf
-from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointError, CheckpointManager
 from parallel.finite import NonFiniteStateError
 from run.lock import FolderBusyError, FolderLock
@@ -268,21 +264,106 @@ def test_weights_that_go_non_finite_in_the_optimizer_step_stop_the_run_unsaved(t
     _assert_nothing_saved_after_step_1(tmp_path)
 
 
-def test_eval_warns_on_non_finite_weights(tmp_path, capsys):
-    from model.tokenizer import train_bpe_tokenizer
-    from tasks.arithmetic import synthetic_arithmetic_rows
+# ---- a signal to a finished run -----------------------------------------------------------------------------
 
-    rows = synthetic_arithmetic_rows(40, split="train", seed=1)
-    tokenizer = train_bpe_tokenizer([r["prompt"][0]["content"] for r in rows], vocab_size=300)
-    model = build_model(PRESETS["tiny"].replace(vocab_size=tokenizer.vocab_size), seed=3)
-    with torch.no_grad():
-        model.layers["0"].mlp.up_proj.weight[1, 2] = float("nan")
-    save_hf(model.named_parameters(), str(tmp_path / "hf"), args=model.args)
-    tokenizer.save(str(tmp_path / "hf"))
-    eval_command.main(
-        ["--model", str(tmp_path / "hf"), "--data", "synthetic", "--data.synthetic_num_eval=1", "--eval.k=1"]
-        + ["--eval.max_response_length=2", "--metrics.progress=false", "--data.max_prompt_length=1024"]
-        + ["--training.micro_batch_tokens=2048"]
+# train.py (planted reward) that sends itself a SIGTERM as its engine shuts down and as it leaves the process
+# group: once the run is finished (the first launch's end, a rerun of the finished run).
+_SIGTERM_WHEN_DONE = """
+import os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import rl.reward, train
+from rollout.torch_engine import TorchEngine
+from planted_train import planted_score
+
+def sigterm_first(real):
+    def wrapper(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+    return wrapper
+
+rl.reward.compute_score = planted_score
+TorchEngine.shutdown = sigterm_first(TorchEngine.shutdown)
+train.shutdown_distributed = sigterm_first(train.shutdown_distributed)
+train.run_cli(sys.argv[1:])
+"""
+
+
+def test_a_sigterm_to_a_finished_run_says_so_and_exits_0(tmp_path):
+    code = _SIGTERM_WHEN_DONE.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    for launch in ("the first", "a rerun"):
+        result = subprocess.run(
+            [sys.executable, "-c", code, *overrides(str(tmp_path), steps=1)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, (launch, result.stderr[-3000:])
+        assert "SIGTERM received: the run is finished; nothing to stop" in result.stderr, (launch, result.stderr)
+        assert "saving a checkpoint" not in result.stderr and "Traceback" not in result.stderr
+    assert "this run finished at step 1" in result.stderr
+
+
+# ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
+
+
+def _disk_full_at(monkeypatch, name: str, error: int = errno.ENOSPC) -> None:
+    """Writes to files whose name holds `name` (errors.py's atomic writes, metrics.jsonl's appends) fail as on a
+    full disk: half the bytes go out, then the OS error. A read-only folder (EROFS) refuses the file itself."""
+    import io
+
+    import errors
+    import observe.metrics_log
+
+    class HalfThenFull(io.FileIO):
+        def write(self, data):
+            super().write(bytes(memoryview(data).cast("B")[: max(1, len(data) // 2)]))
+            raise OSError(error, os.strerror(error), self.name)
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if name in os.path.basename(str(file)) and set(mode) & set("wa"):
+            if error == errno.EROFS:
+                raise OSError(error, os.strerror(error), str(file))
+            return HalfThenFull(file, mode.replace("b", ""))
+        return open(file, mode, *args, **kwargs)
+
+    for module in (errors, observe.metrics_log):
+        monkeypatch.setattr(module, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize(
+    "path, error, settings",
+    [
+        ("config.json", errno.EROFS, {}),  # the run folder's configuration snapshot, on a read-only file system
+        ("eval/step_000000.json", errno.ENOSPC, {"eval.at_start": True}),  # the evaluation report before DAPO
+        ("metrics.jsonl", errno.ENOSPC, {}),
+        ("hf", errno.ENOSPC, {}),  # the HF export
+        pytest.param("finished.json", errno.ENOSPC, {}, marks=pytest.mark.slow),
+    ],
+)
+def test_a_write_that_fails_is_one_line_exit_2_and_leaves_nothing_half_written(
+    tmp_path, planted, monkeypatch, capsys, path, error, settings
+):
+    run, name = tmp_path / "run", os.path.basename(path)
+    if path == "hf":  # safetensors writes through a file of its own and names the OS error in its message only
+
+        def save_file(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr("safetensors.torch.save_file", save_file)
+    else:
+        _disk_full_at(monkeypatch, name, error)
+    with pytest.raises(SystemExit) as stopped:
+        train.run_cli(overrides(str(tmp_path), steps=1, **settings))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1] == (
+        f"error: cannot write {run / path}: {os.strerror(error)}; make room or make its folder writable, then run "
+        "the same command again"
     )
-    err = capsys.readouterr().err
-    assert f"warning: {tmp_path / 'hf'} holds NaN or inf in 1 weight tensor (first: model.layers.0.mlp.up_proj" in err
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.name.startswith(name))
+    if name == "metrics.jsonl":  # the half line was cut off again
+        assert left == ["metrics.jsonl"] and (run / "metrics.jsonl").read_text() == ""
+    else:
+        assert left == [], left
+    assert not (run / "finished.json").exists()

@@ -97,6 +97,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle, dp_rank=dist.dp_rank, dp_size=dist.dp_size
     )
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
+    warn_if_fewer_than_a_round(cfg, len(train_set))
 
     policy, engine = build_policy_and_engine(cfg, dist)
     optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer)
@@ -120,6 +121,17 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         rollout,
         update,
     )
+
+
+def warn_if_fewer_than_a_round(cfg: Config, prompts: int) -> None:
+    """One line when the prompt set is smaller than a generation round: the round then repeats prompts."""
+    if prompts < cfg.prompts_per_round:
+        log.warning(
+            "data.train_path holds %d prompts, fewer than one generation round draws (%d): a round repeats prompts "
+            "and their groups are not independent; use more prompts or a smaller training.train_batch_size",
+            prompts,
+            cfg.prompts_per_round,
+        )
 
 
 def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engine]:
