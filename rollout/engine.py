@@ -169,11 +169,12 @@ class GroupRequest:
     prompt_ids: list[int]
     samples: list[Completion] = field(default_factory=list)
 
-    def start(self, n: int) -> list[Completion]:
-        """The group's samples before this submit (copies): the ones it brings, or n new empty ones."""
-        if self.samples and len(self.samples) != n:
-            raise ValueError(f"group {self.key} brings {len(self.samples)} samples, params.n is {n}")
+    def start(self, n: int, budget: int) -> list[Completion]:
+        """The group's samples before this submit (copies): those it brings, or n new empty ones. `budget`: the
+        most tokens a sample may hold (a stopped one with no room left is refused)."""
         old = self.samples or [Completion(self.key, s, [], [], "abort") for s in range(n)]
+        if len(old) != n or any(c.finish_reason == "abort" and len(c.token_ids) >= budget for c in old):
+            raise ValueError(f"group {self.key}: {len(old)} samples for n = {n}, or one has no budget left ({budget})")
         return [
             Completion(self.key, s, list(c.token_ids), list(c.logprobs), c.finish_reason) for s, c in enumerate(old)
         ]

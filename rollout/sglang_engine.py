@@ -448,7 +448,8 @@ class SGLangEngine:
 
         def check() -> list[GroupRequest]:
             self._check_ready(params)
-            continued = [g.prompt_ids + max((c.token_ids for c in g.samples), key=len, default=[]) for g in groups]
+            stopped = [[c.token_ids for c in g.samples if c.finish_reason == "abort"] for g in groups]
+            continued = [g.prompt_ids + max(tokens, key=len, default=[]) for g, tokens in zip(groups, stopped)]
             if continued:  # what SGLang takes in: the prompt and the tokens a stopped sample has
                 validate_prompts(continued, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
             return list(groups)

@@ -98,11 +98,11 @@ class GroupLedger:
         added: dict[Key, tuple[list[int], list[Completion], list[int], int]] = {}
         for rank, groups in enumerate(rank_groups):
             for g in groups:
-                key, samples = (rank, g.key), g.start(params.n)
-                budget = min(params.max_new_tokens, max_tokens - len(g.prompt_ids))
+                key, budget = (rank, g.key), min(params.max_new_tokens, max_tokens - len(g.prompt_ids))
+                samples = g.start(params.n, budget)
                 sent = [c.sample_index for c in samples if c.finish_reason == "abort"]
-                if key in self.groups or key in added or any(len(samples[s].token_ids) >= budget for s in sent):
-                    raise ValueError(f"rank {rank}: group {g.key} is in flight, or has no budget left ({budget})")
+                if key in self.groups or key in added:
+                    raise ValueError(f"rank {rank}: group key {g.key} is already in flight")
                 added[key] = (g.prompt_ids, samples, sent, budget)
         stops = frozenset(params.stop_token_ids)
         self.groups.update({key: (samples, sent, budget, stops) for key, (_, samples, sent, budget) in added.items()})

@@ -306,12 +306,10 @@ class TorchEngine:
             if group.key in r.groups or group.key in new:
                 raise ValueError(f"group key {group.key} is already in flight")
             budget = min(params.max_new_tokens, self.max_seq_len - len(group.prompt_ids))
-            prompt, samples = list(map(int, group.prompt_ids)), group.start(params.n)
+            prompt, samples = list(map(int, group.prompt_ids)), group.start(params.n, budget)
             seqs = [Sequence(group.key, c.sample_index, prompt, budget, c.token_ids, c.logprobs) for c in samples]
             for seq, c in zip(seqs, samples):
                 seq.finish_reason = None if c.finish_reason == "abort" else c.finish_reason
-            if any(seq.finish_reason is None and len(seq.token_ids) >= budget for seq in seqs):
-                raise ValueError(f"group {group.key}: a stopped sample has no budget left ({budget} tokens)")
             new[group.key] = seqs
         for key, seqs in new.items():  # only now: a refused submit leaves the engine as it was
             r.groups[key] = seqs

@@ -4,6 +4,7 @@ requests"): in this process, in the engine's own process, and on two gloo ranks 
 tokens follow t' = (7 t + 3) % 256 from the input's last token, so a sample stopped and continued must come out
 as the uninterrupted one: tokens and log-probs joined without a gap or a repeat."""
 
+import dataclasses
 import functools
 import time
 
@@ -17,7 +18,7 @@ from model.args import PRESETS
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
-from rollout.engine import GroupRequest, PartialEngine, SamplingParams
+from rollout.engine import Completion, GroupRequest, PartialEngine, SamplingParams
 from rollout.sglang_engine import SGLangEngine, context_length_for
 from rollout.sglang_groups import GroupRunner, with_groups
 
@@ -193,7 +194,7 @@ def test_other_calls_are_refused_while_groups_are_in_flight(checkpoint):
     ):
         with pytest.raises(RuntimeError, match="in flight; stop"):
             call()
-    with pytest.raises(ValueError, match="group 0 is in flight"):
+    with pytest.raises(ValueError, match="group key 0 is already in flight"):
         engine.submit([GroupRequest(0, [4])], params)
     assert len(engine.stop()) == 2
     engine.release_memory()  # idle now
@@ -201,7 +202,8 @@ def test_other_calls_are_refused_while_groups_are_in_flight(checkpoint):
 
 def test_the_context_for_a_run_takes_a_sample_stopped_one_token_short_of_its_budget(checkpoint):
     """train.py's context (context_length_for) must take prompt + all but one of the budget as input: SGLang
-    refuses inputs of context - 6 tokens or more. Stopped at 19 of 20 tokens, the continuation runs."""
+    refuses inputs of context - 6 tokens or more. Stopped at 19 of 20 tokens, the continuation runs; a finished
+    sample of the group, 20 tokens long, is not an input and is not refused as one."""
     context = context_length_for(12, 20)
     engine = engine_class(stall_after=18)(checkpoint, dtype=torch.float32, context_length=context, poll_s=0.05)
     params = SamplingParams(max_new_tokens=20)
@@ -211,8 +213,10 @@ def test_the_context_for_a_run_takes_a_sample_stopped_one_token_short_of_its_bud
     (c,) = engine.stop()
     assert len(c.token_ids) == 19 and c.finish_reason == "abort"
     model(engine).stall_after = None
-    (done,) = _drain_after_submit(engine, [GroupRequest(0, prompt, [c])], params)
-    assert done.token_ids == chain(12, 20)[0] and done.finish_reason == "length"
+    finished = Completion(0, 1, *chain(12, 20), "length")
+    params = dataclasses.replace(params, n=2)
+    done = _drain_after_submit(engine, [GroupRequest(0, prompt, [c, finished])], params)
+    assert [(d.token_ids, d.finish_reason) for d in done] == [(chain(12, 20)[0], "length")] * 2
 
 
 # -- through the engine's own process, and two ranks sharing one engine ---------------------------------------
