@@ -13,8 +13,8 @@ phases in their real order, through the functions train.py itself calls:
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
     train: forward + backward     trainer/losses.py DAPOLoss, backward
-    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, trainer/update.py build_optimizer's
-                                  AdamW step, zero_grad
+    train: optimizer step         parallel/grad_clip.py clip_grad_norm_, an AdamW step with the run's kernel
+                                  (parallel/adamw.py), zero_grad
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        engine.resume_memory() at the next step's start
 
@@ -294,18 +294,20 @@ class _Phases:
         """One step of train.py's loop after the build (see the module docstring)."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+        from parallel.adamw import fused_adamw
         from parallel.device_memory import return_cached_memory
         from parallel.grad_clip import clip_grad_norm_
         from rollout.weight_sync import sync_weights
         from trainer.losses import DAPOLoss, GlobalCounts
-        from trainer.update import build_optimizer, fill_old_logprobs
+        from trainer.update import fill_old_logprobs
 
         cfg, policy, engine, ledger, phase = self.cfg, self.policy, self.engine, self.ledger, self.phase
         assert policy is not None and engine is not None, "step() follows build()"
-        # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
-        # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        # train.py's AdamW kernel: on GPUs torch's foreach (whole-group temporaries), on host memory (cpu_offload)
+        # the fused one (parallel/adamw.py: no temporaries); the fake CPU device must be told which the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
-        optimizer, _ = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not ledger.offload)
+        fused = fused_adamw(ledger.offload)
+        optimizer = torch.optim.AdamW(policy.parameters(), fused=fused, foreach=None if fused else True)
         self.tracker = FSDPMemTracker(policy, optimizer)
         mb = longest_micro_batch(cfg, self.dist_env.device)
         dapo_loss = DAPOLoss.from_config(cfg.algorithm, cfg.rollout)
