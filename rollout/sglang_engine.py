@@ -32,6 +32,11 @@ save checkpoints with the stop ids you pass. `SamplingParams.seed` is not used: 
 sampler once, from `random_seed` at engine start (per-request seeds exist only in its deterministic
 mode, where the n samples of a prompt would share one seed and come out identical).
 
+Partial rollout (submit / poll / stop, rollout/engine.py PartialEngine): the leader records every rank's groups
+and runs each as a batch of Engine.async_generate in the engine's process between calls, stopped by SGLang's
+abort with what each request has (rollout/sglang_groups.py); generate, weight updates and memory calls are
+refused until stop().
+
 Weight updates (after each optimizer step), inside one update session:
     begin_weight_update()                                   # opened by the first bucket
     update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)  per bucket

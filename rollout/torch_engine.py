@@ -14,6 +14,9 @@ How a `generate` call runs (continuous batching over KV blocks; rollout/schedule
      running sequence needs a new block and none is free, the youngest running sequences are preempted
      and later recomputed (prefill of prompt + generated tokens), which leaves their outputs unchanged.
 Both phases call the model's own forward with `context=...`, so the engine never duplicates its math.
+Partial rollout (rollout/engine.py PartialEngine) runs the same steps: `submit` queues sequences (a stopped one
+with its tokens, prefilled as a preempted one is), `poll` runs at most `poll_steps` of them, `stop` frees every
+block; `generate` is a submit and polls until every group is back.
 
 Sampling and log-probs follow rollout/sampling.py; the budget of a sequence is
 min(max_new_tokens, max_seq_len - len(prompt)), so prompt + completion always fits the context.
