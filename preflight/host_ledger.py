@@ -9,8 +9,9 @@ adds what else lives there. For each phase, one rank (its process and its GPU's 
                 tensor's resident pages); the load phase only
     params      CPU-offloaded fp32 parameter shards, pinned (see below)
     grads       CPU-offloaded fp32 gradient shards, pinned; cached from the first backward on
-    optimizer   AdamW's two fp32 moments (pageable); in the optimizer step also its temporaries (per-tensor
-                AdamW on the CPU: about two of the largest shard), which the trackers count as its state
+    optimizer   AdamW's two fp32 moments (pageable); in the optimizer step also its temporaries, which the
+                trackers count as its state: none with the fused CPU kernel (parallel/adamw.py; the per-tensor
+                loop held two of the largest shard; both measured in tests/test_offload_adamw.py)
     temps       other trainer tensors in host memory (the offloaded step's that the trackers see as
                 temporaries; on a CPU job, whose device is the host, the activations and gathered units)
     staging     weight sync: one offloaded shard cast to the engine's dtype on the host before it crosses

@@ -14,7 +14,8 @@ phases in their real order, through the functions train.py itself calls:
     train: old log-probs          trainer/update.py fill_old_logprobs on one micro-batch of
                                   training.micro_batch_tokens tokens (one sample, the longest case)
     train: forward+backward       TrainPhase.loss_pass: trainer/losses.py DAPOLoss, backward
-    train: optimizer step         TrainPhase.optimizer_step (trainer/optimizer.py): clip, AdamW, zero, check
+    train: optimizer step         TrainPhase.optimizer_step (trainer/optimizer.py): clip, AdamW with the run's
+                                  kernel (parallel/adamw.py), zero, check
     weight sync                   rollout/weight_sync.py sync_weights into the stand-in engine
     resume                        the next step's resume
 
@@ -307,14 +308,16 @@ class _Phases(StepPhases):
         """train.py's step after the build (trainer/loop.py StepPhases.step), then the next step's resume."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+        from parallel.adamw import fused_adamw
         from trainer.optimizer import build_optimizer
         from trainer.update import TrainPhase
 
         cfg, policy = self.cfg, self.policy
-        # train.py's AdamW; on GPUs torch picks the foreach implementation (whole-group temporaries), on host
-        # memory (cpu_offload) the per-tensor loop: the fake CPU device must be told which one the run uses.
+        # train.py's AdamW kernel: on GPUs torch's foreach (whole-group temporaries), on host memory (cpu_offload)
+        # the fused one (parallel/adamw.py: no temporaries); the fake CPU device must be told which the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
-        optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, foreach=not self.ledger.offload)
+        fused = fused_adamw(self.ledger.offload)
+        optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused, foreach=not fused)
         self.update = TrainPhase.from_config(policy, optimizer, scheduler, cfg, self.dist_env)
         self.tracker = FSDPMemTracker(policy, optimizer)
         self.step(1)

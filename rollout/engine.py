@@ -11,7 +11,11 @@ Conventions shared by every engine:
     the log_softmax of the raw logits. These are the "old policy" log-probs of DAPO's ratio (Eq. 10).
   * When a stop token is sampled it IS included in `token_ids` (with its log-prob) and the finish
     reason is "stop". "length" means `max_new_tokens` (or the engine's context) ran out; "abort" means
-    the engine gave up on the request (SGLang only).
+    the sample was stopped before it finished: by `PartialEngine.stop`, or by the engine giving up (SGLang).
+
+Partial rollout (`PartialEngine`): groups are submitted, finish one by one and are heard of by polling,
+and whatever still runs can be stopped; a stopped sample keeps its tokens and their log-probs and is
+continued later (under newer weights) from its prompt + those tokens, with the budget it has left.
 """
 
 from __future__ import annotations
@@ -151,6 +155,74 @@ class Engine(Protocol):
     def resume_memory(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class GroupRequest:
+    """One group for `PartialEngine.submit`: params.n samples of `prompt_ids`, reported under `key` (the
+    Completion's prompt_index). `samples`: the group as `stop` returned it, n completions: finished ones are
+    kept; each stopped one ("abort") continues from prompt_ids + its token_ids with the budget it has left
+    (params.max_new_tokens - its tokens), and what it generates is appended to its tokens and log-probs, the
+    finish reason being the continuation's. Empty: n new samples."""
+
+    key: int
+    prompt_ids: list[int]
+    samples: list[Completion] = field(default_factory=list)
+
+    def start(self, n: int, budget: int) -> list[Completion]:
+        """The group's samples before this submit (copies): those it brings, or n new empty ones. `budget`: the
+        most tokens a sample may hold (a stopped one with no room left is refused)."""
+        old = self.samples or [Completion(self.key, s, [], [], "abort") for s in range(n)]
+        if len(old) != n or any(c.finish_reason == "abort" and len(c.token_ids) >= budget for c in old):
+            raise ValueError(f"group {self.key}: {len(old)} samples for n = {n}, or one has no budget left ({budget})")
+        return [
+            Completion(self.key, s, list(c.token_ids), list(c.logprobs), c.finish_reason) for s, c in enumerate(old)
+        ]
+
+
+@runtime_checkable
+class PartialEngine(Engine, Protocol):
+    """An engine whose samples can be stopped and continued later (partial rollout). Each call is a collective
+    over the ranks that share an engine (SGLang TP), as generate is.
+
+    submit(groups, params): start the groups' unfinished samples; more may join while others run, with the
+        same params but the seed (the first submit into an idle engine seeds the torch engine's sampler).
+    poll(): generate for one slice (torch: poll_steps scheduler steps; SGLang: poll_s seconds), returning as
+        soon as a group has finished; the completions of the groups finished since the last poll, a group's n
+        together. Nothing in flight: [] at once.
+    stop(): stop what runs; the completions of every group not yet returned: finished samples as they are,
+        the others "abort" with the tokens they have (maybe none). The engine then holds nothing of them.
+    generate, update_weights, release_memory and resume_memory refuse to run while groups are in flight.
+    """
+
+    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None: ...
+
+    def poll(self) -> list[Completion]: ...
+
+    def stop(self) -> list[Completion]: ...
+
+
+def checked_bucket(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], weights: dict[str, tuple[torch.Size, torch.dtype]]
+) -> list[tuple[str, torch.Tensor]]:
+    """A bucket for update_weights, refused whole (before anything is written) unless each entry is a weight of
+    `weights` (Hugging Face name: (shape, dtype)), at most once, a tensor of that shape and dtype."""
+    bucket, seen = list(named_tensors), set()
+    for name, tensor in bucket:
+        if name not in weights:
+            raise KeyError(f"update_weights: unknown weight {name!r}: the engine's model has no such parameter")
+        if name in seen:
+            raise ValueError(f"update_weights: weight {name!r} appears twice in one bucket")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"update_weights: {name!r} is a {type(tensor).__name__}, not a tensor")
+        shape, dtype = weights[name]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, has dtype {tensor.dtype}; the engine's "
+                f"weight has shape {tuple(shape)}, dtype {dtype}"
+            )
+    return bucket
 
 
 def validate_prompts(prompts: list[list[int]], max_prompt_len: int, vocab_size: int | None = None) -> None:

@@ -19,7 +19,8 @@ every sample appends its own tokens to it. So a sequence only ever writes blocks
 
 Preemption frees a sequence's blocks and puts it at the front of the waiting queue; when admitted
 again it is recomputed: prompt + generated tokens are prefilled (alone, no sharing) and the next token
-is sampled from the last position, exactly as the decode step would have. A sequence that fits the
+is sampled from the last position, exactly as the decode step would have. A sample continued after a
+stop (partial rollout) enters the same way: a sequence that already holds tokens. A sequence that fits the
 cache alone always progresses (the oldest is never preempted for a younger one), so generation ends.
 """
 
@@ -220,15 +221,19 @@ class Scheduler:
             self.stats.saturated_running_sum += len(self.running)
         return list(self.running)
 
-    def retire_finished(self) -> None:
-        """Free the blocks of sequences that finished (stop token or budget)."""
-        still = []
+    def retire_finished(self) -> list[Sequence]:
+        """Free the blocks of sequences that finished (stop token or budget); returns them."""
+        finished = [seq for seq in self.running if seq.finish_reason is not None]
+        for seq in finished:
+            self.blocks.release(seq)
+        self.running = [seq for seq in self.running if seq.finish_reason is None]
+        return finished
+
+    def stop(self) -> None:
+        """Stop every sequence where it is (partial rollout): the running ones free their blocks."""
         for seq in self.running:
-            if seq.finish_reason is None:
-                still.append(seq)
-            else:
-                self.blocks.release(seq)
-        self.running = still
+            self.blocks.release(seq)
+        self.running, self.waiting = [], collections.deque()
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

@@ -22,7 +22,7 @@ per prompt, the order of the protocol. A request SGLang aborts fails the whole c
 the group, so the group retries (or gives up) together; a prompt SGLang refuses as too long (a
 non-streaming abort with status 400) already makes SGLang's generate raise for the whole batch
 (srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason). Every output dict is translated by
-`completions_from_sglang`:
+rollout/sglang_groups.py `completions_from_sglang`:
     token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
     logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
     finish     <- meta_info["finish_reason"]["type"] ("stop" | "length" | "abort")
@@ -31,6 +31,11 @@ engine. SGLang also stops on the checkpoint's own `eos_token_id` (config.json / 
 save checkpoints with the stop ids you pass. `SamplingParams.seed` is not used: SGLang seeds its
 sampler once, from `random_seed` at engine start (per-request seeds exist only in its deterministic
 mode, where the n samples of a prompt would share one seed and come out identical).
+
+Partial rollout (submit / poll / stop, rollout/engine.py PartialEngine): the leader records every rank's groups
+and runs each as a batch of Engine.async_generate in the engine's process between calls, stopped by SGLang's
+abort with what each request has (rollout/sglang_groups.py); generate, weight updates and memory calls are
+refused until stop().
 
 Weight updates (after each optimizer step), inside one update session:
     begin_weight_update()                                   # opened by the first bucket
@@ -68,6 +73,7 @@ slowest generation (rollout/engine_spec.py engine_group): non-leader ranks wait 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -75,8 +81,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
-from rollout.engine import Completion, EngineDied, SamplingParams, validate_prompts
+from rollout.engine import Completion, EngineDied, GroupRequest, SamplingParams, checked_bucket, validate_prompts
 from rollout.engine_process import EngineCallError, EngineProcess, describe
+from rollout.sglang_groups import GroupLedger, Key, with_groups
 from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 if TYPE_CHECKING:
@@ -86,12 +93,11 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 # The protocol state every rank of an engine group holds alike: (update session open, released memory tags,
-# weights pushed since the release, why the engine died or None).
-_ProtocolState = tuple[bool, frozenset[str], frozenset[str], str | None]
+# weights pushed since the release, why the engine died or None, partial-rollout groups in flight).
+_ProtocolState = tuple[bool, frozenset[str], frozenset[str], str | None, int]
 
 SGLANG_VERSION = "0.5.21"
 
-_FINISH_TYPES = ("stop", "length", "abort")
 # Released for training. Not the CUDA graphs: by default 0.5.21 does not capture them under the memory saver,
 # so releasing their tag frees nothing (rollout/sglang_memory.py); with SGLANG_MEMORY_SAVER_CUDA_GRAPH it would
 # back them up to host and restore them every step, for ~1-1.5 GB per GPU (the rehearsal's ledger).
@@ -135,94 +141,17 @@ PROMPT_MARGIN = 7
 NEW_TOKEN_MARGIN = 2
 
 
-def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = None) -> dict[str, object]:
-    """Our SamplingParams as the sampling_params dict of one SGLang request (temperature 0 is greedy there
-    too); `max_new_tokens` overrides the params' own (a per-prompt cap). SGLang's `n` stays 1: the n
-    samples are n requests (see the module docstring)."""
-    out: dict[str, object] = {
-        "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "no_stop_trim": True,
-    }
-    if params.stop_token_ids:
-        out["stop_token_ids"] = list(params.stop_token_ids)
-    return out
-
-
 def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
-    """The SGLang context in which a prompt of max_prompt_length tokens still gets all max_new_tokens."""
-    return max_prompt_length + max(max_new_tokens + NEW_TOKEN_MARGIN, PROMPT_MARGIN)
-
-
-def sglang_request_params(
-    params: SamplingParams, prompt_lengths: list[int], context_length: int
-) -> list[dict[str, object]]:
-    """One sampling_params dict per request (prompt length), its max_new_tokens capped at what the context leaves:
-    min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
-    (as in the torch engine) instead of SGLang refusing the whole batch (it raises when prompt length +
-    max_new_tokens exceeds the context)."""
-    return [
-        sglang_sampling_params(params, min(params.max_new_tokens, context_length - NEW_TOKEN_MARGIN - length))
-        for length in prompt_lengths
-    ]
-
-
-def completions_from_sglang(
-    outputs: list[dict[str, Any]] | dict[str, Any],  # SGLang's output dicts: JSON-like values
-    num_prompts: int,
-    n: int,
-) -> list[Completion]:
-    """Translate SGLang's output dicts (prompt-major, n per prompt) into Completions; see module doc."""
-    if isinstance(outputs, dict):
-        outputs = [outputs]
-    if len(outputs) != num_prompts * n:
-        raise ValueError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x {n} samples")
-    completions = []
-    for i, out in enumerate(outputs):
-        prompt_index, sample_index = divmod(i, n)
-        meta = out.get("meta_info") or {}
-        entries = meta.get("output_token_logprobs")
-        if entries is None:
-            raise ValueError(f"SGLang output {i} has no meta_info['output_token_logprobs'] (was return_logprob set?)")
-        token_ids = [int(entry[1]) for entry in entries]
-        logprobs = [float(entry[0]) for entry in entries]
-        reason = meta.get("finish_reason")
-        kind = reason.get("type") if isinstance(reason, dict) else reason
-        if isinstance(reason, dict) and reason.get("matched") == "NaN happened":
-            # SGLang then replaces the last output id by a stop id; say what happened, not that ids disagree.
-            raise ValueError(f"SGLang output {i}: the model produced NaN logits (finish_reason {reason!r})")
-        if kind not in _FINISH_TYPES:
-            raise ValueError(f"SGLang output {i} has finish_reason {reason!r}; expected type stop, length or abort")
-        output_ids = [int(t) for t in out.get("output_ids", token_ids)]
-        # A trimmed stop token is the only difference we accept between the two token lists.
-        trimmed_stop = kind == "stop" and output_ids == token_ids[:-1]
-        if output_ids != token_ids and not trimmed_stop:
-            raise ValueError(
-                f"SGLang output {i}: output_ids {output_ids[:8]}... disagree with the log-prob token ids "
-                f"{token_ids[:8]}..."
-            )
-        completions.append(Completion(prompt_index, sample_index, token_ids, logprobs, kind))
-    return completions
+    """The SGLang context in which a prompt of max_prompt_length tokens still gets all max_new_tokens, also when
+    a stopped sample continues with all but one of them as input (partial rollout): SGLang takes an input of
+    context - PROMPT_MARGIN tokens at most."""
+    return max_prompt_length + max_new_tokens - 1 + PROMPT_MARGIN
 
 
 def generate_deadline_s(requests: int, max_new_tokens: int, call_timeout_s: float, min_tokens_per_s: float) -> float:
     """A generate call's deadline: call_timeout_s + requests x max_new_tokens / min_tokens_per_s, every request
     generating its longest response at the slowest throughput that is not a hang (rollout.min_tokens_per_s)."""
     return call_timeout_s + requests * max_new_tokens / min_tokens_per_s
-
-
-def split_by_counts(items: list[_T], counts: list[int]) -> list[list[_T]]:
-    """Cut a flat list into consecutive parts of the given lengths."""
-    if sum(counts) != len(items):
-        raise ValueError(f"cannot split {len(items)} items into parts of {counts}")
-    parts: list[list[_T]] = []
-    start = 0
-    for c in counts:
-        parts.append(items[start : start + c])
-        start += c
-    return parts
 
 
 class SGLangEngine:
@@ -254,6 +183,7 @@ class SGLangEngine:
         device: torch.device | str | None = None,
         call_timeout_s: float = 600.0,
         min_tokens_per_s: float = 2500.0,
+        poll_s: float = 1.0,
         **engine_kwargs: object,  # more sglang.Engine server arguments
     ) -> None:
         dtype = to_dtype(dtype)  # config files name dtypes as strings
@@ -284,6 +214,9 @@ class SGLangEngine:
         self._pushed: set[str] = set()
         self._session_open = False
         self._dead: str | None = None  # why the engine process ended, once it has
+        self._in_flight = 0  # partial-rollout groups submitted and not yet returned
+        self._ledger = GroupLedger()  # the leader's record of them (rollout/sglang_groups.py)
+        self.poll_s = poll_s
         launch = dict(
             model_path=model_path,
             tp_size=tp_size,
@@ -309,7 +242,7 @@ class SGLangEngine:
         if self.engine_target is start_sglang:
             check_sglang_version()  # here, before a process starts
         try:
-            return EngineProcess(self.engine_target, kwargs, name="the SGLang engine")
+            return EngineProcess(functools.partial(with_groups, self.engine_target), kwargs, name="the SGLang engine")
         except EngineDied as exc:
             self._dead = str(exc)
             raise
@@ -370,10 +303,16 @@ class SGLangEngine:
         return out[0]
 
     def _state(self) -> _ProtocolState:
-        return self._session_open, frozenset(self._released), frozenset(self._pushed), self._dead
+        return (
+            self._session_open,
+            frozenset(self._released),
+            frozenset(self._pushed),
+            self._dead,
+            len(self._ledger.groups),
+        )
 
     def _adopt(self, state: _ProtocolState) -> None:
-        self._session_open, released, pushed, self._dead = state
+        self._session_open, released, pushed, self._dead, self._in_flight = state
         self._released, self._pushed = set(released), set(pushed)
 
     def _refuse_if_dead(self) -> None:
@@ -394,26 +333,12 @@ class SGLangEngine:
     def _leader_call(self, what: str, fn: Callable[[], object]) -> None:
         """Run fn on the leader; then every rank adopts the leader's protocol state (what SGLang really
         did, also when fn failed part-way) and a failure there becomes an error on every rank."""
-        self._refuse_if_dead()
-        if self.group is None:
-            fn()
-            return
-        import torch.distributed as dist
 
-        error: str | None = None
-        if self.is_leader:
-            try:
-                fn()
-            except Exception as e:
-                error = _why(e)
-        box = [(error, self._state())]
-        dist.broadcast_object_list(box, src=self._leader, group=self.group)
-        error, state = box[0]
-        self._adopt(state)
-        if self._dead is not None:
-            raise EngineDied(self._dead)
-        if error is not None:
-            raise RuntimeError(f"SGLang engine {what} failed on the leader rank: {error}")
+        def check() -> None:
+            if self._in_flight:
+                raise RuntimeError(f"{what}() while submitted groups are in flight; stop() them first")
+
+        self._per_rank(what, check, lambda inputs: [fn(), *[None] * len(inputs)][1:])
 
     # -- protocol ----------------------------------------------------------------------------------
 
@@ -437,21 +362,10 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
         self._refuse_if_dead()
-        bucket = list(named_tensors)
-        seen: set[str] = set()
+        bucket = checked_bucket(
+            named_tensors, {name: (shape, self.dtype) for name, shape in self.weight_shapes.items()}
+        )
         for name, tensor in bucket:
-            if name not in self.weight_shapes:
-                raise KeyError(f"update_weights: unknown weight {name!r} for this checkpoint's model")
-            if name in seen:
-                raise ValueError(f"update_weights: weight {name!r} appears twice in one bucket")
-            seen.add(name)
-            if tensor.shape != self.weight_shapes[name]:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's is "
-                    f"{tuple(self.weight_shapes[name])}"
-                )
-            if tensor.dtype != self.dtype:
-                raise ValueError(f"update_weights: {name!r} has dtype {tensor.dtype}, the engine's is {self.dtype}")
             if self.device is not None and tensor.device != self.device:
                 raise ValueError(
                     f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
@@ -481,7 +395,7 @@ class SGLangEngine:
                     flush_cache=False,
                 ),
             )
-            self._pushed.update(seen)
+            self._pushed.update(name for name, _ in bucket)
 
         try:
             self._leader_call("update_weights", send)
@@ -521,69 +435,108 @@ class SGLangEngine:
     def _generate_on_leader(
         self, rank_prompts: list[list[list[int]]], params: SamplingParams
     ) -> list[list[Completion]]:
-        """The group's prompts as one SGLang batch of n = 1 requests; the completions of each rank."""
-        self._end_session()
-        flat = [p for ps in rank_prompts for p in ps]
-        if not flat:  # SGLang refuses an empty batch (GenerateReqInput: input_ids cannot be empty)
+        """The group's prompts as one SGLang batch, n requests of n = 1 per prompt; the completions of each rank."""
+        ledger = GroupLedger()  # of this call only: a failed one leaves nothing in flight
+        groups = [[GroupRequest(p, prompt) for p, prompt in enumerate(prompts)] for prompts in rank_prompts]
+        batch = ledger.add(groups, params, self.context_length - NEW_TOKEN_MARGIN)
+        if not batch:  # SGLang refuses an empty batch (GenerateReqInput: input_ids cannot be empty)
             return [[] for _ in rank_prompts]
-        requests = [p for p in flat for _ in range(params.n)]
+        self._end_session()
+        inputs = [x for _, xs, _ in batch for x in xs]
         outputs = self._call(
             "generate",
             deadline_s=generate_deadline_s(
-                len(requests), params.max_new_tokens, self.call_timeout_s, self.min_tokens_per_s
+                len(inputs), params.max_new_tokens, self.call_timeout_s, self.min_tokens_per_s
             ),
-            input_ids=requests,
+            input_ids=inputs,
+            sampling_params=[sp for *_, sps in batch for sp in sps],
             return_logprob=True,
-            sampling_params=sglang_request_params(params, [len(p) for p in requests], self.context_length),
         )
-        completions = completions_from_sglang(outputs, len(flat), params.n)
-        aborted = [i for i, c in enumerate(completions) if c.finish_reason == "abort"]
-        if aborted:
-            reason = (outputs[aborted[0]].get("meta_info") or {}).get("finish_reason")
-            raise RuntimeError(
-                f"SGLang aborted {len(aborted)} of {len(completions)} requests (first: {reason}); "
-                "every rank of the engine group sees this failure"
-            )
-        parts: list[list[Completion]] = []
-        offset = 0
-        for part in split_by_counts(completions, [len(ps) * params.n for ps in rank_prompts]):
-            for c in part:  # prompt indices count from 0 on every rank
-                c.prompt_index -= offset
-            offset += len(part) // params.n
-            parts.append(part)
-        return parts
+        n = params.n
+        return ledger.join(
+            {key: outputs[i * n : (i + 1) * n] for i, (key, _, _) in enumerate(batch)}, len(rank_prompts)
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Every rank of the group passes its own prompts (possibly none: it still takes part); the leader
         runs them all as one SGLang batch."""
-        self._refuse_if_dead()
-        problem: str | None = None
-        try:
-            if not isinstance(params, SamplingParams):
-                raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-            if self._released:
-                raise RuntimeError("the engine's memory is released; call resume_memory() before generate()")
+
+        def check() -> list[list[int]]:
+            self._check_ready(params, "generate")
             if not isinstance(prompts, (list, tuple)):
                 raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
             if prompts:
                 validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
+            return [list(map(int, p)) for p in prompts]
+
+        return self._per_rank("generate", check, lambda rank_prompts: self._generate_on_leader(rank_prompts, params))
+
+    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None:
+        """Partial rollout (rollout/engine.py PartialEngine): every rank passes its own groups (possibly none)."""
+
+        def check() -> list[GroupRequest]:
+            self._check_ready(params)
+            stopped = [[c.token_ids for c in g.samples if c.finish_reason == "abort"] for g in groups]
+            continued = [g.prompt_ids + max(tokens, key=len, default=[]) for g, tokens in zip(groups, stopped)]
+            if continued:  # what SGLang takes in: the prompt and the tokens a stopped sample has
+                validate_prompts(continued, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
+            return list(groups)
+
+        def on_leader(rank_groups: list[list[GroupRequest]]) -> list[None]:
+            batch = self._ledger.add(rank_groups, params, self.context_length - NEW_TOKEN_MARGIN)
+            self._end_session()
+            if batch:
+                self._call("submit_groups", batch)
+            return [None] * len(rank_groups)
+
+        self._per_rank("submit", check, on_leader)
+
+    def poll(self) -> list[Completion]:
+        """The groups of this rank that finished (waiting up to poll_s for one of the group's ranks)."""
+        return self._per_rank("poll", lambda: None, lambda ranks: self._ledger.join(self._outputs(False), len(ranks)))
+
+    def stop(self) -> list[Completion]:
+        """Abort what runs; this rank's groups not yet returned, stopped samples with what they have."""
+        return self._per_rank(
+            "stop", lambda: None, lambda ranks: self._ledger.join(self._outputs(True), len(ranks), True)
+        )
+
+    def _outputs(self, stop: bool) -> dict[Key, list[dict]]:
+        """Leader: SGLang's outputs of the groups in flight that finished (stop: of all), by (rank, key)."""
+        out: dict[Key, list[dict]] = {key: [] for key in self._ledger.idle()}  # nothing for SGLang to do
+        if len(out) < len(self._ledger.groups):
+            out.update(self._call("stop_groups") if stop else self._call("poll_groups", 0.0 if out else self.poll_s))
+        return out
+
+    def _check_ready(self, params: SamplingParams, refuse_in_flight: str = "") -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self._released:
+            raise RuntimeError("the engine's memory is released; call resume_memory() before generating")
+        if refuse_in_flight and self._in_flight:
+            raise RuntimeError(f"{refuse_in_flight}() while submitted groups are in flight; stop() them first")
+
+    def _per_rank(self, what: str, check: Callable[[], Any], on_leader: Callable[[list[Any]], list[Any]]) -> Any:
+        """A collective over the group: every rank's check() (its input, validated) gathered on the leader, which
+        computes on_leader(inputs), one result per rank; each rank returns its own and adopts the leader's
+        protocol state. A refused input on any rank or a failure on the leader raises on every rank (EngineDied
+        when the engine died); without a group the error is raised as it is."""
+        self._refuse_if_dead()
+        try:
+            mine: tuple[str, Any] = ("ok", check())
         except (TypeError, ValueError, RuntimeError) as e:
             if self.group is None:
                 raise
-            problem = f"{type(e).__name__}: {e}"
-        mine: tuple[str, str | list[list[int]]]  # ("error", why) or ("ok", this rank's prompts)
-        mine = ("error", problem) if problem else ("ok", [list(map(int, p)) for p in prompts])
+            mine = ("error", f"{type(e).__name__}: {e}")
         gathered = self._gather(mine)
-        parts: list[tuple[str, str | list[Completion], _ProtocolState]] | None = None
+        parts: list[tuple[str, Any, _ProtocolState]] | None = None
         if self.is_leader:
             assert gathered is not None  # the leader gathers every rank's
             errors = [f"rank {i}: {value}" for i, (status, value) in enumerate(gathered) if status == "error"]
-            results: list[tuple[str, str | list[Completion]]]
             try:
                 if errors:
                     raise ValueError("; ".join(errors))
-                rank_prompts = [cast("list[list[int]]", v) for _, v in gathered]  # no rank sent an error
-                results = [("ok", part) for part in self._generate_on_leader(rank_prompts, params)]
+                results = [("ok", part) for part in on_leader([value for _, value in gathered])]
             except Exception as e:
                 if self.group is None:
                     raise
@@ -593,8 +546,7 @@ class SGLangEngine:
         self._adopt(state)
         self._refuse_if_dead()
         if status == "error":
-            raise RuntimeError(f"SGLang engine generate failed: {value}")
-        assert isinstance(value, list)  # status "ok": this rank's completions
+            raise RuntimeError(f"SGLang engine {what} failed: {value}")
         return value
 
     def shutdown(self) -> None:

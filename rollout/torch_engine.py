@@ -14,6 +14,9 @@ How a `generate` call runs (continuous batching over KV blocks; rollout/schedule
      running sequence needs a new block and none is free, the youngest running sequences are preempted
      and later recomputed (prefill of prompt + generated tokens), which leaves their outputs unchanged.
 Both phases call the model's own forward with `context=...`, so the engine never duplicates its math.
+Partial rollout (rollout/engine.py PartialEngine) runs the same steps: `submit` queues sequences (a stopped one
+with its tokens, prefilled as a preempted one is), `poll` runs at most `poll_steps` of them, `stop` frees every
+block; `generate` is a submit and polls until every group is back.
 
 Sampling and log-probs follow rollout/sampling.py; the budget of a sequence is
 min(max_new_tokens, max_seq_len - len(prompt)), so prompt + completion always fits the context.
@@ -31,6 +34,7 @@ This engine is not tensor-parallel: every rank that runs it holds a full copy of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -38,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from model.args import ModelArgs
-from model.hf_adapter import from_hf_name
-from rollout.engine import Completion, SamplingParams, validate_prompts
+from model.hf_adapter import from_hf_name, to_hf_name
+from rollout.engine import Completion, GroupRequest, SamplingParams, checked_bucket, validate_prompts
 from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
@@ -67,6 +71,7 @@ class TorchEngine:
     flex_decode: on CUDA, decode attention with FlexAttention over the block pool (rollout/paged_flex.py).
     seed: seeds calls whose SamplingParams.seed is None (call k uses seed + k).
     max_prefill_tokens: padded tokens per prefill forward (bounds prefill activation memory).
+    poll_steps: scheduler steps (prefills and one decode step) a `poll` runs at most.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class TorchEngine:
         block_size: int = 16,
         kv_cache_blocks: int | None = None,
         flex_decode: bool = False,
+        poll_steps: int = 16,
     ) -> None:
         args = _checked_model_args(model, max_batch_size, max_seq_len, max_prefill_tokens, block_size)
         self.blocks_per_seq = -(-max_seq_len // block_size)
@@ -104,9 +110,13 @@ class TorchEngine:
         self.block_size = block_size
         self.kv_cache_blocks = kv_cache_blocks
         self.seed = seed
-        self.stats = SchedulerStats()  # of the last generate call
+        self.poll_steps = poll_steps
+        self.stats = SchedulerStats()  # of the last round (generate call)
+        self.blocks = BlockManager(kv_cache_blocks, block_size)  # the last round's
+        self._round: _Round | None = None  # the groups in flight (rollout/engine.py PartialEngine)
         self._calls = 0
         self._params = dict(model.named_parameters())
+        self._weights = {to_hf_name(n): (p.shape, p.dtype) for n, p in self._params.items()}  # what a bucket may hold
         self._cache: PagedKVCache | None = None
         self._static_shapes = compile and self.device.type == "cuda"
         self._width_bucket = -(-self.blocks_per_seq // 8)
@@ -133,6 +143,7 @@ class TorchEngine:
 
     def release_memory(self) -> None:
         """Free the KV cache (the weights stay: the next `update_weights` writes into them)."""
+        self._refuse_in_flight("release_memory")
         self._cache = None
         if self._gather_out is not None:
             self._gather_out = _empty_gather_buffers(self.dtype)
@@ -151,7 +162,12 @@ class TorchEngine:
                 for t in self._cache.k + self._cache.v:
                     torch._dynamo.mark_static_address(t)
 
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._round is not None:
+            raise RuntimeError(f"{what}() while submitted groups are in flight; stop() them first")
+
     def shutdown(self) -> None:
+        self._round = None
         self.release_memory()
         self._params = {}
         self.model = None
@@ -166,31 +182,9 @@ class TorchEngine:
         """
         if self.model is None:
             raise RuntimeError("the engine was shut down")
-        bucket = list(named_tensors)
-        targets = []
-        seen = set()
-        for hf_name, tensor in bucket:
-            try:
-                name = from_hf_name(hf_name)
-            except KeyError:
-                name = None
-            param = self._params.get(name) if name is not None else None
-            if param is None:
-                raise KeyError(f"update_weights: unknown weight {hf_name!r}: the engine's model has no such parameter")
-            if name in seen:
-                raise ValueError(f"update_weights: weight {hf_name!r} appears twice in one bucket")
-            seen.add(name)
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"update_weights: {hf_name!r} is a {type(tensor).__name__}, not a tensor")
-            if tensor.shape != param.shape:
-                raise ValueError(
-                    f"update_weights: {hf_name!r} has shape {tuple(tensor.shape)}, the engine's is {tuple(param.shape)}"
-                )
-            if tensor.dtype != param.dtype:
-                raise ValueError(f"update_weights: {hf_name!r} has dtype {tensor.dtype}, the engine's is {param.dtype}")
-            targets.append((param, tensor))
-        for param, tensor in targets:
-            param.copy_(tensor)
+        self._refuse_in_flight("update_weights")
+        for name, tensor in checked_bucket(named_tensors, self._weights):
+            self._params[from_hf_name(name)].copy_(tensor)
 
     # ---------------------------------------------------------------------------------------------
     # Forward passes
@@ -285,52 +279,114 @@ class TorchEngine:
     # Generation
     # ---------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Sample `params.n` completions per prompt; returns them grouped by prompt (see module doc)."""
+        if self._round is not None:
+            raise RuntimeError("generate() while submitted groups are in flight; stop() them first")
+        validate_prompts(prompts, self.max_seq_len - 1, self.args.vocab_size)  # also refuses no prompts
+        self.submit([GroupRequest(p, prompt) for p, prompt in enumerate(prompts)], params)
+        completions: list[Completion] = []
+        while self._round is not None:
+            completions += self.poll()
+        return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None:
+        """Queue the groups' unfinished samples (rollout/engine.py PartialEngine); the first submit into an
+        idle engine seeds the sampler: params.seed, or the engine's seed + the number of rounds so far."""
         if self.model is None:
             raise RuntimeError("the engine was shut down")
         if self._cache is None:
-            raise RuntimeError("the KV cache is released; call resume_memory() before generate()")
+            raise RuntimeError("the KV cache is released; call resume_memory() before generating")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        validate_prompts(prompts, self.max_seq_len - 1, self.args.vocab_size)
-        prompts = [list(map(int, p)) for p in prompts]
+        if groups:
+            validate_prompts([g.prompt_ids for g in groups], self.max_seq_len - 1, self.args.vocab_size)
+        r = self._round or self._new_round(params)
+        if dataclasses.replace(params, seed=None) != dataclasses.replace(r.params, seed=None):
+            raise ValueError(f"submit() with {params} while groups sampled with {r.params} are in flight")
+        new: dict[int, list[Sequence]] = {}
+        for group in groups:
+            if group.key in r.groups or group.key in new:
+                raise ValueError(f"group key {group.key} is already in flight")
+            budget = min(params.max_new_tokens, self.max_seq_len - len(group.prompt_ids))
+            prompt, samples = list(map(int, group.prompt_ids)), group.start(params.n, budget)
+            seqs = [Sequence(group.key, c.sample_index, prompt, budget, c.token_ids, c.logprobs) for c in samples]
+            for seq, c in zip(seqs, samples):
+                seq.finish_reason = None if c.finish_reason == "abort" else c.finish_reason
+            new[group.key] = seqs
+        for key, seqs in new.items():  # only now: a refused submit leaves the engine as it was
+            r.groups[key] = seqs
+            r.scheduler.add([seq for seq in seqs if seq.finish_reason is None])
+            if all(seq.finish_reason for seq in seqs):
+                r.finished.add(key)
+        self._round = r if r.groups else None
 
+    def _new_round(self, params: SamplingParams) -> _Round:
         seed = params.seed if params.seed is not None else self.seed + self._calls
         self._calls += 1
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
-        stop = frozenset(params.stop_token_ids)
+        self.blocks = BlockManager(self.kv_cache_blocks, self.block_size)
+        scheduler = Scheduler(self.blocks, self.max_batch_size, self.max_prefill_tokens)
+        return _Round(scheduler, generator, params, frozenset(params.stop_token_ids))
 
-        seqs = [
-            Sequence(p, s, prompt, min(params.max_new_tokens, self.max_seq_len - len(prompt)))
-            for p, prompt in enumerate(prompts)
-            for s in range(params.n)
-        ]
-        scheduler = Scheduler(
-            BlockManager(self.kv_cache_blocks, self.block_size), self.max_batch_size, self.max_prefill_tokens
-        )
-        scheduler.add(seqs)
-        while not scheduler.done():
-            while groups := scheduler.next_prefill():
-                prefilled = [seq for group in groups for seq in group]
-                self._sample_into(prefilled, self._prefill_logits(groups), params, generator, stop)
-                scheduler.retire_finished()
-            running = scheduler.next_decode()
-            if not running:
-                continue  # everything was preempted or retired: admit again
+    @torch.inference_mode()
+    def poll(self) -> list[Completion]:
+        """At most poll_steps scheduler steps, until a group has finished; the finished groups' completions."""
+        r = self._round
+        if r is None:
+            return []
+        for _ in range(self.poll_steps):
+            if r.finished or r.scheduler.done():
+                break
+            for seq in self._step(r):
+                if all(s.finish_reason for s in r.groups[seq.prompt_index]):
+                    r.finished.add(seq.prompt_index)
+        done = [_completion(seq) for key in sorted(r.finished) for seq in r.groups.pop(key)]
+        r.finished.clear()
+        if not r.groups:
+            self.stats, self._round = r.scheduler.stats, None
+        return done
+
+    def stop(self) -> list[Completion]:
+        """Stop every sequence (their KV blocks freed); the completions of the groups not yet returned."""
+        r, self._round = self._round, None
+        if r is None:
+            return []
+        r.scheduler.stop()
+        self.stats = r.scheduler.stats
+        return [_completion(seq) for seqs in r.groups.values() for seq in seqs]
+
+    def _step(self, r: _Round) -> list[Sequence]:
+        """One scheduler step: the prefills it admits, then one decode step; the sequences that finished."""
+        assert self._cache is not None  # submit checks it, and release_memory refuses a round in flight
+        retired = []
+        while groups := r.scheduler.next_prefill():
+            prefilled = [seq for group in groups for seq in group]
+            self._sample_into(prefilled, self._prefill_logits(groups), r.params, r.generator, r.stop)
+            retired += r.scheduler.retire_finished()
+        running = r.scheduler.next_decode()
+        if running:  # else everything was preempted or retired: admit again
             logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
-            self._sample_into(running, logits[: len(running)], params, generator, stop)
-            scheduler.retire_finished()
-        self.stats = scheduler.stats
-        completions = []
-        for seq in seqs:
-            assert seq.finish_reason is not None  # the scheduler is done: every sequence has finished
-            completions.append(
-                Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason)
-            )
-        return completions
+            self._sample_into(running, logits[: len(running)], r.params, r.generator, r.stop)
+            retired += r.scheduler.retire_finished()
+        return retired
+
+
+@dataclasses.dataclass
+class _Round:
+    """What runs between an idle engine's first submit and the end of its groups (a poll or stop)."""
+
+    scheduler: Scheduler
+    generator: torch.Generator
+    params: SamplingParams
+    stop: frozenset[int]
+    groups: dict[int, list[Sequence]] = dataclasses.field(default_factory=dict)  # by key, until returned
+    finished: set[int] = dataclasses.field(default_factory=set)  # keys of finished groups not yet returned
+
+
+def _completion(seq: Sequence) -> Completion:
+    return Completion(seq.prompt_index, seq.sample_index, seq.token_ids, seq.logprobs, seq.finish_reason or "abort")
 
 
 def _checked_model_args(

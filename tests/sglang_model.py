@@ -60,6 +60,21 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   SchedulerFlushWrapper.handle); it does not raise.
 * A hang: nothing in 0.5.21 bounds how long an Engine call may take (its watchdog covers forward batches
   only); the model's hanging call never returns, and ignores SIGTERM as the engine process does.
+* Background requests (partial rollout, rollout/sglang_groups.py): Engine.async_generate is a coroutine on
+  Engine.loop (srt/entrypoints/engine.py Engine.__init__, _ensure_event_loop); not streaming, a batch returns
+  its outputs once all its requests have finished (TokenizerManager._handle_batch_request,
+  _collect_batch_responses), with the batch checks of generate. Its requests hold the scheduler: releasing
+  memory before they are back is the idle assertion's crash. tokenizer_manager.abort_request(abort_all=True)
+  aborts what the scheduler holds when it arrives (srt/managers/scheduler.py Scheduler.abort_request): a waiting
+  request ends at once, {"type": "abort", "message": "Abort in waiting queue"}, with what the tokenizer manager
+  has received of it (TokenizerManager._handle_abort_req; none of its tokens here, as for a request never run);
+  a running one ("Abort method 3") runs one more decode step whose token is kept and ends with FINISH_ABORT's
+  {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}, checked before the stop-token
+  and length checks (srt/managers/schedule_batch.py Req.update_finish_state; scheduler_components/
+  batch_result_processor.py process_batch_result_decode), so the kept token can be a stop token or the
+  budget's last; such an output is returned, not raised (TokenizerManager._handle_abort_finish_reason: no
+  status code). A request that reaches the scheduler after the abort runs on. The model's scheduler steps only
+  while the loop runs (SGLang's runs in its own process); its tokens follow a fixed rule (StrictSGLang.step).
 
 CPU stand-ins: a "GPU" is a FakeGPU byte ledger in shared memory (the trainer's process and the engine's
 see the same one); a CUDA IPC payload is a pickled, base64-encoded ((pid, serial number),
@@ -73,6 +88,7 @@ model assumes the worst case, every dropped bucket stays reserved on the sender'
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
 import io
@@ -313,6 +329,10 @@ class StrictSGLang:
         process ends as SGLang's does; hang: {kind: k}: the k-th call of that kind never returns; delay:
         {kind: seconds} spent inside each such call; announce: a file that gets each call's kind as a line
         when the call starts, and "hang <time.time()>" when a hang begins (tests wait for a phase with it).
+    Background requests (async_generate, see "Background requests" in the module docstring): max_running:
+        requests the scheduler runs at once (SGLang's max_running_requests; None: all); tick_s: seconds per
+        scheduler step while the event loop runs; stall_after: steps after which it makes no more progress
+        (as if the next step never ended) but for the one step that ends aborted requests.
     """
 
     def __init__(
@@ -326,6 +346,9 @@ class StrictSGLang:
         hang=None,
         delay=None,
         announce=None,
+        max_running=None,
+        tick_s=0.001,
+        stall_after=None,
         **launch,
     ):
         assert launch.get("enable_memory_saver") and launch.get("skip_tokenizer_init"), launch
@@ -375,6 +398,7 @@ class StrictSGLang:
         # the release does when a runner's update fails; {"flush": message} a refused flush.
         self.fail_next: dict[str, str] = {}
         self._hold()
+        self._background_init(max_running, tick_s, stall_after)
 
     def read(self, name: str):
         """An attribute's value (tests read the model's state through the engine process)."""
@@ -595,3 +619,113 @@ class StrictSGLang:
         self.calls.append("shutdown")
         for gpu in self.gpus:
             gpu.engine = 0
+
+    # -- background requests (Engine.async_generate, partial rollout: rollout/sglang_groups.py) ---------------
+
+    def _background_init(self, max_running, tick_s, stall_after) -> None:
+        self.loop = asyncio.new_event_loop()  # Engine.__init__: self.loop = self._ensure_event_loop()
+        self.tokenizer_manager = _TokenizerManager(self)
+        self.max_running, self.tick_s, self.stall_after = max_running, tick_s, stall_after
+        self.held: list[_Request] = []  # the scheduler's requests: waiting (not yet admitted) or running
+        self.steps = 0
+        self._stepping = None
+
+    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False, **kwargs):
+        """Not streaming: the batch's outputs once every request of it has finished (_collect_batch_responses)."""
+        self._call("async_generate")
+        if not self.sigterm_handler_installed:  # TokenizerManager.auto_create_handle_loop, at the first request
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self.sigterm_handler_installed = True
+        assert not kwargs and return_logprob, kwargs
+        if not input_ids:
+            raise ValueError("input_ids cannot be empty.")
+        single = isinstance(input_ids[0], int)
+        input_ids, sampling_params = ([input_ids], [sampling_params]) if single else (input_ids, sampling_params)
+        max_input = min(self.context_len - 1, self.plan.kv_tokens - 1) - 5
+        for prompt, sp in zip(input_ids, sampling_params):
+            assert sp.get("n", 1) == 1 and sp.get("no_stop_trim"), sp
+            if len(prompt) >= self.context_len or len(prompt) + sp["max_new_tokens"] > self.context_len:
+                raise ValueError(
+                    f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens."
+                )
+            if len(prompt) >= max_input:  # validate_input_length's abort, status 400: raised
+                raise ValueError(
+                    f"Input length ({len(prompt)} tokens) exceeds the maximum allowed length ({max_input} tokens)."
+                )
+        if self.offload_tags & {"kv_cache", "weights"}:
+            self._die(RuntimeError("CUDA error: an illegal memory access (generate with released memory)"))
+        requests = [_Request(list(p), sp, self.loop.create_future()) for p, sp in zip(input_ids, sampling_params)]
+        self.held += requests
+        self.running += len(requests)
+        if self._stepping is None:
+            self._stepping = self.loop.create_task(self._step_while_held())
+        outputs = [await r.output for r in requests]
+        return outputs[0] if single else outputs
+
+    async def _step_while_held(self):
+        """The scheduler, which here advances only while the engine's event loop runs."""
+        while self.held:
+            if self.stall_after is None or self.steps < self.stall_after:
+                self.step()
+            await asyncio.sleep(self.tick_s)
+        self._stepping = None
+
+    def step(self) -> None:
+        """One scheduler step: admit waiting requests while fewer than max_running run, then every running one
+        samples a token: t' = (7 t + 3) % 256 after its last token t (log-prob -(t' % 5 + 1) / 10), ending at a
+        stop id or at max_new_tokens; one aborted while running ends now, with that token kept."""
+        self.steps += 1
+        for r in self.held:
+            r.running = r.running or self.max_running is None or sum(q.running for q in self.held) < self.max_running
+        for r in [r for r in self.held if r.running]:
+            token = (7 * (r.tokens or r.input_ids)[-1] + 3) % 256
+            r.tokens.append(token)
+            r.logprobs.append(-((token % 5) + 1) / 10)
+            if r.aborted:  # Req.update_finish_state: to_finish first
+                self._finish(r, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+            elif token in r.params.get("stop_token_ids", ()):
+                self._finish(r, {"type": "stop", "matched": token})
+            elif len(r.tokens) >= r.params["max_new_tokens"]:
+                self._finish(r, {"type": "length", "length": len(r.tokens)})
+
+    def abort_all(self) -> None:
+        """Scheduler.abort_request(abort_all): waiting requests end at once ("Abort in waiting queue", with what
+        the tokenizer manager received: nothing here); running ones at their next decode step."""
+        for r in list(self.held):
+            if r.running:
+                r.aborted = True
+                if self.stall_after is not None and self.steps >= self.stall_after:
+                    self.step_aborted(r)
+            else:
+                self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+
+    def step_aborted(self, r) -> None:
+        """The decode step that ends an aborted running request, also when the scheduler stalls otherwise."""
+        held, self.held = self.held, [r]
+        self.step()
+        self.held = [q for q in held if q is not r]
+
+    def _finish(self, r, reason) -> None:
+        if r in self.held:
+            self.held.remove(r)
+        self.running -= 1
+        r.output.set_result(_output(r.tokens, r.logprobs, reason, len(r.input_ids), f"bg-{id(r)}"))
+
+
+class _Request:
+    def __init__(self, input_ids, params, output):
+        self.input_ids, self.params, self.output = input_ids, params, output
+        self.tokens, self.logprobs, self.running, self.aborted = [], [], False, False
+
+
+class _TokenizerManager:
+    """Engine.tokenizer_manager: abort_request (TokenizerManager.abort_request: with no rid and abort_all False it
+    is ignored; the model knows abort_all only, the one rollout/sglang_groups.py sends)."""
+
+    def __init__(self, engine: StrictSGLang):
+        self.engine = engine
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        assert abort_all and not rid, "the model aborts all requests only"
+        self.engine._call("abort")
+        self.engine.abort_all()

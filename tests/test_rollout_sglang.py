@@ -32,15 +32,8 @@ from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rl.data import PromptExample
 from rollout.engine import Completion, SamplingParams
-from rollout.sglang_engine import (
-    SGLANG_VERSION,
-    SGLangEngine,
-    check_sglang_version,
-    completions_from_sglang,
-    context_length_for,
-    sglang_sampling_params,
-    split_by_counts,
-)
+from rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, check_sglang_version, context_length_for
+from rollout.sglang_groups import completions_from_sglang, sglang_sampling_params
 from rollout.weight_sync import iter_weight_buckets, sync_weights
 from trainer.rollout_phase import generate_call
 from trainer.scoring import RewardSettings
@@ -113,12 +106,6 @@ def test_version_pin():
     check_sglang_version(SGLANG_VERSION)
     with pytest.raises(RuntimeError, match=r"sglang 0\.5\.20 is installed.*sglang==0\.5\.21"):
         check_sglang_version("0.5.20")
-
-
-def test_split_by_counts():
-    assert split_by_counts([1, 2, 3, 4, 5], [2, 0, 3]) == [[1, 2], [], [3, 4, 5]]
-    with pytest.raises(ValueError):
-        split_by_counts([1, 2], [1])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")

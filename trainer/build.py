@@ -18,6 +18,7 @@ from errors import ConfigError
 from model.args import get_preset
 from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
+from parallel.adamw import fused_adamw
 from parallel.device_memory import return_cached_memory
 from parallel.sharded_policy import build_sharded_policy
 from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_prompts, rows_to_examples
@@ -100,7 +101,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     warn_if_fewer_than_a_round(cfg, len(train_set))
 
     policy, engine = build_policy_and_engine(cfg, dist)
-    optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer)
+    fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
+    optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused)
     builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder.from_config(
         cfg.algorithm, cfg.training.train_batch_size // dist.dp_size
     )

@@ -32,17 +32,22 @@ log = logging.getLogger(__name__)
 
 
 def build_optimizer(
-    params: Iterable[nn.Parameter], opt: OptimizerConfig, *, foreach: bool | None = None
+    params: Iterable[nn.Parameter],
+    opt: OptimizerConfig,
+    *,
+    fused: bool | None = None,
+    foreach: bool | None = None,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `params` with the [optimizer] section's settings, and its schedule: a linear warm-up over
     the first `warmup_steps` rollout steps that update the policy (TrainPhase.run), then constant (the
-    paper's schedule). foreach: torch's choice by default (the rehearsal names the one a run takes)."""
+    paper's schedule). fused / foreach: the kernel (parallel/adamw.py chooses it for a run; None: torch's)."""
     optimizer = torch.optim.AdamW(
         params,
         lr=opt.lr,
         betas=(opt.betas[0], opt.betas[1]),
         eps=opt.eps,
         weight_decay=opt.weight_decay,
+        fused=fused,
         foreach=foreach,
     )
     warmup = max(1, opt.warmup_steps)
