@@ -4,6 +4,7 @@ and the table's means, spreads and gains are what the runs measured."""
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -55,6 +56,39 @@ def test_each_rung_is_the_task_config_with_exactly_its_ablation_files_switches()
     naive, dapo = (effective_config(TASK_CONFIG, [], r).algorithm for r in (rungs[0], rungs[-1]))
     assert (naive.clip_high, naive.loss_agg, naive.dynamic_sampling) == (0.2, "seq-mean-token-mean", False)
     assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling) == (0.28, "token-mean", True) and dapo.overlong_filter
+
+
+def test_the_regime_is_what_the_task_config_header_states(tmp_path):
+    """The header of configs/ablation_cpu.toml states the updates per rollout step and where the soft punishment's
+    buffer starts; the resolved configuration of every rung has those values, and the buffer starts beyond the
+    longest worked solution of the task (so only a runaway answer reaches it)."""
+    from rl.data import synthetic_task_rows
+    from rl.synthetic_chain import CHAIN_STYLES, chain_solution
+    from trainer.build import build_tokenizer
+
+    with open(TASK_CONFIG) as f:
+        header = "".join(line[1:].strip() + " " for line in f if line.startswith("#"))
+    updates = int(re.search(r"(\d+) updates per rollout step", header).group(1))
+    l_max, l_cache = map(int, re.search(r"L_max = (\d+) tokens with a (\d+)-token buffer", header).groups())
+    starts = int(re.search(r"the soft punishment starts beyond (\d+) tokens", header).group(1))
+    longest = int(re.search(r"the longest worked solution is (\d+) tokens", header).group(1))
+    assert starts == l_max - l_cache
+    for rung in [None, *ladder_rungs()]:
+        cfg = effective_config(TASK_CONFIG, [], rung)
+        assert cfg.training.train_batch_size // cfg.training.mini_batch_size * cfg.training.ppo_epochs == updates
+        assert cfg.training.train_batch_size % cfg.training.mini_batch_size == 0
+        assert (cfg.rollout.max_response_length, cfg.algorithm.overlong_buffer) == (l_max, l_cache)
+        assert cfg.eval.max_response_length == l_max
+    cfg = load_config(TASK_CONFIG)
+    tokenizer = build_tokenizer(cfg.model, cfg.data, str(tmp_path), is_main=True, barrier=lambda: None)
+    rows = synthetic_task_rows(cfg.data, "train") + synthetic_task_rows(cfg.data, "eval")
+    problems = [re.search(r"What is ([0-9 +]+)\?", row["prompt"][-1]["content"]).group(1) for row in rows]
+    lengths = [  # with the stop token
+        len(tokenizer.encode(chain_solution([int(t) for t in problem.split(" + ")], style))) + 1
+        for problem in problems
+        for style in CHAIN_STYLES
+    ]
+    assert max(lengths) == longest < starts
 
 
 @pytest.mark.parametrize(
@@ -292,3 +326,24 @@ def test_task_statistics_of_two_hand_made_groups():
     assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\nAnswer: 10", 4, False) == "stepwise"
     assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\n10 + 0 = 10\nAnswer: 10", 4, False) == "split"
     assert response_style("1 + 2 = 3\n3 + 3", 4, True) == "truncated"
+
+
+def test_the_sweep_row_and_the_rule_that_picks_the_ladders_lr():
+    from bench.ablation_sweep import chosen_lr, markdown, sweep_row
+
+    rows = [
+        {"step": s, "pg_clipfrac": 0.01 * s, "pg_clipfrac_upper": 0.001, "entropy": 0.3 - 0.01 * s}
+        for s in range(1, 11)
+    ]
+    run = RunResult(
+        rows
+        + [{"step": 4, "eval/avg_at_k": 0.2}, {"step": 8, "eval/avg_at_k": 0.3}, {"step": 10, "eval/avg_at_k": 0.4}]
+    )
+    row = sweep_row("1e-5", run, steps=10)
+    assert row["pg_clipfrac"] == pytest.approx(0.055) and row["pg_clipfrac_upper"] == pytest.approx(0.001)
+    assert row["entropy_first"] == pytest.approx(0.27) and row["entropy_last"] == pytest.approx(0.22)
+    assert row["late_mean"] == pytest.approx(0.35) and row["held_out"] == {4: 0.2, 8: 0.3, 10: 0.4}  # steps > 5
+    # The largest lr within two points of the best second-half mean: 3e-5 (0.345 against 0.36), not 5e-5 (0.33).
+    sweep = [{**row, "lr": lr, "late_mean": late} for lr, late in (("1e-5", 0.36), ("3e-5", 0.345), ("5e-5", 0.33))]
+    assert chosen_lr(sweep) == "3e-5"
+    assert "| 3e-5 | 5.50 (0.10) | 0.270 -> 0.220 | 20.0 | 30.0 | 40.0 | 34.5 |" in markdown(sweep, 0.15)
