@@ -58,7 +58,7 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed and a quarter of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
+# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
 # whole: half of it (300 steps) left the policy at 2% held-out accuracy, nearly every group all wrong.
 QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
 DEFAULT_SEEDS = "0,1,2,3,4"  # five: enough for a 95% t-interval of each rung's paired gain
