@@ -69,47 +69,9 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen2.5-32b": ModelArgs(152064, 5120, 64, 40, 8, 27648, 1e6, 1e-5, False, 131072),
     "qwen2.5-72b": ModelArgs(152064, 8192, 80, 64, 8, 29568, 1e6, 1e-5, False, 131072),
     # Tiny shapes with Qwen2.5's structure (GQA, qkv bias, SwiGLU) for tests and the CPU demo.
-    "tiny": ModelArgs(
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=1024,
-    ),
-    "tiny-tied": ModelArgs(
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    ),
-    "demo": ModelArgs(
-        vocab_size=512,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=384,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ),
-}
-
-# Published total sizes (Qwen2.5 model cards), used to check the presets.
-PUBLISHED_SIZES = {
-    "qwen2.5-0.5b": 0.49e9,
-    "qwen2.5-1.5b": 1.54e9,
-    "qwen2.5-3b": 3.09e9,
-    "qwen2.5-7b": 7.62e9,
-    "qwen2.5-14b": 14.7e9,
-    "qwen2.5-32b": 32.5e9,
-    "qwen2.5-72b": 72.7e9,
+    "tiny": ModelArgs(256, 64, 2, 4, 2, 128, 1e6, 1e-6, False, 1024),
+    "tiny-tied": ModelArgs(256, 64, 2, 4, 2, 128, 1e6, 1e-6, True, 1024),
+    "demo": ModelArgs(512, 128, 4, 4, 2, 384, 1e6, 1e-6, True, 512),
 }
 
 
