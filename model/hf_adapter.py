@@ -44,7 +44,6 @@ __all__ = [
     "hf_shapes",
     "named_tensors",
     "iter_hf_tensors",
-    "hf_state_dict",
     "args_from_hf_config",
     "hf_config_from_args",
     "read_hf_config",
@@ -176,15 +175,6 @@ def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """
     for name, tensor in named_tensors(source):
         yield to_hf_name(name), tensor
-
-
-def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
-    """{HF name: tensor} of our module as transformers' `Qwen2ForCausalLM.state_dict()` lists it: a tied
-    model's `lm_head.weight` is the embedding tensor itself. Tensors are not copied."""
-    state = dict(iter_hf_tensors(model))
-    if model.args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
 
 
 # ---------------------------------------------------------------------------------------------------
