@@ -45,17 +45,14 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
-def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
+def num_params(args: ModelArgs) -> int:
     """Exact parameter count of `model.qwen2.Qwen2` built from `args` (tied head counted once)."""
     h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
     attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (w+b), k and v (w+b), o (no bias)
     mlp = 3 * h * args.intermediate_size
-    norms = 2 * h
-    per_layer = attention + mlp + norms
-    embedding = args.vocab_size * h
-    head = 0 if args.tie_word_embeddings else args.vocab_size * h
-    total = args.num_layers * per_layer + h + head  # + final norm
-    return total + embedding if include_embedding else total
+    per_layer = attention + mlp + 2 * h  # + two norms
+    heads = 1 if args.tie_word_embeddings else 2  # the embedding, and the output head unless tied
+    return args.num_layers * per_layer + h + heads * args.vocab_size * h  # + final norm
 
 
 # Values of the official Qwen/Qwen2.5-*B (base) config.json files. 0.5B-3B tie the output head to the

@@ -150,7 +150,7 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
 class FlexDocumentContext:
     """Packed rows on GPU: FlexAttention with a document-causal block mask (sparse, no T x T tensor)."""
 
-    def __init__(self, document_ids: torch.Tensor, num_heads_hint: int | None = None) -> None:
+    def __init__(self, document_ids: torch.Tensor) -> None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         self._flex = compiled_flex_attention()
