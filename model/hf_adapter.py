@@ -34,26 +34,6 @@ from errors import CheckpointError, write_atomically
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
 
-__all__ = [
-    "CheckpointError",
-    "DTYPES",
-    "to_dtype",
-    "dtype_name",
-    "to_hf_name",
-    "from_hf_name",
-    "hf_shapes",
-    "named_tensors",
-    "iter_hf_tensors",
-    "args_from_hf_config",
-    "hf_config_from_args",
-    "read_hf_config",
-    "write_hf_config",
-    "read_json",
-    "write_json",
-    "shard_file_name",
-    "is_model_file",
-]
-
 HF_ARCHITECTURE = "Qwen2ForCausalLM"
 HF_MODEL_TYPE = "qwen2"
 CONFIG_NAME = "config.json"

@@ -31,9 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_logprobs"]
-
-
 # ---------------------------------------------------------------------------------------------------
 # Per-chunk math (shared with the vocabulary-parallel version)
 # ---------------------------------------------------------------------------------------------------

@@ -42,16 +42,6 @@ from tokenizers import Tokenizer as _HFTokenizer
 from errors import CheckpointError
 from model.chat_template import qwen25_template, render_template, template_from_config
 
-__all__ = [
-    "Tokenizer",
-    "train_bpe_tokenizer",
-    "render_chat",
-    "qwen2_pipeline",
-    "QWEN25_DEFAULT_SYSTEM",
-    "CHAT_TEMPLATE_JINJA",
-    "CHAT_ROLES",
-]
-
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_ROLES = ("system", "user", "assistant")
