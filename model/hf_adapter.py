@@ -3,16 +3,8 @@ shape it has, which dtypes it may store, how its config.json reads and how its w
 
 Everything that crosses the HF boundary goes through here: loading and saving (model/hf.py), the export
 from shards (parallel/hf_export.py), the weight sync to an engine (rollout/weight_sync.py) and both
-engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body:
-
-    ours                                    HF
-    embed_tokens.weight                     model.embed_tokens.weight
-    layers.{i}.self_attn.q_proj.weight      model.layers.{i}.self_attn.q_proj.weight   (same for k, v, o, bias)
-    layers.{i}.mlp.gate_proj.weight         model.layers.{i}.mlp.gate_proj.weight      (same for up, down)
-    layers.{i}.input_layernorm.weight       model.layers.{i}.input_layernorm.weight    (and post_attention_)
-    norm.weight                             model.norm.weight
-    lm_head.weight                          lm_head.weight                             (untied models only)
-
+engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body
+(`layers.{i}.mlp.up_proj.weight` is `model.layers.{i}.mlp.up_proj.weight`; `lm_head.weight` keeps its name);
 `_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no
 `lm_head.weight`: the output projection is the embedding matrix. Names are those of the plain module;
 wrappers that add path components (torch.compile's `_orig_mod.`) are removed by whoever adds them

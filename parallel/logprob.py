@@ -10,13 +10,10 @@ and only a few floats per token cross the TP group:
     sum_v exp(z_v - m)(z_v - m)                  all-reduce SUM  /
     logp_y  = (z_y - m) - log S,   lse = m + log S,   entropy = log S - sum exp(z - m)(z - m) / S
 
-The backward recomputes each chunk's logit slice and applies, with the global lse and entropy,
-
-    d logp_y / d z_v  = 1[v = y] - p_v,        d entropy / d z_v = -p_v (log p_v + entropy)
-
-so the weight shard's gradient is local and exact, and the hidden states' gradient is a partial sum
-over the vocabulary slices, reduced over the TP group (by DTensor when `hidden` is a DTensor, by an
-all-reduce otherwise). The [tokens, V] logits never exist, on any rank; at most one [chunk, V/tp] slice.
+The backward recomputes each chunk's logit slice and applies model/logprob.py's logit gradients with the
+global lse and entropy, so the weight shard's gradient is local and exact, and the hidden states' gradient
+is a partial sum over the vocabulary slices, reduced over the TP group (by DTensor when `hidden` is a
+DTensor, by an all-reduce otherwise). The [tokens, V] logits never exist, on any rank; at most one [chunk, V/tp] slice.
 
 Without tensor parallelism this is `model.logprob.token_logprobs`, so the trainer calls one function.
 """
