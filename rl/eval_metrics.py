@@ -69,13 +69,9 @@ def vote_key(pred: str | None) -> str | None:
 
 
 def majority_vote(keys: Sequence[str | None]) -> int | None:
-    """Index of the sample that represents the winning answer, or None when no sample answered.
-
-    `keys` are vote keys (see `vote_key`); None casts no vote. The winner has the most votes; among
-    answers with equally many votes the one seen first wins, and the returned index is its first
-    occurrence. Example: keys ["4", "3", "3", "4", None, None, None] -> 0 ("4" and "3" tie with two
-    votes each, "4" appears first; the three non-answers do not count).
-    """
+    """Index of the winning answer's first sample by the module docstring's rules (`keys` from `vote_key`),
+    or None when no sample answered: ["4", "3", "3", "4", None, None, None] -> 0 ("4" and "3" tie, "4" came
+    first; the three non-answers cast no vote)."""
     counts = Counter(key for key in keys if key is not None)
     if not counts:
         return None
