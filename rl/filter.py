@@ -33,7 +33,10 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from config.schema import AlgorithmConfig
 
 SHORTFALL_POLICIES = ("fill", "raise")
 FILTER_METRICS = ("acc", "score")
@@ -103,21 +106,6 @@ class FilterStats:
     shortfall: int = 0
 
 
-class SamplingSettings(Protocol):
-    """What `DynamicBatchBuilder.from_config` reads of the [algorithm] section."""
-
-    @property
-    def max_num_gen_batches(self) -> int: ...
-    @property
-    def on_shortfall(self) -> str: ...
-    @property
-    def carry_over_max_staleness(self) -> int: ...
-    @property
-    def dynamic_sampling(self) -> bool: ...
-    @property
-    def filter_metric(self) -> str: ...
-
-
 class DynamicBatchBuilder(Generic[Payload]):
     """Collects kept groups over generation rounds into batches of exactly `train_batch_size` groups.
 
@@ -172,8 +160,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._stats = FilterStats()
 
     @classmethod
-    def from_config(cls, algorithm: SamplingSettings, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
-        """The builder of an [algorithm] section (config.schema.AlgorithmConfig) for a rank's share of a batch."""
+    def from_config(cls, algorithm: AlgorithmConfig, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
+        """The builder of an [algorithm] section for a rank's share of a batch."""
         return cls(
             train_batch_size,
             algorithm.max_num_gen_batches,
