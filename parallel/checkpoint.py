@@ -258,10 +258,6 @@ class CheckpointManager:
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
             yield step, next((p for p in problems if p is not None), None)
 
-    def latest_valid_step(self) -> int | None:
-        """The newest checkpoint whose files are intact (None: there is none). Collective."""
-        return next((step for step, problem in self._verdicts() if problem is None), None)
-
     def _name(self, step: int) -> str:
         return os.path.basename(self.step_path(step))
 

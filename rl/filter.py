@@ -23,8 +23,8 @@ many, and carries the surplus over to later steps (first in, first out; groups o
         builder.add_round(generate_and_score())   # list of ScoredGroup
     batch, stats = builder.finish()
 
-`FilterStats` describes the groups generated in this step before filtering (all correct, all wrong,
-the pass rates), the groups kept, and where the batch came from.
+`FilterStats` describes the groups generated in this step before filtering (all correct, all wrong),
+the groups kept, and where the batch came from.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from config.schema import AlgorithmConfig
 
 SHORTFALL_POLICIES = ("fill", "raise")
 FILTER_METRICS = ("acc", "score")
@@ -82,46 +85,25 @@ class ScoredGroup(Generic[Payload]):
     def size(self) -> int:
         return len(self.acc)
 
-    @property
-    def pass_rate(self) -> float:
-        return sum(self.acc) / len(self.acc)
-
 
 @dataclass
 class FilterStats:
     """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
-    filtering, with how many were all correct or all wrong and their pass rates summed; the new groups (and
-    samples) it kept; and where the batch came from: carried-over groups used, surplus carried to the next
-    step, stale ones dropped, and the groups missing from a short batch."""
+    filtering, with how many were all correct or all wrong; the new groups it kept; and where the batch came
+    from: carried-over groups used, surplus carried to the next step, stale ones dropped, and the groups
+    missing from a short batch."""
 
     rounds: int = 0
     groups_generated: int = 0
     samples_generated: int = 0
     all_correct: int = 0
     all_wrong: int = 0
-    pass_rate_sum: float = 0.0
     groups_kept: int = 0
-    samples_kept: int = 0
     groups_in_batch: int = 0
     groups_from_carry: int = 0
     groups_carried_over: int = 0
     groups_dropped_stale: int = 0
     shortfall: int = 0
-
-
-class SamplingSettings(Protocol):
-    """What `DynamicBatchBuilder.from_config` reads of the [algorithm] section."""
-
-    @property
-    def max_num_gen_batches(self) -> int: ...
-    @property
-    def on_shortfall(self) -> str: ...
-    @property
-    def carry_over_max_staleness(self) -> int: ...
-    @property
-    def dynamic_sampling(self) -> bool: ...
-    @property
-    def filter_metric(self) -> str: ...
 
 
 class DynamicBatchBuilder(Generic[Payload]):
@@ -178,8 +160,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._stats = FilterStats()
 
     @classmethod
-    def from_config(cls, algorithm: SamplingSettings, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
-        """The builder of an [algorithm] section (config.schema.AlgorithmConfig) for a rank's share of a batch."""
+    def from_config(cls, algorithm: AlgorithmConfig, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
+        """The builder of an [algorithm] section for a rank's share of a batch."""
         return cls(
             train_batch_size,
             algorithm.max_num_gen_batches,
@@ -215,14 +197,12 @@ class DynamicBatchBuilder(Generic[Payload]):
                 raise TypeError(f"add_round: expected ScoredGroup items, got {type(group).__name__}")
             st.groups_generated += 1
             st.samples_generated += group.size
-            st.pass_rate_sum += group.pass_rate
             correct = sum(group.acc)
             st.all_correct += correct == group.size
             st.all_wrong += correct == 0
             if self.keeps(group):
                 self._kept.append((step, group))
                 st.groups_kept += 1
-                st.samples_kept += group.size
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""

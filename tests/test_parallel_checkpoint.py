@@ -187,7 +187,7 @@ def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path, caplog)
     assert "rank-00000.json has 10 bytes" in caplog.text
     # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
     manager.save(21, model, optimizer, scheduler, {"step": 21})
-    assert manager.complete_steps() == [21] and manager.latest_valid_step() == 21
+    assert manager.complete_steps() == [21] and manager.validate(21) is None
     manager.save(30, model, optimizer, scheduler, {"step": 30})
     assert manager.complete_steps() == [30] and manager.validate(30) is None
     assert sorted(os.listdir(folder)) == ["step-00000030", "step-00000030.damaged"]
@@ -312,12 +312,16 @@ def _saved_checkpoint(folder):
 
 def _update_manifest(path):
     """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
-    from parallel.checkpoint_files import records_of
+    from parallel.checkpoint_files import file_record
 
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     os.remove(os.path.join(path, MANIFEST))
-    manifest["files"] = {name: record.to_json() for name, record in records_of(path).items()}
+    manifest["files"] = {
+        os.path.relpath(os.path.join(directory, name), path): file_record(os.path.join(directory, name)).to_json()
+        for directory, _, files in os.walk(path)
+        for name in files
+    }
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f)
 
