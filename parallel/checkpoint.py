@@ -492,12 +492,7 @@ class CheckpointManager:
         if optimizer is None:
             set_model_state_dict(model, tensors["model"])
         else:
-            # The kernel that steps the optimizer (parallel/adamw.py) is this run's choice, not the saving run's.
-            groups = [
-                {**saved, **{key: group[key] for key in ("foreach", "fused") if key in group}}
-                for saved, group in zip(extra["optimizer_param_groups"], optimizer.param_groups)
-            ]
-            optim_state = {"state": tensors["optimizer"]["state"], "param_groups": groups}
+            optim_state = {"state": tensors["optimizer"]["state"], "param_groups": extra["optimizer_param_groups"]}
             set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state)
 
         if extra["world_size"] != _world_size():

@@ -133,5 +133,4 @@ def vocab_parallel_token_logprobs(
         reduce(dist.ReduceOp.SUM),
         reduce(dist.ReduceOp.SUM) if reduce_hidden_grad else None,
     )
-    lead = targets.shape
-    return logp.view(lead), (entropy.view(lead) if with_entropy else None)
+    return logp.view(targets.shape), (entropy.view(targets.shape) if with_entropy else None)

@@ -33,7 +33,8 @@ def restore_configured(
     changed, scheduled = {}, lr_scheduler is not None and saved is not None
     for group, wanted in zip(optimizer.param_groups, settings["groups"]):
         for key, value in wanted.items():
-            if group.get(key) != value and (key != "lr" or not scheduled):  # a scheduled rate moves by design
+            # A scheduled rate moves by design; the kernel (parallel/adamw.py) is always this run's choice.
+            if group.get(key) != value and key not in ("foreach", "fused") and (key != "lr" or not scheduled):
                 changed[key] = f"{key} {group.get(key)!r} -> {value!r}"
             group[key] = value
     if lr_scheduler is not None and saved is not None:

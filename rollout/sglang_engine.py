@@ -154,6 +154,17 @@ def generate_deadline_s(requests: int, max_new_tokens: int, call_timeout_s: floa
     return call_timeout_s + requests * max_new_tokens / min_tokens_per_s
 
 
+def _leader_of(group: dist.ProcessGroup | None, tp_size: int) -> tuple[int | None, bool]:
+    """(the global rank of the group's leader, whether this rank is it); without a group this rank leads."""
+    if group is None:
+        return None, True
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) != tp_size:
+        raise ValueError(f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})")
+    return dist.get_global_rank(group, 0), dist.get_rank(group) == 0
+
+
 class SGLangEngine:
     """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
 
@@ -197,17 +208,7 @@ class SGLangEngine:
         self.call_timeout_s, self.min_tokens_per_s = call_timeout_s, min_tokens_per_s  # deadlines (module doc)
         self.group = group
         self.device = torch.device(device) if device is not None else None
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_world_size(group) != tp_size:
-                raise ValueError(
-                    f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})"
-                )
-            self._leader: int | None = dist.get_global_rank(group, 0)
-            self.is_leader = dist.get_rank(group) == 0
-        else:
-            self._leader, self.is_leader = None, True
+        self._leader, self.is_leader = _leader_of(group, tp_size)
         # Protocol state, kept identical on every rank of the group; only the leader holds the engine.
         self._engine: EngineProcess | None = None
         self._released: set[str] = set()

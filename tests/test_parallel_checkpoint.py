@@ -240,7 +240,7 @@ def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path)
 
 def _optimizer(model, lr, weight_decay):
     from config.schema import OptimizerConfig
-    from trainer.update import build_optimizer
+    from trainer.optimizer import build_optimizer
 
     return build_optimizer(model.parameters(), OptimizerConfig(lr=lr, weight_decay=weight_decay, warmup_steps=5))
 
