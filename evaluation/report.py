@@ -4,6 +4,7 @@ fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON f
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,3 +76,19 @@ def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
 def write_report(report: dict, path: str) -> None:
     """Write the report as indented JSON (folders created; replaced atomically; errors.py write_atomically)."""
     write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def step_report_path(run_path: str, step: int) -> str:
+    """Where a run writes the report of its held-out evaluation at `step`."""
+    return os.path.join(run_path, "eval", f"step_{step:06d}.json")
+
+
+def read_report(path: str) -> dict | None:
+    """A report `write_report` wrote, or None when it is missing or unreadable (its flat metrics cannot be made)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        flat_metrics(report)
+        return report
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from config import Config
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import run_held_out_eval
+from evaluation.report import flat_metrics, read_report, step_report_path
 from model.hf import complete_hf_export
 from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
@@ -239,8 +240,7 @@ class Trainer(StepPhases):
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
         if cfg.eval.at_end and p.eval_set:
-            scores = self.held_out(step)
-            self.write(step, scores)
+            scores = self.final_evaluation(step)
             log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
         if cfg.checkpoint.enabled:
             self.runner.save()  # no-op when the last step's interval checkpoint exists
@@ -253,6 +253,17 @@ class Trainer(StepPhases):
         self.metrics.close(plot=cfg.metrics.plot)
         if self.dist.is_main:
             mark_finished(p.run_path, step)
+
+    def final_evaluation(self, step: int) -> dict[str, float]:
+        """The held-out evaluation after the last step, run and logged once: the rerun of a finish that was
+        stopped or killed takes the report already written (eval/step_N.json) and its metrics row."""
+        report = read_report(step_report_path(self.parts.run_path, step))
+        missing = self.dist.all_reduce([report is None], "max", "world")[0]  # on any rank: all evaluate together
+        scores = self.held_out(step) if missing or report is None else flat_metrics(report)
+        assert self.metrics is not None
+        if not self.metrics.logger.logged(step, "eval/avg_at_k"):
+            self.write(step, scores)
+        return scores
 
     def close(self) -> None:
         """On every way out: a completed step's row written (its checkpoint holds it: a resume does not redo it),
