@@ -112,6 +112,17 @@ def start_sglang(**server_args: object) -> sglang.Engine:
     return sglang.Engine(**server_args)
 
 
+def _collective(name: str, *args: Any, **kwargs: Any) -> None:
+    """torch.distributed's `name`(*args, **kwargs) over the engine group. Its failure (a gloo timeout is a plain
+    RuntimeError) is raised as a DistError: a collective's failure, never retried as the engine's (run/guard.py)."""
+    import torch.distributed as dist
+
+    try:
+        getattr(dist, name)(*args, **kwargs)
+    except RuntimeError as exc:
+        raise dist.DistError(f"{name} over the engine group: {exc}") from exc
+
+
 def _why(exc: BaseException) -> str:
     """An error's message; the engine process's errors already name their type."""
     return str(exc) if isinstance(exc, EngineCallError) else describe(exc)
@@ -285,10 +296,8 @@ class SGLangEngine:
         """Every rank's `obj`, in group order, on the leader; None on the others."""
         if self.group is None:
             return [obj]
-        import torch.distributed as dist
-
         gathered: list[_T | None] | None = [None] * self.tp_size if self.is_leader else None
-        dist.gather_object(obj, gathered, dst=self._leader, group=self.group)
+        _collective("gather_object", obj, gathered, dst=self._leader, group=self.group)
         return cast("list[_T] | None", gathered)  # the leader's slots now hold every rank's value
 
     def _scatter(self, parts: list[_T] | None) -> _T:
@@ -296,10 +305,8 @@ class SGLangEngine:
         if self.group is None:
             assert parts is not None  # without a group this process is the leader
             return parts[0]
-        import torch.distributed as dist
-
         out: list[Any] = [None]  # filled with this rank's entry
-        dist.scatter_object_list(out, parts if self.is_leader else None, src=self._leader, group=self.group)
+        _collective("scatter_object_list", out, parts if self.is_leader else None, src=self._leader, group=self.group)
         return out[0]
 
     def _state(self) -> _ProtocolState:
