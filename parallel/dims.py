@@ -139,6 +139,3 @@ class ParallelDims:
 
     def dp_rank(self) -> int:
         return self.dp_mesh().get_local_rank()
-
-    def tp_rank(self) -> int:
-        return self.tp_mesh().get_local_rank()

@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import Completion, EngineDied, GroupRequest, SamplingParams, checked_bucket, validate_prompts
@@ -88,7 +89,6 @@ from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 if TYPE_CHECKING:
     import sglang
-    import torch.distributed as dist
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 _T = TypeVar("_T")
@@ -115,8 +115,6 @@ def start_sglang(**server_args: object) -> sglang.Engine:
 def _collective(name: str, *args: Any, **kwargs: Any) -> None:
     """torch.distributed's `name`(*args, **kwargs) over the engine group. Its failure (a gloo timeout is a plain
     RuntimeError) is raised as a DistError: a collective's failure, never retried as the engine's (run/guard.py)."""
-    import torch.distributed as dist
-
     try:
         getattr(dist, name)(*args, **kwargs)
     except RuntimeError as exc:
@@ -209,8 +207,6 @@ class SGLangEngine:
         self.group = group
         self.device = torch.device(device) if device is not None else None
         if group is not None:
-            import torch.distributed as dist
-
             if dist.get_world_size(group) != tp_size:
                 raise ValueError(
                     f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})"
