@@ -260,12 +260,13 @@ def _saved_checkpoint(folder):
 
 def _update_manifest(path):
     """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
-    from parallel.checkpoint_files import records_of
+    from parallel.checkpoint_files import file_record
 
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     os.remove(os.path.join(path, MANIFEST))
-    manifest["files"] = {name: record.to_json() for name, record in records_of(path).items()}
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names]
+    manifest["files"] = {os.path.relpath(file, path): file_record(file).to_json() for file in files}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f)
 
