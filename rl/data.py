@@ -248,12 +248,6 @@ def load_prompts(
     return [e for e in examples for _ in range(repeat)]
 
 
-def write_parquet_rows(rows: list[dict], path: str) -> None:
-    import datasets
-
-    datasets.Dataset.from_list(rows).to_parquet(path)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sampling prompts for training: shuffled epochs, sharded across data-parallel ranks, resumable.
 # ---------------------------------------------------------------------------------------------------
