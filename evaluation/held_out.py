@@ -3,6 +3,7 @@ its engine's current weights, and the ranks merge their results over the gloo co
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from evaluation.evaluate import checked_pass_ks, problem_results
-from evaluation.report import flat_metrics, make_report, step_report_path, write_report
+from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
 from rl.eval_metrics import ProblemResult
 from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
@@ -98,5 +99,5 @@ def run_held_out_eval(
         raise ValueError("evaluate() needs at least one example (none on any rank)")
     report = make_report(results, ks, params, strict_box, elapsed)
     if dist_env.is_main:
-        write_report(report, step_report_path(run_path, step))
+        write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
     return flat_metrics(report)

@@ -4,7 +4,6 @@ fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON f
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,11 +75,6 @@ def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
 def write_report(report: dict, path: str) -> None:
     """Write the report as indented JSON (folders created; replaced atomically; errors.py write_atomically)."""
     write_atomically(path, json.dumps(report, indent=2) + "\n")
-
-
-def step_report_path(run_path: str, step: int) -> str:
-    """Where a run writes the report of its held-out evaluation at `step`."""
-    return os.path.join(run_path, "eval", f"step_{step:06d}.json")
 
 
 def read_report(path: str) -> dict | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from config import Config
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import run_held_out_eval
-from evaluation.report import flat_metrics, read_report, step_report_path
+from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
 from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
@@ -257,7 +257,7 @@ class Trainer(StepPhases):
     def final_evaluation(self, step: int) -> dict[str, float]:
         """The held-out evaluation after the last step, run and logged once: the rerun of a finish that was
         stopped or killed takes the report already written (eval/step_N.json) and its metrics row."""
-        report = read_report(step_report_path(self.parts.run_path, step))
+        report = read_report(f"{self.parts.run_path}/eval/step_{step:06d}.json")  # run_held_out_eval wrote it
         missing = self.dist.all_reduce([report is None], "max", "world")[0]  # on any rank: all evaluate together
         scores = self.held_out(step) if missing or report is None else flat_metrics(report)
         assert self.metrics is not None
