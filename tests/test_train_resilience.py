@@ -411,6 +411,30 @@ def test_a_run_killed_during_its_final_evaluation_logs_it_once_without_evaluatin
     _rerun_finishes_without_evaluating_again(tmp_path, monkeypatch, argv, step=1)
 
 
+class _Killed(BaseException):
+    """Stands for a SIGKILL in this process: nothing catches it."""
+
+
+def test_a_final_evaluation_of_a_step_trained_again_is_run_again(tmp_path, monkeypatch, signal_handlers):
+    """Killed after the final evaluation, before the step had a checkpoint: the rerun trains that step again, and
+    the report of the earlier weights is not taken for the new ones."""
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_end": True, "checkpoint.interval": 100})
+    evaluate, calls = trainer.loop.run_held_out_eval, []
+
+    def killed_after(*args, **kwargs):
+        evaluate(*args, **kwargs)
+        raise _Killed
+
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", killed_after)
+    with pytest.raises(_Killed):
+        train.main(argv)
+    assert os.path.isfile(tmp_path / "run" / "eval" / "step_000001.json") and not _final_evaluation_rows(tmp_path, 1)
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    assert train.main(argv) == 0
+    assert calls == [1] and len(_final_evaluation_rows(tmp_path, 1)) == 1
+
+
 def test_a_finished_run_whose_marker_is_unreadable_does_not_log_its_final_evaluation_twice(
     tmp_path, monkeypatch, signal_handlers
 ):

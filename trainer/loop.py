@@ -165,6 +165,7 @@ class Trainer(StepPhases):
             self.state.load_state_dict(saved)
             log.info("resumed from step %d", self.state.step)
             self.guard.call("resume", self.sync_weights)
+        self.resumed_at = self.state.step  # an evaluation report of this step is of the weights resumed
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
         self.metrics = MetricsWriter(
             p.run_path,
@@ -256,8 +257,9 @@ class Trainer(StepPhases):
 
     def final_evaluation(self, step: int) -> dict[str, float]:
         """The held-out evaluation after the last step, run and logged once: the rerun of a finish that was
-        stopped or killed takes the report already written (eval/step_N.json) and its metrics row."""
-        report = read_report(f"{self.parts.run_path}/eval/step_{step:06d}.json")  # run_held_out_eval wrote it
+        stopped or killed takes the report already written (eval/step_N.json) and its metrics row, when it
+        resumed at that step: a report of a step this launch trained again is of other weights."""
+        report = read_report(f"{self.parts.run_path}/eval/step_{step:06d}.json") if step == self.resumed_at else None
         missing = self.dist.all_reduce([report is None], "max", "world")[0]  # on any rank: all evaluate together
         scores = self.held_out(step) if missing or report is None else flat_metrics(report)
         assert self.metrics is not None
