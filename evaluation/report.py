@@ -75,3 +75,14 @@ def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
 def write_report(report: dict, path: str) -> None:
     """Write the report as indented JSON (folders created; replaced atomically; errors.py write_atomically)."""
     write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def read_report(path: str) -> dict | None:
+    """A report `write_report` wrote, or None when it is missing or unreadable (its flat metrics cannot be made)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        flat_metrics(report)
+        return report
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -107,6 +107,10 @@ class MetricsLogger:
             self._file = open(self.path, "ab", buffering=0)
         return len(rows) - len(kept)
 
+    def logged(self, step: int, key: str) -> bool:
+        """Whether the file holds a line of `step` with `key` (False on ranks that write none)."""
+        return self.active and any(row["step"] == step and key in row for row in read_metrics(self.path))
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -115,19 +115,14 @@ class BlockManager:
 
 @dataclass
 class SchedulerStats:
-    """What one generate call did: peak and mean sequences in flight (decoded together), preemptions."""
+    """What one generate call did: sequences in flight (decoded together: peak, mean while others wait), preemptions."""
 
     decode_steps: int = 0
     peak_running: int = 0
-    running_sum: int = 0
     saturated_steps: int = 0  # decode steps with sequences still waiting: the cache or batch is the limit
     saturated_running_sum: int = 0
     prefills: int = 0
     preemptions: int = 0
-
-    @property
-    def mean_running(self) -> float:
-        return self.running_sum / max(self.decode_steps, 1)
 
     @property
     def mean_running_saturated(self) -> float:
@@ -214,7 +209,6 @@ class Scheduler:
                 self.blocks.append_block(seq)
             i += 1
         self.stats.decode_steps += 1
-        self.stats.running_sum += len(self.running)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         if self.waiting:
             self.stats.saturated_steps += 1

@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+import torch.distributed as dist
 
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import Completion, EngineDied, GroupRequest, SamplingParams, checked_bucket, validate_prompts
@@ -88,7 +89,6 @@ from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 if TYPE_CHECKING:
     import sglang
-    import torch.distributed as dist
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 _T = TypeVar("_T")
@@ -110,6 +110,15 @@ def start_sglang(**server_args: object) -> sglang.Engine:
     import sglang
 
     return sglang.Engine(**server_args)
+
+
+def _collective(name: str, *args: Any, **kwargs: Any) -> None:
+    """torch.distributed's `name`(*args, **kwargs) over the engine group. Its failure (a gloo timeout is a plain
+    RuntimeError) is raised as a DistError: a collective's failure, never retried as the engine's (run/guard.py)."""
+    try:
+        getattr(dist, name)(*args, **kwargs)
+    except RuntimeError as exc:
+        raise dist.DistError(f"{name} over the engine group: {exc}") from exc
 
 
 def _why(exc: BaseException) -> str:
@@ -158,8 +167,6 @@ def _leader_of(group: dist.ProcessGroup | None, tp_size: int) -> tuple[int | Non
     """(the global rank of the group's leader, whether this rank is it); without a group this rank leads."""
     if group is None:
         return None, True
-    import torch.distributed as dist
-
     if dist.get_world_size(group) != tp_size:
         raise ValueError(f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})")
     return dist.get_global_rank(group, 0), dist.get_rank(group) == 0
@@ -286,10 +293,8 @@ class SGLangEngine:
         """Every rank's `obj`, in group order, on the leader; None on the others."""
         if self.group is None:
             return [obj]
-        import torch.distributed as dist
-
         gathered: list[_T | None] | None = [None] * self.tp_size if self.is_leader else None
-        dist.gather_object(obj, gathered, dst=self._leader, group=self.group)
+        _collective("gather_object", obj, gathered, dst=self._leader, group=self.group)
         return cast("list[_T] | None", gathered)  # the leader's slots now hold every rank's value
 
     def _scatter(self, parts: list[_T] | None) -> _T:
@@ -297,10 +302,8 @@ class SGLangEngine:
         if self.group is None:
             assert parts is not None  # without a group this process is the leader
             return parts[0]
-        import torch.distributed as dist
-
         out: list[Any] = [None]  # filled with this rank's entry
-        dist.scatter_object_list(out, parts if self.is_leader else None, src=self._leader, group=self.group)
+        _collective("scatter_object_list", out, parts if self.is_leader else None, src=self._leader, group=self.group)
         return out[0]
 
     def _state(self) -> _ProtocolState:

@@ -30,6 +30,7 @@ import re
 import shutil
 
 from errors import RunFolderError, write_atomically
+from evaluation.report import read_report
 from parallel.checkpoint import CheckpointManager
 from run.lock import FolderBusyError, FolderLock
 
@@ -218,15 +219,9 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
     ]
     reports = {}
     for file in glob.glob(os.path.join(path, "eval", "step_*.json")):
-        match = re.search(r"step_(\d+)\.json$", file)
-        if match is None:
-            continue
-        try:
-            with open(file, encoding="utf-8") as f:
-                report = json.load(f)
+        match, report = re.search(r"step_(\d+)\.json$", file), read_report(file)
+        if match is not None and report is not None:  # an unreadable report is left out of the summary
             reports[int(match.group(1))] = (report["overall"][f"avg@{report['k']}"], report["k"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # an unreadable report is left out of the summary
     if 0 in reports:
         lines.append(f"held-out accuracy before DAPO: {100 * reports[0][0]:.1f}% (avg@{reports[0][1]})")
     last = max((s for s in reports if s > 0), default=None)

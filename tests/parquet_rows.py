@@ -1,7 +1,7 @@
-"""Rows of the DAPO schema written as a parquet prompt file, as the datasets library writes one."""
+"""Prompt-set files for tests: rows written as the parquet files a run reads."""
+
+import datasets
 
 
 def write_parquet_rows(rows: list[dict], path: str) -> None:
-    import datasets
-
     datasets.Dataset.from_list(rows).to_parquet(path)

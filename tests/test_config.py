@@ -16,6 +16,7 @@ from preflight.checks import check_runnable
 from preflight.limits import check_generate_deadline, check_rollout_batch_fits
 from preflight.machine import Machine
 from rl.data import DataError
+from rollout.sglang_engine import SGLANG_VERSION
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests.parquet_rows import write_parquet_rows
 
@@ -483,6 +484,10 @@ def test_a_generate_call_whose_deadline_outlasts_the_round_timeout_is_refused_wi
         check_generate_deadline(load_config(dapo_32b, ["rollout.requests_per_call=4096"]))
     # The torch engine runs in the trainer's process, without a deadline.
     check_generate_deadline(load_config(dapo_32b, ["rollout.requests_per_call=4096", "rollout.engine=torch"]))
+    # Refused at start, before anything is loaded: the defaults, 600 s + 4096 requests x 20480 tokens / 2500 a second.
+    sglang_gpu = dataclasses.replace(ONE_GPU, sglang_version=SGLANG_VERSION)
+    with pytest.raises(ConfigError, match=r"round_timeout_s = 1000 is shorter than .* deadline of 34,154 s"):
+        check_runnable(load_config(None, ["rollout.engine=sglang", "rollout.round_timeout_s=1000"]), sglang_gpu)
 
 
 def test_a_rollout_batch_no_machine_holds_is_refused_with_its_figure():

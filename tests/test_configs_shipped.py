@@ -5,6 +5,7 @@ is right for the presets' parameter counts."""
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -222,3 +223,14 @@ def test_dapo_7b_memory_budget_arithmetic():
     assert round(kv_bytes / kv_per_token / 1e3) == 641
     assert int(kv_bytes / kv_per_token / (cfg.data.max_prompt_length + cfg.rollout.max_response_length)) == 62
     assert state + 5 * GB + cfg.rollout.mem_fraction_static * hbm < hbm  # rollout phase: ~72 GB of 80
+
+
+def test_the_documented_torchrun_command_gives_the_graceful_stop_time_to_checkpoint():
+    """torchrun SIGKILLs its workers 30 s after it forwards a SIGTERM unless --shutdown-timeout says otherwise;
+    the README's launch command gives the stop at the next phase boundary, and its checkpoint, 1800 s."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        launches = [line for line in f if line.startswith("torchrun ") and "train.py" in line]
+    assert launches
+    for line in launches:
+        given = re.search(r"--shutdown-timeout[= ](\d+)", line)
+        assert given is not None and int(given.group(1)) >= 1800, line

@@ -317,11 +317,8 @@ def _update_manifest(path):
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     os.remove(os.path.join(path, MANIFEST))
-    manifest["files"] = {
-        os.path.relpath(os.path.join(directory, name), path): file_record(os.path.join(directory, name)).to_json()
-        for directory, _, files in os.walk(path)
-        for name in files
-    }
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(path) for name in names]
+    manifest["files"] = {os.path.relpath(file, path): file_record(file).to_json() for file in files}
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f)
 

@@ -515,6 +515,31 @@ def test_retries_are_decided_for_the_whole_engine_group(checkpoint):
     assert run_ranks(_retry_worker, 2, checkpoint, timeout=60) == [(1, 2), (1, None)]
 
 
+def _collective_timeout_worker(rank, world, checkpoint):
+    import datetime
+
+    import torch.distributed as dist
+
+    # The leader's generate outlasts the engine group's timeout: the other rank times out in the result scatter.
+    group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
+    engine = engine_class(delay={"generate": 4})(checkpoint, tp_size=world, dtype=torch.float32, group=group)
+    calls, generate = [], engine.generate
+    engine.generate = lambda *args: calls.append(1) or generate(*args)
+    reward = RewardSettings(max_response_length=2, overlong_penalty=False)
+    try:
+        generate_call(engine, _Prompts([[1 + rank, 2]]).next_batch(1), SamplingParams(2), _Digits(), reward, retries=1)
+    except Exception as exc:
+        return len(calls), type(exc).__name__
+    return len(calls), None
+
+
+@pytest.mark.multiprocess
+def test_a_collectives_timeout_in_a_generate_call_is_not_retried(checkpoint):
+    """A gloo timeout (a plain RuntimeError) in the engine group's collective is raised as a DistError and not
+    retried: a retrying rank would enter a new gather while its leader is still in the old scatter."""
+    assert run_ranks(_collective_timeout_worker, 2, checkpoint, timeout=60)[1] == (1, "DistError")
+
+
 def _eval_worker(rank, world, checkpoint):
     import torch.distributed as dist
 

@@ -366,6 +366,83 @@ def test_a_signal_during_the_final_evaluation_still_checkpoints(tmp_path, monkey
         train.main(argv)
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [2]
     assert not os.path.exists(tmp_path / "run" / "finished.json")
+    _rerun_finishes_without_evaluating_again(tmp_path, monkeypatch, argv, step=2)
+
+
+def _final_evaluation_rows(tmp_path, step):
+    return [r for r in read_rows(str(tmp_path)) if r["step"] == step and "eval/avg_at_k" in r]
+
+
+def _rerun_finishes_without_evaluating_again(tmp_path, monkeypatch, argv, step):
+    """The rerun of a finish whose final evaluation was written: it is not run again, and its row is logged once."""
+    before = _final_evaluation_rows(tmp_path, step)
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", lambda *a, **k: pytest.fail("evaluated again"))
+    assert train.main(argv) == 0
+    [row] = _final_evaluation_rows(tmp_path, step)
+    assert before in ([], [row]) and os.path.isfile(tmp_path / "run" / "finished.json")
+    with open(tmp_path / "run" / "eval" / f"step_{step:06d}.json") as f:
+        report = json.load(f)
+    assert row["eval/avg_at_k"] == report["overall"]["avg@4"]
+
+
+# In a process of its own: SIGKILLed as soon as the final evaluation has written its report (its row not yet).
+_KILLED_AFTER_THE_EVALUATION = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+import rl.reward, train, trainer.loop
+from tests.planted_train import planted_score
+rl.reward.compute_score, evaluate = planted_score, trainer.loop.run_held_out_eval
+def then_killed(*args, **kwargs):
+    evaluate(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+trainer.loop.run_held_out_eval = then_killed
+train.run_cli(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_during_its_final_evaluation_logs_it_once_without_evaluating_again(
+    tmp_path, monkeypatch, signal_handlers
+):
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_end": True})
+    command = [sys.executable, "-c", _KILLED_AFTER_THE_EVALUATION, *argv]
+    killed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL and not _final_evaluation_rows(tmp_path, 1), killed.stderr
+    _rerun_finishes_without_evaluating_again(tmp_path, monkeypatch, argv, step=1)
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL in this process: nothing catches it."""
+
+
+def test_a_final_evaluation_of_a_step_trained_again_is_run_again(tmp_path, monkeypatch, signal_handlers):
+    """Killed after the final evaluation, before the step had a checkpoint: the rerun trains that step again, and
+    the report of the earlier weights is not taken for the new ones."""
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_end": True, "checkpoint.interval": 100})
+    evaluate, calls = trainer.loop.run_held_out_eval, []
+
+    def killed_after(*args, **kwargs):
+        evaluate(*args, **kwargs)
+        raise _Killed
+
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", killed_after)
+    with pytest.raises(_Killed):
+        train.main(argv)
+    assert os.path.isfile(tmp_path / "run" / "eval" / "step_000001.json") and not _final_evaluation_rows(tmp_path, 1)
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    assert train.main(argv) == 0
+    assert calls == [1] and len(_final_evaluation_rows(tmp_path, 1)) == 1
+
+
+def test_a_finished_run_whose_marker_is_unreadable_does_not_log_its_final_evaluation_twice(
+    tmp_path, monkeypatch, signal_handlers
+):
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_end": True})
+    assert train.main(argv) == 0
+    (tmp_path / "run" / "finished.json").write_text('{"step": 1')  # cut short: the run is taken as unfinished
+    _rerun_finishes_without_evaluating_again(tmp_path, monkeypatch, argv, step=1)
 
 
 def test_a_stop_seen_on_another_rank_does_not_make_this_ranks_first_signal_the_second(monkeypatch):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from config import Config
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import run_held_out_eval
+from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
 from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
@@ -164,6 +165,7 @@ class Trainer(StepPhases):
             self.state.load_state_dict(saved)
             log.info("resumed from step %d", self.state.step)
             self.guard.call("resume", self.sync_weights)
+        self.resumed_at = self.state.step  # an evaluation report of this step is of the weights resumed
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
         self.metrics = MetricsWriter(
             p.run_path,
@@ -239,8 +241,7 @@ class Trainer(StepPhases):
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
         if cfg.eval.at_end and p.eval_set:
-            scores = self.held_out(step)
-            self.write(step, scores)
+            scores = self.final_evaluation(step)
             log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
         if cfg.checkpoint.enabled:
             self.runner.save()  # no-op when the last step's interval checkpoint exists
@@ -253,6 +254,18 @@ class Trainer(StepPhases):
         self.metrics.close(plot=cfg.metrics.plot)
         if self.dist.is_main:
             mark_finished(p.run_path, step)
+
+    def final_evaluation(self, step: int) -> dict[str, float]:
+        """The held-out evaluation after the last step, run and logged once: the rerun of a finish that was
+        stopped or killed takes the report already written (eval/step_N.json) and its metrics row, when it
+        resumed at that step: a report of a step this launch trained again is of other weights."""
+        report = read_report(f"{self.parts.run_path}/eval/step_{step:06d}.json") if step == self.resumed_at else None
+        missing = self.dist.all_reduce([report is None], "max", "world")[0]  # on any rank: all evaluate together
+        scores = self.held_out(step) if missing or report is None else flat_metrics(report)
+        assert self.metrics is not None
+        if not self.metrics.logger.logged(step, "eval/avg_at_k"):
+            self.write(step, scores)
+        return scores
 
     def close(self) -> None:
         """On every way out: a completed step's row written (its checkpoint holds it: a resume does not redo it),
