@@ -7,8 +7,9 @@ rank must stop every rank at the same point, or the others wait in a collective 
 the gloo control group): OK, FAILED (an exception: the engine's after its retry, EngineFailure, or anything
 else) or ENGINE_DIED (an engine's process is gone: the policy, in the trainer's process, is intact). On a
 failure every rank checkpoints the last completed step (run/phase_runner.py) and raises the error, EngineDied
-first, naming what was running and that the rerun resumes. A call at a phase boundary (`boundary=True`, e.g.
-between two generate calls) is followed by a stop when a SIGTERM / SIGINT arrived on any rank.
+first, naming what was running and that the rerun resumes (a user-facing error, errors.py, as it is). A call
+at a phase boundary (`boundary=True`, e.g. between two generate calls) is followed by a stop when a SIGTERM /
+SIGINT arrived on any rank.
 
 An engine's own failure is retried before it reaches the guard (`retried`): what the engine itself reported
 (its exception, aborted requests), never a collective's failure, which would desynchronise the ranks.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from torch.distributed import DistError
 
+from errors import UserError
 from rollout.engine import EngineDied, EngineFailure
 
 if TYPE_CHECKING:
@@ -89,6 +91,8 @@ class Guard:
         if worst == Outcome.ENGINE_DIED:
             died = error if isinstance(error, EngineDied) else f"the rollout engine of another rank died during {what}"
             self.stop(EngineDied(f"{died}. {saved}; rerun the same command to resume"), error)
+        if isinstance(error, UserError):  # a full disk, a bad file: its own one line and exit code
+            self.stop(error)
         if error is None:
             message = f"{what}: failed on another rank (see its log)"
         elif isinstance(error, EngineFailure):
