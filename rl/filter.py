@@ -29,25 +29,16 @@ the pass rates), the groups kept, and where the batch came from.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-SHORTFALL_POLICIES = ("fill", "raise")
-FILTER_METRICS = ("acc", "score")
+from rl import checks
 
 
 def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
     """Eq. 11 keep rule: the group's metric has spread, max - min > tol; a single sample is kept."""
-    if len(values) == 0:
-        raise ValueError("keep_group: empty group")
-    if not tol >= 0:
-        raise ValueError(f"keep_group: tol must be >= 0, got {tol}")
-    floats = [float(v) for v in values]
-    if not all(math.isfinite(v) for v in floats):
-        raise ValueError(f"keep_group: non-finite metric value in {floats!r:.80}")
+    floats = checks.group_values(values, tol)
     return len(floats) == 1 or max(floats) - min(floats) > tol
 
 
@@ -68,14 +59,8 @@ class ScoredGroup(Generic[Payload]):
     score: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
-        if len(acc) == 0 or len(acc) != len(score):
-            raise ValueError(f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}")
-        if any(a not in (0, 1) for a in acc):
-            raise ValueError(f"ScoredGroup: acc values must be bool or 0/1, got {acc!r:.80}")
-        if not all(math.isfinite(s) for s in score):
-            raise ValueError(f"ScoredGroup: non-finite score in {score!r:.80}")
-        object.__setattr__(self, "acc", tuple(bool(a) for a in acc))
+        acc, score = checks.scored(self.acc, self.score)
+        object.__setattr__(self, "acc", acc)
         object.__setattr__(self, "score", score)
 
     @property
@@ -150,20 +135,7 @@ class DynamicBatchBuilder(Generic[Payload]):
         metric: str = "acc",
         tol: float = 1e-6,
     ):
-        if train_batch_size <= 0:
-            raise ValueError(f"DynamicBatchBuilder: train_batch_size must be > 0, got {train_batch_size}")
-        if max_rounds <= 0:
-            raise ValueError(f"DynamicBatchBuilder: max_rounds must be > 0, got {max_rounds}")
-        if on_shortfall not in SHORTFALL_POLICIES:
-            raise ValueError(
-                f"DynamicBatchBuilder: on_shortfall must be one of {SHORTFALL_POLICIES}, got {on_shortfall!r}"
-            )
-        if max_staleness < 0:
-            raise ValueError(f"DynamicBatchBuilder: max_staleness must be >= 0, got {max_staleness}")
-        if metric not in FILTER_METRICS:
-            raise ValueError(f"DynamicBatchBuilder: metric must be one of {FILTER_METRICS}, got {metric!r}")
-        if not tol >= 0:
-            raise ValueError(f"DynamicBatchBuilder: tol must be >= 0, got {tol}")
+        checks.builder_settings(train_batch_size, max_rounds, on_shortfall, max_staleness, metric, tol)
         self.train_batch_size = train_batch_size
         self.max_rounds = max_rounds
         self.on_shortfall = on_shortfall
@@ -193,10 +165,7 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def start_step(self, step: int) -> None:
         """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
-        if self._step is not None:
-            raise RuntimeError(f"start_step({step}): step {self._step} was never finished")
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"start_step({step}): steps must increase (last was {self._last_step})")
+        checks.new_step(step, self._step, self._last_step)
         self._step, self._stats = step, FilterStats()
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
         self._stats.groups_dropped_stale = len(self._carry) - len(fresh)
@@ -206,13 +175,10 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
         """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        step, st = self._require_step("add_round"), self._stats
-        if st.rounds >= self.max_rounds:
-            raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
+        step, st = checks.step_started(self._step, "add_round"), self._stats
+        groups = checks.new_round(groups, st.rounds, self.max_rounds, step)
         st.rounds += 1
         for group in groups:
-            if not isinstance(group, ScoredGroup):
-                raise TypeError(f"add_round: expected ScoredGroup items, got {type(group).__name__}")
             st.groups_generated += 1
             st.samples_generated += group.size
             st.pass_rate_sum += group.pass_rate
@@ -231,7 +197,7 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def full(self) -> bool:
         """True once the batch can be handed out (with dynamic sampling off: after one round)."""
-        self._require_step("full")
+        checks.step_started(self._step, "full")
         return len(self._kept) >= self.train_batch_size or (not self.enabled and self._stats.rounds >= 1)
 
     @property
@@ -251,21 +217,14 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def finish(self) -> tuple[list[ScoredGroup[Payload]], FilterStats]:
         """End the step: the batch (oldest groups first) and what the filter did (`FilterStats`)."""
-        self._require_step("finish")
+        step = checks.step_started(self._step, "finish")
         batch = self._kept[: self.train_batch_size]
         surplus = self._kept[self.train_batch_size :]
         shortfall = self.train_batch_size - len(batch)
-        step, self._step, self._last_step = self._step, None, self._step
+        self._step, self._last_step = None, step
         self._carry.extend(surplus)
         st = self._stats
-        if shortfall > 0:
-            message = (
-                f"dynamic sampling kept {len(batch)} of {self.train_batch_size} groups at step {step} "
-                f"after {st.rounds} of {self.max_rounds} generation rounds"
-            )
-            if self.on_shortfall == "raise":
-                raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-            warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
+        checks.shortfall(len(batch), self.train_batch_size, step, st.rounds, self.max_rounds, self.on_shortfall)
         st.groups_in_batch, st.groups_carried_over, st.shortfall = len(batch), len(surplus), max(shortfall, 0)
         st.groups_from_carry = min(st.groups_from_carry, len(batch))
         return [group for _, group in batch], st
@@ -283,11 +242,3 @@ class DynamicBatchBuilder(Generic[Payload]):
             raise RuntimeError(f"load_state_dict: step {self._step} is in progress")
         self._carry = list(state["carry"])
         self._last_step = state["last_step"]
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _require_step(self, caller: str) -> int:
-        """The step in progress; RuntimeError naming `caller` between steps."""
-        if self._step is None:
-            raise RuntimeError(f"{caller}: call start_step(step) first")
-        return self._step

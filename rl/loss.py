@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl import checks
+
 AGG_MODES = (
     "token-mean",
     "seq-mean-token-mean",
@@ -141,14 +143,11 @@ class ClipStats:
 def count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     """A denominator: the caller's global count or the local one; clamped to 1 so that an empty batch
     (numerator 0) gives loss 0 instead of NaN."""
+    checks.count(given, name)
     if given is None:
         return local.clamp(min=1)
     if isinstance(given, torch.Tensor):
-        if given.numel() != 1:
-            raise ValueError(f"policy_loss: {name} must be a scalar, got shape {tuple(given.shape)}")
         return given.detach().reshape(()).to(like.device, like.dtype).clamp(min=1)
-    if isinstance(given, bool) or not given >= 0:
-        raise ValueError(f"policy_loss: {name} must be a count >= 0, got {given!r}")
     return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
 
 
@@ -184,7 +183,9 @@ def policy_loss(
 
     Returns (loss, metrics): the fields of ClipStats by name.
     """
-    _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg)
+    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
+    checks.loss_inputs(logp, named, agg, AGG_MODES)
+    checks.clip_range(clip_low, clip_high, clip_c)
     valid, weights = mask != 0, token_weights
     per_token, stats = clipped_token_loss(
         logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, token_weights=weights
@@ -197,30 +198,3 @@ def policy_loss(
         norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
         loss = aggregate(per_token, valid, agg, norm)
     return loss, dict(vars(stats))
-
-
-def _check_inputs(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    token_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    clip_c: float | None,
-    agg: str,
-) -> None:
-    if logp.dim() != 2:
-        raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
-    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
-    for name, tensor in named.items():
-        if tensor is not None and tensor.shape != logp.shape:
-            raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
-    if agg not in AGG_MODES:
-        raise ValueError(f"policy_loss: unknown agg {agg!r}; choose one of {AGG_MODES}")
-    if not 0 <= clip_low < 1:
-        raise ValueError(f"policy_loss: clip_low must be in [0, 1), got {clip_low}")
-    if not clip_high >= 0:
-        raise ValueError(f"policy_loss: clip_high must be >= 0, got {clip_high}")
-    if clip_c is not None and not clip_c > 1:
-        raise ValueError(f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")
