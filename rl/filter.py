@@ -23,7 +23,7 @@ many, and carries the surplus over to later steps (first in, first out; groups o
         builder.add_round(generate_and_score())   # list of ScoredGroup
     batch, stats = builder.finish()
 
-`FilterStats` describes the groups generated in this step before filtering (all correct, all wrong,
+`FilterStats` (rl/stats.py) describes the groups generated in this step before filtering (all correct, all wrong,
 the pass rates), the groups kept, and where the batch came from.
 """
 
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from rl import checks
+from rl.stats import FilterStats
 
 
 def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
@@ -70,28 +71,6 @@ class ScoredGroup(Generic[Payload]):
     @property
     def pass_rate(self) -> float:
         return sum(self.acc) / len(self.acc)
-
-
-@dataclass
-class FilterStats:
-    """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
-    filtering, with how many were all correct or all wrong and their pass rates summed; the new groups (and
-    samples) it kept; and where the batch came from: carried-over groups used, surplus carried to the next
-    step, stale ones dropped, and the groups missing from a short batch."""
-
-    rounds: int = 0
-    groups_generated: int = 0
-    samples_generated: int = 0
-    all_correct: int = 0
-    all_wrong: int = 0
-    pass_rate_sum: float = 0.0
-    groups_kept: int = 0
-    samples_kept: int = 0
-    groups_in_batch: int = 0
-    groups_from_carry: int = 0
-    groups_carried_over: int = 0
-    groups_dropped_stale: int = 0
-    shortfall: int = 0
 
 
 class SamplingSettings(Protocol):
@@ -166,29 +145,17 @@ class DynamicBatchBuilder(Generic[Payload]):
     def start_step(self, step: int) -> None:
         """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
         checks.new_step(step, self._step, self._last_step)
-        self._step, self._stats = step, FilterStats()
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
-        self._stats.groups_dropped_stale = len(self._carry) - len(fresh)
-        self._carry.clear()
-        self._kept = fresh
-        self._stats.groups_from_carry = len(fresh)
+        self._step, self._stats = step, FilterStats.of_carry(len(fresh), len(self._carry) - len(fresh))
+        self._carry, self._kept = [], fresh
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
-        """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        step, st = checks.step_started(self._step, "add_round"), self._stats
-        groups = checks.new_round(groups, st.rounds, self.max_rounds, step)
-        st.rounds += 1
-        for group in groups:
-            st.groups_generated += 1
-            st.samples_generated += group.size
-            st.pass_rate_sum += group.pass_rate
-            correct = sum(group.acc)
-            st.all_correct += correct == group.size
-            st.all_wrong += correct == 0
-            if self.keeps(group):
-                self._kept.append((step, group))
-                st.groups_kept += 1
-                st.samples_kept += group.size
+        """Record one generation round: keep the groups with spread (Eq. 11), count what it generated."""
+        step = checks.step_started(self._step, "add_round")
+        generated = checks.new_round(groups, self._stats.rounds, self.max_rounds, step)
+        kept = [group for group in generated if self.keeps(group)]
+        self._kept.extend((step, group) for group in kept)
+        self._stats.count_round(generated, kept)
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
@@ -220,13 +187,11 @@ class DynamicBatchBuilder(Generic[Payload]):
         step = checks.step_started(self._step, "finish")
         batch = self._kept[: self.train_batch_size]
         surplus = self._kept[self.train_batch_size :]
-        shortfall = self.train_batch_size - len(batch)
         self._step, self._last_step = None, step
         self._carry.extend(surplus)
         st = self._stats
         checks.shortfall(len(batch), self.train_batch_size, step, st.rounds, self.max_rounds, self.on_shortfall)
-        st.groups_in_batch, st.groups_carried_over, st.shortfall = len(batch), len(surplus), max(shortfall, 0)
-        st.groups_from_carry = min(st.groups_from_carry, len(batch))
+        st.count_batch(len(batch), len(surplus), self.train_batch_size)
         return [group for _, group in batch], st
 
     # -- checkpointing ----------------------------------------------------------------------------
