@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 SHORTFALL_POLICIES = ("fill", "raise")
 FILTER_METRICS = ("acc", "score")
+Clips = tuple[float, float, float | None]  # eps_low, eps_high, dual-clip c (None: off)
 
 
 def require(ok: object, message: str, error: type[Exception] = ValueError) -> None:
@@ -34,17 +35,17 @@ def require_int(name: str, value: object, kind: str = "an int") -> int:
         raise TypeError(f"{name} must be {kind}, got {value!r}") from None
 
 
-def loss_inputs(logp: torch.Tensor, others: dict[str, torch.Tensor | None], agg: str, modes: Sequence[str]) -> None:
-    """policy_loss: logp [B, T], and the other per-token tensors of its shape; `agg` one of `modes`."""
+def loss_inputs(
+    logp: torch.Tensor, others: dict[str, torch.Tensor | None], agg: str, modes: Sequence[str], clips: Clips
+) -> None:
+    """policy_loss: logp [B, T], and the other per-token tensors of its shape; `agg` one of `modes`; Eq. 10's
+    constants (clip_low, clip_high, clip_c): 0 <= eps_low < 1, eps_high >= 0, the dual clip c > 1 (or None)."""
     require(logp.dim() == 2, f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
     for name, tensor in others.items():
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
     require(agg in modes, f"policy_loss: unknown agg {agg!r}; choose one of {tuple(modes)}")
-
-
-def clip_range(clip_low: float, clip_high: float, clip_c: float | None) -> None:
-    """Eq. 10's constants: 0 <= eps_low < 1, eps_high >= 0, the dual clip c > 1 (or None)."""
+    clip_low, clip_high, clip_c = clips
     require(0 <= clip_low < 1, f"policy_loss: clip_low must be in [0, 1), got {clip_low}")
     require(clip_high >= 0, f"policy_loss: clip_high must be >= 0, got {clip_high}")
     require(clip_c is None or clip_c > 1, f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")
@@ -62,11 +63,9 @@ def answers(solution: object, ground_truth: object) -> tuple[str, ...]:
     """compute_score: a str solution; the accepted answers, a str or a non-empty list or tuple of str."""
     accepted = (ground_truth,) if isinstance(ground_truth, str) else ()
     accepted = tuple(ground_truth) if isinstance(ground_truth, (list, tuple)) else accepted
-    if not isinstance(solution, str) or not accepted or not all(isinstance(a, str) for a in accepted):
-        raise TypeError(
-            f"compute_score expects a str solution and a str ground_truth (or a non-empty sequence of str), "
-            f"got {type(solution).__name__} and {ground_truth!r}"
-        )
+    ok = isinstance(solution, str) and accepted and all(isinstance(a, str) for a in accepted)
+    expected = "a str solution and a str ground_truth (or a non-empty sequence of str)"
+    require(ok, f"compute_score expects {expected}, got {type(solution).__name__} and {ground_truth!r}", TypeError)
     return accepted
 
 
@@ -84,10 +83,9 @@ def overlong_lengths(length: object, max_len: object, buffer_len: object, factor
 def finish_reasons(loss_mask: torch.Tensor, reasons: Sequence[str]) -> None:
     """overlong_filter_mask: a [B, T] mask and one str finish reason per row."""
     require(loss_mask.dim() == 2, f"overlong_filter_mask: loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
-    if isinstance(reasons, str) or len(reasons) != loss_mask.shape[0]:
-        raise ValueError(
-            f"overlong_filter_mask: need one finish reason per row ({loss_mask.shape[0]}), got {reasons!r:.80}"
-        )
+    rows = loss_mask.shape[0]
+    ok = not isinstance(reasons, str) and len(reasons) == rows
+    require(ok, f"overlong_filter_mask: need one finish reason per row ({rows}), got {reasons!r:.80}")
     if not all(isinstance(reason, str) for reason in reasons):
         raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(reasons)!r:.80}")
 
@@ -121,11 +119,9 @@ def advantage_inputs(
 
 def broadcast_shapes(advantages: torch.Tensor, mask: torch.Tensor) -> None:
     """broadcast_to_tokens: advantages [B] and a mask [B, T]."""
-    if advantages.dim() != 1 or mask.dim() != 2 or mask.shape[0] != advantages.shape[0]:
-        raise ValueError(
-            f"broadcast_to_tokens: need advantages [B] and mask [B, T], got "
-            f"{tuple(advantages.shape)} and {tuple(mask.shape)}"
-        )
+    ok = advantages.dim() == 1 and mask.dim() == 2 and mask.shape[0] == advantages.shape[0]
+    shapes = f"{tuple(advantages.shape)} and {tuple(mask.shape)}"
+    require(ok, f"broadcast_to_tokens: need advantages [B] and mask [B, T], got {shapes}")
 
 
 def group_values(values: Sequence[float], tol: float) -> list[float]:

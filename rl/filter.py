@@ -146,7 +146,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
         checks.new_step(step, self._step, self._last_step)
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
-        self._step, self._stats = step, FilterStats.of_carry(len(fresh), len(self._carry) - len(fresh))
+        stale = len(self._carry) - len(fresh)
+        self._step, self._stats = step, FilterStats(groups_from_carry=len(fresh), groups_dropped_stale=stale)
         self._carry, self._kept = [], fresh
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:

@@ -134,8 +134,7 @@ def policy_loss(
     Returns (loss, metrics): the fields of ClipStats by name.
     """
     named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
-    checks.loss_inputs(logp, named, agg, AGG_MODES)
-    checks.clip_range(clip_low, clip_high, clip_c)
+    checks.loss_inputs(logp, named, agg, AGG_MODES, (clip_low, clip_high, clip_c))
     valid, weights = mask != 0, token_weights
     per_token, stats = clipped_token_loss(
         logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, token_weights=weights

@@ -86,11 +86,6 @@ class FilterStats:
     groups_dropped_stale: int = 0
     shortfall: int = 0
 
-    @classmethod
-    def of_carry(cls, used: int, dropped_stale: int) -> FilterStats:
-        """A step's record at its start: the carried-over groups it uses first and the stale ones it dropped."""
-        return cls(groups_from_carry=used, groups_dropped_stale=dropped_stale)
-
     def count_round(self, generated: Sequence[ScoredGroup], kept: Sequence[ScoredGroup]) -> None:
         """Count one generation round: the groups it generated (before filtering) and the ones it kept."""
         self.rounds += 1
