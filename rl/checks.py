@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
@@ -90,13 +90,7 @@ def finish_reasons(loss_mask: torch.Tensor, reasons: Sequence[str]) -> None:
         raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(reasons)!r:.80}")
 
 
-def advantage_inputs(
-    scores: torch.Tensor,
-    group_size: int | None,
-    group_ids: torch.Tensor | Sequence[Hashable] | None,
-    eps: float,
-    norm_by_std: bool,
-) -> None:
+def advantage_inputs(scores: torch.Tensor, group_size: Any, group_ids: Any, eps: float, norm_by_std: bool) -> None:
     """group_advantages: finite scores [N]; eps > 0 when dividing by the std; exactly one of group_size (a positive
     int dividing N) and group_ids (N of them; as a tensor, 1-D integer)."""
     require(scores.dim() == 1, f"group_advantages: scores must be 1-D [N], got shape {tuple(scores.shape)}")
@@ -104,9 +98,8 @@ def advantage_inputs(
     # eps = 0 would turn a group of equal rewards into 0 / 0 instead of the documented A = 0.
     require(not norm_by_std or eps > 0, f"group_advantages: eps must be > 0 when dividing by the group std, got {eps}")
     n = scores.shape[0]
-    require(
-        (group_size is None) != (group_ids is None), "group_advantages: give exactly one of group_size and group_ids"
-    )
+    exactly_one = (group_size is None) != (group_ids is None)
+    require(exactly_one, "group_advantages: give exactly one of group_size and group_ids")
     if group_size is not None:
         ok = not isinstance(group_size, bool) and isinstance(group_size, int) and group_size > 0
         require(ok, f"group_advantages: group_size must be a positive int, got {group_size!r}")
@@ -174,12 +167,8 @@ def new_round(groups: Iterable[object], rounds: int, max_rounds: int, step: int)
 
     require(rounds < max_rounds, f"add_round: all {max_rounds} rounds of step {step} are used", RuntimeError)
     groups = list(groups)
-    for group in groups:
-        require(
-            isinstance(group, ScoredGroup),
-            f"add_round: expected ScoredGroup items, got {type(group).__name__}",
-            TypeError,
-        )
+    wrong = next((type(group).__name__ for group in groups if not isinstance(group, ScoredGroup)), None)
+    require(wrong is None, f"add_round: expected ScoredGroup items, got {wrong}", TypeError)
     return cast("list[ScoredGroup]", groups)
 
 
