@@ -1,10 +1,10 @@
 """DAPO's Table 1 ablation on a CPU: naive GRPO -> + overlong filtering -> + clip-higher -> + soft overlong
 punishment -> + token-level loss -> + dynamic sampling (= DAPO), over several seeds.
 
-    python bench/ablation.py                    # 6 rungs x 3 seeds into runs/ablation/
+    python bench/ablation.py                    # 6 rungs x 5 seeds into runs/ablation/
     python bench/ablation.py --quick            # 1 seed, fewer steps, into runs/ablation-quick/ (CI does not run it)
     python bench/ablation.py --report           # table and figures of the runs done so far, nothing trained
-    python bench/ablation.py [--seeds 0,1,2] [--rungs 1,2] [--jobs 2] [--run-dir DIR] [--section.key=value ...]
+    python bench/ablation.py [--seeds 0,1,2,3,4] [--rungs 1,2] [--jobs 2] [--run-dir DIR] [--section.key=value ...]
 
 Every rung is `train.py` on the CPU task of configs/ablation_cpu.toml with exactly the [algorithm] keys its
 configs/ablation/N_*.toml file sets (read through the config loader: those files are the one source of the
@@ -21,8 +21,10 @@ Resumable: a run folder that holds finished.json is done and skipped; an unfinis
 newest checkpoint (train.py's own resume); a killed ladder continues where it stopped when run again. The
 ladder's settings (the task config with the overrides) are saved in ladder.json on the first launch and a
 rerun with other settings is refused. Progress is printed per rung; each run's output is in its folder's
-train.log. At the end: the table (held-out avg@k per rung, mean and spread over seeds, the gain over the
-rung before) as table.md and results.json, and the figures (bench/ablation_figures.py), in the ladder folder.
+train.log. At the end: the table (held-out avg@k per rung, mean and spread over seeds, the paired gain over the
+rung before with its 95% interval, the clipped share and entropy; bench/ablation_report.py) as table.md and
+results.json, and the figures (bench/ablation_figures.py), in the ladder folder. The ladder's learning rate
+comes from a sweep on naive GRPO alone (bench/ablation_sweep.py).
 
 Runs execute `--jobs` at a time (default 2: one torch thread each, on a 2-core machine) in their own
 process groups; they die with the ladder (PR_SET_PDEATHSIG on Linux), and a SIGTERM / SIGINT to the ladder
@@ -56,9 +58,10 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed and a quarter of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
+# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
 # whole: half of it (300 steps) left the policy at 2% held-out accuracy, nearly every group all wrong.
 QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
+DEFAULT_SEEDS = "0,1,2,3,4"  # five: enough for a 95% t-interval of each rung's paired gain
 _RUNG_FILE = re.compile(r"(\d+)_[\w-]+\.toml\Z")
 
 
@@ -417,7 +420,7 @@ def parse_args(argv):
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default=None, help="default runs/ablation (--quick: runs/ablation-quick)")
-    parser.add_argument("--seeds", default=None, help="comma-separated job.seed values (default 0,1,2; --quick: 0)")
+    parser.add_argument("--seeds", default=None, help="comma-separated job.seed values (default 0,1,2,3,4; --quick: 0)")
     parser.add_argument("--rungs", default=None, help="comma-separated rung numbers (default: every rung file)")
     parser.add_argument("--quick", action="store_true", help="1 seed and fewer steps: " + " ".join(QUICK_OVERRIDES))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (default 2)")
@@ -455,7 +458,7 @@ def prepare(opts, overrides: list[str]):
         if unknown:
             raise LadderError(f"--rungs: no rung file numbered {unknown} in {opts.rungs_dir}")
         rungs = [r for r in rungs if r.number in wanted]
-    seeds = _numbers(opts.seeds or ("0" if opts.quick else "0,1,2"), "seeds")
+    seeds = _numbers(opts.seeds or ("0" if opts.quick else DEFAULT_SEEDS), "seeds")
     check_overrides(overrides, rungs)
     for rung in [None, *rungs]:
         effective_config(opts.config, overrides, rung)  # every rung's configuration loads and validates

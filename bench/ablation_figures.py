@@ -1,18 +1,23 @@
-"""The ablation ladder's figures, in the style of the DAPO paper's (PNG, one file each):
+"""The ablation ladder's figures, in the style of the DAPO paper's (PNG, one file each): each shows the mechanism a
+technique exists for, with the rung that turns it on against the rung before.
 
     accuracy_per_rung.png   held-out avg@k per rung over steps, and training accuracy (Table 1 as curves)
-    clip_higher.png         held-out accuracy and entropy with and without clip-higher (Fig. 2)
-    overlong.png            response length, truncated share and reward with and without overlong
-                            filtering and the soft overlong punishment (Fig. 4)
-    dynamic_sampling.png    held-out accuracy against steps and against generated samples, with and
-                            without dynamic sampling (Fig. 6)
+    clip_higher.png         rung 2 -> 3: held-out accuracy, entropy (Fig. 2), the share of tokens clipped at the
+                            upper bound, and the mean pi_old probability of those tokens (Fig. 3)
+    overlong.png            rungs 1 -> 4 (overlong filtering, then the soft punishment): response length, the
+                            truncated share, the mean reward of truncated samples, entropy (Figs. 4-5)
+    token_level_loss.png    rung 4 -> 5: response length and entropy (Fig. 4a/4b), held-out accuracy
+    dynamic_sampling.png    rung 5 -> 6: held-out accuracy against steps and against generated samples, the share
+                            of generated groups kept, generation rounds per step (Fig. 6)
     group_shares.png        the share of all-correct and of all-wrong groups over steps, per rung
 
 A line is the mean over seeds; in the figures that compare two to four rungs a band shows the seeds' range
 (min to max; with all six rungs the bands would hide each other: the table gives the spread). Held-out curves
 start at the shared warm-up's evaluation (step 0). Per-step training metrics are smoothed over `SMOOTH` steps
-(a centred moving mean). The rungs a comparison needs are found from the switches: the rung that turns a
-technique on and the rung before it.
+(a centred moving mean); a metric a step may not have (the mean probability of up-clipped tokens on a step
+that clipped none, the reward of truncated samples on a step that truncated none) is averaged over the seeds
+that have it, at the steps where at least half of them do. The rungs a comparison needs are found from the
+switches: the rung that turns a technique on and the rung before it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 
 HELD_OUT = "eval/avg_at_k"
+CLIPPED_PROB = "token_prob/clipped_upper_mean"
 SMOOTH = 5
 FIGSIZE_PER_PANEL = (4.6, 3.6)
 DPI = 90
@@ -34,7 +40,8 @@ def _smoothed(values: list[float], window: int) -> list[float]:
 
 
 def seed_band(runs: dict, name: str, seeds: list[int], key: str, *, smooth: int = 1, x_key: str | None = None):
-    """(x, mean, low, high) over the seeds that have run `name`, at the steps every one of them logged `key`.
+    """(x, mean, low, high) over the seeds that have run `name`, at the steps at least half of them logged `key`
+    (the mean and range over those that did).
 
     Held-out curves start from each seed's warm-up evaluation at step 0. x_key: plot against the cumulative
     sum of this per-step metric (e.g. generated samples) instead of the step, averaged over seeds."""
@@ -59,14 +66,14 @@ def seed_band(runs: dict, name: str, seeds: list[int], key: str, *, smooth: int 
         curves.append(points)
     if not curves:
         return None
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    steps = sorted(s for s in set.union(*(set(c) for c in curves)) if 2 * sum(s in c for c in curves) >= len(curves))
     if not steps:
         return None
     if x_key is not None:
-        x = [sum(c[s][0] for c in curves) / len(curves) for s in steps]
-        columns = [[c[s][1] for c in curves] for s in steps]
+        x = [sum(c[s][0] for c in curves if s in c) / sum(s in c for c in curves) for s in steps]
+        columns = [[c[s][1] for c in curves if s in c] for s in steps]
     else:
-        x, columns = steps, [[c[s] for c in curves] for s in steps]
+        x, columns = steps, [[c[s] for c in curves if s in c] for s in steps]
     mean = _smoothed([sum(col) / len(col) for col in columns], smooth)
     low = _smoothed([min(col) for col in columns], smooth)
     high = _smoothed([max(col) for col in columns], smooth)
@@ -124,6 +131,79 @@ def _save(fig, axes, out_dir: str, name: str, title: str) -> str:
     return path
 
 
+def _compare(runs, seeds, pair, panels, out_dir: str, name: str, title: str) -> str | None:
+    """One figure of len(panels) panels, each (title, y label, key, smooth, x_key), with every rung of `pair`."""
+    if len(pair) < 2:
+        return None
+    fig, axes = _figure(len(panels))
+    drawn = False
+    for ax, (panel_title, ylabel, key, smooth, x_key) in zip(axes, panels):
+        _panel(ax, panel_title, "samples generated" if x_key else "step", ylabel)
+        for r in pair:
+            drawn = _draw(ax, runs, seeds, r, key, smooth=smooth, x_key=x_key) or drawn
+    return _save(fig, axes, out_dir, name, title) if drawn else None
+
+
+def _mechanism_figures(runs, rungs, seeds, out_dir: str, seeds_text: str, group_size: int) -> list[str | None]:
+    held_out = ("Held-out accuracy", "avg@k", HELD_OUT, 1, None)
+    entropy = (f"Entropy ({SMOOTH}-step mean)", "nats per token", "entropy", SMOOTH, None)
+    length = (f"Mean response length ({SMOOTH}-step mean)", "tokens", "response_length/mean", SMOOTH, None)
+    m = f"{SMOOTH}-step mean"
+    return [
+        _compare(
+            runs,
+            seeds,
+            _pair(rungs, "clip_high"),
+            [
+                held_out,
+                entropy,
+                (f"Tokens clipped at 1 + eps_high ({m})", "share of trained tokens", "pg_clipfrac_upper", SMOOTH, None),
+                (f"Mean pi_old prob. of up-clipped tokens ({m})", "probability", CLIPPED_PROB, SMOOTH, None),
+            ],
+            out_dir,
+            "clip_higher.png",
+            f"Without / with clip-higher (Figs. 2, 3): {seeds_text}",
+        ),
+        _compare(
+            runs,
+            seeds,
+            _pair(rungs, "overlong_filter", "overlong_penalty"),
+            [
+                length,
+                (f"Truncated samples ({m})", "share of samples", "response_length/clip_ratio", SMOOTH, None),
+                (f"Reward of truncated samples ({m})", "mean score", "reward/truncated_mean", SMOOTH, None),
+                entropy,
+            ],
+            out_dir,
+            "overlong.png",
+            f"Overlong filtering, then the soft overlong punishment (Figs. 4, 5): {seeds_text}",
+        ),
+        _compare(
+            runs,
+            seeds,
+            _pair(rungs, "loss_agg"),
+            [length, entropy, held_out],
+            out_dir,
+            "token_level_loss.png",
+            f"Sample-level / token-level loss (Fig. 4): {seeds_text}",
+        ),
+        _compare(
+            runs,
+            seeds,
+            _pair(rungs, "dynamic_sampling"),
+            [
+                ("Held-out accuracy against steps", "avg@k", HELD_OUT, 1, None),
+                ("Held-out accuracy against generated samples", "avg@k", HELD_OUT, 1, "gen/samples"),
+                (f"Generated groups kept ({m})", "share of groups", "groups/kept_share", SMOOTH, None),
+                ("Generation rounds per step", "rounds", "gen/rounds", 1, None),
+            ],
+            out_dir,
+            "dynamic_sampling.png",
+            f"Without / with dynamic sampling (Fig. 6), groups of {group_size}: {seeds_text}",
+        ),
+    ]
+
+
 def draw_figures(runs: dict, rungs: list, seeds: list[int], out_dir: str, *, group_size: int) -> list[str]:
     """Every figure of the module docstring that the finished runs allow; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
@@ -139,39 +219,7 @@ def draw_figures(runs: dict, rungs: list, seeds: list[int], out_dir: str, *, gro
         title = f"Table 1 ladder: mean over seeds {', '.join(map(str, seeds))}"
         written.append(_save(fig, axes, out_dir, "accuracy_per_rung.png", title))
 
-    pair = _pair(rungs, "clip_high")
-    if len(pair) == 2:
-        fig, axes = _figure(2)
-        _panel(axes[0], "Held-out accuracy", ylabel="avg@k")
-        _panel(axes[1], f"Entropy of the policy ({SMOOTH}-step mean)", ylabel="nats per token")
-        for r in pair:
-            _draw(axes[0], runs, seeds, r, HELD_OUT)
-            _draw(axes[1], runs, seeds, r, "entropy", smooth=SMOOTH)
-        title = f"Without / with clip-higher (Fig. 2): {seeds_text}"
-        written.append(_save(fig, axes, out_dir, "clip_higher.png", title))
-
-    pair = _pair(rungs, "overlong_filter", "overlong_penalty")
-    if pair:
-        fig, axes = _figure(3)
-        _panel(axes[0], f"Mean response length ({SMOOTH}-step mean)", ylabel="tokens")
-        _panel(axes[1], f"Truncated samples ({SMOOTH}-step mean)", ylabel="share of samples")
-        _panel(axes[2], f"Reward, all samples ({SMOOTH}-step mean)", ylabel="score")
-        for r in pair:
-            for ax, key in zip(axes, ("response_length/mean", "response_length/clip_ratio", "reward/mean")):
-                _draw(ax, runs, seeds, r, key, smooth=SMOOTH)
-        title = f"Without / with overlong filtering and soft overlong punishment (Fig. 4): {seeds_text}"
-        written.append(_save(fig, axes, out_dir, "overlong.png", title))
-
-    pair = _pair(rungs, "dynamic_sampling")
-    if len(pair) == 2:
-        fig, axes = _figure(2)
-        _panel(axes[0], "Held-out accuracy against steps", ylabel="avg@k")
-        _panel(axes[1], "Held-out accuracy against generated samples", xlabel="samples generated", ylabel="avg@k")
-        for r in pair:
-            _draw(axes[0], runs, seeds, r, HELD_OUT)
-            _draw(axes[1], runs, seeds, r, HELD_OUT, x_key="gen/samples")
-        title = f"Without / with dynamic sampling (Fig. 6), groups of {group_size}: {seeds_text}"
-        written.append(_save(fig, axes, out_dir, "dynamic_sampling.png", title))
+    written += [p for p in _mechanism_figures(runs, rungs, seeds, out_dir, seeds_text, group_size) if p]
 
     fig, axes = _figure(2)
     _panel(axes[0], f"All-correct groups ({SMOOTH}-step mean)", ylabel="share of generated groups")

@@ -45,7 +45,8 @@ def worker(opts) -> dict:
     import torch
 
     sys.path.insert(0, ROOT)
-    from model.logprob import naive_token_logprobs, token_logprobs
+    from model.logprob import token_logprobs
+    from tests.logprob_reference import naive_token_logprobs
 
     device = torch.device(opts.device)
     torch.manual_seed(0)

@@ -42,10 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from model.args import ModelArgs, get_preset
-from model.hf_adapter import hf_config_from_args, hf_state_dict
+from model.hf_adapter import hf_config_from_args
 from model.qwen2 import build_model
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
+from tests.qwen2_checkpoint import hf_state_dict
 
 # Qwen2.5-0.5B's proportions (head_dim 64, 7 query heads per kv head, SwiGLU 5.4x hidden, tied head)
 # at a CPU-friendly size: 4 layers, hidden 448, vocab 8192 -> 18.6M parameters.

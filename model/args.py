@@ -45,17 +45,14 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
-def num_params(args: ModelArgs, include_embedding: bool = True) -> int:
+def num_params(args: ModelArgs) -> int:
     """Exact parameter count of `model.qwen2.Qwen2` built from `args` (tied head counted once)."""
     h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
     attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (w+b), k and v (w+b), o (no bias)
     mlp = 3 * h * args.intermediate_size
-    norms = 2 * h
-    per_layer = attention + mlp + norms
-    embedding = args.vocab_size * h
-    head = 0 if args.tie_word_embeddings else args.vocab_size * h
-    total = args.num_layers * per_layer + h + head  # + final norm
-    return total + embedding if include_embedding else total
+    per_layer = attention + mlp + 2 * h  # + two norms
+    heads = 1 if args.tie_word_embeddings else 2  # the embedding, and the output head unless tied
+    return args.num_layers * per_layer + h + heads * args.vocab_size * h  # + final norm
 
 
 # Values of the official Qwen/Qwen2.5-*B (base) config.json files. 0.5B-3B tie the output head to the
@@ -69,47 +66,9 @@ PRESETS: dict[str, ModelArgs] = {
     "qwen2.5-32b": ModelArgs(152064, 5120, 64, 40, 8, 27648, 1e6, 1e-5, False, 131072),
     "qwen2.5-72b": ModelArgs(152064, 8192, 80, 64, 8, 29568, 1e6, 1e-5, False, 131072),
     # Tiny shapes with Qwen2.5's structure (GQA, qkv bias, SwiGLU) for tests and the CPU demo.
-    "tiny": ModelArgs(
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=1024,
-    ),
-    "tiny-tied": ModelArgs(
-        vocab_size=256,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    ),
-    "demo": ModelArgs(
-        vocab_size=512,
-        hidden_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=384,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-    ),
-}
-
-# Published total sizes (Qwen2.5 model cards), used to check the presets.
-PUBLISHED_SIZES = {
-    "qwen2.5-0.5b": 0.49e9,
-    "qwen2.5-1.5b": 1.54e9,
-    "qwen2.5-3b": 3.09e9,
-    "qwen2.5-7b": 7.62e9,
-    "qwen2.5-14b": 14.7e9,
-    "qwen2.5-32b": 32.5e9,
-    "qwen2.5-72b": 72.7e9,
+    "tiny": ModelArgs(256, 64, 2, 4, 2, 128, 1e6, 1e-6, False, 1024),
+    "tiny-tied": ModelArgs(256, 64, 2, 4, 2, 128, 1e6, 1e-6, True, 1024),
+    "demo": ModelArgs(512, 128, 4, 4, 2, 384, 1e6, 1e-6, True, 512),
 }
 
 

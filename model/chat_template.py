@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import jinja2
 
-__all__ = ["render_template", "qwen25_template", "template_from_config"]
-
 
 def _raise_exception(message: str) -> NoReturn:
     import jinja2

@@ -50,16 +50,6 @@ from model.qwen2 import Qwen2
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointLayout",
-    "checkpoint_layout",
-    "load_hf",
-    "save_hf",
-    "remove_model_files",
-    "complete_hf_export",
-]
-
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 

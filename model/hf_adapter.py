@@ -3,16 +3,8 @@ shape it has, which dtypes it may store, how its config.json reads and how its w
 
 Everything that crosses the HF boundary goes through here: loading and saving (model/hf.py), the export
 from shards (parallel/hf_export.py), the weight sync to an engine (rollout/weight_sync.py) and both
-engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body:
-
-    ours                                    HF
-    embed_tokens.weight                     model.embed_tokens.weight
-    layers.{i}.self_attn.q_proj.weight      model.layers.{i}.self_attn.q_proj.weight   (same for k, v, o, bias)
-    layers.{i}.mlp.gate_proj.weight         model.layers.{i}.mlp.gate_proj.weight      (same for up, down)
-    layers.{i}.input_layernorm.weight       model.layers.{i}.input_layernorm.weight    (and post_attention_)
-    norm.weight                             model.norm.weight
-    lm_head.weight                          lm_head.weight                             (untied models only)
-
+engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body
+(`layers.{i}.mlp.up_proj.weight` is `model.layers.{i}.mlp.up_proj.weight`; `lm_head.weight` keeps its name);
 `_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no
 `lm_head.weight`: the output projection is the embedding matrix. Names are those of the plain module;
 wrappers that add path components (torch.compile's `_orig_mod.`) are removed by whoever adds them
@@ -33,27 +25,6 @@ from torch import nn
 from errors import CheckpointError, write_atomically
 from model.args import ModelArgs
 from model.qwen2 import Qwen2
-
-__all__ = [
-    "CheckpointError",
-    "DTYPES",
-    "to_dtype",
-    "dtype_name",
-    "to_hf_name",
-    "from_hf_name",
-    "hf_shapes",
-    "named_tensors",
-    "iter_hf_tensors",
-    "hf_state_dict",
-    "args_from_hf_config",
-    "hf_config_from_args",
-    "read_hf_config",
-    "write_hf_config",
-    "read_json",
-    "write_json",
-    "shard_file_name",
-    "is_model_file",
-]
 
 HF_ARCHITECTURE = "Qwen2ForCausalLM"
 HF_MODEL_TYPE = "qwen2"
@@ -176,15 +147,6 @@ def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """
     for name, tensor in named_tensors(source):
         yield to_hf_name(name), tensor
-
-
-def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
-    """{HF name: tensor} of our module as transformers' `Qwen2ForCausalLM.state_dict()` lists it: a tied
-    model's `lm_head.weight` is the embedding tensor itself. Tensors are not copied."""
-    state = dict(iter_hf_tensors(model))
-    if model.args.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,9 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_logprobs", "naive_token_logprobs"]
-
-
 # ---------------------------------------------------------------------------------------------------
 # Per-chunk math (shared with the vocabulary-parallel version)
 # ---------------------------------------------------------------------------------------------------
@@ -123,9 +120,16 @@ def _chunk_grad_logits(
 # ---------------------------------------------------------------------------------------------------
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], targets [N]) -> (logp [N], entropy [N] or empty), recomputing
-    each chunk's logits in backward instead of saving them."""
+Reduce = Callable[[torch.Tensor], object]  # an in-place all-reduce over the vocabulary slices' group
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V', H], targets [N]) -> (logp [N], entropy [N] or empty), recomputing
+    each chunk's logits in backward instead of saving them.
+
+    Unsharded, `targets` index the whole vocabulary and the reductions are None. The vocabulary-parallel
+    version (parallel/logprob.py) passes slice-local targets (-1: not in this slice), its TP group's
+    all-reduces MAX and SUM, and `reduce_grad_hidden` (a SUM, or None where DTensor reduces it)."""
 
     @staticmethod
     def forward(
@@ -137,18 +141,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         chunk_size: int,
         with_entropy: bool,
         entropy_grad: bool,
+        reduce_max: Reduce | None = None,
+        reduce_sum: Reduce | None = None,
+        reduce_grad_hidden: Reduce | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp, lse, entropy = chunked_forward(hidden, weight, targets, temperature, chunk_size, with_entropy)
+        logp, lse, entropy = chunked_forward(
+            hidden, weight, targets, temperature, chunk_size, with_entropy, reduce_max, reduce_sum
+        )
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
+        ctx.reduce_grad_hidden = reduce_grad_hidden
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(
-        ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden, grad_weight = chunked_backward(
@@ -164,7 +172,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             ctx.needs_input_grad[0],
             ctx.needs_input_grad[1],
         )
-        return grad_hidden, grad_weight, None, None, None, None, None
+        if grad_hidden is not None and ctx.reduce_grad_hidden is not None:
+            ctx.reduce_grad_hidden(grad_hidden)
+        return (grad_hidden, grad_weight) + (None,) * 8
 
 
 def chunked_forward(
@@ -174,15 +184,11 @@ def chunked_forward(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
-    reduce_max: Callable[[torch.Tensor], object] | None = None,
-    reduce_sum: Callable[[torch.Tensor], object] | None = None,
+    reduce_max: Reduce | None = None,
+    reduce_sum: Reduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk.
-
-    Shared by this module and the vocabulary-parallel version (parallel/logprob.py), which passes
-    in-place all-reduces over its TP group as `reduce_max` (the row max) and `reduce_sum` (the stacked
-    sums) and slice-local `targets` (-1: not in this slice); without them the slice is the whole vocabulary.
-    """
+    """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk;
+    `reduce_max` all-reduces the row max and `reduce_sum` the stacked sums over the vocabulary slices."""
     n = hidden.shape[0]
     logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
     lse = torch.empty_like(logp)
@@ -220,8 +226,7 @@ def chunked_backward(
     need_weight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of the chunked log-probs (and entropy, when `entropy` is given) with respect to `hidden`
-    and `weight`, recomputing each chunk's logits: shared by this module and the vocabulary-parallel
-    version (parallel/logprob.py), whose `targets` are slice-local (-1: not in this slice)."""
+    and `weight`, recomputing each chunk's logits."""
     assert (entropy is None) == (grad_entropy is None), "entropy and grad_entropy come together"
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
     # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
@@ -319,29 +324,7 @@ def token_logprobs(
     lead = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
-    logp, entropy = _ChunkedTokenLogprobs.apply(
+    logp, entropy = ChunkedTokenLogprobs.apply(
         flat_h, weight, flat_t, float(temperature), int(chunk_size), bool(with_entropy), bool(entropy_grad)
     )
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)
-
-
-def naive_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    with_entropy: bool = True,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reference for `token_logprobs`: materialises the full fp32 logits and lets autograd differentiate.
-    `chunk_size` is accepted for signature compatibility and ignored."""
-    check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad)
-    logits = (hidden @ weight.t()).to(_stats_dtype(hidden.dtype)) / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, (entropy if entropy_grad else entropy.detach())

@@ -42,16 +42,6 @@ from tokenizers import Tokenizer as _HFTokenizer
 from errors import CheckpointError
 from model.chat_template import qwen25_template, render_template, template_from_config
 
-__all__ = [
-    "Tokenizer",
-    "train_bpe_tokenizer",
-    "render_chat",
-    "qwen2_pipeline",
-    "QWEN25_DEFAULT_SYSTEM",
-    "CHAT_TEMPLATE_JINJA",
-    "CHAT_ROLES",
-]
-
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_ROLES = ("system", "user", "assistant")
@@ -77,6 +67,12 @@ TOKENIZER_FILES = (
     TEMPLATE_FILE,
 )
 EXTRA_TEMPLATES_DIR = "additional_chat_templates"
+# An added token's fields in tokenizer_config.json's added_tokens_decoder, as transformers writes them.
+ADDED_TOKEN_FIELDS = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+# BPE model options Qwen2Tokenizer leaves unset.
+UNSET_BPE_OPTIONS = tuple(
+    "byte_fallback fuse_unk ignore_merges continuing_subword_prefix end_of_word_suffix dropout unk_token".split()
+)
 
 
 def qwen2_pipeline(tokenizer: _HFTokenizer) -> _HFTokenizer:
@@ -203,14 +199,7 @@ class Tokenizer:
             return  # saving onto the directory it came from: nothing to change
         self._tok.save(os.path.join(path, "tokenizer.json"))
         added = {
-            str(i): {
-                "content": t.content,
-                "lstrip": t.lstrip,
-                "normalized": t.normalized,
-                "rstrip": t.rstrip,
-                "single_word": t.single_word,
-                "special": t.special,
-            }
+            str(i): {key: getattr(t, key) for key in ADDED_TOKEN_FIELDS}
             for i, t in sorted(self._tok.get_added_tokens_decoder().items())
         }
         config = {
@@ -251,19 +240,7 @@ class Tokenizer:
         model = ours.get("model", {})
         if model.get("type") != "BPE":
             problems.append(f"the model is {model.get('type')} instead of BPE")
-        problems += [
-            f"the BPE model sets {key} = {model[key]!r}"
-            for key in (
-                "byte_fallback",
-                "fuse_unk",
-                "ignore_merges",
-                "continuing_subword_prefix",
-                "end_of_word_suffix",
-                "dropout",
-                "unk_token",
-            )
-            if model.get(key)
-        ]
+        problems += [f"the BPE model sets {key} = {model[key]!r}" for key in UNSET_BPE_OPTIONS if model.get(key)]
         return "; ".join(problems) or None
 
     # -- ids ----------------------------------------------------------------------------------------

@@ -136,9 +136,7 @@ def _number(key: str, value: object) -> float | int | None:
         return None
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # 0-d torch tensor / numpy scalar
         value = value.item()
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Integral):
+    if isinstance(value, numbers.Integral):  # bools too: 0/1
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)

@@ -150,16 +150,8 @@ def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
         drawn.append((line, series.label, steps[-1], values[-1]))
     missing = [s.key for s in spec.series if not series_points(rows, s.key)[0]]
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            "not in metrics.jsonl:\n" + "\n".join(missing),
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            fontsize=10,
-            color="gray",
-        )
+        note = "not in metrics.jsonl:\n" + "\n".join(missing)
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=10, color="gray")
         ax.set_xticks([])
         ax.set_yticks([])
         ax.set_ylabel("")

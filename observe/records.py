@@ -1,6 +1,6 @@
 """Logged metrics as typed records, each declared once with how it combines over micro-batches and ranks.
 
-    Sum    added up (samples, groups, seconds)
+    Sum    added up (samples, groups, seconds); Count: a Sum of whole things, logged as an integer
     Mean   total / weight, NaN without weight: a mean weighted by tokens, samples or groups
     Max    the largest value, NaN where none was seen
 
@@ -38,6 +38,13 @@ class Sum:
         return self.parts[0]
 
 
+class Count(Sum):
+    """A Sum of whole things (rounds, updates), logged as an integer."""
+
+    def result(self) -> int:
+        return int(self.parts[0])
+
+
 class Max:
     """The largest value over micro-batches and ranks; NaN where none was added."""
 
@@ -66,7 +73,7 @@ class Mean:
         return total / weight if weight else math.nan
 
 
-Record = Sum | Max | Mean
+Record = Sum | Count | Max | Mean
 
 
 def logged(name: str, kind: Callable[..., Any], *args: Any) -> Any:

@@ -73,6 +73,7 @@ from parallel.checkpoint_files import (
 )
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
+from parallel.optimizer_settings import configured_settings, restore_configured
 from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
 from parallel.safe_dcp import load_tensors
 
@@ -256,10 +257,6 @@ class CheckpointManager:
         for step in reversed(_broadcast(self.complete_steps())):
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
             yield step, next((p for p in problems if p is not None), None)
-
-    def latest_valid_step(self) -> int | None:
-        """The newest checkpoint whose files are intact (None: there is none). Collective."""
-        return next((step for step, problem in self._verdicts() if problem is None), None)
 
     def _name(self, step: int) -> str:
         return os.path.basename(self.step_path(step))
@@ -464,7 +461,8 @@ class CheckpointManager:
         lr_scheduler: LRScheduler | None = None,
     ) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
-        rank's RNG states and the scheduler; return the saved train state.
+        rank's RNG states and the scheduler's position; return the saved train state. The optimizer's configured
+        hyperparameters (lr, betas, weight decay, ...) win over the checkpoint's (parallel/optimizer_settings.py).
 
         Nothing in the folder can run code (see the module docstring); a checkpoint that would need it
         raises CheckpointError, naming the file, before the model is touched."""
@@ -486,6 +484,8 @@ class CheckpointManager:
                 f"{path} has optimizer state but no optimizer_param_groups in its train state; "
                 f"remove that checkpoint folder"
             )
+        target = optimizer or fresh_optimizer
+        settings = configured_settings(target, lr_scheduler) if target is not None else {}
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             load_tensors(tensors, path, no_dist=not dist.is_initialized())
@@ -506,13 +506,16 @@ class CheckpointManager:
             )
         if own:
             _set_rng_state(extra["rng"])
-        if lr_scheduler is not None and extra["lr_scheduler"] is not None:
+        if target is not None:  # the configured hyperparameters, at the schedule's saved position
+            changed = restore_configured(settings, target, lr_scheduler, extra["lr_scheduler"])
+            if changed and _rank() == 0:
+                log.warning(
+                    "checkpoint %s was made with other optimizer settings; training with the configured ones: %s",
+                    path,
+                    changed,
+                )
+        elif lr_scheduler is not None and extra["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
-            if fresh_optimizer is not None:
-                # No optimizer state was saved (every update so far was skipped), so the param groups still
-                # hold the initial rate while the schedule has moved on: give them the schedule's.
-                for group, lr in zip(fresh_optimizer.param_groups, lr_scheduler.get_last_lr()):
-                    group["lr"] = lr
         return extra["train_state"]
 
     def resume(

@@ -179,16 +179,6 @@ def verify(root: str, expected: dict[str, FileRecord]) -> str | None:
     return None
 
 
-def records_of(root: str) -> dict[str, FileRecord]:
-    """Every file under `root` as it is now (names relative to `root`)."""
-    out = {}
-    for directory, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(directory, name)
-            out[os.path.relpath(path, root)] = file_record(path)
-    return out
-
-
 def describe_file_system(path: str) -> str:
     """The device holding `path` and where it is mounted, e.g. "/dev/vda1 (mounted at /data)"."""
     target = os.path.realpath(path)

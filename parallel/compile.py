@@ -45,9 +45,9 @@ def _resolve_async_output(module: nn.Module, args: tuple[object, ...], output: t
     return output
 
 
-def apply_compile(model: Qwen2, *, backend: str = "inductor", fullgraph: bool = True) -> Qwen2:
+def apply_compile(model: Qwen2, *, backend: str = "inductor") -> Qwen2:
     """Compile every block of `model.layers` in place (call after TP and activation checkpointing)."""
     model.embed_tokens.register_forward_hook(_resolve_async_output)
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=fullgraph)
+        block.compile(backend=backend, fullgraph=True)
     return model

@@ -91,12 +91,6 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1
 
-    # ---- validation against a model ---------------------------------------------------------------
-
-    def validate_model(self, args: ModelArgs) -> None:
-        """Tensor parallelism splits heads, KV heads, the MLP width and the vocabulary evenly over tp ranks."""
-        check_tp_divides(args, self.tp)
-
     # ---- mesh ---------------------------------------------------------------------------------------
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -139,6 +133,3 @@ class ParallelDims:
 
     def dp_rank(self) -> int:
         return self.dp_mesh().get_local_rank()
-
-    def tp_rank(self) -> int:
-        return self.tp_mesh().get_local_rank()

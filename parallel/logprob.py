@@ -10,86 +10,23 @@ and only a few floats per token cross the TP group:
     sum_v exp(z_v - m)(z_v - m)                  all-reduce SUM  /
     logp_y  = (z_y - m) - log S,   lse = m + log S,   entropy = log S - sum exp(z - m)(z - m) / S
 
-The backward recomputes each chunk's logit slice and applies, with the global lse and entropy,
-
-    d logp_y / d z_v  = 1[v = y] - p_v,        d entropy / d z_v = -p_v (log p_v + entropy)
-
-so the weight shard's gradient is local and exact, and the hidden states' gradient is a partial sum
-over the vocabulary slices, reduced over the TP group (by DTensor when `hidden` is a DTensor, by an
-all-reduce otherwise). The [tokens, V] logits never exist, on any rank; at most one [chunk, V/tp] slice.
+The backward recomputes each chunk's logit slice and applies model/logprob.py's logit gradients with the
+global lse and entropy, so the weight shard's gradient is local and exact, and the hidden states' gradient
+is a partial sum over the vocabulary slices, reduced over the TP group (by DTensor when `hidden` is a
+DTensor, by an all-reduce otherwise). The [tokens, V] logits never exist, on any rank; at most one [chunk, V/tp] slice.
 
 Without tensor parallelism this is `model.logprob.token_logprobs`, so the trainer calls one function.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from model.logprob import DEFAULT_CHUNK, check_logprob_inputs, chunked_backward, chunked_forward, token_logprobs
-
-
-class _VocabParallelTokenLogprobs(torch.autograd.Function):
-    """(hidden [N, H] full, weight slice [V/tp, H], targets [N] global ids) -> (logp [N], entropy [N] or empty)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,  # autograd's context object, which also carries this function's own settings
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        vocab_offset: int,
-        tp_group: dist.ProcessGroup,
-        temperature: float,
-        chunk_size: int,
-        with_entropy: bool,
-        entropy_grad: bool,
-        reduce_hidden_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        local = targets - vocab_offset
-        local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
-        logp, lse, entropy = chunked_forward(
-            hidden,
-            weight,
-            local,
-            temperature,
-            chunk_size,
-            with_entropy,
-            reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group),
-            reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=tp_group),
-        )
-        ctx.save_for_backward(hidden, weight, local, lse, entropy if entropy_grad else None)
-        ctx.tp_group, ctx.temperature, ctx.chunk_size = tp_group, temperature, chunk_size
-        ctx.entropy_grad, ctx.reduce_hidden_grad = entropy_grad, reduce_hidden_grad
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None, None, None]:
-        hidden, weight, local, lse, entropy = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden, grad_weight = chunked_backward(
-            hidden,
-            weight,
-            local,
-            lse,
-            grad_logp,
-            entropy if ctx.entropy_grad else None,
-            grad_entropy if ctx.entropy_grad else None,
-            ctx.temperature,
-            ctx.chunk_size,
-            need_h,
-            need_w,
-        )
-        if grad_hidden is not None and ctx.reduce_hidden_grad:  # need_h
-            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+from model.logprob import DEFAULT_CHUNK, ChunkedTokenLogprobs, check_logprob_inputs, token_logprobs
 
 
 def _check_tp_sharded_head(weight: DTensor) -> None:
@@ -177,18 +114,24 @@ def vocab_parallel_token_logprobs(
 
     check_logprob_inputs(hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad, vocab=vocab)
 
-    rank = dist.get_rank(tp_group)
-    logp, entropy = _VocabParallelTokenLogprobs.apply(
+    local = targets.reshape(-1).long() - dist.get_rank(tp_group) * weight.shape[0]
+    local = torch.where((local >= 0) & (local < weight.shape[0]), local, -1)  # -1: not in this slice
+    group = tp_group  # bound for the closures below (mypy keeps the narrowing)
+
+    def reduce(op: dist.ReduceOp.RedOpType) -> Callable[[torch.Tensor], object]:
+        return lambda t: dist.all_reduce(t, op=op, group=group)
+
+    logp, entropy = ChunkedTokenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
-        targets.reshape(-1).long(),
-        rank * weight.shape[0],
-        tp_group,
+        local,
         float(temperature),
         int(chunk_size),
         bool(with_entropy),
         bool(entropy_grad),
-        reduce_hidden_grad,
+        reduce(dist.ReduceOp.MAX),
+        reduce(dist.ReduceOp.SUM),
+        reduce(dist.ReduceOp.SUM) if reduce_hidden_grad else None,
     )
     lead = targets.shape
     return logp.view(lead), (entropy.view(lead) if with_entropy else None)

@@ -51,10 +51,8 @@ def parallelize_qwen2(
     """
     config = _with_overrides(parallelism, overrides)
     param_dtype, reduce_dtype = to_dtype(config.param_dtype), to_dtype(config.reduce_dtype)
-    dims.validate_model(model.args)
-    if mesh is not None and mesh is not dims.world_mesh:
-        raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
-    if (dims.tp_enabled or dims.fsdp_enabled) and mesh is None:
+    needs_mesh = dims.tp_enabled or dims.fsdp_enabled
+    if (mesh is not None and mesh is not dims.world_mesh) or (needs_mesh and mesh is None):
         raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
     # Mixed precision is FSDP's MixedPrecisionPolicy, so a single data-parallel rank that trains in bf16
     # still gets a (size-1) FSDP wrapping: fp32 master weights, bf16 compute.

@@ -55,12 +55,6 @@ def group_advantages(
     return advantages.to(scores.dtype)
 
 
-def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A_{i,t} = A_i * mask_{i,t}: per-sample advantages [B] spread over a [B, T] response mask."""
-    checks.broadcast_shapes(advantages, mask)
-    return advantages[:, None] * mask.to(advantages.dtype)
-
-
 def _group_index(
     n: int, group_size: int | None, group_ids: torch.Tensor | Sequence[Hashable] | None, device: torch.device
 ) -> tuple[torch.Tensor, int]:

@@ -110,13 +110,6 @@ def advantage_inputs(scores: torch.Tensor, group_size: Any, group_ids: Any, eps:
         require(ok, "group_advantages: group_ids tensor must be 1-D with integer values")
 
 
-def broadcast_shapes(advantages: torch.Tensor, mask: torch.Tensor) -> None:
-    """broadcast_to_tokens: advantages [B] and a mask [B, T]."""
-    ok = advantages.dim() == 1 and mask.dim() == 2 and mask.shape[0] == advantages.shape[0]
-    shapes = f"{tuple(advantages.shape)} and {tuple(mask.shape)}"
-    require(ok, f"broadcast_to_tokens: need advantages [B] and mask [B, T], got {shapes}")
-
-
 def group_values(values: Sequence[float], tol: float) -> list[float]:
     """keep_group: a non-empty group of finite values, tol >= 0; the values as floats."""
     require(len(values) > 0, "keep_group: empty group")

@@ -16,7 +16,7 @@ import os
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from errors import DataError
 from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
@@ -75,6 +75,8 @@ class LoadStats:
         )
 
 
+Overflow = Literal["truncate_left", "drop"]  # what becomes of a prompt longer than max_prompt_length
+
 # The columns a prompt file must have (the rest of the schema is optional).
 SCHEMA_COLUMNS = ("prompt", "reward_model")
 
@@ -84,7 +86,7 @@ def rows_to_examples(
     tokenizer: Tokenizer,
     *,
     max_prompt_length: int,
-    overflow: str = "truncate_left",
+    overflow: Overflow = "truncate_left",
     source_name: str = "<rows>",
 ) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
@@ -95,10 +97,6 @@ def rows_to_examples(
     `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
     prompt is) or dropped, per `overflow`.
     """
-    if overflow not in ("truncate_left", "drop"):
-        raise ValueError(f"prompt overflow policy must be 'truncate_left' or 'drop', got {overflow!r}")
-    if max_prompt_length <= 0:
-        raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
     stats = LoadStats()
     seen: set[tuple] = set()
     examples: list[PromptExample] = []
@@ -135,7 +133,7 @@ def rows_to_examples(
 
 
 def _fit_prompt(
-    ids: list[int], max_prompt_length: int, overflow: str, stats: LoadStats, row_number: int
+    ids: list[int], max_prompt_length: int, overflow: Overflow, stats: LoadStats, row_number: int
 ) -> list[int] | None:
     """A prompt's ids within `max_prompt_length` tokens: its last tokens (left-truncated, counted), or None
     when `overflow` is "drop" (counted, and noted as a problem)."""
@@ -238,7 +236,7 @@ def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: str = "truncate_left", repeat: int = 1
+    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left", repeat: int = 1
 ) -> list[PromptExample]:
     """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
     rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
@@ -246,12 +244,6 @@ def load_prompts(
         rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
     )
     return [e for e in examples for _ in range(repeat)]
-
-
-def write_parquet_rows(rows: list[dict], path: str) -> None:
-    import datasets
-
-    datasets.Dataset.from_list(rows).to_parquet(path)
 
 
 # ---------------------------------------------------------------------------------------------------

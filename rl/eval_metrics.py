@@ -32,6 +32,7 @@ the per-source averages.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -68,25 +69,14 @@ def vote_key(pred: str | None) -> str | None:
 
 
 def majority_vote(keys: Sequence[str | None]) -> int | None:
-    """Index of the sample that represents the winning answer, or None when no sample answered.
-
-    `keys` are vote keys (see `vote_key`); None casts no vote. The winner has the most votes; among
-    answers with equally many votes the one seen first wins, and the returned index is its first
-    occurrence. Example: keys ["4", "3", "3", "4", None, None, None] -> 0 ("4" and "3" tie with two
-    votes each, "4" appears first; the three non-answers do not count).
-    """
-    counts: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        if key is None:
-            continue
-        counts[key] = counts.get(key, 0) + 1
-        first.setdefault(key, i)
+    """Index of the winning answer's first sample by the module docstring's rules (`keys` from `vote_key`),
+    or None when no sample answered: ["4", "3", "3", "4", None, None, None] -> 0 ("4" and "3" tie, "4" came
+    first; the three non-answers cast no vote)."""
+    counts = Counter(key for key in keys if key is not None)
     if not counts:
         return None
-    # max() keeps the first maximal element, and dicts iterate in first-occurrence order.
-    winner = max(counts, key=counts.__getitem__)
-    return first[winner]
+    # most_common orders equal counts by first occurrence (documented), so a tie goes to the first answer.
+    return list(keys).index(counts.most_common(1)[0][0])
 
 
 @dataclass

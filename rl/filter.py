@@ -23,18 +23,21 @@ many, and carries the surplus over to later steps (first in, first out; groups o
         builder.add_round(generate_and_score())   # list of ScoredGroup
     batch, stats = builder.finish()
 
-`FilterStats` (rl/stats.py) describes the groups generated in this step before filtering (all correct, all wrong,
-the pass rates), the groups kept, and where the batch came from.
+`FilterStats` (rl/stats.py) describes the groups generated in this step before filtering (all correct, all
+wrong), the groups kept, and where the batch came from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from rl import checks
 from rl.stats import FilterStats
+
+if TYPE_CHECKING:
+    from config.schema import AlgorithmConfig
 
 
 def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
@@ -67,25 +70,6 @@ class ScoredGroup(Generic[Payload]):
     @property
     def size(self) -> int:
         return len(self.acc)
-
-    @property
-    def pass_rate(self) -> float:
-        return sum(self.acc) / len(self.acc)
-
-
-class SamplingSettings(Protocol):
-    """What `DynamicBatchBuilder.from_config` reads of the [algorithm] section."""
-
-    @property
-    def max_num_gen_batches(self) -> int: ...
-    @property
-    def on_shortfall(self) -> str: ...
-    @property
-    def carry_over_max_staleness(self) -> int: ...
-    @property
-    def dynamic_sampling(self) -> bool: ...
-    @property
-    def filter_metric(self) -> str: ...
 
 
 class DynamicBatchBuilder(Generic[Payload]):
@@ -129,8 +113,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._stats = FilterStats()
 
     @classmethod
-    def from_config(cls, algorithm: SamplingSettings, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
-        """The builder of an [algorithm] section (config.schema.AlgorithmConfig) for a rank's share of a batch."""
+    def from_config(cls, algorithm: AlgorithmConfig, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
+        """The builder of an [algorithm] section for a rank's share of a batch."""
         return cls(
             train_batch_size,
             algorithm.max_num_gen_batches,

@@ -13,7 +13,7 @@ The rules, in order:
   6. repair shorthand: "\\fracab" -> "\\frac{a}{b}", "\\sqrta" -> "\\sqrt{a}";
   7. drop every "$"; remove the commas of an all-digit number ("1,000" -> "1000"); strip.
 
-Steps 4-6 are usually written as regular expressions with lazy/greedy wildcards. Those backtrack
+Steps 4-5 are usually written as regular expressions with lazy/greedy wildcards. Those backtrack
 quadratically (or worse) on adversarial input, and a reward function must never hang, so each step
 is implemented here as a single left-to-right scan with the same result as the regular expression
 (tests/test_rl_reward.py checks the equivalence on generated strings). Every function in this module
@@ -21,6 +21,8 @@ runs in time linear in the length of its input.
 """
 
 from __future__ import annotations
+
+import re
 
 # Literal replacements, applied in this order (order matters: "an " before "a ", "\\text{m}" last).
 SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
@@ -37,33 +39,9 @@ SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
 )
 
 # Deleted wherever they occur, in this order ("\\text{}^2" must go before "\\text{}").
-_UNIT_WORDS = (
-    "square",
-    "ways",
-    "integers",
-    "dollars",
-    "mph",
-    "inches",
-    "hours",
-    "km",
-    "units",
-    "\\ldots",
-    "sue",
-    "points",
-    "feet",
-    "minutes",
-    "digits",
-    "cents",
-    "degrees",
-    "cm",
-    "gm",
-    "pounds",
-    "meters",
-    "meals",
-    "edges",
-    "students",
-    "childrentickets",
-    "multiples",
+_UNIT_WORDS = tuple(
+    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents degrees "
+    "cm gm pounds meters meals edges students childrentickets multiples".split()
 )
 _LATEX_NOISE = (
     "\\text{s}",
@@ -85,6 +63,9 @@ _LATEX_NOISE = (
 REMOVED_EXPRESSIONS: tuple[str, ...] = _UNIT_WORDS + _LATEX_NOISE
 
 _BOXED = "\\boxed{"
+# Step 6's patterns match a fixed number of characters: no backtracking, linear as they are.
+_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")
+_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")
 
 
 def normalize_final_answer(final_answer: str) -> str:
@@ -98,8 +79,8 @@ def normalize_final_answer(final_answer: str) -> str:
     for opener in ("\\text{", "\\textbf{", "\\overline{"):
         text = unwrap_to_first_brace(text, opener)
     text = unwrap_boxed_to_last_brace(text)
-    text = brace_frac_shorthand(text)
-    text = brace_sqrt_shorthand(text)
+    text = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", text)
+    text = _SQRT_SHORTHAND.sub(r"sqrt{\1}", text)
     text = text.replace("$", "")
     if text.replace(",", "").isdigit():
         text = text.replace(",", "")
@@ -160,39 +141,6 @@ def unwrap_boxed_to_last_brace(text: str) -> str:
             if close >= start + len(_BOXED):
                 lines[k] = line[:start] + line[start + len(_BOXED) : close] + line[close + 1 :]
     return "\n".join(lines)
-
-
-def brace_frac_shorthand(text: str) -> str:
-    """ "frac" + a + b -> "frac{a}{b}" when a is not "{" (b: any character but a newline).
-
-    Same result as `re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", text)`.
-    """
-    pieces, pos, n = [], 0, len(text)
-    while (start := text.find("frac", pos)) >= 0:
-        a = start + 4
-        if a + 1 < n and text[a] != "{" and text[a + 1] != "\n":
-            pieces.append(text[pos:start] + "frac{" + text[a] + "}{" + text[a + 1] + "}")
-            pos = a + 2
-        else:
-            pieces.append(text[pos : start + 1])
-            pos = start + 1
-    pieces.append(text[pos:])
-    return "".join(pieces)
-
-
-def brace_sqrt_shorthand(text: str) -> str:
-    """ "sqrt" + a -> "sqrt{a}" when a is not "{". Same result as `re.sub(r"(sqrt)([^{])", "sqrt{\\2}", text)`."""
-    pieces, pos, n = [], 0, len(text)
-    while (start := text.find("sqrt", pos)) >= 0:
-        a = start + 4
-        if a < n and text[a] != "{":
-            pieces.append(text[pos:start] + "sqrt{" + text[a] + "}")
-            pos = a + 1
-        else:
-            pieces.append(text[pos : start + 1])
-            pos = start + 1
-    pieces.append(text[pos:])
-    return "".join(pieces)
 
 
 def last_boxed_content(text: str) -> str | None:

@@ -68,18 +68,16 @@ class ClipStats:
 @dataclass
 class FilterStats:
     """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
-    filtering, with how many were all correct or all wrong and their pass rates summed; the new groups (and
-    samples) it kept; and where the batch came from: carried-over groups used, surplus carried to the next
-    step, stale ones dropped, and the groups missing from a short batch."""
+    filtering, with how many were all correct or all wrong; the new groups it kept; and where the batch came
+    from: carried-over groups used, surplus carried to the next step, stale ones dropped, and the groups
+    missing from a short batch."""
 
     rounds: int = 0
     groups_generated: int = 0
     samples_generated: int = 0
     all_correct: int = 0
     all_wrong: int = 0
-    pass_rate_sum: float = 0.0
     groups_kept: int = 0
-    samples_kept: int = 0
     groups_in_batch: int = 0
     groups_from_carry: int = 0
     groups_carried_over: int = 0
@@ -91,11 +89,9 @@ class FilterStats:
         self.rounds += 1
         self.groups_generated += len(generated)
         self.samples_generated += sum(group.size for group in generated)
-        self.pass_rate_sum = sum((group.pass_rate for group in generated), self.pass_rate_sum)
         self.all_correct += sum(all(group.acc) for group in generated)
         self.all_wrong += sum(not any(group.acc) for group in generated)
         self.groups_kept += len(kept)
-        self.samples_kept += sum(group.size for group in kept)
 
     def count_batch(self, in_batch: int, carried_over: int, wanted: int) -> None:
         """Where the step's batch came from (the carried-over groups it used count once in it)."""

@@ -5,20 +5,17 @@ are in tasks/catalog.py; the CPU demo (configs/demo_cpu.toml) runs level 2.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
-from rl.data import DAPO_PROMPT_TEMPLATE
-from tasks.catalog import ARITHMETIC_LEVELS, problem_limit
+from tasks.catalog import ARITHMETIC_LEVELS, in_eval_split, problem_limit, task_row
 
 
 def _is_eval_problem(a: int, op: str, b: int, eval_share: float) -> bool:
-    """Split by a hash of the problem: train and eval are disjoint by construction. "a + b" and "b + a"
-    (likewise "*") are one problem with one worked solution, so the hash sees them in one order."""
+    """`in_eval_split` of the problem; "a + b" and "b + a" (likewise "*") are one problem with one worked
+    solution, so the hash sees them in one order."""
     if op in "+*":
         a, b = min(a, b), max(a, b)
-    digest = int(hashlib.sha256(f"{a} {op} {b}".encode()).hexdigest()[:8], 16)
-    return digest / 0xFFFFFFFF < eval_share
+    return in_eval_split(f"{a} {op} {b}", eval_share)
 
 
 def synthetic_arithmetic_rows(
@@ -62,13 +59,6 @@ def synthetic_arithmetic_rows(
         solution = (
             f"{text} = {value}\nAnswer: {value}" if answer_line else f"{text} = {value}, so the result is {value}."
         )
-        rows.append(
-            {
-                "data_source": f"synthetic_arithmetic_l{difficulty}",
-                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
-                "ability": "MATH",
-                "reward_model": {"style": "rule", "ground_truth": str(value)},
-                "extra_info": {"index": len(rows), "split": split, "solution": solution},
-            }
-        )
+        extra = {"index": len(rows), "split": split, "solution": solution}
+        rows.append(task_row(f"synthetic_arithmetic_l{difficulty}", text, value, extra))
     return rows

@@ -5,25 +5,16 @@ the rows of a split, in the DAPO-Math-17k schema (tasks/arithmetic.py, tasks/cha
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from config.schema import DataConfig
 
 # arithmetic: (operators, operands drawn from [0, limit)) per level
-ARITHMETIC_LEVELS = {
-    1: ("+", 10),
-    2: ("+", 100),
-    3: ("+-", 100),
-    4: ("+-*", 100),
-    5: ("+-*", 1000),
-}
+ARITHMETIC_LEVELS = {1: ("+", 10), 2: ("+", 100), 3: ("+-", 100), 4: ("+-*", 100), 5: ("+-*", 1000)}
 # chain: (fewest terms, most terms, operands drawn from [1, limit)) per level
-CHAIN_LEVELS = {
-    1: (2, 3, 10),
-    2: (2, 5, 30),
-    3: (2, 6, 100),
-}
+CHAIN_LEVELS = {1: (2, 3, 10), 2: (2, 5, 30), 3: (2, 6, 100)}
 TASKS: dict[str, dict[int, tuple[Any, ...]]] = {"arithmetic": ARITHMETIC_LEVELS, "chain": CHAIN_LEVELS}
 
 
@@ -43,6 +34,24 @@ def problem_limit(task: str, difficulty: int, split: str, eval_share: float = 0.
         operators, limit = ARITHMETIC_LEVELS[difficulty]
         total = len(operators) * limit * limit
     return int(0.9 * total * (eval_share if split == "eval" else 1 - eval_share))
+
+
+def in_eval_split(problem: str, eval_share: float) -> bool:
+    """Split by a hash of the problem's text: train and eval are disjoint by construction."""
+    return int(hashlib.sha256(problem.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < eval_share
+
+
+def task_row(source: str, question: str, answer: int, extra_info: dict[str, object]) -> dict[str, Any]:
+    """A row of the DAPO-Math-17k schema asking `question` inside DAPO's prompt template."""
+    from rl.data import DAPO_PROMPT_TEMPLATE
+
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {question}?")}],
+        "ability": "MATH",
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": extra_info,
+    }
 
 
 def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:

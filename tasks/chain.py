@@ -18,20 +18,17 @@ schema of tasks/arithmetic.py; the style of each worked solution is in
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Sequence
 
-from rl.data import DAPO_PROMPT_TEMPLATE
-from tasks.catalog import CHAIN_LEVELS, problem_limit
+from tasks.catalog import CHAIN_LEVELS, in_eval_split, problem_limit, task_row
 
 CHAIN_STYLES = ("direct", "stepwise", "split")
 
 
 def _is_eval_chain(terms: Sequence[int], eval_share: float) -> bool:
-    """Split by a hash of the sorted terms: reorderings of one problem (same sum) fall in one split."""
-    digest = int(hashlib.sha256(" + ".join(map(str, sorted(terms))).encode()).hexdigest()[:8], 16)
-    return digest / 0xFFFFFFFF < eval_share
+    """`in_eval_split` of the sorted terms: reorderings of one problem (same sum) fall in one split."""
+    return in_eval_split(" + ".join(map(str, sorted(terms))), eval_share)
 
 
 def _add_lines(total: int, operand: int, style: str) -> list[str]:
@@ -94,19 +91,7 @@ def synthetic_chain_rows(
         seen.add(terms)
         text = " + ".join(map(str, terms))
         style = style_rng.choices(CHAIN_STYLES, weights=style_shares)[0]
-        rows.append(
-            {
-                "data_source": f"synthetic_chain_l{difficulty}",
-                "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {text}?")}],
-                "ability": "MATH",
-                "reward_model": {"style": "rule", "ground_truth": str(sum(terms))},
-                "extra_info": {
-                    "index": len(rows),
-                    "split": split,
-                    "terms": len(terms),
-                    "style": style,
-                    "solution": chain_solution(terms, style),
-                },
-            }
-        )
+        solution = chain_solution(terms, style)
+        extra = {"index": len(rows), "split": split, "terms": len(terms), "style": style, "solution": solution}
+        rows.append(task_row(f"synthetic_chain_l{difficulty}", text, sum(terms), extra))
     return rows

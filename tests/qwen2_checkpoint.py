@@ -1,12 +1,22 @@
 """A Qwen2 checkpoint written by transformers' own `save_pretrained`, with random weights, for tests that
-read checkpoints the way a run reads a downloaded one."""
+read checkpoints the way a run reads a downloaded one; our module's weights in transformers' layout."""
 
 from __future__ import annotations
 
 import torch
 
 from model.args import ModelArgs
-from model.hf_adapter import hf_config_from_args
+from model.hf_adapter import hf_config_from_args, iter_hf_tensors
+from model.qwen2 import Qwen2
+
+
+def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
+    """{HF name: tensor} of our module as transformers' `Qwen2ForCausalLM.state_dict()` lists it: a tied
+    model's `lm_head.weight` is the embedding tensor itself. Tensors are not copied."""
+    state = dict(iter_hf_tensors(model))
+    if model.args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
 
 
 def write_qwen2_checkpoint(path: str, args: ModelArgs, *, dtype: torch.dtype, max_shard_size: str, seed: int = 0):

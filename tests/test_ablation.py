@@ -2,8 +2,11 @@
 and the table's means, spreads and gains are what the runs measured."""
 
 import json
+import math
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -12,8 +15,16 @@ import tomllib
 import pytest
 
 from bench.ablation import TASK_CONFIG, effective_config, ladder_rungs, main, run_cli
-from bench.ablation_figures import draw_figures
-from bench.ablation_report import RunResult, ladder_table, markdown_table
+from bench.ablation_figures import draw_figures, seed_band
+from bench.ablation_report import (
+    RunResult,
+    interval95,
+    ladder_table,
+    markdown_difference,
+    markdown_table,
+    paired_difference,
+    t_quantile,
+)
 from config import config_to_dict, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +56,39 @@ def test_each_rung_is_the_task_config_with_exactly_its_ablation_files_switches()
     naive, dapo = (effective_config(TASK_CONFIG, [], r).algorithm for r in (rungs[0], rungs[-1]))
     assert (naive.clip_high, naive.loss_agg, naive.dynamic_sampling) == (0.2, "seq-mean-token-mean", False)
     assert (dapo.clip_high, dapo.loss_agg, dapo.dynamic_sampling) == (0.28, "token-mean", True) and dapo.overlong_filter
+
+
+def test_the_regime_is_what_the_task_config_header_states(tmp_path):
+    """The header of configs/ablation_cpu.toml states the updates per rollout step and where the soft punishment's
+    buffer starts; the resolved configuration of every rung has those values, and the buffer starts beyond the
+    longest worked solution of the task (so only a runaway answer reaches it)."""
+    from rl.data import synthetic_task_rows
+    from rl.synthetic_chain import CHAIN_STYLES, chain_solution
+    from trainer.build import build_tokenizer
+
+    with open(TASK_CONFIG) as f:
+        header = "".join(line[1:].strip() + " " for line in f if line.startswith("#"))
+    updates = int(re.search(r"(\d+) updates per rollout step", header).group(1))
+    l_max, l_cache = map(int, re.search(r"L_max = (\d+) tokens with a (\d+)-token buffer", header).groups())
+    starts = int(re.search(r"the soft punishment starts beyond (\d+) tokens", header).group(1))
+    longest = int(re.search(r"the longest worked solution is (\d+) tokens", header).group(1))
+    assert starts == l_max - l_cache
+    for rung in [None, *ladder_rungs()]:
+        cfg = effective_config(TASK_CONFIG, [], rung)
+        assert cfg.training.train_batch_size // cfg.training.mini_batch_size * cfg.training.ppo_epochs == updates
+        assert cfg.training.train_batch_size % cfg.training.mini_batch_size == 0
+        assert (cfg.rollout.max_response_length, cfg.algorithm.overlong_buffer) == (l_max, l_cache)
+        assert cfg.eval.max_response_length == l_max
+    cfg = load_config(TASK_CONFIG)
+    tokenizer = build_tokenizer(cfg.model, cfg.data, str(tmp_path), is_main=True, barrier=lambda: None)
+    rows = synthetic_task_rows(cfg.data, "train") + synthetic_task_rows(cfg.data, "eval")
+    problems = [re.search(r"What is ([0-9 +]+)\?", row["prompt"][-1]["content"]).group(1) for row in rows]
+    lengths = [  # with the stop token
+        len(tokenizer.encode(chain_solution([int(t) for t in problem.split(" + ")], style))) + 1
+        for problem in problems
+        for style in CHAIN_STYLES
+    ]
+    assert max(lengths) == longest < starts
 
 
 @pytest.mark.parametrize(
@@ -174,6 +218,10 @@ def _run(evals: dict, **per_step) -> RunResult:
     return RunResult(rows)
 
 
+# Rung b's clipped tokens at the upper bound (0.5%), their mean pi_old probability (null: none clipped at step 2).
+B_EXTRA = {"pg_clipfrac_upper": [0.005] * 4, "token_prob/clipped_upper_mean": [0.1, None, 0.2, 0.3]}
+
+
 def _fake_ladder(tmp_path):
     (tmp_path / "a.toml").write_text("# (AIME 2024 avg@32 = 30)\n")
     (tmp_path / "b.toml").write_text("# (AIME 2024 avg@32 = 50)\n")
@@ -184,10 +232,14 @@ def _fake_ladder(tmp_path):
     runs = {
         ("warm-up", 0): _run({0: 0.30}),
         ("warm-up", 1): _run({0: 0.20}),
-        ("a", 0): _run({2: 0.35, 4: 0.40}, entropy=[0.5] * 4, **{"gen/samples": [8] * 4}),
-        ("a", 1): _run({2: 0.25, 4: 0.30}, entropy=[0.4] * 4, **{"gen/samples": [8] * 4}),
-        ("b", 0): _run({2: 0.45, 4: 0.50}, entropy=[0.6] * 4, **{"gen/samples": [16] * 4}),
-        ("b", 1): _run({2: 0.25, 4: 0.30}, entropy=[0.6] * 4, **{"gen/samples": [24] * 4}),
+        ("a", 0): _run({2: 0.35, 4: 0.40}, entropy=[0.5] * 4, pg_clipfrac=[0.01] * 4, **{"gen/samples": [8] * 4}),
+        ("a", 1): _run({2: 0.25, 4: 0.30}, entropy=[0.4] * 4, pg_clipfrac=[0.03] * 4, **{"gen/samples": [8] * 4}),
+        ("b", 0): _run(
+            {2: 0.45, 4: 0.50}, entropy=[0.6] * 4, pg_clipfrac=[0.01] * 4, **B_EXTRA, **{"gen/samples": [16] * 4}
+        ),
+        ("b", 1): _run(
+            {2: 0.25, 4: 0.30}, entropy=[0.6] * 4, pg_clipfrac=[0.01] * 4, **B_EXTRA, **{"gen/samples": [24] * 4}
+        ),
     }
     return rungs, runs
 
@@ -203,8 +255,28 @@ def test_the_table_holds_means_sample_spreads_and_paired_gains(tmp_path):
     # Second-half mean: the evaluations after step 2 only (step 4): seed 0 0.50, seed 1 0.30.
     assert b["late_mean"] == pytest.approx(0.40) and b["paper"] == "50"
     assert a["gain_mean"] == pytest.approx(0.10) and a["gain_std"] == pytest.approx(0.0)  # over the warm-up
+    # 95% t-interval of the paired gains over 2 seeds: 0.05 ± t(0.975, 1) x 0.0707 / sqrt(2) = 0.05 ± 12.706 x 0.05.
+    t1 = math.tan(math.pi * 0.475)  # Student's t with one degree of freedom is the Cauchy distribution
+    assert b["gain_ci"] == pytest.approx((0.05 - t1 * 0.05, 0.05 + t1 * 0.05), rel=1e-9)
+    assert b["entropy_first"] == pytest.approx(0.6) and a["entropy_last"] == pytest.approx(0.45)
+    assert a["pg_clipfrac"] == pytest.approx((0.01 + 0.03) / 2) and b["pg_clipfrac_upper"] == pytest.approx(0.005)
     table = markdown_table(rows, [0, 1], k=4)
-    assert "| b | 40.0 ± 14.1 | 50.0 / 30.0 | +5.0 ± 7.1 | 40.0 ± 14.1 | 50 |" in table
+    assert "| b | 40.0 ± 14.1 | 50.0 / 30.0 | +5.0 ± 7.1 | [-58.5, +68.5] | 40.0 ± 14.1 | 1.00 (0.50) " in table
+    assert "| 0.600 -> 0.600 | 50 |" in table
+    difference = paired_difference(rows, [0, 1])
+    assert difference["per_seed"] == pytest.approx({0: 0.10, 1: 0.0}) and difference["positive"] == 1
+    assert markdown_difference(difference, [0, 1]).startswith("b - a, per seed (+10.0, +0.0): +5.0 ± 7.1 points")
+
+
+def test_the_t_quantile_is_students():
+    """Against closed forms: df 1 is Cauchy (tan), df 2 has t = sqrt(2 / (1 - p^2) - 2) for P(|T| < t) = p;
+    a large df approaches the normal quantile."""
+    assert t_quantile(0.95, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
+    assert t_quantile(0.95, 2) == pytest.approx(math.sqrt(2 / (1 - 0.95**2) - 2), rel=1e-9)
+    assert t_quantile(0.95, 4) == pytest.approx(2.776445105, rel=1e-8)  # Student's table, 4 degrees of freedom
+    assert t_quantile(0.95, 2001) == pytest.approx(statistics.NormalDist().inv_cdf(0.975), rel=1e-3)
+    low, high = interval95([1.0, 2.0, 3.0])
+    assert (low + high) / 2 == pytest.approx(2.0) and high - 2.0 == pytest.approx(4.302652730 / math.sqrt(3), rel=1e-8)
 
 
 def test_figures_are_drawn_small(tmp_path):
@@ -213,6 +285,13 @@ def test_figures_are_drawn_small(tmp_path):
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["accuracy_per_rung.png", "clip_higher.png", "dynamic_sampling.png", "group_shares.png"]
     assert all(0 < os.path.getsize(p) < 200_000 for p in paths)
+    # A metric a step may lack (no token clipped at the upper bound: null) is left out at that step only.
+    x, mean, low, high = seed_band(runs, "b", [0, 1], "token_prob/clipped_upper_mean")
+    assert x == [1, 3, 4] and mean == pytest.approx([0.1, 0.2, 0.3]) and low == high == mean
+    runs[("b", 1)] = _run({2: 0.25, 4: 0.30}, pg_clipfrac_upper=[0.01, 0.02, 0.03, 0.04])
+    assert seed_band(runs, "b", [0, 1], "token_prob/clipped_upper_mean")[0] == [1, 3, 4]  # one seed of two: kept
+    x, mean, low, high = seed_band(runs, "b", [0, 1], "pg_clipfrac_upper")
+    assert mean == pytest.approx([0.0075, 0.0125, 0.0175, 0.0225]) and high == pytest.approx([0.01, 0.02, 0.03, 0.04])
 
 
 def test_task_statistics_of_two_hand_made_groups():
@@ -247,3 +326,24 @@ def test_task_statistics_of_two_hand_made_groups():
     assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\nAnswer: 10", 4, False) == "stepwise"
     assert response_style("1 + 2 = 3\n3 + 3 = 6\n6 + 4 = 10\n10 + 0 = 10\nAnswer: 10", 4, False) == "split"
     assert response_style("1 + 2 = 3\n3 + 3", 4, True) == "truncated"
+
+
+def test_the_sweep_row_and_the_rule_that_picks_the_ladders_lr():
+    from bench.ablation_sweep import chosen_lr, markdown, sweep_row
+
+    rows = [
+        {"step": s, "pg_clipfrac": 0.01 * s, "pg_clipfrac_upper": 0.001, "entropy": 0.3 - 0.01 * s}
+        for s in range(1, 11)
+    ]
+    run = RunResult(
+        rows
+        + [{"step": 4, "eval/avg_at_k": 0.2}, {"step": 8, "eval/avg_at_k": 0.3}, {"step": 10, "eval/avg_at_k": 0.4}]
+    )
+    row = sweep_row("1e-5", run, steps=10)
+    assert row["pg_clipfrac"] == pytest.approx(0.055) and row["pg_clipfrac_upper"] == pytest.approx(0.001)
+    assert row["entropy_first"] == pytest.approx(0.27) and row["entropy_last"] == pytest.approx(0.22)
+    assert row["late_mean"] == pytest.approx(0.35) and row["held_out"] == {4: 0.2, 8: 0.3, 10: 0.4}  # steps > 5
+    # The largest lr within two points of the best second-half mean: 3e-5 (0.345 against 0.36), not 5e-5 (0.33).
+    sweep = [{**row, "lr": lr, "late_mean": late} for lr, late in (("1e-5", 0.36), ("3e-5", 0.345), ("5e-5", 0.33))]
+    assert chosen_lr(sweep) == "3e-5"
+    assert "| 3e-5 | 5.50 (0.10) | 0.270 -> 0.220 | 20.0 | 30.0 | 40.0 | 34.5 |" in markdown(sweep, 0.15)

@@ -15,8 +15,9 @@ from config.loader import coerce
 from preflight.checks import check_runnable
 from preflight.limits import check_generate_deadline, check_rollout_batch_fits
 from preflight.machine import Machine
-from rl.data import DataError, write_parquet_rows
+from rl.data import DataError
 from tasks.arithmetic import synthetic_arithmetic_rows
+from tests.parquet_rows import write_parquet_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

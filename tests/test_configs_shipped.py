@@ -13,9 +13,9 @@ from model.args import PRESETS, num_params
 from model.hf_adapter import hf_config_from_args
 from preflight.checks import check_runnable
 from preflight.machine import Machine
-from rl.data import write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION
 from tasks.arithmetic import synthetic_arithmetic_rows
+from tests.parquet_rows import write_parquet_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(

@@ -21,10 +21,10 @@ from model.qwen2 import build_model
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
 from preflight.checks import check_runnable
 from preflight.machine import Machine, machine_fixes, probe_machine
-from rl.data import write_parquet_rows
 from rollout.sglang_engine import SGLANG_VERSION
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests.dist_utils import run_ranks
+from tests.parquet_rows import write_parquet_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(

@@ -19,12 +19,12 @@ from model.hf_adapter import (
     from_hf_name,
     hf_config_from_args,
     hf_shapes,
-    hf_state_dict,
     iter_hf_tensors,
     to_dtype,
     to_hf_name,
 )
 from model.qwen2 import Qwen2, build_model
+from tests.qwen2_checkpoint import hf_state_dict
 
 ARGS = {
     "untied": ModelArgs(

@@ -8,7 +8,8 @@ from numerics import assert_close_to_float64
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from model.logprob import _chunk_grad_logits, _chunk_stats, _finish_stats, naive_token_logprobs, token_logprobs
+from model.logprob import _chunk_grad_logits, _chunk_stats, _finish_stats, token_logprobs
+from tests.logprob_reference import naive_token_logprobs
 
 V, H = 300, 24
 

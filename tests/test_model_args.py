@@ -1,7 +1,18 @@
 import pytest
 
-from model.args import PRESETS, PUBLISHED_SIZES, ModelArgs, get_preset, num_params
+from model.args import PRESETS, ModelArgs, get_preset, num_params
 from model.qwen2 import build_model
+
+# Published total sizes (Qwen2.5 model cards), used to check the presets.
+PUBLISHED_SIZES = {
+    "qwen2.5-0.5b": 0.49e9,
+    "qwen2.5-1.5b": 1.54e9,
+    "qwen2.5-3b": 3.09e9,
+    "qwen2.5-7b": 7.62e9,
+    "qwen2.5-14b": 14.7e9,
+    "qwen2.5-32b": 32.5e9,
+    "qwen2.5-72b": 72.7e9,
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_SIZES))

@@ -187,7 +187,7 @@ def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path, caplog)
     assert "rank-00000.json has 10 bytes" in caplog.text
     # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
     manager.save(21, model, optimizer, scheduler, {"step": 21})
-    assert manager.complete_steps() == [21] and manager.latest_valid_step() == 21
+    assert manager.complete_steps() == [21] and manager.validate(21) is None
     manager.save(30, model, optimizer, scheduler, {"step": 30})
     assert manager.complete_steps() == [30] and manager.validate(30) is None
     assert sorted(os.listdir(folder)) == ["step-00000030", "step-00000030.damaged"]
@@ -238,6 +238,58 @@ def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path)
     assert again.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.4) == optimizer.param_groups[0]["lr"]
 
 
+def _optimizer(model, lr, weight_decay):
+    from config.schema import OptimizerConfig
+    from trainer.update import build_optimizer
+
+    return build_optimizer(model.parameters(), OptimizerConfig(lr=lr, weight_decay=weight_decay, warmup_steps=5))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # skipped updates
+@pytest.mark.parametrize("moved", [True, False], ids=["optimizer-state", "before-the-first-update"])
+def test_resume_trains_at_the_configured_lr_at_the_schedules_position(tmp_path, caplog, moved):
+    """A checkpoint made at lr A, resumed by a run configured with lr B (one warm-up shared by runs at several
+    rates): the run trains at B times the schedule's factor at the saved step; an unchanged resume is unchanged."""
+    model = build_model(ARGS, seed=0)
+    optimizer, scheduler = _optimizer(model, 1e-4, 0.0)
+    for _ in range(2):  # two updates (or two skipped ones: the schedule moves, no optimizer state is made)
+        _step(model, optimizer, scheduler) if moved else scheduler.step()
+    manager = CheckpointManager(str(tmp_path), keep=2)
+    manager.save(2, model, optimizer, scheduler, {"step": 2})
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 * 3 / 5)
+
+    same = build_model(ARGS, seed=1)
+    same_optimizer, same_scheduler = _optimizer(same, 1e-4, 0.0)
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+        manager.resume(same, same_optimizer, same_scheduler)
+    assert "other optimizer settings" not in caplog.text
+    assert same_scheduler.state_dict() == scheduler.state_dict()
+    saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in same_optimizer.param_groups] == saved_groups
+
+    restored = build_model(ARGS, seed=1)
+    other, other_scheduler = _optimizer(restored, 1.5e-5, 0.1)
+    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+        manager.resume(restored, other, other_scheduler)
+    assert "lr 0.0001 -> 1.5e-05" in caplog.text
+    assert ("weight_decay 0.0 -> 0.1" in caplog.text) == moved  # saved param groups exist after an update only
+    assert other_scheduler.last_epoch == 2 and other_scheduler.base_lrs == [1.5e-5]
+    assert other.param_groups[0]["lr"] == pytest.approx(1.5e-5 * 3 / 5, rel=1e-12)
+    assert other.param_groups[0]["weight_decay"] == 0.1
+    # The update itself runs at B: AdamW moves each weight by lr x (m / (sqrt(v) + eps) + wd x w), so the same
+    # update on a copy whose rate and decay are set by hand gives the same weights.
+    reference = build_model(ARGS, seed=1)
+    reference.load_state_dict(restored.state_dict())
+    by_hand, by_hand_scheduler = _optimizer(reference, 1e-4, 0.0)
+    manager.resume(reference, by_hand, by_hand_scheduler)
+    by_hand.param_groups[0].update(lr=1.5e-5 * 3 / 5, weight_decay=0.1)
+    for net, opt, sched in ((restored, other, other_scheduler), (reference, by_hand, by_hand_scheduler)):
+        torch.manual_seed(7)
+        _step(net, opt, sched)
+    assert all(torch.equal(a, b) for a, b in zip(restored.parameters(), reference.parameters()))
+    assert other.param_groups[0]["lr"] == pytest.approx(1.5e-5 * 4 / 5, rel=1e-12)  # the schedule goes on at B
+
+
 # ---- loading runs no code from the checkpoint folder ----------------------------------------------------
 
 
@@ -260,12 +312,16 @@ def _saved_checkpoint(folder):
 
 def _update_manifest(path):
     """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
-    from parallel.checkpoint_files import records_of
+    from parallel.checkpoint_files import file_record
 
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     os.remove(os.path.join(path, MANIFEST))
-    manifest["files"] = {name: record.to_json() for name, record in records_of(path).items()}
+    manifest["files"] = {
+        os.path.relpath(os.path.join(directory, name), path): file_record(os.path.join(directory, name)).to_json()
+        for directory, _, files in os.walk(path)
+        for name in files
+    }
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f)
 

@@ -12,7 +12,7 @@ import torch
 from config.schema import ParallelismConfig
 from model.args import PRESETS
 from model.qwen2 import build_model
-from parallel.dims import ParallelDims
+from parallel.dims import ParallelDims, check_tp_divides
 from parallel.float8 import apply_float8, float8_module_filter
 from parallel.parallelize import parallelize_qwen2
 
@@ -43,13 +43,13 @@ def test_inconsistent_dims_are_refused(kwargs, message):
 def test_tp_must_divide_heads_and_kv_heads(tp, kv_heads, field):
     args = PRESETS["tiny"].replace(num_heads=12, hidden_size=96, num_kv_heads=kv_heads)
     with pytest.raises(ValueError, match=f"does not divide the model's {field}"):
-        ParallelDims(tp=tp, world_size=tp).validate_model(args)
+        check_tp_divides(args, tp)
 
 
 def test_tp_must_divide_vocabulary():
     with pytest.raises(ValueError, match="vocab_size"):
-        ParallelDims(tp=2, world_size=2).validate_model(PRESETS["tiny"].replace(vocab_size=255))
-    ParallelDims(tp=2, world_size=2).validate_model(PRESETS["tiny"])  # divisible: accepted
+        check_tp_divides(PRESETS["tiny"].replace(vocab_size=255), 2)
+    check_tp_divides(PRESETS["tiny"], 2)  # divisible: accepted
 
 
 def test_mesh_needs_a_process_group():

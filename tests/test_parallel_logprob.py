@@ -1,6 +1,6 @@
 """Vocabulary-parallel log-prob/entropy (2 gloo ranks) equals the single-device reference, values and gradients.
 
-Reference: `model.logprob.naive_token_logprobs` on the full [V, H] head (full fp64 logits + autograd).
+Reference: `tests.logprob_reference.naive_token_logprobs` on the full [V, H] head (full fp64 logits + autograd).
 Checked for a plain weight slice + process group, and for the DTensor forms the TP model produces
 (vocab-sharded weight, sequence-sharded hidden states), with a temperature, a chunk size that does not
 divide the token count, targets on both ranks' slices, and the entropy gradient switched on and off.
@@ -16,8 +16,8 @@ from numerics import assert_close_to_float64
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from model.logprob import naive_token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
+from tests.logprob_reference import naive_token_logprobs
 
 V, H, B, T = 32, 8, 2, 6
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.advantage import broadcast_to_tokens, group_advantages
+from rl.advantage import group_advantages
 
 EPS = 1e-6
 
@@ -103,14 +103,6 @@ def test_bad_scores_are_refused():
         group_advantages(torch.zeros(2, 2), group_size=2)
     with pytest.raises(ValueError, match="NaN or inf"):
         group_advantages(_t([1.0, float("nan")]), group_size=2)
-
-
-def test_broadcast_to_tokens():
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = broadcast_to_tokens(_t([0.5, -2.0]), mask)
-    assert torch.equal(out, _t([[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]]))
-    with pytest.raises(ValueError, match=r"\[B\] and mask \[B, T\]"):
-        broadcast_to_tokens(_t([0.5]), mask)
 
 
 @settings(max_examples=100, deadline=None)

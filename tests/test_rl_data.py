@@ -8,10 +8,10 @@ from rl.data import (
     PromptSampler,
     load_prompts,
     rows_to_examples,
-    write_parquet_rows,
 )
 from rl.reward import compute_score
 from tasks.arithmetic import synthetic_arithmetic_rows
+from tests.parquet_rows import write_parquet_rows
 
 
 class CharTokenizer:

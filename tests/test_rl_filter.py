@@ -63,7 +63,7 @@ def names(batch):
 def test_scored_group_validation_and_properties():
     g = group("q", [1, 0, 0, 0])
     assert g.acc == (True, False, False, False) and g.score == (1.0, -1.0, -1.0, -1.0)
-    assert g.size == 4 and g.pass_rate == 0.25
+    assert g.size == 4
     with pytest.raises(ValueError, match="as many acc as score"):
         ScoredGroup(payload=None, acc=[1, 0], score=[1.0])
     with pytest.raises(ValueError, match="as many acc as score"):
@@ -87,16 +87,14 @@ def test_rounds_until_full_then_surplus_is_carried_over():
     batch, diag = builder.finish()
     assert names(batch) == ["a", "d"]
     assert builder.num_carried == 1
-    # 5 groups of 4 generated; pass rates 0.5, 1, 0, 0.25, 0.75; kept a, d, e (12 samples)
+    # 5 groups of 4 generated (pass rates 0.5, 1, 0, 0.25, 0.75); kept a, d, e
     assert diag == FilterStats(
         rounds=2,
         groups_generated=5,
         samples_generated=20,
         all_correct=1,
         all_wrong=1,
-        pass_rate_sum=2.5,
         groups_kept=3,
-        samples_kept=12,
         groups_in_batch=2,
         groups_from_carry=0,
         groups_carried_over=1,
@@ -120,7 +118,7 @@ def test_carry_over_is_fifo_and_can_fill_a_batch_without_generating():
     assert builder.full()  # b and c are waiting: no generation needed
     batch, diag = builder.finish()
     assert names(batch) == ["b"] and diag.rounds == 0 and diag.groups_generated == 0
-    assert diag.samples_generated == diag.samples_kept == 0  # nothing generated: no share of anything
+    assert diag.samples_generated == 0  # nothing generated: no share of anything
     assert diag.groups_from_carry == 1 and diag.groups_carried_over == 1
     builder.start_step(2)
     builder.add_round([group("d", MIXED)])
@@ -190,7 +188,7 @@ def test_disabled_keeps_everything_in_one_round():
     assert builder.full()
     batch, diag = builder.finish()
     assert names(batch) == ["a", "b", "c"]
-    assert diag.rounds == 1 and diag.groups_kept == 3 and diag.samples_generated == diag.samples_kept
+    assert diag.rounds == 1 and diag.groups_kept == 3 and diag.samples_generated == 12
     assert diag.all_correct == 1 and diag.groups_generated == 3  # diagnostics are still computed
 
 

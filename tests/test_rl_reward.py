@@ -11,8 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl.math_normalize import (
-    brace_frac_shorthand,
-    brace_sqrt_shorthand,
     keep_first_dollar_pair,
     last_boxed_content,
     normalize_final_answer,
@@ -208,8 +206,6 @@ def test_linear_scans_match_their_regular_expressions(text):
     for opener in ("\\text{", "\\textbf{", "\\overline{"):
         assert unwrap_to_first_brace(text, opener) == re.sub(re.escape(opener) + r"(.*?)(\})", "\\1", text)
     assert unwrap_boxed_to_last_brace(text) == re.sub(r"(\\boxed\{)(.*)(\})", "\\2", text)
-    assert brace_frac_shorthand(text) == re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", text)
-    assert brace_sqrt_shorthand(text) == re.sub(r"(sqrt)([^{])", "sqrt{\\2}", text)
 
 
 # -- fuzz: never raises, never hangs ----------------------------------------------------------------

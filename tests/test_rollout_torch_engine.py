@@ -8,12 +8,13 @@ import torch
 from numerics import assert_close_to_float64
 
 from model.args import PRESETS
-from model.hf_adapter import hf_config_from_args, hf_state_dict, to_hf_name
+from model.hf_adapter import hf_config_from_args, to_hf_name
 from model.logprob import token_logprobs
 from model.qwen2 import build_model
 from rollout.engine import Engine, SamplingParams
 from rollout.sampling import truncate_logits
 from rollout.torch_engine import TorchEngine
+from tests.qwen2_checkpoint import hf_state_dict
 
 # A larger init spread than the default 0.02 makes the tiny random model's next-token distributions
 # peaked, so greedy decoding has clear winners (no near-ties for float noise to flip).

@@ -88,5 +88,6 @@ def test_a_step_with_nothing_to_train_on_logs_what_it_generated():
     assert row["reward/mean"] == -1 and row["acc/mean"] == 0 and row["response_length/mean"] == 2
     assert row["response_length/max"] == 2 and row["response_length/clip_ratio"] == pytest.approx(0.5)
     assert row["groups/all_wrong_share"] == 1 and row["groups/kept_share"] == 0
+    assert type(row["gen/rounds"]) is int  # counts of whole things are written as integers to metrics.jsonl
     kept = [key for key in row if key.startswith("kept/")]
     assert len(kept) == 6 and all(math.isnan(row[key]) for key in kept)  # no batch: null in metrics.jsonl

@@ -192,8 +192,8 @@ def test_unusable_run_folder_is_refused_before_any_work(tmp_path):
 def test_warm_up_without_worked_solutions_is_refused_before_the_policy_is_built(tmp_path, monkeypatch):
     from config import ConfigError
     from model.tokenizer import train_bpe_tokenizer
-    from rl.data import write_parquet_rows
     from tasks.arithmetic import synthetic_arithmetic_rows
+    from tests.parquet_rows import write_parquet_rows
 
     rows = synthetic_arithmetic_rows(32, split="train")
     for row in rows:

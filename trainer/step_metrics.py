@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
 from observe.plot import plot_run
-from observe.records import MAX, SAME, SUM, Max, Mean, Sum, logged, over_ranks, row
+from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, logged, over_ranks, row
 from trainer.mismatch import MismatchMetrics
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class RolloutMetrics:
     kept_share: Mean = logged("groups/kept_share", Mean)
     all_correct_share: Mean = logged("groups/all_correct_share", Mean)
     all_wrong_share: Mean = logged("groups/all_wrong_share", Mean)
-    rounds: Sum = logged("gen/rounds", Sum, SAME)
+    rounds: Count = logged("gen/rounds", Count, SAME)
     samples: Sum = logged("gen/samples", Sum)  # the x axis of accuracy against generated samples (DAPO Fig. 6)
     samples_per_kept_sample: Mean = logged("gen/samples_per_kept_sample", Mean)
     in_batch: Sum = logged("groups/in_batch", Sum)
@@ -121,8 +121,8 @@ class TrainMetrics:
     entropy: Mean = logged("entropy", Mean)
     token_prob: Mean = logged("token_prob/mean", Mean)
     grad_norm: Mean = logged("grad_norm", Mean, (SAME, SAME))  # of the updates that were not skipped
-    skipped: Sum = logged("updates_skipped_nonfinite", Sum, SAME)
-    updates: Sum = logged("updates", Sum, SAME)
+    skipped: Count = logged("updates_skipped_nonfinite", Count, SAME)
+    updates: Count = logged("updates", Count, SAME)
     lr: Sum = logged("lr", Sum, SAME)  # the rate this step ran at
     train_tokens: Sum = logged("train_tokens", Sum)  # valid tokens trained on (once, whatever ppo_epochs)
     mismatch: MismatchMetrics = logged("mismatch/", MismatchMetrics)
