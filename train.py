@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import sys
-from typing import Any
 
 import torch
 
 from config import config_to_dict, parse_cli
-from errors import report
-from observe.console import once_per_job
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
 from preflight.checks import check_runnable
 from run.folder import finished_run_report
+from run.signals import NothingToStop, exit_with_codes
 from trainer.build import build
 from trainer.loop import Trainer
 
@@ -59,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallelism.tp,
         control_timeout_s=cfg.rollout.round_timeout_s,
     )
-    trainer, finished, handlers = None, False, {}
+    trainer, finished, finished_signals = None, False, NothingToStop()
     try:
         torch.manual_seed(cfg.job.seed)
         threads, why = set_intra_op_threads(cfg.job.cpu_threads, cpu_offload=cfg.parallelism.cpu_offload)
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         )
         if report is not None:  # rerunning a finished run: its result, and nothing else
-            handlers = _finished_on_signals()
+            finished_signals.install()
             for line in report if dist.is_main else ():
                 log.info(line)
         else:
@@ -83,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.step(step)  # Algorithm 1
             trainer.finish()  # held-out accuracy, last checkpoint, HF export, plot
             trainer.stop.restore()
-            handlers = _finished_on_signals()  # while the engine shuts down
+            finished_signals.install()  # while the engine shuts down
         finished = True
         return 0
     finally:
@@ -92,34 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                 trainer.close()
         finally:
             shutdown_distributed(clean=finished)
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
-
-def _finished_on_signals() -> dict[int, Any]:
-    """From the moment the run is finished: a SIGTERM / SIGINT stops nothing, says so, and the run exits 0.
-    Returns the handlers it replaced."""
-
-    def answer(signum: int, frame: object) -> None:
-        log.info("%s received: the run is finished; nothing to stop", signal.Signals(signum).name)
-
-    return {sig: signal.signal(sig, answer) for sig in (signal.SIGTERM, signal.SIGINT)}
+            finished_signals.restore()
 
 
 def run_cli(argv: list[str] | None = None) -> None:
-    """`main` with the exits a shell expects (errors.py): bad input is one line and exit code 2 (a busy or
-    damaged run folder and a full disk included); a signal stops with a checkpoint and 143 / 130; a policy gone
-    non-finite or a rollout engine whose process died is one line and 1 (the newest checkpoint is intact,
-    rerunning resumes); anything else keeps its traceback."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    console = once_per_job()  # under torchrun: a line every rank prints, printed once
-    try:
-        sys.exit(main(argv))
-    except Exception as exc:
-        code = report(exc, show=console.print_line if console else None)
-        if code is None:
-            raise
-        sys.exit(code)
+    """`main` with the exits a shell expects (run/signals.py, `exit_with_codes`)."""
+    exit_with_codes(main, argv)
 
 
 if __name__ == "__main__":

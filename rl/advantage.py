@@ -20,6 +20,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from rl import checks
+
 
 def group_advantages(
     scores: torch.Tensor,
@@ -34,13 +36,7 @@ def group_advantages(
     Exactly one of `group_size` and `group_ids` must be given. Statistics are computed in float64
     and the result is returned in the dtype of `scores`.
     """
-    if scores.dim() != 1:
-        raise ValueError(f"group_advantages: scores must be 1-D [N], got shape {tuple(scores.shape)}")
-    if not torch.isfinite(scores).all():
-        raise ValueError("group_advantages: scores contain NaN or inf")
-    if norm_by_std and not eps > 0:
-        # eps = 0 would turn a group of equal rewards into 0 / 0 instead of the documented A = 0.
-        raise ValueError(f"group_advantages: eps must be > 0 when dividing by the group std, got {eps}")
+    checks.advantage_inputs(scores, group_size, group_ids, eps, norm_by_std)
     index, num_groups = _group_index(scores.shape[0], group_size, group_ids, scores.device)
 
     x = scores.to(torch.float64)
@@ -63,20 +59,10 @@ def _group_index(
     n: int, group_size: int | None, group_ids: torch.Tensor | Sequence[Hashable] | None, device: torch.device
 ) -> tuple[torch.Tensor, int]:
     """Group number in [0, num_groups) of every sample, and num_groups."""
-    if (group_size is None) == (group_ids is None):
-        raise ValueError("group_advantages: give exactly one of group_size and group_ids")
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-            raise ValueError(f"group_advantages: group_size must be a positive int, got {group_size!r}")
-        if n % group_size:
-            raise ValueError(f"group_advantages: {n} scores do not split into groups of {group_size}")
         return torch.arange(n, device=device) // group_size, n // group_size
-    assert group_ids is not None  # exactly one of the two is given (checked above)
-    if len(group_ids) != n:
-        raise ValueError(f"group_advantages: {len(group_ids)} group ids for {n} scores")
+    assert group_ids is not None  # exactly one of the two is given (rl/checks.py)
     if isinstance(group_ids, torch.Tensor):
-        if group_ids.dim() != 1 or group_ids.is_floating_point():
-            raise ValueError("group_advantages: group_ids tensor must be 1-D with integer values")
         distinct, index = torch.unique(group_ids, return_inverse=True)
         return index.to(device), distinct.numel()
     numbering: dict[Hashable, int] = {}

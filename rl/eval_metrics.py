@@ -36,8 +36,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from rl.checks import require_int
 from rl.math_normalize import normalize_final_answer
-from rl.reward import require_int
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -23,34 +23,26 @@ many, and carries the surplus over to later steps (first in, first out; groups o
         builder.add_round(generate_and_score())   # list of ScoredGroup
     batch, stats = builder.finish()
 
-`FilterStats` describes the groups generated in this step before filtering (all correct, all wrong),
-the groups kept, and where the batch came from.
+`FilterStats` (rl/stats.py) describes the groups generated in this step before filtering (all correct, all
+wrong), the groups kept, and where the batch came from.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from rl import checks
+from rl.stats import FilterStats
+
 if TYPE_CHECKING:
     from config.schema import AlgorithmConfig
-
-SHORTFALL_POLICIES = ("fill", "raise")
-FILTER_METRICS = ("acc", "score")
 
 
 def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
     """Eq. 11 keep rule: the group's metric has spread, max - min > tol; a single sample is kept."""
-    if len(values) == 0:
-        raise ValueError("keep_group: empty group")
-    if not tol >= 0:
-        raise ValueError(f"keep_group: tol must be >= 0, got {tol}")
-    floats = [float(v) for v in values]
-    if not all(math.isfinite(v) for v in floats):
-        raise ValueError(f"keep_group: non-finite metric value in {floats!r:.80}")
+    floats = checks.group_values(values, tol)
     return len(floats) == 1 or max(floats) - min(floats) > tol
 
 
@@ -71,39 +63,13 @@ class ScoredGroup(Generic[Payload]):
     score: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        acc, score = tuple(self.acc), tuple(float(s) for s in self.score)
-        if len(acc) == 0 or len(acc) != len(score):
-            raise ValueError(f"ScoredGroup: need as many acc as score values (>= 1), got {len(acc)} and {len(score)}")
-        if any(a not in (0, 1) for a in acc):
-            raise ValueError(f"ScoredGroup: acc values must be bool or 0/1, got {acc!r:.80}")
-        if not all(math.isfinite(s) for s in score):
-            raise ValueError(f"ScoredGroup: non-finite score in {score!r:.80}")
-        object.__setattr__(self, "acc", tuple(bool(a) for a in acc))
+        acc, score = checks.scored(self.acc, self.score)
+        object.__setattr__(self, "acc", acc)
         object.__setattr__(self, "score", score)
 
     @property
     def size(self) -> int:
         return len(self.acc)
-
-
-@dataclass
-class FilterStats:
-    """What dynamic sampling did in one step: the rounds it ran; the groups (and samples) they generated, before
-    filtering, with how many were all correct or all wrong; the new groups it kept; and where the batch came
-    from: carried-over groups used, surplus carried to the next step, stale ones dropped, and the groups
-    missing from a short batch."""
-
-    rounds: int = 0
-    groups_generated: int = 0
-    samples_generated: int = 0
-    all_correct: int = 0
-    all_wrong: int = 0
-    groups_kept: int = 0
-    groups_in_batch: int = 0
-    groups_from_carry: int = 0
-    groups_carried_over: int = 0
-    groups_dropped_stale: int = 0
-    shortfall: int = 0
 
 
 class DynamicBatchBuilder(Generic[Payload]):
@@ -132,20 +98,7 @@ class DynamicBatchBuilder(Generic[Payload]):
         metric: str = "acc",
         tol: float = 1e-6,
     ):
-        if train_batch_size <= 0:
-            raise ValueError(f"DynamicBatchBuilder: train_batch_size must be > 0, got {train_batch_size}")
-        if max_rounds <= 0:
-            raise ValueError(f"DynamicBatchBuilder: max_rounds must be > 0, got {max_rounds}")
-        if on_shortfall not in SHORTFALL_POLICIES:
-            raise ValueError(
-                f"DynamicBatchBuilder: on_shortfall must be one of {SHORTFALL_POLICIES}, got {on_shortfall!r}"
-            )
-        if max_staleness < 0:
-            raise ValueError(f"DynamicBatchBuilder: max_staleness must be >= 0, got {max_staleness}")
-        if metric not in FILTER_METRICS:
-            raise ValueError(f"DynamicBatchBuilder: metric must be one of {FILTER_METRICS}, got {metric!r}")
-        if not tol >= 0:
-            raise ValueError(f"DynamicBatchBuilder: tol must be >= 0, got {tol}")
+        checks.builder_settings(train_batch_size, max_rounds, on_shortfall, max_staleness, metric, tol)
         self.train_batch_size = train_batch_size
         self.max_rounds = max_rounds
         self.on_shortfall = on_shortfall
@@ -175,34 +128,19 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def start_step(self, step: int) -> None:
         """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
-        if self._step is not None:
-            raise RuntimeError(f"start_step({step}): step {self._step} was never finished")
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"start_step({step}): steps must increase (last was {self._last_step})")
-        self._step, self._stats = step, FilterStats()
+        checks.new_step(step, self._step, self._last_step)
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
-        self._stats.groups_dropped_stale = len(self._carry) - len(fresh)
-        self._carry.clear()
-        self._kept = fresh
-        self._stats.groups_from_carry = len(fresh)
+        stale = len(self._carry) - len(fresh)
+        self._step, self._stats = step, FilterStats(groups_from_carry=len(fresh), groups_dropped_stale=stale)
+        self._carry, self._kept = [], fresh
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
-        """Record one generation round: update the pre-filter statistics, keep groups with spread."""
-        step, st = self._require_step("add_round"), self._stats
-        if st.rounds >= self.max_rounds:
-            raise RuntimeError(f"add_round: all {self.max_rounds} rounds of step {self._step} are used")
-        st.rounds += 1
-        for group in groups:
-            if not isinstance(group, ScoredGroup):
-                raise TypeError(f"add_round: expected ScoredGroup items, got {type(group).__name__}")
-            st.groups_generated += 1
-            st.samples_generated += group.size
-            correct = sum(group.acc)
-            st.all_correct += correct == group.size
-            st.all_wrong += correct == 0
-            if self.keeps(group):
-                self._kept.append((step, group))
-                st.groups_kept += 1
+        """Record one generation round: keep the groups with spread (Eq. 11), count what it generated."""
+        step = checks.step_started(self._step, "add_round")
+        generated = checks.new_round(groups, self._stats.rounds, self.max_rounds, step)
+        kept = [group for group in generated if self.keeps(group)]
+        self._kept.extend((step, group) for group in kept)
+        self._stats.count_round(generated, kept)
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
@@ -211,7 +149,7 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def full(self) -> bool:
         """True once the batch can be handed out (with dynamic sampling off: after one round)."""
-        self._require_step("full")
+        checks.step_started(self._step, "full")
         return len(self._kept) >= self.train_batch_size or (not self.enabled and self._stats.rounds >= 1)
 
     @property
@@ -231,23 +169,14 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     def finish(self) -> tuple[list[ScoredGroup[Payload]], FilterStats]:
         """End the step: the batch (oldest groups first) and what the filter did (`FilterStats`)."""
-        self._require_step("finish")
+        step = checks.step_started(self._step, "finish")
         batch = self._kept[: self.train_batch_size]
         surplus = self._kept[self.train_batch_size :]
-        shortfall = self.train_batch_size - len(batch)
-        step, self._step, self._last_step = self._step, None, self._step
+        self._step, self._last_step = None, step
         self._carry.extend(surplus)
         st = self._stats
-        if shortfall > 0:
-            message = (
-                f"dynamic sampling kept {len(batch)} of {self.train_batch_size} groups at step {step} "
-                f"after {st.rounds} of {self.max_rounds} generation rounds"
-            )
-            if self.on_shortfall == "raise":
-                raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-            warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=2)
-        st.groups_in_batch, st.groups_carried_over, st.shortfall = len(batch), len(surplus), max(shortfall, 0)
-        st.groups_from_carry = min(st.groups_from_carry, len(batch))
+        checks.shortfall(len(batch), self.train_batch_size, step, st.rounds, self.max_rounds, self.on_shortfall)
+        st.count_batch(len(batch), len(surplus), self.train_batch_size)
         return [group for _, group in batch], st
 
     # -- checkpointing ----------------------------------------------------------------------------
@@ -263,11 +192,3 @@ class DynamicBatchBuilder(Generic[Payload]):
             raise RuntimeError(f"load_state_dict: step {self._step} is in progress")
         self._carry = list(state["carry"])
         self._last_step = state["last_step"]
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _require_step(self, caller: str) -> int:
-        """The step in progress; RuntimeError naming `caller` between steps."""
-        if self._step is None:
-            raise RuntimeError(f"{caller}: call start_step(step) first")
-        return self._step

@@ -28,9 +28,10 @@ masked: verl then divides 0 by 0 (NaN) and this returns 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from rl import checks
+from rl.stats import ClipStats
 
 AGG_MODES = (
     "token-mean",
@@ -74,15 +75,11 @@ def clipped_token_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    dual_binds = torch.zeros_like(valid)
     if clip_c is not None:
-        dual_cap = -advantages * clip_c
-        dual_binds = (advantages < 0) & (per_token > dual_cap)
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, dual_cap), per_token)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_c), per_token)
     if token_weights is not None:
         per_token = per_token * torch.where(valid, token_weights.detach().to(dtype), 0.0)
-    clip_binds = clipped > unclipped
-    stats = ClipStats.of(valid, log_ratio, ratio, clip_binds, dual_binds, clip_binds & (advantages > 0), old_logp)
+    stats = ClipStats.of(valid, advantages, old_logp, log_ratio, ratio, unclipped, clipped, clip_c)
     return torch.where(valid, per_token, 0.0), stats
 
 
@@ -93,62 +90,14 @@ def token_mean(per_token: torch.Tensor, valid: torch.Tensor, global_num_tokens: 
     return per_token.sum(dim=-1).sum() / count(global_num_tokens, valid.sum(), per_token, "global_num_tokens")
 
 
-@dataclass(frozen=True)
-class ClipStats:
-    """Detached scalars of Eq. 10 over a call's valid tokens (weight them by num_tokens to combine calls): the
-    shares clipped (the clipped term the larger), dual-clipped (A < 0) and clipped at the upper bound (A > 0),
-    the mean pi_old probability of the last (weight it by their count), mean old_logp - logp (clamped)."""
-
-    pg_clipfrac: torch.Tensor
-    pg_clipfrac_lower: torch.Tensor
-    pg_clipfrac_upper: torch.Tensor
-    clipped_upper_prob: torch.Tensor
-    ppo_kl: torch.Tensor
-    ratio_max: torch.Tensor
-    num_tokens: torch.Tensor
-    num_nonempty_seqs: torch.Tensor
-
-    @classmethod
-    @torch.no_grad()
-    def of(
-        cls,
-        valid: torch.Tensor,
-        log_ratio: torch.Tensor,
-        ratio: torch.Tensor,
-        clip_binds: torch.Tensor,
-        dual_binds: torch.Tensor,
-        upper_binds: torch.Tensor,
-        old_logp: torch.Tensor,
-    ) -> ClipStats:
-        dtype = ratio.dtype
-        num_tokens = valid.sum()
-        denom = num_tokens.clamp(min=1).to(dtype)
-        upper = upper_binds & valid
-        num_upper = upper.sum()
-        return cls(
-            pg_clipfrac=(clip_binds & valid).sum().to(dtype) / denom,
-            pg_clipfrac_lower=(dual_binds & valid).sum().to(dtype) / denom,
-            pg_clipfrac_upper=num_upper.to(dtype) / denom,
-            # DAPO Fig. 3: the upper clip caps tokens the old policy gave a low probability.
-            clipped_upper_prob=torch.where(upper, old_logp.exp(), 0.0).sum() / num_upper.clamp(min=1).to(dtype),
-            ppo_kl=torch.where(valid, -log_ratio, 0.0).sum() / denom,
-            ratio_max=torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
-            num_tokens=num_tokens,
-            num_nonempty_seqs=valid.any(dim=-1).sum(),
-        )
-
-
 def count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     """A denominator: the caller's global count or the local one; clamped to 1 so that an empty batch
     (numerator 0) gives loss 0 instead of NaN."""
+    checks.count(given, name)
     if given is None:
         return local.clamp(min=1)
     if isinstance(given, torch.Tensor):
-        if given.numel() != 1:
-            raise ValueError(f"policy_loss: {name} must be a scalar, got shape {tuple(given.shape)}")
         return given.detach().reshape(()).to(like.device, like.dtype).clamp(min=1)
-    if isinstance(given, bool) or not given >= 0:
-        raise ValueError(f"policy_loss: {name} must be a count >= 0, got {given!r}")
     return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
 
 
@@ -184,7 +133,8 @@ def policy_loss(
 
     Returns (loss, metrics): the fields of ClipStats by name.
     """
-    _check_inputs(logp, old_logp, advantages, mask, token_weights, clip_low, clip_high, clip_c, agg)
+    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
+    checks.loss_inputs(logp, named, agg, AGG_MODES, (clip_low, clip_high, clip_c))
     valid, weights = mask != 0, token_weights
     per_token, stats = clipped_token_loss(
         logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, token_weights=weights
@@ -197,30 +147,3 @@ def policy_loss(
         norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
         loss = aggregate(per_token, valid, agg, norm)
     return loss, dict(vars(stats))
-
-
-def _check_inputs(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    token_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    clip_c: float | None,
-    agg: str,
-) -> None:
-    if logp.dim() != 2:
-        raise ValueError(f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
-    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
-    for name, tensor in named.items():
-        if tensor is not None and tensor.shape != logp.shape:
-            raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
-    if agg not in AGG_MODES:
-        raise ValueError(f"policy_loss: unknown agg {agg!r}; choose one of {AGG_MODES}")
-    if not 0 <= clip_low < 1:
-        raise ValueError(f"policy_loss: clip_low must be in [0, 1), got {clip_low}")
-    if not clip_high >= 0:
-        raise ValueError(f"policy_loss: clip_high must be >= 0, got {clip_high}")
-    if clip_c is not None and not clip_c > 1:
-        raise ValueError(f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")

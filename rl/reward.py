@@ -22,13 +22,13 @@ on a string and runs in time linear in the (bounded) scored window plus the grou
 
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, SupportsIndex, cast
+from typing import TYPE_CHECKING
 
 import torch
 
+from rl import checks
 from rl.math_normalize import last_boxed_content, normalize_final_answer
 from rl.prompt_row import GroundTruth
 
@@ -47,13 +47,7 @@ def compute_score(solution: str, ground_truth: str | Sequence[str], strict_box: 
     any of them (each compared as a single answer is). `pred` is the normalised "Answer:" text, or the
     verbatim boxed content in the boxed modes, or None when nothing could be extracted.
     """
-    answers = (ground_truth,) if isinstance(ground_truth, str) else ()
-    answers = tuple(ground_truth) if isinstance(ground_truth, (list, tuple)) else answers
-    if not isinstance(solution, str) or not answers or not all(isinstance(a, str) for a in answers):
-        raise TypeError(
-            f"compute_score expects a str solution and a str ground_truth (or a non-empty sequence of str), "
-            f"got {type(solution).__name__} and {ground_truth!r}"
-        )
+    answers = checks.answers(solution, ground_truth)
     window = solution[-SCORED_CHARS:]
     pred: str | None
     found = [] if strict_box else _ANSWER_LINE.findall(window)
@@ -103,17 +97,7 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     scaled by `factor`; it is added to the correctness reward. The middle branch equals -1 at
     |y| = L_max, so the penalty is continuous and never below -factor.
     """
-    length = _token_count("length", length)
-    max_len = _token_count("max_len", max_len)
-    buffer_len = _token_count("buffer_len", buffer_len)
-    if length < 0:
-        raise ValueError(f"overlong_penalty: length must be >= 0, got {length}")
-    if buffer_len <= 0:
-        raise ValueError(f"overlong_penalty: buffer_len must be > 0, got {buffer_len}")
-    if buffer_len > max_len:
-        raise ValueError(f"overlong_penalty: buffer_len {buffer_len} exceeds max_len {max_len}")
-    if not factor >= 0:
-        raise ValueError(f"overlong_penalty: factor must be >= 0, got {factor}")
+    length, max_len, buffer_len = checks.overlong_lengths(length, max_len, buffer_len, factor)
     expected = max_len - buffer_len
     if length <= expected:
         return 0.0
@@ -122,35 +106,13 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return (expected - length) / buffer_len * factor
 
 
-def require_int(name: str, value: object, kind: str = "an int") -> int:
-    """`value` as a Python int; any integer type (int, numpy and 0-d torch integers) passes, floats and
-    bools are refused with a TypeError naming `name`."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(cast(SupportsIndex, value))  # anything else raises the TypeError caught below
-    except TypeError:
-        raise TypeError(f"{name} must be {kind}, got {value!r}") from None
-
-
-def _token_count(name: str, value: object) -> int:
-    return require_int(f"overlong_penalty: {name}", value, "an int number of tokens")
-
-
 def overlong_filter_mask(loss_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:
     """Overlong filtering: a copy of `loss_mask` ([B, T]) with the rows of truncated samples zeroed.
 
     A sample is truncated when its finish reason is "length" (it hit the generation limit). Its
     tokens then take no part in the loss, so the policy is not punished for an unfinished answer.
     """
-    if loss_mask.dim() != 2:
-        raise ValueError(f"overlong_filter_mask: loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
-    if isinstance(finish_reasons, str) or len(finish_reasons) != loss_mask.shape[0]:
-        raise ValueError(
-            f"overlong_filter_mask: need one finish reason per row ({loss_mask.shape[0]}), got {finish_reasons!r:.80}"
-        )
-    if not all(isinstance(reason, str) for reason in finish_reasons):
-        raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(finish_reasons)!r:.80}")
+    checks.finish_reasons(loss_mask, finish_reasons)
     truncated = torch.tensor(
         [reason == "length" for reason in finish_reasons], dtype=torch.bool, device=loss_mask.device
     )

@@ -1,17 +1,21 @@
 """Graceful stop on SIGTERM / SIGINT: the first signal asks the loop to stop at the next phase boundary
 (a rollout round's next one is the end of its current generate call; it then writes a checkpoint and exits
 non-zero); a second signal exits at once. The rollout engine's process ignores both (rollout/engine_process.py):
-the trainer shuts it down on its way out."""
+the trainer shuts it down on its way out. A finished run answers both with a line and exits 0. `exit_with_codes`
+gives an entry point's failures the exit codes a shell expects."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from errors import RunStopped
+from errors import RunStopped, report
+from observe.console import once_per_job
 
 if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
@@ -68,3 +72,26 @@ class GracefulStop:
         if anyone and self.signal_name is None:
             self.signal_name = "a signal on another rank"
         return anyone
+
+
+class NothingToStop(GracefulStop):
+    """From the moment the run is finished: a SIGTERM / SIGINT stops nothing, says so, and the run exits 0."""
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        log.info("%s received: the run is finished; nothing to stop", signal.Signals(signum).name)
+
+
+def exit_with_codes(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
+    """`main` with the exits a shell expects (errors.py): bad input is one line and exit code 2 (a busy or
+    damaged run folder and a full disk included); a signal stops with a checkpoint and 143 / 130; a policy gone
+    non-finite or a rollout engine whose process died is one line and 1 (the newest checkpoint is intact,
+    rerunning resumes); anything else keeps its traceback."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    console = once_per_job()  # under torchrun: a line every rank prints, printed once
+    try:
+        sys.exit(main(argv))
+    except Exception as exc:
+        code = report(exc, show=console.print_line if console else None)
+        if code is None:
+            raise
+        sys.exit(code)

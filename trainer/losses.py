@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from model.logprob import DEFAULT_CHUNK, token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
 from rl.correction import truncated_is_weights
-from rl.loss import ClipStats, clipped_token_loss, token_mean
+from rl.loss import clipped_token_loss, token_mean
 from rl.loss_modes import Normalisers, aggregate
+from rl.stats import ClipStats
 from trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
