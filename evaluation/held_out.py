@@ -3,6 +3,7 @@ its engine's current weights, and the ranks merge their results over the gloo co
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Sequence
@@ -101,3 +102,11 @@ def run_held_out_eval(
     if dist_env.is_main:
         write_report(report, os.path.join(run_path, "eval", f"step_{step:06d}.json"))
     return flat_metrics(report)
+
+
+def discard_reports_after(run_path: str, step: int) -> None:
+    """Remove eval/step_N.json for N > step: a run resumed at `step` trains those steps again (as the rows of
+    metrics.jsonl past it are cut), and a report of the weights it no longer has must not be taken for theirs."""
+    for path in glob.glob(os.path.join(run_path, "eval", "step_*.json")):
+        if int(os.path.basename(path)[len("step_") : -len(".json")]) > step:
+            os.remove(path)

@@ -683,3 +683,31 @@ def test_a_prompt_set_smaller_than_a_generation_round_is_warned_about_in_one_lin
         "data.train_path holds 100 prompts, fewer than one generation round draws (192): a round repeats prompts "
         "and their groups are not independent; use more prompts or a smaller training.train_batch_size"
     ]
+
+
+def test_a_report_of_a_step_the_rerun_trains_again_is_discarded_at_resume(tmp_path, monkeypatch, signal_handlers):
+    """Finished with its final report, then the final checkpoint is found damaged: the rerun resumes from the step
+    before and removes the later report, so a kill before its own final evaluation cannot leave the old weights'
+    report to be taken for the retrained step's."""
+    from tests.test_checkpoint_integrity import overwrite_16_bytes_inside_a_tensor
+
+    monkeypatch.setattr(rl.reward, "compute_score", planted_score)
+    argv = overrides(str(tmp_path), steps=2, **{"eval.at_end": True})
+    assert train.main(argv) == 0
+    report = tmp_path / "run" / "eval" / "step_000002.json"
+    assert report.is_file()
+    overwrite_16_bytes_inside_a_tensor(CheckpointManager(str(tmp_path / "run" / "checkpoints")).step_path(2))
+    (tmp_path / "run" / "finished.json").unlink()
+    evaluate = trainer.loop.run_held_out_eval
+
+    def killed_before(*args, **kwargs):
+        raise _Killed
+
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", killed_before)
+    with pytest.raises(_Killed):
+        train.main(argv)  # step 2 trained again from step 1's checkpoint, killed before evaluating it
+    assert not report.exists()
+    calls: list[int] = []
+    monkeypatch.setattr(trainer.loop, "run_held_out_eval", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    assert train.main(argv) == 0
+    assert calls == [1] and len(_final_evaluation_rows(tmp_path, 2)) == 1

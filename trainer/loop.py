@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from config import Config
 from evaluation.evaluate import params_from_config
-from evaluation.held_out import run_held_out_eval
+from evaluation.held_out import discard_reports_after, run_held_out_eval
 from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
 from observe.progress import Progress
@@ -166,6 +166,8 @@ class Trainer(StepPhases):
             log.info("resumed from step %d", self.state.step)
             self.guard.call("resume", self.sync_weights)
         self.resumed_at = self.state.step  # an evaluation report of this step is of the weights resumed
+        if self.dist.is_main:
+            discard_reports_after(p.run_path, self.state.step)
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
         self.metrics = MetricsWriter(
             p.run_path,
