@@ -94,7 +94,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("path", CONFIGS)
 def test_every_shipped_config_runs_as_is_on_the_machines_it_was_written_for(path):
-    assert fixes_of(path, H100_NODE) == ({}, [])
+    # A CPU recipe on a CPU; a GPU recipe on an 8-GPU node (the ablation's 4-prompt mini-batch does not spread
+    # over 8 data-parallel ranks, and it need not).
+    assert fixes_of(path, H100_NODE if path in GPU_CONFIGS else CPU) == ({}, [])
 
 
 def test_the_32b_mini_batch_does_not_divide_over_the_papers_128_gpus():

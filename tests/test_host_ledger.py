@@ -265,7 +265,7 @@ def test_a_generate_results_second_copy_takes_what_the_ledger_counts_per_token()
     from sglang_model import _output
 
     from preflight.host_ledger import RESULT_BYTES_PER_TOKEN
-    from rollout.sglang_engine import completions_from_sglang
+    from rollout.sglang_groups import completions_from_sglang
 
     requests, tokens, rng = 64, 256, random.Random(0)
     outputs = [
