@@ -13,8 +13,7 @@ from typing import Any
 
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
-from trainer.optimizer import SkippedUpdates
-from trainer.types import RolloutGroup, Sample
+from trainer.types import RolloutGroup, Sample, SkippedUpdates
 
 
 @dataclasses.dataclass

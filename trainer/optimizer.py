@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.grad_clip import clip_grad_norm_
+from trainer.types import SkippedUpdates
 
 if TYPE_CHECKING:
     from config.schema import OptimizerConfig
@@ -52,13 +52,6 @@ def build_optimizer(
     )
     warmup = max(1, opt.warmup_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-
-
-@dataclass
-class SkippedUpdates:
-    """Updates skipped in a row for a non-finite gradient norm (the loop's checkpoints carry it over restarts)."""
-
-    in_a_row: int = 0
 
 
 class OptimizerStep:

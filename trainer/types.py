@@ -45,3 +45,11 @@ class RolloutBatch:
 
     groups: list[RolloutGroup] = field(default_factory=list)
     metrics: RolloutMetrics = field(default_factory=RolloutMetrics)
+
+
+@dataclass
+class SkippedUpdates:
+    """Updates skipped in a row for a non-finite gradient norm (trainer/optimizer.py counts them; the loop's
+    checkpoints carry the count over restarts)."""
+
+    in_a_row: int = 0
