@@ -35,8 +35,6 @@ from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, check_sglang_version, context_length_for
 from rollout.sglang_groups import completions_from_sglang, sglang_sampling_params
 from rollout.weight_sync import iter_weight_buckets, sync_weights
-from trainer.rollout_phase import generate_call
-from trainer.scoring import RewardSettings
 
 ARGS = PRESETS["tiny"]
 
@@ -495,24 +493,6 @@ class _Prompts:
 class _Digits:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(str(i % 10) for i in ids)
-
-
-def _retry_worker(rank, world, checkpoint):
-    import torch.distributed as dist
-
-    # The leader's batch is rank 0's prompt then rank 1's: request 1 (rank 1's) aborts on the first call.
-    engine = engine_class(abort={(0, 1)})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
-    reward = RewardSettings(max_response_length=2, overlong_penalty=False)
-    prompts = _Prompts([[1 + rank, 2]]).next_batch(1)
-    groups, _, _ = generate_call(engine, prompts, SamplingParams(max_new_tokens=2), _Digits(), reward, retries=1)
-    calls = engine._engine.generate_calls if rank == 0 else None
-    return len(groups), calls
-
-
-@pytest.mark.multiprocess
-def test_retries_are_decided_for_the_whole_engine_group(checkpoint):
-    """A request aborted on one rank's prompts makes the whole group retry, not that rank alone."""
-    assert run_ranks(_retry_worker, 2, checkpoint, timeout=60) == [(1, 2), (1, None)]
 
 
 def _eval_worker(rank, world, checkpoint):
