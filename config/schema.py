@@ -168,9 +168,8 @@ class RolloutConfig:
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
-    # Partial rollout (trainer/rollout_phase.py): a round ends as soon as every rank's batch is full; its
-    # unfinished groups are continued first in the next step (under the new weights), dropped past max_age steps.
-    partial: bool = False
+    # Partial rollout (trainer/rollout_phase.py): see README "Partial rollout".
+    partial: bool = False  # end a round once every rank's batch is full; continue its unfinished groups next step
     partial_max_age: int = at_least(1, 0)  # steps an unfinished group may wait to be continued
     partial_mask_older: bool = False  # no loss on tokens an earlier step's policy generated (else pi_old is theirs)
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)

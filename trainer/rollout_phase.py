@@ -129,13 +129,9 @@ class RolloutPhase:
     def score(self, groups: list[Unfinished], completions: list[Completion], step: int) -> list[RolloutGroup]:
         """The finished `groups` scored from their engine `completions` (n per group, any order), each sample
         knowing how many of its tokens an earlier step's policy generated and its age."""
-        by_key: dict[int, list[Completion]] = {}
-        for c in completions:
-            by_key.setdefault(c.prompt_index, []).append(c)
-        keys, n, stop_ids = sorted(by_key), self.params.n, set(self.params.stop_token_ids)
-        ordered = [  # grouped by prompt, as score_groups checks
-            dataclasses.replace(c, prompt_index=i) for i, k in enumerate(keys) for c in sorted(by_key[k], key=_index)
-        ]
+        by_key, n, stop_ids = _by_group(completions), self.params.n, set(self.params.stop_token_ids)
+        keys = sorted(by_key)
+        ordered = [dataclasses.replace(c, prompt_index=i) for i, k in enumerate(keys) for c in by_key[k]]
         examples = [groups[k].example for k in keys]
         scored = score_groups(examples, ordered, n, self.tokenizer, self.reward, stop_ids, step)
         for key, group in zip(keys, scored):
@@ -202,9 +198,7 @@ class GenerationRound:
 
     def stopped(self, groups: list[Unfinished], completions: list[Completion]) -> list[Unfinished]:
         """The groups stopped unfinished: kept with their samples so far, to continue in the next step."""
-        by_key: dict[int, list[Completion]] = {}
-        for c in sorted(completions, key=_index):
-            by_key.setdefault(c.prompt_index, []).append(c)
+        by_key = _by_group(completions)
         new_tokens = sum(len(c.token_ids) for c in completions)
         old_tokens = sum(sum(groups[key].older_tokens(self.phase.params.n)) for key in by_key)
         self.batch.metrics.partial.stopped.add(len(by_key))
@@ -227,5 +221,9 @@ class GenerationRound:
         self.shown = kept
 
 
-def _index(completion: Completion) -> int:
-    return completion.sample_index
+def _by_group(completions: list[Completion]) -> dict[int, list[Completion]]:
+    """Completions by group key, each group's in sample order."""
+    by_key: dict[int, list[Completion]] = {}
+    for c in sorted(completions, key=lambda c: (c.prompt_index, c.sample_index)):
+        by_key.setdefault(c.prompt_index, []).append(c)
+    return by_key
