@@ -144,7 +144,8 @@ class GenerationRound:
     """One generation round of a step: its groups submitted, polled until over, the rest stopped (module doc)."""
 
     def __init__(self, phase: RolloutPhase, step: int, batch: RolloutBatch, progress: Progress | None):
-        self.phase, self.step, self.batch, self.progress, self.shown = phase, step, batch, progress, 0
+        self.phase, self.step, self.batch, self.progress = phase, step, batch, progress
+        self.shown = min(phase.builder.num_kept, phase.builder.train_batch_size) if phase.builder.rounds else 0
         self.what = f"step {step}, generation round {phase.builder.rounds + 1}"
 
     def run(self, guard: Guard, groups: list[Unfinished]) -> list[RolloutGroup]:
