@@ -83,8 +83,8 @@ def build(config: str, overrides: list[str]):
     from rl.data import PromptSampler
     from rollout.engine_spec import EngineSpec
     from trainer.build import build_tokenizer, load_datasets
-    from trainer.rollout_phase import generate_call, rollout_sampling
-    from trainer.scoring import RewardSettings
+    from trainer.rollout_phase import rollout_sampling
+    from trainer.scoring import RewardSettings, score_groups
 
     cfg = load_config(config, overrides)
     torch.manual_seed(0)
@@ -97,7 +97,9 @@ def build(config: str, overrides: list[str]):
     params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, seed=0)
     reward = dataclasses.replace(RewardSettings.from_config(cfg), strict_box=False)
     sampler = PromptSampler(train_set, seed=0, shuffle=True, dp_rank=0, dp_size=1)
-    groups, _, _ = generate_call(engine, sampler.next_batch(prompts), params, tokenizer, reward, step=1)
+    examples = sampler.next_batch(prompts)
+    completions = engine.generate([e.prompt_ids for e in examples], params)
+    groups = score_groups(examples, completions, params.n, tokenizer, reward, set(params.stop_token_ids), step=1)
     batch = [g.payload[0].example.prompt_ids for g in groups]
     return cfg, dist, model, engine, groups, batch, params
 

@@ -165,20 +165,14 @@ class RolloutConfig:
     # Deadlines of calls into an engine process (SGLang; rollout/sglang_engine.py): past one the engine counts as hung
     call_timeout_s: int = at_least(600, 1)  # deadline of a control call (release, resume, a bucket, flush)
     min_tokens_per_s: float = above(2500.0, 0)  # a generate call's: call_timeout_s + requests x max tokens / this
-    # 4096: the most requests SGLang 0.5.21 runs at once (resolve_max_num_reqs), so a call never starves it.
-    requests_per_call: int = at_least(4096, 1)  # requests (prompts x n) per engine generate call of a round
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
+    # Partial rollout (trainer/rollout_phase.py): see README "Partial rollout".
+    partial: bool = False  # end a round once every rank's batch is full; continue its unfinished groups next step
+    partial_max_age: int = at_least(1, 0)  # steps an unfinished group may wait to be continued
+    partial_mask_older: bool = False  # no loss on tokens an earlier step's policy generated (else pi_old is theirs)
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
-
-    def rules(self) -> Iterator[Rule]:
-        yield (
-            "n",
-            self.n * self.tp_size <= self.requests_per_call,
-            f"must be <= rollout.requests_per_call / rollout.tp_size = {self.requests_per_call // self.tp_size}: a "
-            "generate call holds whole groups, one from each rank of an engine, and no more than requests_per_call",
-        )
 
     @property
     def logprob_temperature(self) -> float:
@@ -342,8 +336,10 @@ class Config:
     @property
     def prompts_per_round(self) -> int:
         """Prompts one generation round draws: train_batch_size, x gen_batch_multiplier with dynamic sampling
-        (the recipe over-samples so that enough groups survive the filter of Eq. 11)."""
-        multiplier = self.rollout.gen_batch_multiplier if self.algorithm.dynamic_sampling else 1
+        (the recipe over-samples so that enough groups survive the filter of Eq. 11) or partial rollout (the
+        round ends with the batch full, before its slowest groups)."""
+        over = self.algorithm.dynamic_sampling or self.rollout.partial
+        multiplier = self.rollout.gen_batch_multiplier if over else 1
         return self.training.train_batch_size * multiplier
 
     def rules(self) -> Iterator[Rule]:

@@ -19,11 +19,11 @@ adds what else lives there. For each phase, one rank (its process and its GPU's 
     engine      SGLang's scheduler process of this GPU (one per TP rank), from the engine's start on
 
 and per node: ranks per node x one rank, plus each engine's own processes (its detokenizer, and the
-process that owns `sglang.Engine`), each assumed the size of a process, and in the rollout the second copy of a
-generate call's result that each engine's leader rank unpickles from the engine's process (the first is the
+process that owns `sglang.Engine`), each assumed the size of a process, and in the rollout the second copy of an
+engine call's result that each engine's leader rank unpickles from the engine's process (the first is the
 process's own): SGLang's output dicts and the Completions made of them, RESULT_BYTES_PER_TOKEN per generated
 token (CPython 3.11: a token is an int id twice, a float log-prob, a 3-tuple and list slots; measured with
-tracemalloc in tests/test_host_ledger.py) for the call's requests (preflight/limits.py) x the longest response.
+tracemalloc in tests/test_host_ledger.py) for the requests a stop returns (`round_requests`) x the longest response.
 
 Pinned memory (torch 2.13, CUDA): FSDP2 with CPUOffloadPolicy(pin_memory=True) pins every sharded parameter
 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam._init_sharded_param and reset_sharded_param:
@@ -199,6 +199,13 @@ class HostLedger:
         }
 
 
+def round_requests(cfg: Config, world_size: int) -> int:
+    """The most requests an engine returns at once (a stop: every group in flight): a round's groups from each
+    of its rollout.tp_size ranks, and under rollout.partial as many continued from the step before."""
+    dp = max(1, world_size // cfg.parallelism.tp)
+    return -(-cfg.prompts_per_round // dp) * cfg.rollout.n * cfg.rollout.tp_size * (1 + cfg.rollout.partial)
+
+
 def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     """The HostFacts of the job `cfg` describes ([rehearse], [parallelism], [rollout], [model]), from this
     rank's (possibly fake) sharded `policy` of architecture `args`."""
@@ -208,9 +215,8 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     from model.hf_adapter import DTYPES
     from parallel.hf_load import load_transient_bytes
     from preflight.disk_needs import checkpoint_dtype_and_bytes
-    from preflight.limits import engine_call_requests
 
-    reh, offload = cfg.rehearse, cfg.parallelism.cpu_offload
+    reh, offload, ro = cfg.rehearse, cfg.parallelism.cpu_offload, cfg.rollout
     process = int(reh.host_process_gb * GB)
     stored, checkpoint_bytes = checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in policy.parameters()]
@@ -226,7 +232,7 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
         staging=max(t.numel() for t in shards) * engine_dtype_bytes if offload else 0,
         engine_per_gpu=process if sglang else 0,
         engine_per_engine=ENGINE_PROCESSES_PER_ENGINE * process if sglang else 0,
-        generate_result=RESULT_BYTES_PER_TOKEN * engine_call_requests(cfg) * cfg.rollout.max_response_length * sglang,
+        generate_result=RESULT_BYTES_PER_TOKEN * round_requests(cfg, reh.world_size) * ro.max_response_length * sglang,
         ranks_per_node=ranks_per_node,
         engines_per_node=max(1, ranks_per_node // cfg.rollout.tp_size) if sglang else 0,
         checkpoint_bytes=checkpoint_bytes or num_params(args) * stored.itemsize,

@@ -342,7 +342,7 @@ class _Phases(StepPhases):
         policy.train()
         temperature, chunk = update.loss.temperature, update.loss.chunk_size
         self.phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, chunk), tokens)
-        measured = MismatchProbe(metrics.mismatch, []), Progress(enabled=False)
+        measured = MismatchProbe(metrics.mismatch, metrics.continued_mismatch, []), Progress(enabled=False)
         self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts, metrics, *measured), tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         on_host = (*HOST_PARTS_WHEN_OFFLOADED, "activations")

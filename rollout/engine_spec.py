@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
-    from rollout.engine import Engine
+    from rollout.engine import Engine, PartialEngine
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class EngineSpec:
             "flex_decode": ro.flex_decode,
         }
 
-    def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> Engine:
+    def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> PartialEngine:
         """The engine of a training run, started after the policy is sharded (the torch engine: its own
         full copy, filled from the shards, every rank taking part in the gathers)."""
         if self.kind == "torch":

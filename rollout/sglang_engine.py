@@ -114,7 +114,7 @@ def start_sglang(**server_args: object) -> sglang.Engine:
 
 def _collective(name: str, *args: Any, **kwargs: Any) -> None:
     """torch.distributed's `name`(*args, **kwargs) over the engine group. Its failure (a gloo timeout is a plain
-    RuntimeError) is raised as a DistError: a collective's failure, never retried as the engine's (run/guard.py)."""
+    RuntimeError) is raised as a DistError: a collective's failure, never named as the engine's own (run/guard.py)."""
     try:
         getattr(dist, name)(*args, **kwargs)
     except RuntimeError as exc:

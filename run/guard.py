@@ -4,15 +4,14 @@ and raise on failure; stop at the phase boundaries.
 The engines may hold collectives (SGLang's tensor parallelism, the weight sync), so a call that fails on one
 rank must stop every rank at the same point, or the others wait in a collective for a rank that left.
 `Guard.call(what, fn)` runs fn() on every rank, then the ranks agree on the worst outcome (one all-reduce on
-the gloo control group): OK, FAILED (an exception: the engine's after its retry, EngineFailure, or anything
-else) or ENGINE_DIED (an engine's process is gone: the policy, in the trainer's process, is intact). On a
-failure every rank checkpoints the last completed step (run/phase_runner.py) and raises the error, EngineDied
-first, naming what was running and that the rerun resumes (a user-facing error, errors.py, as it is). A call
-at a phase boundary (`boundary=True`, e.g. between two generate calls) is followed by a stop when a SIGTERM /
-SIGINT arrived on any rank.
+the gloo control group): OK, FAILED (an exception: EngineFailure, or anything else) or ENGINE_DIED (an
+engine's process is gone: the policy, in the trainer's process, is intact). On a failure every rank
+checkpoints the last completed step (run/phase_runner.py) and raises the error, EngineDied first, naming what
+was running and that the rerun resumes (a user-facing error, errors.py, as it is). A call at a phase boundary
+(`boundary=True`, e.g. a poll of the engine) is followed by a stop when a SIGTERM / SIGINT arrived on any rank.
 
-An engine's own failure is retried before it reaches the guard (`retried`): what the engine itself reported
-(its exception, aborted requests), never a collective's failure, which would desynchronise the ranks.
+What the engine itself reports (its exception) is named as an EngineFailure (`engine_reported`); a collective's
+failure passes as it is.
 """
 
 from __future__ import annotations
@@ -107,21 +106,6 @@ def _outcome(error: Exception | None) -> Outcome:
     if error is None:
         return Outcome.OK
     return Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED
-
-
-def retried(fn: Callable[[], T], retries: int) -> T:
-    """fn(), again up to `retries` times while it raises EngineFailure: a failure the engine itself reported
-    (`engine_reported`, or aborted and malformed output). Anything else, EngineDied and a collective's failure
-    included, is raised at once."""
-    for _ in range(retries):
-        try:
-            return fn()
-        except EngineFailure:
-            continue
-    try:
-        return fn()
-    except EngineFailure as exc:
-        raise EngineFailure(f"{exc}; the retry failed too" if retries else str(exc)) from exc
 
 
 @contextmanager

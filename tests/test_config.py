@@ -13,10 +13,9 @@ import config
 from config import Config, ConfigError, config_to_dict, load_config, parse_cli, validate
 from config.loader import coerce
 from preflight.checks import check_runnable
-from preflight.limits import check_generate_deadline, check_rollout_batch_fits
+from preflight.limits import check_rollout_batch_fits
 from preflight.machine import Machine
 from rl.data import DataError
-from rollout.sglang_engine import SGLANG_VERSION
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests.parquet_rows import write_parquet_rows
 
@@ -324,11 +323,7 @@ def test_missing_file_and_bad_bases(tmp_path):
         (["optimizer.lr=0"], r"optimizer\.lr = 0\.0 .*must be in \(0, 3\.403e\+38\]"),
         (["optimizer.lr=1e39"], r"optimizer\.lr = 1e\+39 .*must be in \(0, 3\.403e\+38\] \(float32 holds no more\)"),
         (["training.sft_lr=1e39"], r"training\.sft_lr = 1e\+39 .*\(float32 holds no more\)"),
-        (
-            ["rollout.n=100000000000000000000"],
-            r"rollout\.n = 100000000000000000000 .*must be <= rollout\.requests_per_call / rollout\.tp_size = 4096",
-        ),
-        (["rollout.tp_size=4", "rollout.requests_per_call=32"], r"rollout\.n = 16 \(default\): must be <= .* = 8: a"),
+        (["rollout.partial_max_age=-1"], r"rollout\.partial_max_age = -1 .*must be >= 0"),
         (["optimizer.weight_decay=-0.1"], r"optimizer\.weight_decay = -0\.1 .*must be >= 0"),
         (["algorithm.clip_low=0"], r"algorithm\.clip_low = 0\.0 .*must be in \(0, 1\)"),
         (["algorithm.clip_low=1"], r"algorithm\.clip_low = 1\.0 .*must be in \(0, 1\)"),
@@ -469,25 +464,6 @@ def test_check_runnable_refuses_sequences_longer_than_the_model_allows(tmp_path)
     _checkpoint_dir(tmp_path, max_positions=4096)
     with pytest.raises(ConfigError, match=r"= 22528 tokens exceed the model's max_position_embeddings = 4096"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
-
-
-def test_a_generate_call_whose_deadline_outlasts_the_round_timeout_is_refused_with_its_figure():
-    # The 32B recipe as it was (4096 requests per call): 600 + 4096 x 20480 / 2500 = 34,154 s > 6 h.
-    dapo_32b = os.path.join(ROOT, "configs", "dapo_32b.toml")
-    check_generate_deadline(load_config(dapo_32b))  # as shipped: 2048 requests, 17,377 s
-    expected = (
-        r"rollout\.round_timeout_s = 21600 is shorter than one generate call's deadline of 34,154 s \(rollout"
-        r"\.call_timeout_s \+ 4096 requests x 20480 tokens / rollout\.min_tokens_per_s = 2500\).*lower rollout"
-        r"\.requests_per_call to 2560 or raise rollout\.round_timeout_s above 34,154"
-    )
-    with pytest.raises(ConfigError, match=expected):
-        check_generate_deadline(load_config(dapo_32b, ["rollout.requests_per_call=4096"]))
-    # The torch engine runs in the trainer's process, without a deadline.
-    check_generate_deadline(load_config(dapo_32b, ["rollout.requests_per_call=4096", "rollout.engine=torch"]))
-    # Refused at start, before anything is loaded: the defaults, 600 s + 4096 requests x 20480 tokens / 2500 a second.
-    sglang_gpu = dataclasses.replace(ONE_GPU, sglang_version=SGLANG_VERSION)
-    with pytest.raises(ConfigError, match=r"round_timeout_s = 1000 is shorter than .* deadline of 34,154 s"):
-        check_runnable(load_config(None, ["rollout.engine=sglang", "rollout.round_timeout_s=1000"]), sglang_gpu)
 
 
 def test_a_rollout_batch_no_machine_holds_is_refused_with_its_figure():

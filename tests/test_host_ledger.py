@@ -202,9 +202,9 @@ def test_offloaded_state_is_counted_in_its_pinned_blocks_and_per_node(capsys):
     assert rows["rollout"]["rank_gb"]["grads"] == 0 and rows["resume"]["rank_gb"]["grads"] == step["grads"]
     assert rows["weight sync"]["rank_gb"]["staging"] > 0
     assert rows["load + shard"]["rank_gb"]["load"] > 0 and rows["engine start"]["rank_gb"]["load"] == 0
-    # In the rollout each engine's leader also holds a generate call's result: 4096 requests (whole groups of
-    # demo_cpu's n = 8 from each of the engine's 2 ranks) of up to its 32 new tokens.
-    result = RESULT_BYTES_PER_TOKEN * 4096 * 32 / GB
+    # In the rollout each engine's leader also holds what a stop returns: a round's groups from each of its 2 ranks
+    # (64 prompts over 16 ranks: 4 each, x demo_cpu's n = 8: 64 requests) of up to its 32 new tokens.
+    result = RESULT_BYTES_PER_TOKEN * 64 * 32 / GB
     for phase, row in rows.items():
         rank = sum(row["rank_gb"].values())
         engines = 4 * 2 * 3 if row["rank_gb"]["engine"] else 0  # 4 engines of TP 2, 2 processes each

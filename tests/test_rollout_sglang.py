@@ -35,8 +35,6 @@ from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, check_sglang_version, context_length_for
 from rollout.sglang_groups import completions_from_sglang, sglang_sampling_params
 from rollout.weight_sync import iter_weight_buckets, sync_weights
-from trainer.rollout_phase import generate_call
-from trainer.scoring import RewardSettings
 
 ARGS = PRESETS["tiny"]
 
@@ -484,35 +482,9 @@ def test_group_of_two_ranks_shares_one_engine(checkpoint):
     assert run_ranks(_group_worker, 2, checkpoint) == [2, 4]
 
 
-class _Prompts:
-    def __init__(self, prompts):
-        self.prompts = prompts
-
-    def next_batch(self, count):
-        return [PromptExample(list(p), "7", "t", []) for p in self.prompts[:count]]
-
-
 class _Digits:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(str(i % 10) for i in ids)
-
-
-def _retry_worker(rank, world, checkpoint):
-    import torch.distributed as dist
-
-    # The leader's batch is rank 0's prompt then rank 1's: request 1 (rank 1's) aborts on the first call.
-    engine = engine_class(abort={(0, 1)})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
-    reward = RewardSettings(max_response_length=2, overlong_penalty=False)
-    prompts = _Prompts([[1 + rank, 2]]).next_batch(1)
-    groups, _, _ = generate_call(engine, prompts, SamplingParams(max_new_tokens=2), _Digits(), reward, retries=1)
-    calls = engine._engine.generate_calls if rank == 0 else None
-    return len(groups), calls
-
-
-@pytest.mark.multiprocess
-def test_retries_are_decided_for_the_whole_engine_group(checkpoint):
-    """A request aborted on one rank's prompts makes the whole group retry, not that rank alone."""
-    assert run_ranks(_retry_worker, 2, checkpoint, timeout=60) == [(1, 2), (1, None)]
 
 
 def _collective_timeout_worker(rank, world, checkpoint):
@@ -523,21 +495,18 @@ def _collective_timeout_worker(rank, world, checkpoint):
     # The leader's generate outlasts the engine group's timeout: the other rank times out in the result scatter.
     group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
     engine = engine_class(delay={"generate": 4})(checkpoint, tp_size=world, dtype=torch.float32, group=group)
-    calls, generate = [], engine.generate
-    engine.generate = lambda *args: calls.append(1) or generate(*args)
-    reward = RewardSettings(max_response_length=2, overlong_penalty=False)
     try:
-        generate_call(engine, _Prompts([[1 + rank, 2]]).next_batch(1), SamplingParams(2), _Digits(), reward, retries=1)
+        engine.generate([[1 + rank, 2]], SamplingParams(2))
     except Exception as exc:
-        return len(calls), type(exc).__name__
-    return len(calls), None
+        return type(exc).__name__
+    return None
 
 
 @pytest.mark.multiprocess
-def test_a_collectives_timeout_in_a_generate_call_is_not_retried(checkpoint):
-    """A gloo timeout (a plain RuntimeError) in the engine group's collective is raised as a DistError and not
-    retried: a retrying rank would enter a new gather while its leader is still in the old scatter."""
-    assert run_ranks(_collective_timeout_worker, 2, checkpoint, timeout=60)[1] == (1, "DistError")
+def test_a_collectives_timeout_in_a_generate_call_is_a_dist_error(checkpoint):
+    """A gloo timeout (a plain RuntimeError) in the engine group's collective is raised as a DistError, which the
+    guard (run/guard.py) never names as the engine's own failure."""
+    assert run_ranks(_collective_timeout_worker, 2, checkpoint, timeout=60)[1] == "DistError"
 
 
 def _eval_worker(rank, world, checkpoint):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 from dist_utils import OneProcess
+from partial_engines import SubmitPollStop
 
 from observe.records import row as metrics_row
 from rl.data import PromptExample, PromptSampler
@@ -21,7 +22,7 @@ class _AnswerTokenizer:
         return "Answer: " + "".join(str(i) for i in ids)
 
 
-class _Engine:
+class _Engine(SubmitPollStop):
     """Prompt k: sample 0 answers "1" (correct, 1 token) when k is even; every other sample answers "22"
     (wrong, 2 tokens), truncated ("length") when k is odd."""
 

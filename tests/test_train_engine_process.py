@@ -56,12 +56,12 @@ def saved_steps(run_dir):
     return CheckpointManager(os.path.join(run_dir, "run", "checkpoints")).complete_steps()
 
 
-# The calls of a 2-step run: step 1 generate (1), release (1), sync: resume ["weights"] (1) and begin, update
-# per bucket (1, 2, ...); step 2 resume ["kv_cache"] (2), generate (2), release (2), ...
+# The calls of a 2-step run: step 1 async_generate (1-4: one per group, run by a poll), release (1), sync: resume
+# ["weights"] (1) and begin, update per bucket (1, 2, ...); step 2 resume ["kv_cache"] (2), async_generate (5-8), ...
 @pytest.mark.parametrize(
     "phase, call, during",
     [
-        ("generate", 2, "generate"),
+        ("async_generate", 5, "poll_groups"),
         ("release", 2, "release_memory_occupation"),
         ("resume", 2, "resume_memory_occupation"),
         ("update", 1, "update_weights_from_tensor"),
@@ -121,11 +121,11 @@ def run_script(argv, options, *, signal_at=None, timeout=300):
 
 def test_an_engine_death_exits_1_with_one_line_and_the_same_command_resumes(tmp_path, hf_dir, monkeypatch):
     argv = sglang_argv(tmp_path, hf_dir, steps=3)
-    code, stderr, left = run_script(argv, {"crash": {"generate": 2}})
+    code, stderr, left = run_script(argv, {"crash": {"async_generate": 5}})
     last = stderr.strip().splitlines()[-1]
     assert code == 1 and left == [], stderr[-3000:]
     assert last.startswith("error: the rollout engine died: the SGLang engine process (pid ") and last.endswith(
-        "ended during generate (killed by SIGKILL). Checkpoint of step 1 saved; rerun the same command to resume"
+        "ended during poll_groups (killed by SIGKILL). Checkpoint of step 1 saved; rerun the same command to resume"
     ), last
     assert "Traceback" not in stderr and saved_steps(tmp_path) == [1]
     use_strict_model(monkeypatch.setattr)
@@ -136,19 +136,19 @@ def test_an_engine_death_exits_1_with_one_line_and_the_same_command_resumes(tmp_
 @pytest.mark.parametrize(
     "phase, sig, to_group, code",
     [
-        ("generate", signal.SIGTERM, False, 143),  # a launcher's SIGTERM to the trainer
+        ("async_generate", signal.SIGTERM, False, 143),  # a launcher's SIGTERM to the trainer
         ("train", signal.SIGINT, True, 130),  # Ctrl-C: SIGINT to the whole foreground process group
         ("update", signal.SIGTERM, False, 143),  # during the weight sync
     ],
 )
 def test_a_signal_in_each_phase_checkpoints_and_leaves_no_process(tmp_path, hf_dir, phase, sig, to_group, code):
     announce = str(tmp_path / "calls")
-    options = {"announce": announce, "delay": {"generate": 1.0, "update": 1.0}, "train_delay": 1.0}
+    options = {"announce": announce, "delay": {"async_generate": 1.0, "update": 1.0}, "train_delay": 1.0}
     code_, stderr, left = run_script(sglang_argv(tmp_path, hf_dir, steps=4), options, signal_at=(phase, sig, to_group))
     assert code_ == code and left == [], stderr[-3000:]
     assert "a checkpoint was saved: run the same command again to resume" in stderr.strip().splitlines()[-1]
     # The first announced phase is step 1's: a signal during its generation stops before training it.
-    assert saved_steps(tmp_path) == ([0] if phase == "generate" else [1])
+    assert saved_steps(tmp_path) == ([0] if phase == "async_generate" else [1])
 
 
 def _engine_group_run(rank, world, argv):
@@ -160,10 +160,10 @@ def _engine_group_run(rank, world, argv):
 
 @pytest.mark.multiprocess
 def test_an_engine_death_stops_every_rank_of_its_group(tmp_path, hf_dir, monkeypatch):
-    use_strict_model(monkeypatch.setattr, crash={"generate": 2})
+    use_strict_model(monkeypatch.setattr, crash={"async_generate": 5})
     argv = sglang_argv(tmp_path, hf_dir, **{"rollout.tp_size": 2, "parallelism.dp_shard": 2})
     died = run_ranks(_engine_group_run, 2, argv, timeout=300)
-    assert all("ended during generate (killed by SIGKILL). Checkpoint of step 1 saved" in d for d in died), died
+    assert all("ended during poll_groups (killed by SIGKILL). Checkpoint of step 1 saved" in d for d in died), died
     assert saved_steps(tmp_path) == [1]
 
 
@@ -180,7 +180,7 @@ def _stopped_at(rank, world, argv):
 @pytest.mark.parametrize(
     "kind, call, during",
     [
-        ("generate", 2, "generate"),
+        ("async_generate", 5, "poll_groups"),
         ("update", 1, "update_weights_from_tensor"),
         pytest.param("release", 2, "release_memory_occupation", marks=pytest.mark.slow),
         pytest.param("resume", 2, "resume_memory_occupation", marks=pytest.mark.slow),
@@ -205,6 +205,26 @@ def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
 def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
     """A launcher's SIGKILL after its grace period: the engine process dies with its trainer (PR_SET_PDEATHSIG)."""
     announce = str(tmp_path / "calls")
-    options = {"announce": announce, "delay": {"generate": 30.0}}
-    code, _, left = run_script(sglang_argv(tmp_path, hf_dir), options, signal_at=("generate", signal.SIGKILL, False))
+    options = {"announce": announce, "delay": {"async_generate": 30.0}}
+    code, _, left = run_script(
+        sglang_argv(tmp_path, hf_dir), options, signal_at=("async_generate", signal.SIGKILL, False)
+    )
     assert code == -signal.SIGKILL and left == []
+
+
+def test_partial_rollout_on_the_strict_model_stops_full_rounds_and_continues_their_groups(
+    tmp_path, hf_dir, monkeypatch
+):
+    """rollout.partial through the engine process: 12 groups a round, 1.5 of them running at once (max_running 6),
+    so the batch of 4 is full while others run; SGLang aborts them with what they have (abort_request(abort_all)),
+    and the next step submits them again as prompt + those tokens."""
+    use_strict_model(monkeypatch.setattr, max_running=6)
+    train.main(sglang_argv(tmp_path, hf_dir, steps=3, **{"rollout.partial": True, "rollout.gen_batch_multiplier": 3}))
+    rows = {r["step"]: r for r in read_rows(str(tmp_path)) if "loss" in r}
+    assert sorted(rows) == [1, 2, 3]
+    shown = {s: {k: v for k, v in r.items() if k.startswith(("partial/", "groups/", "gen/"))} for s, r in rows.items()}
+    assert all(rows[step]["partial/groups_stopped"] > 0 and rows[step]["groups/in_batch"] == 4 for step in rows), str(
+        shown
+    )
+    continued = [rows[step] for step in (2, 3) if rows[step]["partial/continued_token_share"] > 0]
+    assert continued and all(row["partial/age/max"] == 1 for row in continued)

@@ -85,26 +85,31 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
         train.main(overrides(str(tmp_path), steps=3, **settings))
 
 
-def test_engine_failure_is_retried_once_then_stops_with_a_checkpoint(tmp_path, monkeypatch):
+def test_engine_failure_stops_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_generate = TorchEngine.generate
-    calls = {"n": 0}
+    real_poll = TorchEngine.poll
+    submits = []
+    original_submit = TorchEngine.submit
 
-    def flaky(self, prompts, params):
-        calls["n"] += 1
-        if calls["n"] == 1 or calls["n"] >= 3:  # fails once in step 1 (retried), then for good in step 2
+    def counting_submit(self, groups, params):
+        submits.append(len(groups))
+        return original_submit(self, groups, params)
+
+    def flaky(self):
+        if len(submits) >= 2:  # step 2's first poll fails
             raise RuntimeError("CUDA error: out of memory (simulated)")
-        return real_generate(self, prompts, params)
+        return real_poll(self)
 
-    monkeypatch.setattr(TorchEngine, "generate", flaky)
+    monkeypatch.setattr(TorchEngine, "submit", counting_submit)
+    monkeypatch.setattr(TorchEngine, "poll", flaky)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
-        match=r"step 2, generation round 1: engine failed on 4 prompts x 4 samples: RuntimeError: CUDA "
-        r"error: out of memory \(simulated\); the retry failed too",
+        match=r"step 2, generation round 1: engine failed on poll of 4 groups x 4 samples: RuntimeError: CUDA "
+        r"error: out of memory \(simulated\). Checkpoint of step 1 saved",
     ):
         train.main(argv)
-    assert calls["n"] == 4
+    assert submits == [4, 4]
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
 
 
@@ -136,18 +141,18 @@ def test_shortfall_under_raise_stops_with_a_checkpoint_of_the_last_step(tmp_path
 
 def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_checkpoint(tmp_path, monkeypatch):
     generate_calls = []
-    real_generate = TorchEngine.generate
+    real_submit = TorchEngine.submit
 
-    def counting_generate(self, prompts, params):
-        generate_calls.append(len(prompts))
-        return real_generate(self, prompts, params)
+    def counting_submit(self, groups, params):
+        generate_calls.append(len(groups))
+        return real_submit(self, groups, params)
 
     def score(solution, ground_truth, strict_box=False):
         if len(generate_calls) >= 2:
             raise KeyError("broken scorer (simulated)")
         return planted_score(solution, ground_truth)
 
-    monkeypatch.setattr(TorchEngine, "generate", counting_generate)
+    monkeypatch.setattr(TorchEngine, "submit", counting_submit)
     monkeypatch.setattr(rl.reward, "compute_score", score)
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
@@ -643,30 +648,27 @@ def test_a_failed_step_still_shuts_the_engine_down_and_restores_the_signal_handl
     assert not torch.distributed.is_initialized()
 
 
-def test_a_signal_between_generate_calls_stops_the_round_and_checkpoints(tmp_path, monkeypatch, signal_handlers):
-    """A round of 4 prompts x 4 samples in calls of 8 requests (2 prompts) is 2 calls; a SIGTERM during the
-    first stops the step after it: the second never runs, the last completed step is checkpointed."""
+def test_a_signal_during_an_engine_call_stops_the_round_and_checkpoints(tmp_path, monkeypatch, signal_handlers):
+    """A SIGTERM during step 2's submit stops the step after it: no poll runs, the last completed step is
+    checkpointed."""
     from run.signals import StopRequested
 
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_generate = TorchEngine.generate
+    real_submit, real_poll = TorchEngine.submit, TorchEngine.poll
     calls = []
 
-    def generate_then_sigterm(self, prompts, params):
-        calls.append(len(prompts))
-        if len(calls) == 3:  # step 2's first call
+    def submit_then_sigterm(self, groups, params):
+        calls.append("submit")
+        if calls.count("submit") == 2:  # step 2's
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_generate(self, prompts, params)
+        return real_submit(self, groups, params)
 
-    monkeypatch.setattr(TorchEngine, "generate", generate_then_sigterm)
-    argv = overrides(
-        str(tmp_path),
-        steps=3,
-        **{"algorithm.dynamic_sampling": False, "rollout.requests_per_call": 8, "checkpoint.interval": 100},
-    )
+    monkeypatch.setattr(TorchEngine, "submit", submit_then_sigterm)
+    monkeypatch.setattr(TorchEngine, "poll", lambda self: calls.append("poll") or real_poll(self))
+    argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(StopRequested, match="stopped by SIGTERM after step 1"):
         train.main(argv)
-    assert calls == [2, 2, 2]  # step 1: two calls; step 2: one, then the stop
+    assert calls[-1] == "submit" and calls.count("submit") == 2  # step 2: the submit, then the stop
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [1]
 
 

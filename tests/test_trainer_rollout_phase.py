@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from partial_engines import SubmitPollStop
 
 from observe.records import row
 from parallel.dims import ParallelDims
@@ -11,7 +12,7 @@ from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure, SamplingParams
 from run.guard import Guard
 from run.signals import StopRequested
-from trainer.rollout_phase import RolloutPhase, prompts_per_call
+from trainer.rollout_phase import RolloutPhase
 from trainer.scoring import RewardSettings
 
 
@@ -24,7 +25,7 @@ class DigitTokenizer:
         return "".join(chr(ord("0") + i) for i in ids)
 
 
-class PlantedEngine:
+class PlantedEngine(SubmitPollStop):
     """Prompt k is answered correctly by samples whose index is in `pattern(k)`: known kept groups."""
 
     def __init__(self, pattern):
@@ -119,7 +120,7 @@ def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     aborting = AbortingEngine(lambda k: {0})
     with pytest.raises(EngineFailure, match="aborted 1 of 4 requests"):
         collect_batch(2, builder, aborting, sampler, 2, params, AnswerTokenizer(), reward, SingleProcess())
-    assert aborting.calls == [2, 2]  # retried once on the same prompts, then reported
+    assert aborting.calls == [2]  # reported: the guard stops the run with a checkpoint
 
 
 def _engine_groups(rank, world_size):
@@ -155,39 +156,19 @@ class RecordingProgress:
         self.updates.append((n, postfix))
 
 
-def test_a_round_is_split_into_calls_and_the_display_advances_after_each():
-    # Prompts 0, 3, 6 are mixed (kept); 7 prompts per round in calls of at most 3: calls of 3, 3 and 1.
+def test_the_display_advances_after_each_poll():
+    # Prompts 0, 3, 6 are mixed (kept); 7 prompts in one round, answered by the first poll.
     engine = PlantedEngine(lambda k: {0} if k % 3 == 0 else set())
-    seeds = []
-    generate = engine.generate
-    engine.generate = lambda prompts, params: seeds.append(params.seed) or generate(prompts, params)
     sampler = PromptSampler(_examples(30), shuffle=False)
     builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=1, on_shortfall="fill")
     params = SamplingParams(max_new_tokens=4, n=4, seed=1)
     reward = RewardSettings(max_response_length=4, overlong_penalty=False)
     progress = RecordingProgress()
     with pytest.warns(RuntimeWarning, match="kept 3 of 4 groups"):
-        batch, diag = collect_batch(
-            1,
-            builder,
-            engine,
-            sampler,
-            7,
-            params,
-            AnswerTokenizer(),
-            reward,
-            SingleProcess(),
-            progress,
-            prompts_per_call=3,
-        )
-    assert engine.calls == [3, 3, 1] and diag["gen/rounds"] == 1 and len(batch) == 3
-    assert len(set(seeds)) == 3  # each call its own random stream (the first keeps the round's seed)
-    # Kept groups after each call: prompt 0 in the first (0-2), 3 in the second (3-5), 6 in the third.
-    assert progress.updates == [
-        (1, {"rounds": 1, "calls": "1/3"}),
-        (1, {"rounds": 1, "calls": "2/3"}),
-        (1, {"rounds": 1, "calls": "3/3"}),
-    ]
+        args = (builder, engine, sampler, 7, params, AnswerTokenizer(), reward, SingleProcess(), progress)
+        batch, diag = collect_batch(1, *args)
+    assert engine.calls == [7] and diag["gen/rounds"] == 1 and len(batch) == 3
+    assert progress.updates == [(3, {"rounds": 1, "calls": "1 polls"})]
 
 
 class StopAtBoundary:
@@ -202,7 +183,7 @@ class StopAtBoundary:
             raise StopRequested("SIGTERM", 0)
 
 
-def test_a_stop_requested_between_calls_ends_the_round():
+def test_a_stop_requested_at_an_engine_call_ends_the_round():
     engine = PlantedEngine(lambda k: {0})
     sampler = PromptSampler(_examples(30), shuffle=False)
     builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=2)
@@ -217,15 +198,6 @@ def test_a_stop_requested_between_calls_ends_the_round():
             AnswerTokenizer(),
             RewardSettings(max_response_length=4, overlong_penalty=False),
             SingleProcess(),
-            prompts_per_call=2,
-            runner=StopAtBoundary(2),
+            runner=StopAtBoundary(1),
         )
-    assert engine.calls == [2, 2]  # the third call of the round never started
-
-
-def test_prompts_per_call_keeps_whole_groups_and_counts_the_engines_ranks():
-    # dapo_32b: 4096 requests per engine call, n = 16, 4 trainer ranks per SGLang engine (TP 4): 64 prompts
-    # per rank, so one engine call holds 64 x 16 x 4 = 4096 requests; its round (192 prompts a rank) is 3 calls.
-    assert prompts_per_call(4096, 16, 4) == 64
-    assert prompts_per_call(4096, 16) == 256
-    assert prompts_per_call(8, 16) == 1  # never less than one whole group
+    assert engine.calls == []  # stopped after the submit: the poll never ran

@@ -23,7 +23,7 @@ from parallel.device_memory import return_cached_memory
 from parallel.sharded_policy import build_sharded_policy
 from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_prompts, rows_to_examples
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Engine
+from rollout.engine import PartialEngine
 from rollout.engine_spec import EngineSpec
 from run.folder import prepare_run_folder, run_folder_path
 from run.lock import FolderLock
@@ -52,7 +52,7 @@ class Components:
     eval_set: list[PromptExample]
     sampler: PromptSampler
     policy: Qwen2
-    engine: Engine
+    engine: PartialEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
@@ -136,7 +136,7 @@ def warn_if_fewer_than_a_round(cfg: Config, prompts: int) -> None:
         )
 
 
-def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engine]:
+def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, PartialEngine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (parallel/sharded_policy.py:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout engine,
     which sizes its KV pool from the memory free when it starts."""

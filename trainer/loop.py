@@ -134,7 +134,8 @@ class Trainer(StepPhases):
     # --- Checkpoints, metrics, evaluation ----------------------------------------------------------
     def extra(self) -> dict[str, Any]:
         """The loop's state and the data's position, as plain data for a checkpoint."""
-        return {**self.state.state_dict(), **LoopPosition.of(self.parts.sampler, self.parts.builder).plain()}
+        p = self.parts
+        return {**self.state.state_dict(), **LoopPosition.of(p.sampler, p.builder, p.rollout.unfinished).plain()}
 
     def progress(self, total: int | None, desc: str, unit: str) -> Progress:
         return Progress(
@@ -161,7 +162,7 @@ class Trainer(StepPhases):
         p = self.parts
         saved = self.runner.resume() if self.cfg.checkpoint.resume else None
         if saved is not None:
-            LoopPosition.pop_from(saved).restore(p.sampler, p.builder)
+            p.rollout.unfinished = LoopPosition.pop_from(saved).restore(p.sampler, p.builder)
             self.state.load_state_dict(saved)
             log.info("resumed from step %d", self.state.step)
             self.guard.call("resume", self.sync_weights)

@@ -58,6 +58,30 @@ class SampleMetrics:
 
 
 @dataclass
+class PartialMetrics:
+    """Partial rollout (rollout.partial): the batch's continued samples (started in an earlier step's rollout)
+    and their tokens generated under older weights, as shares of the batch's; their age in steps; the groups
+    stopped unfinished at a round's end and those dropped for age (rollout.partial_max_age)."""
+
+    continued_share: Mean = logged("continued_share", Mean)
+    continued_token_share: Mean = logged("continued_token_share", Mean)
+    age: Mean = logged("age/mean", Mean)  # of the continued samples
+    age_max: Max = logged("age/max", Max)
+    stopped: Sum = logged("groups_stopped", Sum)
+    dropped_old: Sum = logged("groups_dropped_old", Sum)
+
+    def add(self, groups: Iterable[RolloutGroup]) -> None:
+        samples = [s for g in groups for s in g.payload]
+        continued = [s for s in samples if s.age > 0]
+        self.continued_share.add(float(len(continued)), len(samples))
+        tokens = sum(len(s.response_ids) for s in samples)
+        self.continued_token_share.add(float(sum(s.continued_tokens for s in continued)), tokens)
+        self.age.add(float(sum(s.age for s in continued)), len(continued))
+        for s in continued:
+            self.age_max.add(float(s.age))
+
+
+@dataclass
 class RolloutMetrics:
     """A step's rollout phase: what it generated (the panel's view of the policy: also a step whose groups
     were all dropped shows it), what it trained on (kept groups, carried-over ones included), and the groups.
@@ -78,16 +102,16 @@ class RolloutMetrics:
     carried_over: Sum = logged("groups/carried_over", Sum)
     dropped_stale: Sum = logged("groups/dropped_stale", Sum)
     shortfall: Sum = logged("groups/shortfall", Sum)
+    tokens: Sum = logged("gen/tokens", Sum)  # generated in this step's rounds (stopped samples' included)
+    partial: PartialMetrics = logged("partial/", PartialMetrics)
     generate_s: Sum = logged("time/generate", Sum, MAX)  # the slowest rank's
     score_s: Sum = logged("time/score", Sum, MAX)
 
-    def add_call(self, call: tuple[list[RolloutGroup], float, float]) -> list[RolloutGroup]:
-        """The groups of one generate call (trainer/rollout_phase.py generate_call), counted with its time."""
-        groups, generate_s, score_s = call
+    def add_generated(self, groups: list[RolloutGroup], score_s: float) -> None:
+        """Finished groups just scored (in `score_s` seconds), with the tokens this step generated for them."""
         self.generated.add(groups)
-        self.generate_s.add(generate_s)
         self.score_s.add(score_s)
-        return groups
+        self.tokens.add(float(sum(len(s.response_ids) - s.continued_tokens for g in groups for s in g.payload)))
 
     def add_batch(self, batch: tuple[list[RolloutGroup], FilterStats], group_size: int) -> list[RolloutGroup]:
         """The batch dynamic sampling handed out (rl/filter.py), counted with what the filter did."""
@@ -104,6 +128,7 @@ class RolloutMetrics:
         self.carried_over.add(f.groups_carried_over)
         self.dropped_stale.add(f.groups_dropped_stale)
         self.shortfall.add(f.shortfall)
+        self.partial.add(groups)
         return groups
 
 
@@ -126,6 +151,7 @@ class TrainMetrics:
     lr: Sum = logged("lr", Sum, SAME)  # the rate this step ran at
     train_tokens: Sum = logged("train_tokens", Sum)  # valid tokens trained on (once, whatever ppo_epochs)
     mismatch: MismatchMetrics = logged("mismatch/", MismatchMetrics)
+    continued_mismatch: MismatchMetrics = logged("partial/mismatch/", MismatchMetrics)  # older-policy tokens
 
     def add_pass(self, stats: PassStats) -> None:
         """One micro-batch's loss pass, weighted by its valid tokens."""

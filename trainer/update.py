@@ -41,8 +41,10 @@ def pack_items_for_groups(
     overlong_filter: bool,
     group_offset: int = 0,
     step: int = 0,
+    mask_older: bool = False,
 ) -> list[list[PackItem]]:
-    """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
+    """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight; mask_older: the
+    tokens an earlier step's policy generated (partial rollout) enter no loss."""
     out = []
     for g, group in enumerate(groups):
         samples = group.payload
@@ -67,9 +69,11 @@ def pack_items_for_groups(
                     sample.rollout_logprobs,
                     group_id=group_offset + g,
                     stale=sample.step < step,
+                    older_tokens=sample.continued_tokens,
+                    loss_from=sample.continued_tokens if mask_older else 0,
                 )
             )
-        tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
+        tokens = sum(max(len(it.response_ids) - it.loss_from, 0) for it in items if it.loss_weight > 0)
         for it in items:
             it.group_num_tokens = tokens
         out.append(items)
@@ -164,7 +168,9 @@ class TrainPhase:
     model: the policy; optimizer_step: its AdamW step (trainer/optimizer.py), scheduler: the learning-rate
     schedule; loss: the DAPO loss (trainer/losses.py); training: the [training] section; algorithm: the
     [algorithm] section (advantage and overlong-filter settings); old_logprobs: where pi_old comes from
-    (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`).
+    (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`); mask_older: no loss on
+    the tokens of continued samples an earlier step's policy generated (partial rollout; else their pi_old is the
+    engine's log-prob, the generating policy's).
     """
 
     def __init__(
@@ -179,11 +185,12 @@ class TrainPhase:
         algorithm: AlgorithmConfig,
         old_logprobs: str,
         share_prompts: bool,
+        mask_older: bool = False,
     ):
         self.model, self.optimizer_step, self.scheduler = model, optimizer_step, scheduler
         self.dist, self.device, self.loss = dist_env, dist_env.device, loss
         self.training, self.algorithm = training, algorithm
-        self.old_logprobs, self.share_prompts = old_logprobs, share_prompts
+        self.old_logprobs, self.share_prompts, self.mask_older = old_logprobs, share_prompts, mask_older
 
     @classmethod
     def from_config(
@@ -205,6 +212,7 @@ class TrainPhase:
             algorithm=cfg.algorithm,
             old_logprobs=old_logprob_source(cfg),
             share_prompts=shares_prompts(cfg, dist_env, dist_env.device),
+            mask_older=cfg.rollout.partial_mask_older,
         )
 
     def run(self, step: int, groups: list[RolloutGroup], progress: Progress | None = None) -> TrainMetrics:
@@ -214,7 +222,7 @@ class TrainPhase:
         micro-batches to run and advanced after each (None: no display)."""
         metrics = TrainMetrics()
         mini_batches = self.mini_batches(step, groups, metrics)
-        mismatch = MismatchProbe(metrics.mismatch, mini_batches[0] if mini_batches else [])
+        mismatch = MismatchProbe(metrics.mismatch, metrics.continued_mismatch, mini_batches[0] if mini_batches else [])
         self.model.train()
         self.fill_old_logprobs(mini_batches, mismatch)
         progress = progress or Progress(enabled=False)
@@ -253,6 +261,9 @@ class TrainPhase:
             for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m)):
                 assert mb.old_logp is not None  # just filled
                 mismatch.saw(mb.old_logp, mb, step_start=True)
+            for mb in mbs:  # partial rollout: an older token's pi_old is the policy that generated it
+                assert mb.old_logp is not None
+                mb.old_logp = torch.where(mb.older, mb.rollout_logp.to(mb.old_logp.dtype), mb.old_logp)
 
     def mini_batches(self, step: int, groups: list[RolloutGroup], metrics: TrainMetrics) -> list[list[MicroBatch]]:
         """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
@@ -267,6 +278,7 @@ class TrainPhase:
             overlong_filter=alg.overlong_filter,
             group_offset=group_offset,
             step=step,
+            mask_older=self.mask_older,
         )
         metrics.train_tokens.add(float(sum(items[0].group_num_tokens for items in group_items if items)))
         mini_batches = []
