@@ -101,6 +101,29 @@ def test_rounds_fill_the_batch_and_surplus_is_carried_over():
     assert diag["groups/from_carry"] == 2
 
 
+def test_a_round_hands_the_filter_its_groups_in_submission_order_not_the_order_they_finish():
+    """Groups that finish last (the longest responses) must not lose their place in an over-full batch: the
+    batch keeps the round's first groups, as one blocking generate call did."""
+
+    class LastFirst(PlantedEngine):
+        def poll(self):  # one group a poll, the last submitted first
+            out = super().poll() if getattr(self, "queued", []) else []
+            self.done = sorted(getattr(self, "done", []) + out, key=lambda c: (-c.prompt_index, c.sample_index))
+            n = self.params.n
+            finished, self.done = self.done[:n], self.done[n:]
+            return finished
+
+    engine = LastFirst(lambda k: {0})  # every group mixed: every group is kept
+    builder = DynamicBatchBuilder(train_batch_size=4, max_rounds=1, max_staleness=1)
+    params, reward = (
+        SamplingParams(max_new_tokens=4, n=2),
+        RewardSettings(max_response_length=4, overlong_penalty=False),
+    )
+    sampler = PromptSampler(_examples(6), shuffle=False)
+    batch, diag = collect_batch(1, builder, engine, sampler, 6, params, AnswerTokenizer(), reward, SingleProcess())
+    assert [g.payload[0].example.prompt_ids[0] for g in batch] == [0, 1, 2, 3] and diag["groups/carried_over"] == 2
+
+
 def test_shortfall_fills_after_the_last_round_and_aborts_are_reported():
     engine = PlantedEngine(lambda k: {0} if k == 0 else set())
     sampler = PromptSampler(_examples(30), shuffle=False)

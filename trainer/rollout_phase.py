@@ -126,9 +126,9 @@ class RolloutPhase:
         batch.metrics.partial.dropped_old.add(len(waiting) - len(young))
         return young
 
-    def score(self, groups: list[Unfinished], completions: list[Completion], step: int) -> list[RolloutGroup]:
-        """The finished `groups` scored from their engine `completions` (n per group, any order), each sample
-        knowing how many of its tokens an earlier step's policy generated and its age."""
+    def score(self, groups: list[Unfinished], completions: list[Completion], step: int) -> dict[int, RolloutGroup]:
+        """The finished `groups` scored from their engine `completions` (n per group, any order), by group key,
+        each sample knowing how many of its tokens an earlier step's policy generated and its age."""
         by_key, n, stop_ids = _by_group(completions), self.params.n, set(self.params.stop_token_ids)
         keys = sorted(by_key)
         ordered = [dataclasses.replace(c, prompt_index=i) for i, k in enumerate(keys) for c in by_key[k]]
@@ -137,7 +137,7 @@ class RolloutPhase:
         for key, group in zip(keys, scored):
             for sample, older in zip(group.payload, groups[key].older_tokens(n)):
                 sample.continued_tokens, sample.age = older, step - groups[key].started
-        return scored
+        return dict(zip(keys, scored))
 
 
 class GenerationRound:
@@ -156,14 +156,14 @@ class GenerationRound:
         params = dataclasses.replace(phase.params, seed=seed)
         requests = [GroupRequest(key, g.example.prompt_ids, g.samples) for key, g in enumerate(groups)]
         self.guarded(guard, "submit", lambda: phase.engine.submit(requests, params), len(groups))
-        in_flight, scored, polls = set(range(len(groups))), [], 0
+        in_flight, scored, polls = set(range(len(groups))), dict[int, RolloutGroup](), 0
         while True:
             done = self.guarded(guard, "poll", phase.engine.poll, len(in_flight))
             in_flight -= {c.prompt_index for c in done}
-            scored += self.guarded(guard, "", functools.partial(self.scored, groups, done), 0)
+            scored.update(self.guarded(guard, "", functools.partial(self.scored, groups, done), 0))
             polls += 1
             self.show(scored, f"{polls} polls")
-            enough = phase.partial and phase.builder.num_kept + sum(map(phase.builder.keeps, scored)) >= (
+            enough = phase.partial and phase.builder.num_kept + sum(map(phase.builder.keeps, scored.values())) >= (
                 phase.builder.train_batch_size
             )
             if guard.everyone(enough or not in_flight):
@@ -171,9 +171,11 @@ class GenerationRound:
         stopped = self.guarded(guard, "stop", phase.engine.stop, len(in_flight))
         running = {c.prompt_index for c in stopped if c.finish_reason == "abort"}  # the others finished meanwhile
         finished = [c for c in stopped if c.prompt_index not in running]
-        scored += self.guarded(guard, "", functools.partial(self.scored, groups, finished), 0)
+        scored.update(self.guarded(guard, "", functools.partial(self.scored, groups, finished), 0))
         phase.unfinished += self.stopped(groups, [c for c in stopped if c.prompt_index in running])
-        return scored
+        # In the order the groups were submitted, not finished: a batch the filter fills from them (Eq. 11) keeps
+        # the first groups of the round, as without partial rollout, not the fastest (the shortest responses).
+        return [scored[key] for key in sorted(scored)]
 
     def guarded(self, guard: Guard, engine_call: str, call: Callable[[], list[T] | None], groups: int) -> list[T]:
         """call() through the guard: engine.submit / poll / stop (`engine_call` names it), timed into the phase's
@@ -190,12 +192,12 @@ class GenerationRound:
 
         return guard.call(self.what, timed, boundary=bool(engine_call))
 
-    def scored(self, groups: list[Unfinished], completions: list[Completion]) -> list[RolloutGroup]:
-        """Finished groups scored and counted among the step's generated samples (with the tokens generated)."""
+    def scored(self, groups: list[Unfinished], completions: list[Completion]) -> list[tuple[int, RolloutGroup]]:
+        """Finished groups scored, with their keys, and counted among the step's generated samples (and tokens)."""
         start = time.perf_counter()
         scored = self.phase.score(groups, completions, self.step)
-        self.batch.metrics.add_generated(scored, time.perf_counter() - start)
-        return scored
+        self.batch.metrics.add_generated(list(scored.values()), time.perf_counter() - start)
+        return list(scored.items())
 
     def stopped(self, groups: list[Unfinished], completions: list[Completion]) -> list[Unfinished]:
         """The groups stopped unfinished: kept with their samples so far, to continue in the next step."""
@@ -212,12 +214,12 @@ class GenerationRound:
             return Unfinished(group.example, samples, group.started)
         return Unfinished(group.example, [], self.step + 1)
 
-    def show(self, scored: list[RolloutGroup], polls: str) -> None:
+    def show(self, scored: dict[int, RolloutGroup], polls: str) -> None:
         """The display advanced to the groups kept so far, counting this round's `scored` groups."""
         if self.progress is None:
             return
         builder = self.phase.builder
-        kept = min(builder.num_kept + sum(map(builder.keeps, scored)), builder.train_batch_size)
+        kept = min(builder.num_kept + sum(map(builder.keeps, scored.values())), builder.train_batch_size)
         self.progress.update(kept - self.shown, rounds=builder.rounds + 1, calls=polls)
         self.shown = kept
 
