@@ -179,8 +179,7 @@ class EngineProcess:
             if not self.process.is_alive() and not self._conn.poll(0):
                 self._died(what)
             if time.monotonic() >= end:
-                self._end_group()  # hung: ended like a dead one
-                self._died(what, f"no answer within its deadline of {deadline_s:,.0f} s: hung, its processes killed")
+                self.kill_hung(what, f"no answer within its deadline of {deadline_s:,.0f} s")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
@@ -188,6 +187,11 @@ class EngineProcess:
         if status == "error":
             raise EngineCallError(value)
         return value
+
+    def kill_hung(self, what: str, why: str) -> NoReturn:
+        """A hung engine (`why`: the deadline it missed) is ended like a dead one: EngineDied."""
+        self._end_group()
+        self._died(what, f"{why}: hung, its processes killed")
 
     def _died(self, what: str, how: str | None = None) -> NoReturn:
         self.process.join(timeout=10)

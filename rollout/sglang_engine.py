@@ -61,8 +61,10 @@ Released weights are discarded, not offloaded: after a release every weight must
 before resume_memory(), which refuses otherwise and names the missing weights.
 
 Deadlines: every call into the engine process has one (rollout/engine_process.py): a control call (release,
-resume, begin / end of an update, a bucket, flush) `call_timeout_s` (rollout.call_timeout_s), a generate call
-`generate_deadline_s` of its size; past it the engine is killed and the call raises EngineDied, as a dead one.
+resume, begin / end of an update, a bucket, flush, a partial round's submit, poll and stop) `call_timeout_s`
+(rollout.call_timeout_s), a generate call `generate_deadline_s` of its size; past it the engine is killed and
+the call raises EngineDied, as a dead one. A partial round whose polls answer but whose groups outlast the
+`generate_deadline_s` of its requests, counted from its first submit, ends the same way at the next poll.
 
 Protocol state (update session open, released tags, weights pushed since the release) is the leader's:
 the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
@@ -75,6 +77,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -223,6 +226,7 @@ class SGLangEngine:
         self._session_open = False
         self._dead: str | None = None  # why the engine process ended, once it has
         self._in_flight = 0  # partial-rollout groups submitted and not yet returned
+        self._round_requests, self._round_start, self._round_tokens = 0, 0.0, 0  # the leader's round deadline
         self._ledger = GroupLedger()  # the leader's record of them (rollout/sglang_groups.py)
         self.poll_s = poll_s
         launch = dict(
@@ -487,10 +491,14 @@ class SGLangEngine:
             return list(groups)
 
         def on_leader(rank_groups: list[list[GroupRequest]]) -> list[None]:
+            if not self._ledger.groups:  # a new round: its deadline counts from now
+                self._round_requests, self._round_start = 0, time.monotonic()
             batch = self._ledger.add(rank_groups, params, self.context_length - NEW_TOKEN_MARGIN)
             self._end_session()
             if batch:
                 self._call("submit_groups", batch)
+                self._round_requests += sum(len(inputs) for _, inputs, _ in batch)
+                self._round_tokens = params.max_new_tokens
             return [None] * len(rank_groups)
 
         self._per_rank("submit", check, on_leader)
@@ -508,6 +516,18 @@ class SGLangEngine:
     def _outputs(self, stop: bool) -> dict[Key, list[dict]]:
         """Leader: SGLang's outputs of the groups in flight that finished (stop: of all), by (rank, key)."""
         out: dict[Key, list[dict]] = {key: [] for key in self._ledger.idle()}  # nothing for SGLang to do
+        requests, tokens = self._round_requests, self._round_tokens
+        deadline = generate_deadline_s(requests, tokens, self.call_timeout_s, self.min_tokens_per_s)
+        if not stop and self._ledger.groups and time.monotonic() - self._round_start > deadline:
+            assert self._engine is not None  # the leader's
+            try:
+                self._engine.kill_hung(
+                    "poll_groups",
+                    f"a round of {requests} requests x {tokens} tokens outlasted its deadline of {deadline:,.0f} s",
+                )
+            except EngineDied as exc:
+                self._dead = str(exc)
+                raise
         if len(out) < len(self._ledger.groups):
             out.update(self._call("stop_groups") if stop else self._call("poll_groups", 0.0 if out else self.poll_s))
         return out

@@ -202,6 +202,21 @@ def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
     assert saved_steps(tmp_path) == [1]
 
 
+def test_an_engine_that_answers_but_never_finishes_a_round_dies_at_the_rounds_deadline(tmp_path, hf_dir, monkeypatch):
+    """Its scheduler stalls (SGLang's tokenizer manager still answers): every poll returns nothing, in time. The
+    round's deadline (call_timeout_s + requests x tokens / min_tokens_per_s) ends it as a hung engine."""
+    use_strict_model(monkeypatch.setattr, stall_after=0)
+    argv = sglang_argv(tmp_path, hf_dir, **{"rollout.call_timeout_s": 15, "rollout.min_tokens_per_s": 1e6})
+    start = time.monotonic()
+    with pytest.raises(
+        EngineDied,
+        match=r"ended during poll_groups \(a round of \d+ requests x \d+ tokens outlasted "
+        r"its deadline of 15 s: hung, its processes killed\)\. Checkpoint of step 0 saved",
+    ):
+        train.main(argv)
+    assert 15 <= time.monotonic() - start < 15 + 120 and saved_steps(tmp_path) == [0]
+
+
 def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
     """A launcher's SIGKILL after its grace period: the engine process dies with its trainer (PR_SET_PDEATHSIG)."""
     announce = str(tmp_path / "calls")
