@@ -473,6 +473,8 @@ def main(argv=None) -> int:
 
     opts, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     run_dir, seeds, rungs, jobs = prepare(opts, overrides)
+    if opts.report and not os.path.isdir(run_dir):
+        raise LadderError(f"--report: no ladder in {run_dir}; run it first, or name its folder with --run-dir")
     base = config_to_dict(effective_config(opts.config, overrides, None))
     del base["job"]
     if not opts.report:

@@ -111,6 +111,13 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, args, message):
     assert not os.listdir(tmp_path)  # refused before any work
 
 
+def test_a_report_of_a_folder_with_no_ladder_is_one_line_and_exit_code_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_cli(["--report", "--run-dir", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "no ladder in" in err and err.count("\n") == 1
+
+
 # A ladder small enough for the default test run: 2 rungs, 1 seed, 4 steps of 4 prompts x 4 samples.
 TINY = [
     "--data.synthetic_difficulty=1",
