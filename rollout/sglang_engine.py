@@ -331,9 +331,15 @@ class SGLangEngine:
     def _call(self, method: str, *args: object, deadline_s: float | None = None, **kwargs: object) -> Any:
         """The leader's call into the engine process, by deadline_s (default call_timeout_s); its death (or
         hang) is recorded before it is raised. (Any: what the engine's method returned, unpickled.)"""
+        return self._recorded(
+            lambda engine: engine.call(method, *args, deadline_s=deadline_s or self.call_timeout_s, **kwargs)
+        )
+
+    def _recorded(self, fn: Callable[[EngineProcess], _T]) -> _T:
+        """fn(the leader's engine process); the engine's death (or hang) is recorded before it is raised."""
         assert self._engine is not None  # the leader's, from __init__ (shutdown marks the engine dead first)
         try:
-            return self._engine.call(method, *args, deadline_s=deadline_s or self.call_timeout_s, **kwargs)
+            return fn(self._engine)
         except EngineDied as exc:
             self._dead = str(exc)
             raise
@@ -519,15 +525,8 @@ class SGLangEngine:
         requests, tokens = self._round_requests, self._round_tokens
         deadline = generate_deadline_s(requests, tokens, self.call_timeout_s, self.min_tokens_per_s)
         if not stop and self._ledger.groups and time.monotonic() - self._round_start > deadline:
-            assert self._engine is not None  # the leader's
-            try:
-                self._engine.kill_hung(
-                    "poll_groups",
-                    f"a round of {requests} requests x {tokens} tokens outlasted its deadline of {deadline:,.0f} s",
-                )
-            except EngineDied as exc:
-                self._dead = str(exc)
-                raise
+            why = f"a round of {requests} requests x {tokens} tokens outlasted its deadline of {deadline:,.0f} s"
+            self._recorded(lambda engine: engine.kill_hung("poll_groups", why))
         if len(out) < len(self._ledger.groups):
             out.update(self._call("stop_groups") if stop else self._call("poll_groups", 0.0 if out else self.poll_s))
         return out
