@@ -145,8 +145,10 @@ def compare_runs(off_dir: str, on_dir: str) -> dict:
         steps = [r for r in rows if "loss" in r]
         rollout = [r["time/generate"] + r["time/score"] for r in steps]
         kept = [r["gen/samples"] / r["gen/samples_per_kept_sample"] for r in steps]  # samples of kept groups
+        evals = [(r["step"], r["eval/avg_at_k"]) for r in rows if "eval/avg_at_k" in r]
         return {
-            "held_out": [r["eval/avg_at_k"] for r in rows if "eval/avg_at_k" in r][-1],
+            "held_out": evals[-1][1],
+            "evals": evals,
             "rollout_s": statistics.fmean(rollout),
             "step_s": statistics.fmean(r["time/step"] for r in steps),
             "tokens_per_kept_sample": statistics.fmean(generated(r) / k for r, k in zip(steps, kept)),
@@ -166,7 +168,7 @@ def recipe_estimate(phases: dict, task_budget: int, decode_step_s: float) -> dic
     return {"scale": scale, "decode_step_s": decode_step_s, "rollout_hours": hours, "ratio": hours["off"] / hours["on"]}
 
 
-def figure(result: dict, off_dir: str | None, on_dir: str | None, path: str) -> str:
+def figure(result: dict, path: str) -> str:
     """Per step: the rollout phase's CPU seconds and decode steps of part 1; held-out accuracy over the training
     steps of part 2, mean over the seeds both variants finished."""
     from bench.ablation_figures import _figure, _save
@@ -178,18 +180,15 @@ def figure(result: dict, off_dir: str | None, on_dir: str | None, path: str) -> 
         steps = range(1, len(rows) + 1)
         axes[0].plot(steps, [r["cpu_s"] for r in rows], style, marker="o", label=label)
         axes[1].plot(steps, [r["decode_steps"] for r in rows], style, marker="o", label=label)
-        if off_dir and on_dir:
-            rung = os.path.basename(DAPO_RUNG)[:-5]
-            runs = read_runs(off_dir if name == "off" else on_dir, rung)
-            seeds = result["runs"]["seeds"]
-            evals = [[(r["step"], r["eval/avg_at_k"]) for r in runs[s] if "eval/avg_at_k" in r] for s in seeds]
+        if "runs" in result:
+            evals = [seed[name]["evals"] for seed in result["runs"]["per_seed"].values()]
             xs = [step for step, _ in evals[0]]
             axes[2].plot(
                 xs,
                 [100 * statistics.fmean(e[i][1] for e in evals) for i in range(len(xs))],
                 style,
                 marker="o",
-                label=f"{label} ({len(seeds)} seeds)",
+                label=f"{label} ({len(evals)} seeds)",
             )
     for ax, title, ylabel, xlabel in (
         (axes[0], "rollout phase, one policy", "CPU s per phase", "phase"),
@@ -258,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         gains = runs["accuracy_gain"]
         print(f"held-out on - off: {statistics.fmean(gains):+.3f} (per seed {', '.join(f'{g:+.3f}' for g in gains)})")
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    result["figure"] = figure(result, *(opts.runs or (None, None)), opts.out[: -len(".json")] + ".png")
+    result["figure"] = figure(result, opts.out[: -len(".json")] + ".png")
     with open(opts.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "phases"} | {"out": opts.out}))
