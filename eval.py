@@ -34,6 +34,7 @@ from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
 from model.hf import check_finite_weights
 from rollout.engine_spec import EngineSpec
+from run.guard import GuardedEngine
 
 
 def _short_flags(args: argparse.Namespace) -> list[str]:
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
     per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
-    engine = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
+    started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
+    engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
     try:
         report = evaluate(
             engine,

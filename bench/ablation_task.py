@@ -121,9 +121,10 @@ def generate(cfg, policy_dir: str, prompts: int):
     from rl.data import PromptSampler
     from rl.reward import response_text
     from rollout.engine_spec import EngineSpec
+    from run.guard import GuardedEngine
     from trainer.build import build_tokenizer, load_datasets
     from trainer.rollout_phase import rollout_sampling
-    from trainer.scoring import RewardSettings, score_groups
+    from trainer.scoring import score_groups
 
     torch.manual_seed(cfg.job.seed)
     dist = init_distributed(1, -1, 1)
@@ -134,9 +135,8 @@ def generate(cfg, policy_dir: str, prompts: int):
     params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
     sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     examples = sampler.next_batch(prompts)
-    completions = engine.generate([e.prompt_ids for e in examples], params)
-    reward, stop_ids = RewardSettings.from_config(cfg), set(params.stop_token_ids)
-    groups = score_groups(examples, completions, params.n, tokenizer, reward, stop_ids)
+    completions = GuardedEngine(engine).generate([e.prompt_ids for e in examples], params)
+    groups = score_groups(examples, completions, tokenizer, cfg)
     stop = set(tokenizer.stop_ids)
     texts = [response_text(tokenizer, s.response_ids, stop) for g in groups for s in g.payload]
     engine.shutdown()

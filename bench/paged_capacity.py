@@ -39,6 +39,7 @@ from model.qwen2 import build_model  # noqa: E402
 from rollout.engine import SamplingParams  # noqa: E402
 from rollout.kv_cache import PagedKVCache  # noqa: E402
 from rollout.torch_engine import TorchEngine  # noqa: E402
+from run.guard import GuardedEngine  # noqa: E402
 
 
 def capacity(
@@ -77,7 +78,7 @@ def capacity(
             kv_cache_blocks=blocks,
         )
         start = time.perf_counter()
-        out = engine.generate(prompt_ids, params)
+        out = GuardedEngine(engine).generate(prompt_ids, params)
         wall = time.perf_counter() - start
         s = engine.stats
         runs[name] = {

@@ -46,6 +46,7 @@ from model.hf_adapter import hf_config_from_args
 from model.qwen2 import build_model
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
+from run.guard import GuardedEngine
 from tests.qwen2_checkpoint import hf_state_dict
 
 # Qwen2.5-0.5B's proportions (head_dim 64, 7 query heads per kv head, SwiGLU 5.4x hidden, tied head)
@@ -154,7 +155,7 @@ def run_engine(engine, prompts, workload: Workload, stop_ids: list[int], seed: i
         stop_token_ids=stop_ids,
     )
     start, cpu = time.perf_counter(), time.process_time()
-    completions = engine.generate(prompts, params)
+    completions = GuardedEngine(engine).generate(prompts, params)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return [len(c.token_ids) for c in completions], elapsed, cpu
 

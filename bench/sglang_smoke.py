@@ -30,6 +30,7 @@ from model.qwen2 import build_model  # noqa: E402
 from rollout.engine import SamplingParams  # noqa: E402
 from rollout.sglang_engine import SGLangEngine, check_sglang_version  # noqa: E402
 from rollout.weight_sync import sync_weights  # noqa: E402
+from run.guard import GuardedEngine  # noqa: E402
 
 # head_dim 64 as in Qwen2.5 (GPU attention kernels expect a standard head size); a wide init makes the
 # random model's distributions peaked, so greedy outputs visibly depend on the weights.
@@ -96,8 +97,9 @@ def run_smoke(workdir: str, tp_size: int = 1) -> dict:
         sampled = SamplingParams(max_new_tokens=32, temperature=1.0, n=2)
         greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
 
-        before = engine.generate(prompts, sampled)
-        greedy_before = engine.generate(prompts, greedy)
+        guarded = GuardedEngine(engine)  # generate: a submit and polls, as train.py drives it
+        before = guarded.generate(prompts, sampled)
+        greedy_before = guarded.generate(prompts, greedy)
         max_before, mean_before = _max_and_mean_diff(before, _trainer_logprobs(reference_old, prompts, before, 1.0))
 
         engine.release_memory()
@@ -108,8 +110,8 @@ def run_smoke(workdir: str, tp_size: int = 1) -> dict:
         with torch.no_grad():  # the bf16 weights SGLang now holds, computed in fp32
             for p, q in zip(reference_new.parameters(), new.parameters()):
                 p.copy_(q.float())
-        after = engine.generate(prompts, sampled)
-        greedy_after = engine.generate(prompts, greedy)
+        after = guarded.generate(prompts, sampled)
+        greedy_after = guarded.generate(prompts, greedy)
         max_after, mean_after = _max_and_mean_diff(after, _trainer_logprobs(reference_new, prompts, after, 1.0))
         _, mean_greedy = _max_and_mean_diff(greedy_after, _trainer_logprobs(reference_new, prompts, greedy_after, 1.0))
     finally:

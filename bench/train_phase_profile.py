@@ -82,9 +82,10 @@ def build(config: str, overrides: list[str]):
     from parallel.sharded_policy import build_policy
     from rl.data import PromptSampler
     from rollout.engine_spec import EngineSpec
+    from run.guard import GuardedEngine
     from trainer.build import build_tokenizer, load_datasets
     from trainer.rollout_phase import rollout_sampling
-    from trainer.scoring import RewardSettings, score_groups
+    from trainer.scoring import score_groups
 
     cfg = load_config(config, overrides)
     torch.manual_seed(0)
@@ -92,14 +93,14 @@ def build(config: str, overrides: list[str]):
     tokenizer = build_tokenizer(cfg.model, cfg.data, cfg.model.hf_path, is_main=True, barrier=lambda: None)
     train_set, _ = load_datasets(cfg.data, tokenizer, eval_size=cfg.eval.eval_size)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
-    engine = EngineSpec.from_config(cfg).start_beside(model, dist)
+    engine = GuardedEngine(EngineSpec.from_config(cfg).start_beside(model, dist))
     prompts = cfg.training.train_batch_size
     params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, seed=0)
-    reward = dataclasses.replace(RewardSettings.from_config(cfg), strict_box=False)
     sampler = PromptSampler(train_set, seed=0, shuffle=True, dp_rank=0, dp_size=1)
     examples = sampler.next_batch(prompts)
     completions = engine.generate([e.prompt_ids for e in examples], params)
-    groups = score_groups(examples, completions, params.n, tokenizer, reward, set(params.stop_token_ids), step=1)
+    unboxed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, strict_box=False))
+    groups = score_groups(examples, completions, tokenizer, unboxed, step=1)
     batch = [g.payload[0].example.prompt_ids for g in groups]
     return cfg, dist, model, engine, groups, batch, params
 
@@ -135,6 +136,7 @@ def profile_generation(engine, prompts, params, repeats: int) -> dict:
 
 def profile_variant(cfg, dist, model, groups, extra: list[str], repeats: int) -> dict:
     """The fastest of `repeats` profiled TrainPhase.run calls on `groups`, from the same start weights."""
+    from trainer.observers import TrainWatch, no_display
     from trainer.update import TrainPhase
 
     cfg = copy.deepcopy(cfg)
@@ -149,7 +151,7 @@ def profile_variant(cfg, dist, model, groups, extra: list[str], repeats: int) ->
         opt = cfg.optimizer
         optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, dist)
+        phase = TrainPhase(cfg, model, optimizer, scheduler, dist, TrainWatch(no_display))
         stats, cpu, wall, pieces = _profiled(functools.partial(phase.run, 1, groups), PIECES)
         if attempt:
             runs.append({"cpu_s": cpu, "wall_s": wall, "pieces": pieces, "loss": stats.loss})

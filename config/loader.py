@@ -190,6 +190,7 @@ class _Schema:
 
     def __init__(self, root: type[DataclassInstance]) -> None:
         self.root = root
+        self.removed: dict[str, str] = getattr(root, "removed_keys", {})
         self.sections = sections(root)
         self.types = field_types(root)
 
@@ -204,6 +205,10 @@ class _Schema:
             hint = f"; did you mean '{guess[0]}' (under [{guess[0].split('.')[0]}])?" if guess else ""
             return ConfigError(
                 f"unknown top-level key '{key}' ({source}): only 'base' and [section] tables are allowed{hint}"
+            )
+        if f"{section}.{key}" in self.removed:
+            return ConfigError(
+                f"'{section}.{key}' ({source}) is no longer a setting: {self.removed[f'{section}.{key}']}"
             )
         # A key of another section first (`lr` under [training]), then the closest spelling in this section.
         guess = [f"{s}.{key}" for s in self.sections if key in self.types[s]] or [

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from config.loader import Rule, above, at_least, bounded
 from model.args import PRESETS
@@ -161,17 +161,12 @@ class RolloutConfig:
     compile: bool = True  # torch.compile the torch engine's decode step
     cuda_graphs: bool = True  # capture the decode step in CUDA graphs (CUDA only)
     weight_sync_bucket_mb: int = at_least(1024, 1)  # bucket size of the trainer -> engine weight copy
-    round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for the others' generation (gloo groups)
-    # Deadlines of calls into an engine process (SGLang; rollout/sglang_engine.py): past one the engine counts as hung
-    call_timeout_s: int = at_least(600, 1)  # deadline of a control call (release, resume, a bucket, flush)
-    min_tokens_per_s: float = above(2500.0, 0)  # a generate call's: call_timeout_s + requests x max tokens / this
+    round_timeout_s: int = at_least(21600, 1)  # longest a rank waits for another in a gloo group (run/guard.py)
+    # Past it an engine is killed as hung: no request produced a token (run/guard.py), or a call got no answer
+    call_timeout_s: int = at_least(600, 1)  # seconds: the progress window and each engine call's deadline
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
-    # Partial rollout (trainer/rollout_phase.py): see README "Partial rollout".
-    partial: bool = False  # end a round once every rank's batch is full; continue its unfinished groups next step
-    partial_max_age: int = at_least(1, 0)  # steps an unfinished group may wait to be continued
-    partial_mask_older: bool = False  # no loss on tokens an earlier step's policy generated (else pi_old is theirs)
     flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
 
     @property
@@ -303,8 +298,25 @@ class RehearseConfig:
     gpus_per_node: int = at_least(8, 1)  # ranks per node (torchrun --nproc_per_node); a node holds min(this, world)
 
 
+PARTIAL_ROLLOUT_REMOVED = (
+    "partial rollout was removed: on the chain task it saved 1.04x CPU time per rollout phase and cost 1.3 to 1.9 "
+    "held-out points (bench/RESULTS.md); delete the key"
+)
+# Keys earlier releases read, and why they are gone: a file that still sets one is refused with this reason.
+REMOVED_KEYS = {
+    "rollout.min_tokens_per_s": (
+        "generation has no throughput deadline any more: an engine is hung when none of its requests produced a "
+        "token for rollout.call_timeout_s (README, GPUs); delete the key"
+    ),
+    "rollout.partial": PARTIAL_ROLLOUT_REMOVED,
+    "rollout.partial_max_age": PARTIAL_ROLLOUT_REMOVED,
+    "rollout.partial_mask_older": PARTIAL_ROLLOUT_REMOVED,
+}
+
+
 @dataclass
 class Config:
+    removed_keys: ClassVar[dict[str, str]] = REMOVED_KEYS  # named by the loader's error for an unknown key
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -336,10 +348,8 @@ class Config:
     @property
     def prompts_per_round(self) -> int:
         """Prompts one generation round draws: train_batch_size, x gen_batch_multiplier with dynamic sampling
-        (the recipe over-samples so that enough groups survive the filter of Eq. 11) or partial rollout (the
-        round ends with the batch full, before its slowest groups)."""
-        over = self.algorithm.dynamic_sampling or self.rollout.partial
-        multiplier = self.rollout.gen_batch_multiplier if over else 1
+        (the recipe over-samples so that enough groups survive the filter of Eq. 11)."""
+        multiplier = self.rollout.gen_batch_multiplier if self.algorithm.dynamic_sampling else 1
         return self.training.train_batch_size * multiplier
 
     def rules(self) -> Iterator[Rule]:

@@ -1,21 +1,21 @@
-"""k samples per problem from an engine, each scored as training scores it: rollout/engine.py
-`check_completions`, then rl/reward.py `rule_score` on `response_text`, so the same tokens get the same reward
-in training and in evaluation. The estimators and the majority-vote rules are in rl/eval_metrics.py; the
-report in evaluation/report.py."""
+"""k samples per problem from an engine, each scored as training scores it: rl/reward.py `rule_score` on
+`response_text`, so the same tokens get the same reward in training and in evaluation. The engine is a guarded
+one (run/guard.py GuardedEngine: its generate checks what the engine returned and watches its progress). The
+estimators and the majority-vote rules are in rl/eval_metrics.py; the report in evaluation/report.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from evaluation.report import make_report
 from rl.data import load_prompts, rows_to_examples
 from rl.eval_metrics import ProblemResult, pass_ks
 from rl.reward import rule_score
-from rollout.engine import Completion, SamplingParams, check_completions
+from rollout.engine import Completion, SamplingParams
 from tasks.catalog import synthetic_task_rows
 
 if TYPE_CHECKING:
@@ -23,13 +23,11 @@ if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from rl.data import PromptExample
-    from rollout.engine import Engine
-
-Gather = Callable[[list[ProblemResult]], list[ProblemResult]]
+    from run.guard import GuardedEngine
 
 
 def evaluate(
-    engine: Engine,
+    engine: GuardedEngine,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,
@@ -38,7 +36,6 @@ def evaluate(
     progress: Progress | bool | None = None,
     pass_at: Sequence[int] | None = None,
     prompts_per_call: int | None = None,
-    gather: Gather | None = None,
 ) -> dict[str, Any]:
     """Generate `params.n` (= k) samples for each example, score them, and summarise.
 
@@ -50,29 +47,22 @@ def evaluate(
     pass_at: the j of the reported pass@j (each <= k); None or empty: 1 and k.
     prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
         engine's batch fullest; smaller calls give the progress display finer steps).
-    gather: merges the per-problem results of all ranks (e.g. wrapping all_gather_object) when each
-        rank evaluates its own share of the problems (which may be empty); None for a single process.
 
     Returns {"k", "overall": {...}, "by_source": {source: {...}}, "sampling": {...}, "time_s"}; the
     rows hold num_problems, num_samples, avg@k, pass@j, maj@k, response_length/mean (tokens, stop
     token included) and truncated_share (samples that hit max_new_tokens).
     """
     examples = list(examples)
-    ks = checked_pass_ks(params, examples, pass_at, prompts_per_call, gather)
+    ks = checked_pass_ks(params, examples, pass_at, prompts_per_call)
     start = time.perf_counter()
     results = problem_results(
         engine, examples, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=prompts_per_call
     )
-    elapsed = time.perf_counter() - start
-    if gather is not None:
-        results = gather(results)  # a rank with no share of the problems contributes nothing
-        if not results:
-            raise ValueError("evaluate() needs at least one example (none on any rank)")
-    return make_report(results, ks, params, strict_box, elapsed)
+    return make_report(results, ks, params, strict_box, time.perf_counter() - start)
 
 
 def problem_results(
-    engine: Engine,
+    engine: GuardedEngine,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,
@@ -92,13 +82,13 @@ def problem_results(
     else:
         shown = progress or None
     results: list[ProblemResult] = []
-    # Ranks that share one engine (SGLang's TP group) generate in one collective call: a rank without
-    # problems still takes part, with no prompts, or its group would wait for it forever.
-    starts = range(0, len(examples), chunk) if examples or getattr(engine, "group", None) is None else [0]
+    # Generation is a collective over the ranks (run/guard.py): a rank without problems still takes part, with
+    # no prompts, or the others would wait for it.
+    starts = range(0, len(examples), chunk) if examples else [0]
     try:
         for begin in starts:
             batch = examples[begin : begin + chunk]
-            completions = engine.generate([list(e.prompt_ids) for e in batch], _call_params(params, batch, begin))
+            completions = engine.generate([list(e.prompt_ids) for e in batch], call_params(params, batch, begin))
             results.extend(
                 score_completions(
                     batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
@@ -118,12 +108,13 @@ def checked_pass_ks(
     examples: Sequence[PromptExample],
     pass_at: Sequence[int] | None,
     prompts_per_call: int | None,
-    gather: Gather | bool | None,
+    shared: bool = False,
 ) -> tuple[int, ...]:
-    """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with."""
+    """The j of the reported pass@j, after refusing arguments `evaluate` cannot run with (`shared`: the examples
+    are this rank's share, which may be empty)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a rollout.engine.SamplingParams, got {type(params).__name__}")
-    if not examples and gather is None:
+    if not examples and not shared:
         raise ValueError("evaluate() needs at least one example")
     _refuse_repeats(examples)
     k = params.n
@@ -136,7 +127,7 @@ def checked_pass_ks(
     return ks
 
 
-def _call_params(params: SamplingParams, batch: Sequence, begin: int) -> SamplingParams:
+def call_params(params: SamplingParams, batch: Sequence, begin: int) -> SamplingParams:
     """The params of one generate call. A fixed seed is combined with the call's first problem, so calls
     (chunks, data-parallel ranks) draw independent samples instead of replaying one random stream; the
     same problems and seed still give the same samples."""
@@ -190,13 +181,12 @@ def score_completions(
     strict_box: bool = False,
     stop_ids: Sequence[int] = (),
 ) -> list[ProblemResult]:
-    """One ProblemResult per example from its k completions (grouped by prompt, as engines return them).
+    """One ProblemResult per example from its k completions (grouped by prompt, as the engine's generate returns
+    them, checked: run/guard.py).
 
     Each response is scored as training scores it (rl/reward.py `rule_score` on `response_text`:
-    special tokens, such as the final <|im_end|>, are not part of the answer). An engine answer with
-    missing, aborted or misgrouped completions raises rollout.engine.EngineFailure.
+    special tokens, such as the final <|im_end|>, are not part of the answer).
     """
-    check_completions(completions, len(examples), k)
     results = []
     for p, example in enumerate(examples):
         group = completions[p * k : (p + 1) * k]

@@ -11,28 +11,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from evaluation.evaluate import checked_pass_ks, problem_results
+from evaluation.evaluate import call_params, checked_pass_ks, score_completions
 from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
 from rl.eval_metrics import ProblemResult
-from rollout.engine import Engine, EngineDied, EngineFailure, SamplingParams
+from rollout.engine import SamplingParams
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
     from rl.data import PromptExample
+    from run.guard import GuardedEngine
 
 
-# What a rank reports after its share: ("ok", its results) or ("died" | "failed", why).
+# What a rank reports after its share: ("ok", its results) or ("failed", why).
 Outcome = tuple[str, "list[ProblemResult] | str"]
 
 
 def _gather_outcomes(outcome: Outcome, dist_env: DistEnv) -> list[tuple[int, Outcome]]:
     """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
-    (parallel/dist_env.py): a rank whose engine finished first waits here for the slowest, which can
-    take longer than NCCL's 10-minute watchdog allows; the control group's timeout is
-    rollout.round_timeout_s."""
+    (parallel/dist_env.py, with its long timeout, rollout.round_timeout_s)."""
     everyone: list[Any] = [None] * dist_env.world_size
     dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
     return everyone
@@ -40,16 +39,14 @@ def _gather_outcomes(outcome: Outcome, dist_env: DistEnv) -> list[tuple[int, Out
 
 def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | None) -> list[ProblemResult]:
     """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
-    same share: the first one's is kept), or, when any rank failed, that failure raised on every rank:
-    an engine's death (EngineDied) first."""
-    for kind in ("died", "failed"):
-        failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == kind]
-        if failed:
-            if local_error is not None and (kind == "failed" or isinstance(local_error, EngineDied)):
-                raise local_error
-            rank, why = failed[0]
-            error = EngineDied if kind == "died" else EngineFailure
-            raise error(f"the evaluation failed on rank {rank}: {why}")
+    same share: the first one's is kept), or, when any rank failed to score its share, that failure raised on
+    every rank (this rank's own error where it failed)."""
+    failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == "failed"]
+    if local_error is not None:
+        raise local_error
+    if failed:
+        rank, why = failed[0]
+        raise RuntimeError(f"the evaluation failed on rank {rank}: {why}")
     shares: dict[int, list[ProblemResult]] = {}
     for dp_rank, (_, results) in everyone:
         assert not isinstance(results, str)  # every rank reported "ok"
@@ -58,7 +55,7 @@ def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | No
 
 
 def run_held_out_eval(
-    engine: Engine,
+    engine: GuardedEngine,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,
@@ -67,35 +64,41 @@ def run_held_out_eval(
     step: int,
     *,
     strict_box: bool = False,
-    progress: Progress | None = None,
     pass_at: Sequence[int] = (),
+    progress: Progress | None = None,
 ) -> dict[str, float]:
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 
     The trainer's cached GPU memory is handed back before the engine takes its memory back
-    (parallel/device_memory.py). Data-parallel ranks split the problems and merge their results over the gloo
-    control group (`_gather_outcomes`); tensor-parallel peers evaluate the same share with the same
-    weights and seeds. A failure on any rank (the engine's death: EngineDied) is raised on every rank.
+    (parallel/device_memory.py). Data-parallel ranks split the problems, generate together (a failure of any
+    rank's engine stops them all, run/guard.py) and merge their results over the gloo control group
+    (`_gather_outcomes`): a failure to score a share is raised on every rank. Tensor-parallel peers evaluate the
+    same share with the same weights and seeds. progress: advanced by this rank's problems once they are scored.
     """
     return_cached_memory(dist_env)
     mine = examples[dist_env.dp_rank :: dist_env.dp_size]
-    ks = checked_pass_ks(params, mine, pass_at, None, gather=dist_env.world_size > 1 or None)
+    ks = checked_pass_ks(params, mine, pass_at, None, shared=True)
     start = time.perf_counter()
+    engine.resume_memory()
+    completions = engine.generate([list(e.prompt_ids) for e in mine], call_params(params, mine, 0))
+    local_error: Exception | None = None
+    outcome: Outcome = ("ok", [])
     try:
-        engine.resume_memory()
-        results = problem_results(
-            engine, mine, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=None
+        outcome = (
+            "ok",
+            score_completions(
+                mine, completions, tokenizer, params.n, strict_box=strict_box, stop_ids=params.stop_token_ids
+            ),
         )
-        outcome: Outcome = ("ok", results)
-        local_error = None
     except Exception as exc:
         if dist_env.world_size == 1:
             raise
-        outcome = ("died" if isinstance(exc, EngineDied) else "failed", f"{type(exc).__name__}: {exc}")
-        local_error = exc
+        outcome, local_error = ("failed", f"{type(exc).__name__}: {exc}"), exc
     elapsed = time.perf_counter() - start
-    if dist_env.world_size > 1:
-        results = _merged(_gather_outcomes(outcome, dist_env), local_error)
+    if progress is not None and not local_error:
+        progress.update(len(mine))
+    results = outcome[1] if dist_env.world_size == 1 else _merged(_gather_outcomes(outcome, dist_env), local_error)
+    assert not isinstance(results, str)
     if not results:
         raise ValueError("evaluate() needs at least one example (none on any rank)")
     report = make_report(results, ks, params, strict_box, elapsed)

@@ -83,13 +83,23 @@ def logged(name: str, kind: Callable[..., Any], *args: Any) -> Any:
 
 
 def records(metrics: object) -> Iterator[tuple[str, Record]]:
-    """(logged name, record) of every field of a metrics dataclass, nested ones under their prefix."""
+    """(logged name, record) of every logged field of a metrics dataclass, nested ones under their prefix."""
     for f in fields(metrics):  # type: ignore[arg-type]  # a dataclass instance
+        if "logged" not in f.metadata:
+            continue
         value = getattr(metrics, f.name)
         if is_dataclass(value):
             yield from ((f.metadata["logged"] + name, record) for name, record in records(value))
         else:
             yield f.metadata["logged"], value
+
+
+def add(into: object, part: object) -> None:
+    """Add the records of metrics dataclass `part` into those of `into` (of the same kind), e.g. one loss call's
+    into the step's (Max and Mean parts by their meaning, Sum and Count summed)."""
+    for (_, total), (_, record) in zip(records(into), records(part)):
+        for i, (mine, theirs) in enumerate(zip(total.parts, record.parts)):
+            total.parts[i] = max(mine, theirs) if isinstance(total, Max) else mine + theirs
 
 
 def row(*metrics: object) -> dict[str, float]:

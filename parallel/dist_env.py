@@ -1,10 +1,10 @@
 """Process-group set-up for train.py: torchrun (SPMD) or a plain single process, CPU or CUDA.
 
 Two kinds of groups: the default one (NCCL on GPUs) for tensors, and gloo "control" groups for the few
-Python values ranks agree on while an inference engine may still be generating elsewhere (the per-round
-agreement of the rollout phase, SGLang's engine-group messages). A rank whose engine finished waits
-there for the slowest engine, which can take far longer than NCCL's 10-minute default timeout; control
-groups get `control_timeout_s` (config: rollout.round_timeout_s) and keep no GPU stream waiting.
+Python values ranks agree on while an inference engine may still be generating elsewhere (the guard's agreement
+after each engine call, run/guard.py; SGLang's engine-group messages; the held-out evaluation's results). A rank
+waits there for the slowest rank's poll or evaluation, which can take longer than NCCL's 10-minute default
+timeout; control groups get `control_timeout_s` (config: rollout.round_timeout_s) and keep no GPU stream waiting.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class HostFacts:
     staging: int  # weight sync's host-side cast of the largest offloaded shard (0 without offload)
     engine_per_gpu: int  # what the engine keeps in host memory per GPU (its scheduler process)
     engine_per_engine: int  # and per engine (its other processes)
-    generate_result: int  # and in its leader rank during the rollout: the second copy of a generate call's result
+    generate_result: int  # and in its leader rank during the rollout: the second copy of a round's completions
     ranks_per_node: int
     engines_per_node: int
     checkpoint_bytes: int  # the checkpoint's size on disk (page cache note)
@@ -200,10 +200,9 @@ class HostLedger:
 
 
 def round_requests(cfg: Config, world_size: int) -> int:
-    """The most requests an engine returns at once (a stop: every group in flight): a round's groups from each
-    of its rollout.tp_size ranks, and under rollout.partial as many continued from the step before."""
+    """The most requests an engine returns at once: a round's groups from each of its rollout.tp_size ranks."""
     dp = max(1, world_size // cfg.parallelism.tp)
-    return -(-cfg.prompts_per_round // dp) * cfg.rollout.n * cfg.rollout.tp_size * (1 + cfg.rollout.partial)
+    return -(-cfg.prompts_per_round // dp) * cfg.rollout.n * cfg.rollout.tp_size
 
 
 def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:

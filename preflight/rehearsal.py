@@ -44,10 +44,9 @@ from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
 from rollout.engine_spec import EngineSpec
-from run.guard import Guard
 from trainer.loop import StepPhases
-from trainer.step_metrics import StepRecord, StepTimes, TrainMetrics
-from trainer.types import RolloutBatch
+from trainer.observers import TrainWatch, no_display
+from trainer.step_metrics import RolloutMetrics, StepRecord, StepTimes
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -57,8 +56,9 @@ if TYPE_CHECKING:
     from config import Config
     from parallel.dist_env import DistEnv
     from preflight.gpu_ledger import PhaseRow
-    from rollout.engine import Completion, SamplingParams
+    from rollout.engine import Polled, SamplingParams
     from trainer.packing import MicroBatch
+    from trainer.types import RolloutGroup
 
 T = TypeVar("T")
 
@@ -149,7 +149,10 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        raise NotImplementedError("the rehearsal measures the memory generation holds, not its tokens")
+
+    def poll(self) -> Polled:
         raise NotImplementedError("the rehearsal measures the memory generation holds, not its tokens")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -214,10 +217,11 @@ def run_phases(cfg: Config, dist_env: DistEnv, ledger: MemoryLedger, *, fill: bo
 class _Phases(StepPhases):
     """The phases of run_phases, measured by PyTorch's trackers: MemTracker while the policy is built,
     FSDPMemTracker (which knows FSDP's parameter states) from then on. The step after the build is train.py's
-    own sequence (trainer/loop.py StepPhases): its engine calls go through `_MeasuredCalls`, and its update is
-    the trainer's, in three measured parts."""
+    own sequence (trainer/loop.py StepPhases): its engine calls are measured phases (the engine's resume before
+    the rollout is the "rollout" phase: the engine then holds everything it generates with; the next step's is
+    "resume"), and its update is the trainer's, in three measured parts."""
 
-    engine: StandInEngine
+    engine: StandInEngine  # type: ignore[assignment]  # the run's guarded engine, as the memory it holds
 
     def __init__(self, cfg: Config, dist_env: DistEnv, ledger: MemoryLedger):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -230,7 +234,7 @@ class _Phases(StepPhases):
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
         self.build_tracker = MemTracker()
         self.tracker: FSDPMemTracker | None = None  # from the build's end on
-        self.guard = _MeasuredCalls(self)
+        self.resumes = 0
 
     def allocated_on_gpu(self) -> int:
         if self.tracker is not None:
@@ -318,60 +322,49 @@ class _Phases(StepPhases):
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
         fused = fused_adamw(self.ledger.offload)
         optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused, foreach=not fused)
-        self.update = TrainPhase.from_config(policy, optimizer, scheduler, cfg, self.dist_env)
+        self.update = TrainPhase(cfg, policy, optimizer, scheduler, self.dist_env, TrainWatch(no_display))
         self.tracker = FSDPMemTracker(policy, optimizer)
         self.step(1)
-        self.guard.call("step 2, resume", self.resume_engine)
+        self.resume_engine()  # the next step's
 
-    def generate(self, step: int) -> RolloutBatch:
+    def resume_engine(self) -> None:
+        self.resumes += 1
+        self.phase("rollout" if self.resumes == 1 else "resume", super().resume_engine)
+
+    def release_engine(self) -> None:
+        self.phase("release", super().release_engine)
+        if self.cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties the allocator's cache itself
+            self.ledger.empty_cache(self.allocated_on_gpu())
+
+    def sync_weights(self) -> None:
+        self.phase("weight sync", super().sync_weights, f"buckets of {self.cfg.rollout.weight_sync_bucket_mb} MB")
+
+    def generate(self, step: int) -> list[RolloutGroup]:
         """Generation holds the engine's memory, measured as the "rollout" phase: nothing to add here."""
-        return RolloutBatch()
+        return []
 
-    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
+    def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
         needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
-        from observe.progress import Progress
         from trainer.losses import GlobalCounts
-        from trainer.mismatch import MismatchProbe
         from trainer.update import fill_old_logprobs
 
-        cfg, policy, update, metrics = self.cfg, self.policy, self.update, TrainMetrics()
+        cfg, policy, update = self.cfg, self.policy, self.update
+        metrics = update.watch.start(step, [], cfg.training.ppo_epochs)
         mb = longest_micro_batch(cfg, self.dist_env.device)
         counts = GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"
         policy.train()
         temperature, chunk = update.loss.temperature, update.loss.chunk_size
         self.phase("train: old log-probs", lambda: fill_old_logprobs(policy, [mb], temperature, chunk), tokens)
-        measured = MismatchProbe(metrics.mismatch, metrics.continued_mismatch, []), Progress(enabled=False)
-        self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts, metrics, *measured), tokens)
+        self.phase("train: forward+backward", lambda: update.loss_pass(mb, counts), tokens)
         # Offloaded, the step runs on the CPU: its temporaries are host memory too.
         on_host = (*HOST_PARTS_WHEN_OFFLOADED, "activations")
         self.phase("train: optimizer step", lambda: update.optimizer_step("the rehearsal's update"), on_host=on_host)
-        return StepRecord(batch.metrics, metrics, times)
+        return StepRecord(RolloutMetrics(), metrics, times)
 
     def after_step(self, step: int, record: StepRecord) -> None:
         pass
-
-
-class _MeasuredCalls(Guard):
-    """The step sequence's engine calls, each measured as a ledger phase (one rank rehearses: nothing to agree
-    on). The engine's resume before the rollout is the "rollout" phase (the engine then holds everything it
-    generates with); the next step's is "resume"."""
-
-    def __init__(self, phases: _Phases):
-        super().__init__(phases.dist_env)
-        self.phases = phases
-
-    def call(self, what: str, fn: Callable[[], T], *, boundary: bool = False) -> T:
-        phases, name = self.phases, what.split(", ")[-1]
-        if name == "resume" and what.startswith("step 1"):
-            name = "rollout"
-        note = f"buckets of {phases.cfg.rollout.weight_sync_bucket_mb} MB" if name == "weight sync" else ""
-        result: list[T] = []
-        phases.phase(name, lambda: result.append(fn()), note)
-        if name == "release" and phases.cfg.rollout.engine == "torch":  # TorchEngine.release_memory empties
-            phases.ledger.empty_cache(phases.allocated_on_gpu())  # the allocator's cache itself
-        return result[0]
 
 
 def _restart(tracker: MemTracker) -> None:

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex, cast
+from typing import Any, SupportsIndex, TypeVar, cast
 
 import torch
 
-if TYPE_CHECKING:
-    from rl.filter import ScoredGroup
-
-SHORTFALL_POLICIES = ("fill", "raise")
+T = TypeVar("T")
 FILTER_METRICS = ("acc", "score")
 Clips = tuple[float, float, float | None]  # eps_low, eps_high, dual-clip c (None: off)
 
@@ -129,13 +125,11 @@ def scored(acc: Iterable[Any], score: Iterable[float]) -> tuple[tuple[bool, ...]
     return tuple(bool(a) for a in acc), score
 
 
-def builder_settings(batch: int, rounds: int, on_shortfall: str, staleness: int, metric: str, tol: float) -> None:
-    """DynamicBatchBuilder: positive batch size and round limit, known policies, staleness and tol >= 0."""
+def builder_settings(batch: int, rounds: int, staleness: int, metric: str, tol: float) -> None:
+    """DynamicBatchBuilder: positive batch size and round limit, staleness and tol >= 0, a known metric."""
     name = "DynamicBatchBuilder"
     require(batch > 0, f"{name}: train_batch_size must be > 0, got {batch}")
     require(rounds > 0, f"{name}: max_rounds must be > 0, got {rounds}")
-    policies = SHORTFALL_POLICIES
-    require(on_shortfall in policies, f"{name}: on_shortfall must be one of {policies}, got {on_shortfall!r}")
     require(staleness >= 0, f"{name}: max_staleness must be >= 0, got {staleness}")
     require(metric in FILTER_METRICS, f"{name}: metric must be one of {FILTER_METRICS}, got {metric!r}")
     require(tol >= 0, f"{name}: tol must be >= 0, got {tol}")
@@ -154,22 +148,10 @@ def new_step(step: int, current: int | None, last: int | None) -> None:
     require(last is None or step > last, f"start_step({step}): steps must increase (last was {last})")
 
 
-def new_round(groups: Iterable[object], rounds: int, max_rounds: int, step: int) -> list[ScoredGroup]:
-    """add_round: a round left in this step, and ScoredGroup items; them as a list."""
-    from rl.filter import ScoredGroup  # rl/filter.py calls these checks
-
+def new_round(groups: Iterable[object], kind: type[T], rounds: int, max_rounds: int, step: int) -> list[T]:
+    """add_round: a round left in this step, and items of `kind` (ScoredGroup); them as a list."""
     require(rounds < max_rounds, f"add_round: all {max_rounds} rounds of step {step} are used", RuntimeError)
     groups = list(groups)
-    wrong = next((type(group).__name__ for group in groups if not isinstance(group, ScoredGroup)), None)
-    require(wrong is None, f"add_round: expected ScoredGroup items, got {wrong}", TypeError)
-    return cast("list[ScoredGroup]", groups)
-
-
-def shortfall(kept: int, wanted: int, step: int, rounds: int, max_rounds: int, on_shortfall: str) -> None:
-    """finish: a batch short of `wanted` groups raises (on_shortfall "raise") or warns ("fill")."""
-    if kept < wanted:
-        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
-        message += " generation rounds"
-        if on_shortfall == "raise":
-            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-        warnings.warn(message + "; training on the smaller batch", RuntimeWarning, stacklevel=3)
+    wrong = next((type(group).__name__ for group in groups if not isinstance(group, kind)), None)
+    require(wrong is None, f"add_round: expected {kind.__name__} items, got {wrong}", TypeError)
+    return cast("list[T]", groups)

@@ -31,13 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from rl import checks
 from rl.stats import FilterStats
-
-if TYPE_CHECKING:
-    from config.schema import AlgorithmConfig
 
 
 def keep_group(values: Sequence[float], tol: float = 1e-6) -> bool:
@@ -77,9 +74,8 @@ class DynamicBatchBuilder(Generic[Payload]):
 
     Args:
         train_batch_size: groups (prompts) per training batch.
-        max_rounds: most generation rounds per step (the recipe's `max_num_gen_batches`).
-        on_shortfall: after the last round, with fewer than `train_batch_size` kept groups,
-            "fill" trains on what was kept (with a warning) and "raise" raises RuntimeError.
+        max_rounds: most generation rounds per step (the recipe's `max_num_gen_batches`); after the last one a
+            batch may be short (FilterStats.shortfall: what to do about it is the caller's, algorithm.on_shortfall).
         max_staleness: a surplus group generated at step s may be used up to step s + max_staleness;
             0 disables the carry-over.
         enabled: False turns dynamic sampling off: every group is kept and one round fills the batch.
@@ -92,16 +88,14 @@ class DynamicBatchBuilder(Generic[Payload]):
         train_batch_size: int,
         max_rounds: int,
         *,
-        on_shortfall: str = "fill",
         max_staleness: int = 1,
         enabled: bool = True,
         metric: str = "acc",
         tol: float = 1e-6,
     ):
-        checks.builder_settings(train_batch_size, max_rounds, on_shortfall, max_staleness, metric, tol)
+        checks.builder_settings(train_batch_size, max_rounds, max_staleness, metric, tol)
         self.train_batch_size = train_batch_size
         self.max_rounds = max_rounds
-        self.on_shortfall = on_shortfall
         self.max_staleness = max_staleness
         self.enabled = enabled
         self.metric = metric
@@ -110,19 +104,8 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._step: int | None = None
         self._last_step: int | None = None
         self._kept: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group) of this step, oldest first
+        self._rounds, self._from_carry, self._stale = 0, 0, 0
         self._stats = FilterStats()
-
-    @classmethod
-    def from_config(cls, algorithm: AlgorithmConfig, train_batch_size: int) -> DynamicBatchBuilder[Payload]:
-        """The builder of an [algorithm] section for a rank's share of a batch."""
-        return cls(
-            train_batch_size,
-            algorithm.max_num_gen_batches,
-            on_shortfall=algorithm.on_shortfall,
-            max_staleness=algorithm.carry_over_max_staleness,
-            enabled=algorithm.dynamic_sampling,
-            metric=algorithm.filter_metric,
-        )
 
     # -- step lifecycle ---------------------------------------------------------------------------
 
@@ -130,17 +113,20 @@ class DynamicBatchBuilder(Generic[Payload]):
         """Begin collecting the batch of `step`: drop stale carried groups, put the rest first."""
         checks.new_step(step, self._step, self._last_step)
         fresh = [(born, group) for born, group in self._carry if step - born <= self.max_staleness]
-        stale = len(self._carry) - len(fresh)
-        self._step, self._stats = step, FilterStats(groups_from_carry=len(fresh), groups_dropped_stale=stale)
+        self._step, self._stats, self._rounds = step, FilterStats(), 0
+        self._from_carry, self._stale = len(fresh), len(self._carry) - len(fresh)
         self._carry, self._kept = [], fresh
 
     def add_round(self, groups: Iterable[ScoredGroup[Payload]]) -> None:
         """Record one generation round: keep the groups with spread (Eq. 11), count what it generated."""
         step = checks.step_started(self._step, "add_round")
-        generated = checks.new_round(groups, self._stats.rounds, self.max_rounds, step)
+        generated = checks.new_round(groups, ScoredGroup, self._rounds, self.max_rounds, step)
         kept = [group for group in generated if self.keeps(group)]
         self._kept.extend((step, group) for group in kept)
-        self._stats.count_round(generated, kept)
+        self._rounds += 1
+        samples = sum(group.size for group in generated)
+        all_correct, all_wrong = sum(all(g.acc) for g in generated), sum(not any(g.acc) for g in generated)
+        self._stats.count_round(len(generated), samples, all_correct, all_wrong, len(kept))
 
     def keeps(self, group: ScoredGroup[Payload]) -> bool:
         """Whether add_round keeps this group: its `metric` values have spread (Eq. 11), or filtering is off."""
@@ -150,12 +136,12 @@ class DynamicBatchBuilder(Generic[Payload]):
     def full(self) -> bool:
         """True once the batch can be handed out (with dynamic sampling off: after one round)."""
         checks.step_started(self._step, "full")
-        return len(self._kept) >= self.train_batch_size or (not self.enabled and self._stats.rounds >= 1)
+        return len(self._kept) >= self.train_batch_size or (not self.enabled and self._rounds >= 1)
 
     @property
     def rounds(self) -> int:
         """Generation rounds added in the current step."""
-        return self._stats.rounds
+        return self._rounds
 
     @property
     def num_kept(self) -> int:
@@ -168,16 +154,15 @@ class DynamicBatchBuilder(Generic[Payload]):
         return len(self._carry)
 
     def finish(self) -> tuple[list[ScoredGroup[Payload]], FilterStats]:
-        """End the step: the batch (oldest groups first) and what the filter did (`FilterStats`)."""
+        """End the step: the batch (oldest groups first, possibly short of train_batch_size after max_rounds
+        rounds) and what the filter did (`FilterStats`)."""
         step = checks.step_started(self._step, "finish")
         batch = self._kept[: self.train_batch_size]
         surplus = self._kept[self.train_batch_size :]
         self._step, self._last_step = None, step
         self._carry.extend(surplus)
-        st = self._stats
-        checks.shortfall(len(batch), self.train_batch_size, step, st.rounds, self.max_rounds, self.on_shortfall)
-        st.count_batch(len(batch), len(surplus), self.train_batch_size)
-        return [group for _, group in batch], st
+        self._stats.count_batch(len(batch), self._from_carry, len(surplus), self._stale, self.train_batch_size)
+        return [group for _, group in batch], self._stats
 
     # -- checkpointing ----------------------------------------------------------------------------
 

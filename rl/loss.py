@@ -21,8 +21,8 @@ already. Across ranks, all-reduce the gradients with SUM; a reduction that avera
 gradient divide factor to 1).
 
 Table 1's other aggregations (the GRPO baseline's per-sample mean and its variants) are in
-rl/loss_modes.py; `policy_loss` computes any of them in one call. Without global counts, token-mean
-and the three seq-* modes equal verl's `agg_loss` with dp_size = 1, except where every token is
+rl/loss_modes.py; `policy_loss`, the one entry, computes any of them in one checked call. Without global
+counts, token-mean and the three seq-* modes equal verl's `agg_loss` with dp_size = 1, except where every token is
 masked: verl then divides 0 by 0 (NaN) and this returns 0.
 """
 
@@ -31,18 +31,10 @@ from __future__ import annotations
 import torch
 
 from rl import checks
+from rl.loss_modes import AGG_MODES, Count, Normalisers, aggregate, count
 from rl.stats import ClipStats
 
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "group-token-mean",
-)
 LOG_RATIO_CLAMP = 20.0
-
-Count = int | float | torch.Tensor
 
 
 def clipped_token_loss(
@@ -90,17 +82,6 @@ def token_mean(per_token: torch.Tensor, valid: torch.Tensor, global_num_tokens: 
     return per_token.sum(dim=-1).sum() / count(global_num_tokens, valid.sum(), per_token, "global_num_tokens")
 
 
-def count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
-    """A denominator: the caller's global count or the local one; clamped to 1 so that an empty batch
-    (numerator 0) gives loss 0 instead of NaN."""
-    checks.count(given, name)
-    if given is None:
-        return local.clamp(min=1)
-    if isinstance(given, torch.Tensor):
-        return given.detach().reshape(()).to(like.device, like.dtype).clamp(min=1)
-    return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
-
-
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -118,9 +99,10 @@ def policy_loss(
     group_num_tokens: torch.Tensor | None = None,
     global_num_groups: Count | None = None,
     norm_len: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Eq. 10 then Eq. 8 (or another `agg` mode of AGG_MODES, rl/loss_modes.py) in one checked call; all
-    per-token tensors are [B, T].
+) -> tuple[torch.Tensor, ClipStats]:
+    """The policy loss, the one entry training (trainer/losses.py) and tests call: Eq. 10 per token, then Eq. 8
+    (or another `agg` mode of AGG_MODES, rl/loss_modes.py), its inputs checked first; all per-token tensors are
+    [B, T].
 
     logp: log-probs of the sampled tokens under the policy being trained (carries the gradient); old_logp:
     under the policy that generated them (constant); advantages: per-token (constant); mask: 1 (or True)
@@ -131,7 +113,7 @@ def policy_loss(
     global_num_groups (group-token-mean, which needs the integer group_ids [B]); norm_len: the constant
     divisor of seq-mean-token-sum-norm (default: T).
 
-    Returns (loss, metrics): the fields of ClipStats by name.
+    Returns (loss, what the clip did: ClipStats).
     """
     named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
     checks.loss_inputs(logp, named, agg, AGG_MODES, (clip_low, clip_high, clip_c))
@@ -140,10 +122,6 @@ def policy_loss(
         logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, token_weights=weights
     )
     if agg == "token-mean":
-        loss = token_mean(per_token, valid, global_num_tokens)
-    else:
-        from rl.loss_modes import Normalisers, aggregate  # the ablation modes build on this module
-
-        norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
-        loss = aggregate(per_token, valid, agg, norm)
-    return loss, dict(vars(stats))
+        return token_mean(per_token, valid, global_num_tokens), stats
+    norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
+    return aggregate(per_token, valid, agg, norm), stats

@@ -16,9 +16,9 @@ sequence average at all, as in verl ("turns off seq-dim averaging"): the token s
 the constant norm_len only (verl's `loss_scale_factor`, default: the padded response length T); the
 Dr. GRPO paper's extra 1 / G is a constant factor for a fixed batch size.
 
-The global counts follow rl/loss.py's contract: N_seqs, N_groups and each row's N_tokens(g) are those of
-the whole mini-batch; norm_len is a constant (this call's T, the default, changes with padding) and needs
-no count.
+`count` is every mode's denominator, Eq. 8's N_tokens included. The global counts follow rl/loss.py's
+contract: N_seqs, N_groups and each row's N_tokens(g) are those of the whole mini-batch; norm_len is a constant
+(this call's T, the default, changes with padding) and needs no count.
 """
 
 from __future__ import annotations
@@ -27,7 +27,27 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.loss import Count, count
+from rl import checks
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "group-token-mean",
+)
+Count = int | float | torch.Tensor
+
+
+def count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A denominator: the caller's global count or the local one; clamped to 1 so that an empty batch
+    (numerator 0) gives loss 0 instead of NaN."""
+    checks.count(given, name)
+    if given is None:
+        return local.clamp(min=1)
+    if isinstance(given, torch.Tensor):
+        return given.detach().reshape(()).to(like.device, like.dtype).clamp(min=1)
+    return torch.tensor(float(max(given, 1)), dtype=like.dtype, device=like.device)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,22 @@
 """The rollout engine protocol: what train.py needs from any inference engine.
 
 Two implementations exist: `rollout.torch_engine.TorchEngine` (this repo's Qwen2 with a KV cache, CPU or
-GPU) and `rollout.sglang_engine.SGLangEngine` (SGLang on GPUs). train.py only sees this protocol.
+GPU) and `rollout.sglang_engine.SGLangEngine` (SGLang on GPUs). train.py only sees this protocol, through the
+guard that drives it on every rank (run/guard.py GuardedEngine: `generate` is a submit and polls until every
+completion is back, the engine's progress watched).
 
 Conventions shared by every engine:
   * Prompts and completions are token ids; no tokenizer is involved.
-  * `generate` returns completions grouped by prompt: all `n` samples of prompt 0, then prompt 1, ...
+  * `submit(prompts, params)` starts params.n samples of each prompt; `poll()` returns the completions that
+    finished since the last poll, in any order (prompt p's carry prompt_index p), and how many tokens the
+    engine produced meanwhile: its progress. `generate` (run/guard.py) hands them back grouped by prompt: all
+    `n` samples of prompt 0, then prompt 1, ...
   * A completion's `logprobs[i]` is log_softmax(logits / T)[token_ids[i]], computed from the very logits
     the token was sampled from (before any top-p / top-k truncation); at temperature 0 (greedy) it is
     the log_softmax of the raw logits. These are the "old policy" log-probs of DAPO's ratio (Eq. 10).
   * When a stop token is sampled it IS included in `token_ids` (with its log-prob) and the finish
     reason is "stop". "length" means `max_new_tokens` (or the engine's context) ran out; "abort" means
-    the sample was stopped before it finished: by `PartialEngine.stop`, or by the engine giving up (SGLang).
-
-Partial rollout (`PartialEngine`): groups are submitted, finish one by one and are heard of by polling,
-and whatever still runs can be stopped; a stopped sample keeps its tokens and their log-probs and is
-continued later (under newer weights) from its prompt + those tokens, with the budget it has left.
+    the engine gave up on the sample (SGLang), a failure.
 """
 
 from __future__ import annotations
@@ -134,11 +135,27 @@ def check_completions(completions: Sequence[Completion], num_prompts: int, n: in
             )
 
 
+@dataclass
+class Polled:
+    """What one poll returns: the completions that finished since the last poll (any order), the tokens the
+    engine produced meanwhile over all its requests (SGLang reports a request's every 50 tokens and at its end),
+    and whether this rank's round is over (nothing of it left in the engine)."""
+
+    completions: list[Completion]
+    tokens: int
+    done: bool
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """An inference engine that shares the GPUs with the trainer.
+    """An inference engine that shares the GPUs with the trainer. With SGLang each call is a collective over the
+    ranks that share one engine (its tensor parallelism): every rank of it makes the same calls.
 
-    generate(prompts, params): list of completions, grouped by prompt (prompt 0's n samples first).
+    submit(prompts, params): start params.n samples of every prompt (none: the rank still takes part); an
+        engine with samples in flight refuses it, and every call below but poll and shutdown.
+    poll(): generate for one slice (torch: poll_steps scheduler steps; SGLang: up to poll_s seconds, less once a
+        prompt's samples are back) and return what finished, the tokens produced and whether the round is over
+        (`Polled`); nothing in flight: nothing and done, at once.
     update_weights(named_tensors): one bucket of (Hugging Face name, full tensor) pairs, copied into the
         engine's existing weights; the whole bucket is validated before anything is written.
     release_memory() / resume_memory(): free the KV cache (and weights, where supported) while the
@@ -146,7 +163,9 @@ class Engine(Protocol):
     shutdown(): free everything; the engine is unusable afterwards.
     """
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None: ...
+
+    def poll(self) -> Polled: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -155,51 +174,6 @@ class Engine(Protocol):
     def resume_memory(self) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass
-class GroupRequest:
-    """One group for `PartialEngine.submit`: params.n samples of `prompt_ids`, reported under `key` (the
-    Completion's prompt_index). `samples`: the group as `stop` returned it, n completions: finished ones are
-    kept; each stopped one ("abort") continues from prompt_ids + its token_ids with the budget it has left
-    (params.max_new_tokens - its tokens), and what it generates is appended to its tokens and log-probs, the
-    finish reason being the continuation's. Empty: n new samples."""
-
-    key: int
-    prompt_ids: list[int]
-    samples: list[Completion] = field(default_factory=list)
-
-    def start(self, n: int, budget: int) -> list[Completion]:
-        """The group's samples before this submit (copies): those it brings, or n new empty ones. `budget`: the
-        most tokens a sample may hold (a stopped one with no room left is refused)."""
-        old = self.samples or [Completion(self.key, s, [], [], "abort") for s in range(n)]
-        if len(old) != n or any(c.finish_reason == "abort" and len(c.token_ids) >= budget for c in old):
-            raise ValueError(f"group {self.key}: {len(old)} samples for n = {n}, or one has no budget left ({budget})")
-        return [
-            Completion(self.key, s, list(c.token_ids), list(c.logprobs), c.finish_reason) for s, c in enumerate(old)
-        ]
-
-
-@runtime_checkable
-class PartialEngine(Engine, Protocol):
-    """An engine whose samples can be stopped and continued later (partial rollout). Each call is a collective
-    over the ranks that share an engine (SGLang TP), as generate is.
-
-    submit(groups, params): start the groups' unfinished samples; more may join while others run, with the
-        same params but the seed (the first submit into an idle engine seeds the torch engine's sampler).
-    poll(): generate for one slice (torch: poll_steps scheduler steps; SGLang: poll_s seconds), returning as
-        soon as a group has finished; the completions of the groups finished since the last poll, a group's n
-        together. Nothing in flight: [] at once.
-    stop(): stop what runs; the completions of every group not yet returned: finished samples as they are,
-        the others "abort" with the tokens they have (maybe none). The engine then holds nothing of them.
-    generate, update_weights, release_memory and resume_memory refuse to run while groups are in flight.
-    """
-
-    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None: ...
-
-    def poll(self) -> list[Completion]: ...
-
-    def stop(self) -> list[Completion]: ...
 
 
 def checked_bucket(

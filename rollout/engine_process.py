@@ -20,7 +20,7 @@ The child (spawned: a fresh interpreter that inherits no CUDA state):
   * ignores SIGINT and SIGTERM from its first instruction (the dispositions are set around the spawn and
     inherited) and again after every call (SGLang's first request installs its own SIGTERM handler):
     ending the engine is the trainer's decision. On a signal the trainer finishes its phase, checkpoints
-    and shuts the engine down (trainer/signals.py); SGLang's own processes inherit the ignored signals;
+    and shuts the engine down (run/signals.py); SGLang's own processes inherit the ignored signals;
   * dies with the trainer (prctl PR_SET_PDEATHSIG = SIGKILL), as SGLang's schedulers die with it
     (srt/utils/common.py kill_itself_when_parent_died): a trainer killed outright leaves no engine behind;
   * serves one call at a time: (method, args, kwargs) in, ("ok", result) or ("error", "Type: message") out.

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
-    from rollout.engine import Engine, PartialEngine
+    from rollout.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,6 @@ class EngineSpec:
     def max_seq_len(self) -> int:
         return self.max_prompt_length + self.max_new_tokens
 
-    def deadlines(self) -> dict[str, Any]:
-        """An SGLang engine's call deadlines ([rollout] call_timeout_s, min_tokens_per_s)."""
-        return {"call_timeout_s": self.rollout.call_timeout_s, "min_tokens_per_s": self.rollout.min_tokens_per_s}
-
     def torch_options(self) -> dict[str, Any]:
         """The torch engine's [rollout] settings."""
         ro = self.rollout
@@ -65,7 +61,7 @@ class EngineSpec:
             "flex_decode": ro.flex_decode,
         }
 
-    def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> PartialEngine:
+    def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> Engine:
         """The engine of a training run, started after the policy is sharded (the torch engine: its own
         full copy, filled from the shards, every rank taking part in the gathers)."""
         if self.kind == "torch":
@@ -99,7 +95,7 @@ class EngineSpec:
             context_length=context_length_for(self.max_prompt_length, self.max_new_tokens),
             group=group,
             device=dist_env.device,
-            **self.deadlines(),
+            call_timeout_s=self.rollout.call_timeout_s,
         )
 
     def start_from_checkpoint(self, model_dir: str, longest_prompt: int, max_new_tokens: int) -> Engine:
@@ -116,7 +112,7 @@ class EngineSpec:
                 mem_fraction_static=ro.mem_fraction_static,
                 dtype=ro.dtype,
                 seed=self.seed,
-                **self.deadlines(),
+                call_timeout_s=ro.call_timeout_s,
             )
         from model.hf import load_hf
         from rollout.torch_engine import TorchEngine

@@ -19,8 +19,7 @@ every sample appends its own tokens to it. So a sequence only ever writes blocks
 
 Preemption frees a sequence's blocks and puts it at the front of the waiting queue; when admitted
 again it is recomputed: prompt + generated tokens are prefilled (alone, no sharing) and the next token
-is sampled from the last position, exactly as the decode step would have. A sample continued after a
-stop (partial rollout) enters the same way: a sequence that already holds tokens. A sequence that fits the
+is sampled from the last position, exactly as the decode step would have. A sequence that fits the
 cache alone always progresses (the oldest is never preempted for a younger one), so generation ends.
 """
 
@@ -115,7 +114,7 @@ class BlockManager:
 
 @dataclass
 class SchedulerStats:
-    """What one generate call did: sequences in flight (decoded together: peak, mean while others wait), preemptions."""
+    """What one round did: sequences in flight (decoded together: peak, mean while others wait), preemptions."""
 
     decode_steps: int = 0
     peak_running: int = 0
@@ -131,7 +130,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Waiting queue and running list of one generate call; see the module docstring for the rules."""
+    """Waiting queue and running list of one round; see the module docstring for the rules."""
 
     def __init__(self, blocks: BlockManager, max_running: int, max_prefill_tokens: int):
         self.blocks = blocks
@@ -222,12 +221,6 @@ class Scheduler:
             self.blocks.release(seq)
         self.running = [seq for seq in self.running if seq.finish_reason is None]
         return finished
-
-    def stop(self) -> None:
-        """Stop every sequence where it is (partial rollout): the running ones free their blocks."""
-        for seq in self.running:
-            self.blocks.release(seq)
-        self.running, self.waiting = [], collections.deque()
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)

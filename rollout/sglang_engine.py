@@ -12,16 +12,18 @@ SIGKILLs the process tree of the process that owns the engine, and its first req
 handler); every call below crosses that process's pipe. When that process ends, every call raises
 EngineDied on every rank of the group, and so does every later call.
 
-Generation: one batched `Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`,
-one sampling_params dict per request whose max_new_tokens is capped at what the context leaves (SGLang
-refuses the whole batch otherwise); prompts must leave SGLang's margin of PROMPT_MARGIN tokens.
-The n samples of a prompt are n requests with n = 1, the prompt repeated n times in a row (as verl and
-slime do): 0.5.21 serves n > 1 by first prefilling each prompt alone, one request after another, before
-the batch runs (TokenizerManager._handle_batch_request). Outputs come back in request order, so grouped
-per prompt, the order of the protocol. A request SGLang aborts fails the whole call on every rank of
-the group, so the group retries (or gives up) together; a prompt SGLang refuses as too long (a
-non-streaming abort with status 400) already makes SGLang's generate raise for the whole batch
-(srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason). Every output dict is translated by
+Generation (submit / poll, rollout/engine.py Engine): the leader records every rank's prompts and runs each
+prompt's n samples as one batch of `Engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)`
+in the engine's process, between calls (rollout/sglang_groups.py); a poll waits up to poll_s for a batch to
+finish and returns the finished ones, with the tokens SGLang reported meanwhile (the progress run/guard.py
+watches). Each request's max_new_tokens is capped at what the context leaves (SGLang refuses the whole batch
+otherwise); prompts must leave SGLang's margin of PROMPT_MARGIN tokens. The n samples of a prompt are n requests
+with n = 1, the prompt repeated n times in a row (as verl and slime do): 0.5.21 serves n > 1 by first
+prefilling each prompt alone, one request after another, before the batch runs
+(TokenizerManager._handle_batch_request). A request SGLang aborts fails the poll on every rank of the group; a
+prompt SGLang refuses as too long (a non-streaming abort with status 400) makes its batch raise
+(srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason), and so the poll. Weight updates
+and memory calls are refused until every batch is back. Every output dict is translated by
 rollout/sglang_groups.py `completions_from_sglang`:
     token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
     logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
@@ -32,21 +34,18 @@ save checkpoints with the stop ids you pass. `SamplingParams.seed` is not used: 
 sampler once, from `random_seed` at engine start (per-request seeds exist only in its deterministic
 mode, where the n samples of a prompt would share one seed and come out identical).
 
-Partial rollout (submit / poll / stop, rollout/engine.py PartialEngine): the leader records every rank's groups
-and runs each as a batch of Engine.async_generate in the engine's process between calls, stopped by SGLang's
-abort with what each request has (rollout/sglang_groups.py); generate, weight updates and memory calls are
-refused until stop().
-
 Weight updates (after each optimizer step), inside one update session:
     begin_weight_update()                                   # opened by the first bucket
     update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)  per bucket
-    end_weight_update(); flush_cache()                      # closed by resume_memory() / generate()
+    end_weight_update(); flush_cache()                      # closed by resume_memory() / submit()
 A bucket is flattened into one uint8 tensor plus metadata (SGLang's FlattenedTensorBucket), and
 serialized with SGLang's MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC handle, not
 as bytes. SGLang's TP rank i opens payload i, and each payload is a serialization of its own (a CUDA
 IPC reference is released once per serialization). With a process group (one trainer rank per SGLang TP
 rank, on the same GPUs), each rank serializes its own gathered copy and the payloads are gathered to
-the group's rank 0, which owns the sglang.Engine; every rank keeps its bucket alive until the leader's
+the group's rank 0, which owns the sglang.Engine; a rank whose flattening or serialization failed enters the
+gather all the same, with its error in place of its payload, and then every rank of the group raises it (no
+rank is left alone in the gather). Every rank keeps its bucket alive until the leader's
 call returned (a broadcast of the result), and then collects CUDA IPC handles (torch.cuda.ipc_collect):
 torch keeps a sent block in its IPC limbo until then, and without it every bucket of the sync would still
 be reserved when the engine maps its KV cache back. Tensors must already be on this rank's GPU (`device`):
@@ -60,24 +59,23 @@ Memory (colocated with the trainer on one GPU pool):
 Released weights are discarded, not offloaded: after a release every weight must be pushed again
 before resume_memory(), which refuses otherwise and names the missing weights.
 
-Deadlines: every call into the engine process has one (rollout/engine_process.py): a control call (release,
-resume, begin / end of an update, a bucket, flush, a partial round's submit, poll and stop) `call_timeout_s`
-(rollout.call_timeout_s), a generate call `generate_deadline_s` of its size; past it the engine is killed and
-the call raises EngineDied, as a dead one. A partial round whose polls answer but whose groups outlast the
-`generate_deadline_s` of its requests, counted from its first submit, ends the same way at the next poll.
+Deadlines: every call into the engine process has one, `call_timeout_s` (rollout.call_timeout_s;
+rollout/engine_process.py): a poll returns after poll_s, every other call (release, resume, begin / end of an
+update, a bucket, flush, a submit) in seconds on a working engine. Past it the engine's processes are killed and
+the call raises EngineDied, as a dead one's. An engine that answers its polls but produces no token is hung by
+run/guard.py's progress rule, on the same call_timeout_s.
 
 Protocol state (update session open, released tags, weights pushed since the release) is the leader's:
 the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
 group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
-believing what SGLang did not do. The group should be a gloo group with a timeout longer than the
-slowest generation (rollout/engine_spec.py engine_group): non-leader ranks wait in it while the leader generates.
+believing what SGLang did not do. The group is a gloo group with the long timeout (rollout/engine_spec.py
+engine_group): non-leader ranks wait in it while the leader's calls run.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -85,9 +83,9 @@ import torch
 import torch.distributed as dist
 
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
-from rollout.engine import Completion, EngineDied, GroupRequest, SamplingParams, checked_bucket, validate_prompts
+from rollout.engine import EngineDied, Polled, SamplingParams, checked_bucket, validate_prompts
 from rollout.engine_process import EngineCallError, EngineProcess, describe
-from rollout.sglang_groups import GroupLedger, Key, with_groups
+from rollout.sglang_groups import GroupLedger, with_groups
 from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 if TYPE_CHECKING:
@@ -96,7 +94,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 # The protocol state every rank of an engine group holds alike: (update session open, released memory tags,
-# weights pushed since the release, why the engine died or None, partial-rollout groups in flight).
+# weights pushed since the release, why the engine died or None, groups in flight).
 _ProtocolState = tuple[bool, frozenset[str], frozenset[str], str | None, int]
 
 SGLANG_VERSION = "0.5.21"
@@ -154,16 +152,10 @@ NEW_TOKEN_MARGIN = 2
 
 
 def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
-    """The SGLang context in which a prompt of max_prompt_length tokens still gets all max_new_tokens, also when
-    a stopped sample continues with all but one of them as input (partial rollout): SGLang takes an input of
-    context - PROMPT_MARGIN tokens at most."""
+    """The SGLang context in which a prompt of max_prompt_length tokens still gets all max_new_tokens: SGLang takes
+    an input of context - PROMPT_MARGIN tokens at most and caps the new tokens at context - NEW_TOKEN_MARGIN - the
+    input's length; max_new_tokens - 1 + PROMPT_MARGIN >= max_new_tokens + NEW_TOKEN_MARGIN covers both."""
     return max_prompt_length + max_new_tokens - 1 + PROMPT_MARGIN
-
-
-def generate_deadline_s(requests: int, max_new_tokens: int, call_timeout_s: float, min_tokens_per_s: float) -> float:
-    """A generate call's deadline: call_timeout_s + requests x max_new_tokens / min_tokens_per_s, every request
-    generating its longest response at the slowest throughput that is not a hang (rollout.min_tokens_per_s)."""
-    return call_timeout_s + requests * max_new_tokens / min_tokens_per_s
 
 
 def _leader_of(group: dist.ProcessGroup | None, tp_size: int) -> tuple[int | None, bool]:
@@ -203,7 +195,6 @@ class SGLangEngine:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         call_timeout_s: float = 600.0,
-        min_tokens_per_s: float = 2500.0,
         poll_s: float = 1.0,
         **engine_kwargs: object,  # more sglang.Engine server arguments
     ) -> None:
@@ -215,7 +206,7 @@ class SGLangEngine:
         self.dtype = dtype
         self.tp_size = tp_size
         self.context_length = context_length or self.args.max_position_embeddings
-        self.call_timeout_s, self.min_tokens_per_s = call_timeout_s, min_tokens_per_s  # deadlines (module doc)
+        self.call_timeout_s = call_timeout_s  # each call's deadline (module doc)
         self.group = group
         self.device = torch.device(device) if device is not None else None
         self._leader, self.is_leader = _leader_of(group, tp_size)
@@ -225,8 +216,7 @@ class SGLangEngine:
         self._pushed: set[str] = set()
         self._session_open = False
         self._dead: str | None = None  # why the engine process ended, once it has
-        self._in_flight = 0  # partial-rollout groups submitted and not yet returned
-        self._round_requests, self._round_start, self._round_tokens = 0, 0.0, 0  # the leader's round deadline
+        self._in_flight = 0  # groups submitted and not yet returned
         self._ledger = GroupLedger()  # the leader's record of them (rollout/sglang_groups.py)
         self.poll_s = poll_s
         launch = dict(
@@ -328,12 +318,10 @@ class SGLangEngine:
         if self._dead is not None:
             raise EngineDied(self._dead)
 
-    def _call(self, method: str, *args: object, deadline_s: float | None = None, **kwargs: object) -> Any:
-        """The leader's call into the engine process, by deadline_s (default call_timeout_s); its death (or
-        hang) is recorded before it is raised. (Any: what the engine's method returned, unpickled.)"""
-        return self._recorded(
-            lambda engine: engine.call(method, *args, deadline_s=deadline_s or self.call_timeout_s, **kwargs)
-        )
+    def _call(self, method: str, *args: object, **kwargs: object) -> Any:
+        """The leader's call into the engine process, answered within call_timeout_s; its death (or hang) is
+        recorded before it is raised. (Any: what the engine's method returned, unpickled.)"""
+        return self._recorded(lambda engine: engine.call(method, *args, deadline_s=self.call_timeout_s, **kwargs))
 
     def _recorded(self, fn: Callable[[EngineProcess], _T]) -> _T:
         """fn(the leader's engine process); the engine's death (or hang) is recorded before it is raised."""
@@ -350,7 +338,7 @@ class SGLangEngine:
 
         def check() -> None:
             if self._in_flight:
-                raise RuntimeError(f"{what}() while submitted groups are in flight; stop() them first")
+                raise RuntimeError(f"{what}() while submitted groups are in flight")
 
         self._per_rank(what, check, lambda inputs: [fn(), *[None] * len(inputs)][1:])
 
@@ -374,47 +362,58 @@ class SGLangEngine:
             self._check("flush_cache", self._call("flush_cache"))  # prefixes cached with the old weights
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send one bucket of (HF name, full tensor); validated whole before anything is sent."""
-        self._refuse_if_dead()
-        bucket = checked_bucket(
-            named_tensors, {name: (shape, self.dtype) for name, shape in self.weight_shapes.items()}
-        )
-        for name, tensor in bucket:
-            if self.device is not None and tensor.device != self.device:
-                raise ValueError(
-                    f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
-                    f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
-                    "gathering (rollout.weight_sync.sync_weights does, with device=)"
-                )
-        if not bucket:
-            return
-        # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
-        # process feeds every TP rank, one serialization each.
-        payloads, keep_alive = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
-        per_rank = self._gather(payloads[0]) if self.group is not None else payloads
+        """Send one bucket of (HF name, full tensor); validated whole before anything is sent. Every rank of the
+        group prepares its payload (checks, flattening, serialization) and enters the gather with it, or with its
+        error: then every rank raises it (module docstring)."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        keep_alive: list[object] = []  # the flattened bucket behind this rank's CUDA IPC handles
 
-        def send() -> None:
-            if "weights" in self._released:
-                self._call("resume_memory_occupation", ["weights"])
-                self._released.discard("weights")
-            if not self._session_open:
-                self._check("begin_weight_update", self._call("begin_weight_update"))
-                self._session_open = True
-            self._check(
-                "update_weights_from_tensor",
-                self._call(
-                    "update_weights_from_tensor",
-                    named_tensors=per_rank,
-                    load_format="flattened_bucket",
-                    flush_cache=False,
-                ),
+        def prepare() -> list[str]:
+            if self._in_flight:
+                raise RuntimeError("update_weights() while submitted groups are in flight")
+            bucket.extend(
+                checked_bucket(named_tensors, {n: (shape, self.dtype) for n, shape in self.weight_shapes.items()})
             )
-            self._pushed.update(name for name, _ in bucket)
+            for name, tensor in bucket:
+                if self.device is not None and tensor.device != self.device:
+                    raise ValueError(
+                        f"update_weights: {name!r} is on {tensor.device}; SGLang opens CUDA IPC handles of "
+                        f"tensors on this rank's GPU ({self.device}): move each shard to the GPU before "
+                        "gathering (rollout.weight_sync.sync_weights does, with device=)"
+                    )
+            if not bucket:
+                return []
+            # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
+            # process feeds every TP rank, one serialization each.
+            payloads, flat = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
+            keep_alive.append(flat)
+            return payloads
+
+        def send(rank_payloads: list[list[str]]) -> list[None]:
+            per_rank = [p for payloads in rank_payloads for p in payloads]  # one per SGLang TP rank
+            if per_rank:
+                if "weights" in self._released:
+                    self._call("resume_memory_occupation", ["weights"])
+                    self._released.discard("weights")
+                if not self._session_open:
+                    self._check("begin_weight_update", self._call("begin_weight_update"))
+                    self._session_open = True
+                self._check(
+                    "update_weights_from_tensor",
+                    self._call(
+                        "update_weights_from_tensor",
+                        named_tensors=per_rank,
+                        load_format="flattened_bucket",
+                        flush_cache=False,
+                    ),
+                )
+                self._pushed.update(name for name, _ in bucket)
+            return [None] * len(rank_payloads)
 
         try:
-            self._leader_call("update_weights", send)
+            self._per_rank("update_weights", prepare, send)
         finally:
-            del keep_alive  # only now, after the leader's call returned, may the memory behind the handles go
+            keep_alive.clear()  # only now, after the leader's call returned, may the memory behind the handles go
             self._collect_ipc_handles()
 
     def release_memory(self) -> None:
@@ -446,98 +445,40 @@ class SGLangEngine:
 
         self._leader_call("resume_memory", resume)
 
-    def _generate_on_leader(
-        self, rank_prompts: list[list[list[int]]], params: SamplingParams
-    ) -> list[list[Completion]]:
-        """The group's prompts as one SGLang batch, n requests of n = 1 per prompt; the completions of each rank."""
-        ledger = GroupLedger()  # of this call only: a failed one leaves nothing in flight
-        groups = [[GroupRequest(p, prompt) for p, prompt in enumerate(prompts)] for prompts in rank_prompts]
-        batch = ledger.add(groups, params, self.context_length - NEW_TOKEN_MARGIN)
-        if not batch:  # SGLang refuses an empty batch (GenerateReqInput: input_ids cannot be empty)
-            return [[] for _ in rank_prompts]
-        self._end_session()
-        inputs = [x for _, xs, _ in batch for x in xs]
-        outputs = self._call(
-            "generate",
-            deadline_s=generate_deadline_s(
-                len(inputs), params.max_new_tokens, self.call_timeout_s, self.min_tokens_per_s
-            ),
-            input_ids=inputs,
-            sampling_params=[sp for *_, sps in batch for sp in sps],
-            return_logprob=True,
-        )
-        n = params.n
-        return ledger.join(
-            {key: outputs[i * n : (i + 1) * n] for i, (key, _, _) in enumerate(batch)}, len(rank_prompts)
-        )
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Every rank of the group passes its own prompts (possibly none: it still takes part); the leader
-        runs them all as one SGLang batch."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """A round (rollout/engine.py Engine): every rank of the group passes its own prompts (possibly none); the
+        leader runs each prompt's n samples as one batch in the engine's process (rollout/sglang_groups.py)."""
 
         def check() -> list[list[int]]:
-            self._check_ready(params, "generate")
-            if not isinstance(prompts, (list, tuple)):
-                raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            if self._released:
+                raise RuntimeError("the engine's memory is released; call resume_memory() before generating")
+            if self._in_flight:
+                raise RuntimeError("submit() while submitted groups are in flight")
             if prompts:
                 validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
             return [list(map(int, p)) for p in prompts]
 
-        return self._per_rank("generate", check, lambda rank_prompts: self._generate_on_leader(rank_prompts, params))
-
-    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None:
-        """Partial rollout (rollout/engine.py PartialEngine): every rank passes its own groups (possibly none)."""
-
-        def check() -> list[GroupRequest]:
-            self._check_ready(params)
-            stopped = [[c.token_ids for c in g.samples if c.finish_reason == "abort"] for g in groups]
-            continued = [g.prompt_ids + max(tokens, key=len, default=[]) for g, tokens in zip(groups, stopped)]
-            if continued:  # what SGLang takes in: the prompt and the tokens a stopped sample has
-                validate_prompts(continued, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
-            return list(groups)
-
-        def on_leader(rank_groups: list[list[GroupRequest]]) -> list[None]:
-            if not self._ledger.groups:  # a new round: its deadline counts from now
-                self._round_requests, self._round_start = 0, time.monotonic()
-            batch = self._ledger.add(rank_groups, params, self.context_length - NEW_TOKEN_MARGIN)
+        def on_leader(rank_prompts: list[list[list[int]]]) -> list[None]:
+            batch = self._ledger.add(rank_prompts, params, self.context_length - NEW_TOKEN_MARGIN)
             self._end_session()
             if batch:
                 self._call("submit_groups", batch)
-                self._round_requests += sum(len(inputs) for _, inputs, _ in batch)
-                self._round_tokens = params.max_new_tokens
-            return [None] * len(rank_groups)
+            return [None] * len(rank_prompts)
 
         self._per_rank("submit", check, on_leader)
 
-    def poll(self) -> list[Completion]:
-        """The groups of this rank that finished (waiting up to poll_s for one of the group's ranks)."""
-        return self._per_rank("poll", lambda: None, lambda ranks: self._ledger.join(self._outputs(False), len(ranks)))
+    def poll(self) -> Polled:
+        """This rank's completions that finished (waiting up to poll_s for a group of the engine's), and the
+        tokens the engine produced meanwhile, for all its ranks."""
 
-    def stop(self) -> list[Completion]:
-        """Abort what runs; this rank's groups not yet returned, stopped samples with what they have."""
-        return self._per_rank(
-            "stop", lambda: None, lambda ranks: self._ledger.join(self._outputs(True), len(ranks), True)
-        )
+        def on_leader(ranks: list[None]) -> list[Polled]:
+            outputs, tokens = self._call("poll_groups", self.poll_s) if self._ledger.groups else ({}, 0)
+            parts = self._ledger.join(outputs, len(ranks))
+            return [Polled(mine, tokens, self._ledger.idle(rank)) for rank, mine in enumerate(parts)]
 
-    def _outputs(self, stop: bool) -> dict[Key, list[dict]]:
-        """Leader: SGLang's outputs of the groups in flight that finished (stop: of all), by (rank, key)."""
-        out: dict[Key, list[dict]] = {key: [] for key in self._ledger.idle()}  # nothing for SGLang to do
-        requests, tokens = self._round_requests, self._round_tokens
-        deadline = generate_deadline_s(requests, tokens, self.call_timeout_s, self.min_tokens_per_s)
-        if not stop and self._ledger.groups and time.monotonic() - self._round_start > deadline:
-            why = f"a round of {requests} requests x {tokens} tokens outlasted its deadline of {deadline:,.0f} s"
-            self._recorded(lambda engine: engine.kill_hung("poll_groups", why))
-        if len(out) < len(self._ledger.groups):
-            out.update(self._call("stop_groups") if stop else self._call("poll_groups", 0.0 if out else self.poll_s))
-        return out
-
-    def _check_ready(self, params: SamplingParams, refuse_in_flight: str = "") -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if self._released:
-            raise RuntimeError("the engine's memory is released; call resume_memory() before generating")
-        if refuse_in_flight and self._in_flight:
-            raise RuntimeError(f"{refuse_in_flight}() while submitted groups are in flight; stop() them first")
+        return self._per_rank("poll", lambda: None, on_leader)
 
     def _per_rank(self, what: str, check: Callable[[], Any], on_leader: Callable[[list[Any]], list[Any]]) -> Any:
         """A collective over the group: every rank's check() (its input, validated) gathered on the leader, which
@@ -547,10 +488,10 @@ class SGLangEngine:
         self._refuse_if_dead()
         try:
             mine: tuple[str, Any] = ("ok", check())
-        except (TypeError, ValueError, RuntimeError) as e:
+        except Exception as e:  # this rank's input refused or not prepared: the others hear of it in the gather
             if self.group is None:
                 raise
-            mine = ("error", f"{type(e).__name__}: {e}")
+            mine = ("error", describe(e))
         gathered = self._gather(mine)
         parts: list[tuple[str, Any, _ProtocolState]] | None = None
         if self.is_leader:

@@ -1,20 +1,23 @@
 """SGLang requests and outputs by group: the leader's record of groups in flight (`GroupLedger`) and, in the
-engine's process, the groups that run between its calls (`GroupRunner`, partial rollout).
+engine's process, the groups that run between its calls (`GroupRunner`).
 
 A group is a prompt's n samples, each its own request with SGLang's n = 1 (sglang_sampling_params). Its
 budget: min(max_new_tokens, context - 2 - prompt length), so a long prompt ends with finish reason "length"
 (as in the torch engine) instead of SGLang refusing the whole batch (it raises when input + max_new_tokens
-exceeds the context); a stopped sample continues from prompt + its tokens with the budget it has left.
+exceeds the context).
 
 `GroupRunner` wraps what the engine process builds (sglang.Engine, or the tests' strict model), passes every
 other call through, and runs each group as one batch of Engine.async_generate on the engine's event loop,
 Engine.loop: not streaming, a batch returns once all its requests have finished (srt/managers/
 tokenizer_manager.py TokenizerManager._handle_batch_request, _collect_batch_responses). SGLang's scheduler
-keeps generating between calls; its outputs are read whenever the loop runs. `stop_groups` aborts with
-tokenizer_manager.abort_request(abort_all=True) (srt/managers/scheduler.py Scheduler.abort_request): a running
-request ends after one more decode step, its output (tokens and log-probs so far) returned with finish reason
-"abort"; one that reaches the scheduler after the abort runs on, so the abort is sent again until every group
-is back. The rules, each cited, are modelled in tests/sglang_model.py ("Background requests").
+keeps generating between calls; its outputs are read whenever the loop runs.
+
+Progress (`poll_groups`' token count): the scheduler sends a request's new tokens to the tokenizer manager every
+SGLANG_FORCE_STREAM_INTERVAL (50) tokens also when it does not stream, and at its end (srt/managers/
+scheduler_components/output_streamer.py, accept; srt/environ.py); TokenizerManager._handle_batch_output appends
+them to the request's ReqState.output_ids in tokenizer_manager.rid_to_state, and deletes the state when the
+request finishes (its output then carries its rid as meta_info["id"]). The rules, each cited, are modelled in
+tests/sglang_model.py ("Background requests").
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ import asyncio
 from collections.abc import Hashable
 from typing import Any
 
-from rollout.engine import Completion, GroupRequest, SamplingParams
+from rollout.engine import Completion, SamplingParams
 
-ABORT_AGAIN_S = 1.0  # stop_groups repeats abort_all this often while groups are still out
 _FINISH_TYPES = ("stop", "length", "abort")
 Key = tuple[int, int]  # a group in flight on the leader: (rank in the engine group, the group's key there)
 Batch = tuple[Key, list[list[int]], list[dict[str, object]]]  # a group's SGLang inputs and sampling params
@@ -86,56 +88,36 @@ def completions_from_sglang(
 
 
 class GroupLedger:
-    """The leader's groups in flight, by Key: (their samples, the indices of those SGLang generates, the
-    samples' token budget, the stop ids)."""
+    """The leader's groups in flight, by Key: how many samples each has."""
 
     def __init__(self) -> None:
-        self.groups: dict[Key, tuple[list[Completion], list[int], int, frozenset[int]]] = {}
+        self.groups: dict[Key, int] = {}
 
-    def add(self, rank_groups: list[list[GroupRequest]], params: SamplingParams, max_tokens: int) -> list[Batch]:
-        """Record every rank's groups (a sample's budget: min(max_new_tokens, max_tokens - prompt length));
-        the SGLang batch of each group with samples to generate: prompt + tokens so far, the budget left."""
-        added: dict[Key, tuple[list[int], list[Completion], list[int], int]] = {}
-        for rank, groups in enumerate(rank_groups):
-            for g in groups:
-                key, budget = (rank, g.key), min(params.max_new_tokens, max_tokens - len(g.prompt_ids))
-                samples = g.start(params.n, budget)
-                sent = [c.sample_index for c in samples if c.finish_reason == "abort"]
-                if key in self.groups or key in added:
-                    raise ValueError(f"rank {rank}: group key {g.key} is already in flight")
-                added[key] = (g.prompt_ids, samples, sent, budget)
-        stops = frozenset(params.stop_token_ids)
-        self.groups.update({key: (samples, sent, budget, stops) for key, (_, samples, sent, budget) in added.items()})
-        return [
-            (
-                key,
-                [prompt + samples[s].token_ids for s in sent],
-                [sglang_sampling_params(params, budget - len(samples[s].token_ids)) for s in sent],
-            )
-            for key, (prompt, samples, sent, budget) in added.items()
-            if sent
-        ]
+    def add(self, rank_prompts: list[list[list[int]]], params: SamplingParams, max_tokens: int) -> list[Batch]:
+        """Record every rank's prompts as groups keyed (rank, prompt index); the SGLang batch of each: n copies of
+        its prompt, each with the budget min(max_new_tokens, max_tokens - prompt length)."""
+        batch: list[Batch] = []
+        for rank, prompts in enumerate(rank_prompts):
+            for p, prompt in enumerate(prompts):
+                sampling = sglang_sampling_params(params, min(params.max_new_tokens, max_tokens - len(prompt)))
+                batch.append(((rank, p), [list(prompt)] * params.n, [sampling] * params.n))
+        self.groups.update({key: params.n for key, _, _ in batch})
+        return batch
 
-    def idle(self) -> list[Key]:
-        """The groups with nothing for SGLang to generate (every sample finished before)."""
-        return [key for key, (_, sent, _, _) in self.groups.items() if not sent]
+    def idle(self, rank: int) -> bool:
+        """Whether no group of `rank` is in flight."""
+        return all(r != rank for r, _ in self.groups)
 
-    def join(self, outputs: dict[Key, list[dict]], ranks: int, stopped: bool = False) -> list[list[Completion]]:
-        """The completions of the groups in `outputs` (SGLang's, one per sample sent), per rank, and forgets them:
-        a continuation's tokens and log-probs appended to the sample's. An abort is a failure unless `stopped`;
-        its decode step's token is kept (rollout/sglang_groups.py GroupRunner) and can be a stop token or the
-        budget's last: then the sample has finished ("stop", "length")."""
+    def join(self, outputs: dict[Key, list[dict]], ranks: int) -> list[list[Completion]]:
+        """The completions of the groups in `outputs` (SGLang's, one per sample), per rank, and forgets them. An
+        abort is a failure."""
         parts: list[list[Completion]] = [[] for _ in range(ranks)]
         for (rank, key), outs in outputs.items():
-            samples, sent, budget, stops = self.groups.pop((rank, key))
-            for s, new in zip(sent, completions_from_sglang(outs, len(sent), 1)):
-                tokens, reason = samples[s].token_ids + new.token_ids, new.finish_reason
-                if reason == "abort" and not stopped:
-                    raise RuntimeError(f"SGLang aborted a request of rank {rank}, group {key}: {outs[sent.index(s)]}")
-                if reason == "abort" and tokens:
-                    reason = "length" if len(tokens) >= budget else "stop" if tokens[-1] in stops else "abort"
-                samples[s] = Completion(key, s, tokens, samples[s].logprobs + new.logprobs, reason)
-            parts[rank] += samples
+            n = self.groups.pop((rank, key))
+            for s, c in enumerate(completions_from_sglang(outs, n, 1)):
+                if c.finish_reason == "abort":
+                    raise RuntimeError(f"SGLang aborted a request of rank {rank}, group {key}: {outs[s]}")
+                parts[rank].append(Completion(key, s, c.token_ids, c.logprobs, c.finish_reason))
         return parts
 
 
@@ -145,6 +127,7 @@ class GroupRunner:
     def __init__(self, engine: Any) -> None:  # sglang.Engine or a stand-in with its interface
         self.engine = engine
         self.tasks: dict[Hashable, asyncio.Task] = {}
+        self.reported: dict[str, int] = {}  # tokens counted so far of each request in flight, by rid
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -157,25 +140,23 @@ class GroupRunner:
             )
             self.tasks[key] = self.engine.loop.create_task(request)
 
-    def poll_groups(self, wait_s: float) -> dict[Hashable, list[dict]]:
-        """Run the loop until a group has finished or wait_s has passed; the outputs of the finished groups."""
-        self._run(wait_s, asyncio.FIRST_COMPLETED)
-        return self._take_finished()
-
-    def stop_groups(self) -> dict[Hashable, list[dict]]:
-        """Abort every request and wait for all groups; their outputs (finished, or aborted with what they have)."""
-        finished: dict[Hashable, list[dict]] = {}
-        while self.tasks:
-            self.engine.tokenizer_manager.abort_request(abort_all=True)
-            self._run(ABORT_AGAIN_S, asyncio.ALL_COMPLETED)
-            finished.update(self._take_finished())
-        return finished
-
-    def _run(self, wait_s: float, return_when: str) -> None:
+    def poll_groups(self, wait_s: float) -> tuple[dict[Hashable, list[dict]], int]:
+        """Run the loop until a group has finished or wait_s has passed: the outputs of the finished groups, and
+        the tokens SGLang reported meanwhile (module docstring)."""
         if self.tasks:
             self.engine.loop.run_until_complete(
-                asyncio.wait(self.tasks.values(), timeout=wait_s, return_when=return_when)
+                asyncio.wait(self.tasks.values(), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             )
+        finished = self._take_finished()
+        counts = {rid: len(state.output_ids) for rid, state in self.engine.tokenizer_manager.rid_to_state.items()}
+        ended = {
+            o["meta_info"]["id"]: len(o["meta_info"]["output_token_logprobs"]) for g in finished.values() for o in g
+        }
+        tokens = sum(n - self.reported.get(rid, 0) for rid, n in {**counts, **ended}.items())
+        self.reported.update(counts)
+        for rid in ended:
+            self.reported.pop(rid, None)
+        return finished, tokens
 
     def _take_finished(self) -> dict[Hashable, list[dict]]:
         """Each finished group's outputs (a group whose batch raised raises here, failing the call)."""

@@ -1,6 +1,6 @@
 """The embedded rollout engine: this repo's Qwen2 with a paged KV cache, on CPU or GPU.
 
-How a `generate` call runs (continuous batching over KV blocks; rollout/scheduler.py holds the state):
+How a round runs (continuous batching over KV blocks; rollout/scheduler.py holds the state):
   1. The prompts are expanded into sequences (prompt 0 sample 0..n-1, prompt 1 sample 0..n-1, ...),
      all waiting.
   2. Waiting sequences are admitted while blocks are free (`kv_cache_blocks` of `block_size` positions)
@@ -14,9 +14,8 @@ How a `generate` call runs (continuous batching over KV blocks; rollout/schedule
      running sequence needs a new block and none is free, the youngest running sequences are preempted
      and later recomputed (prefill of prompt + generated tokens), which leaves their outputs unchanged.
 Both phases call the model's own forward with `context=...`, so the engine never duplicates its math.
-Partial rollout (rollout/engine.py PartialEngine) runs the same steps: `submit` queues sequences (a stopped one
-with its tokens, prefilled as a preempted one is), `poll` runs at most `poll_steps` of them, `stop` frees every
-block; `generate` is a submit and polls until every group is back.
+`submit` queues the sequences of a round (rollout/engine.py Engine), `poll` runs at most `poll_steps` scheduler
+steps and returns the sequences that finished.
 
 Sampling and log-probs follow rollout/sampling.py; the budget of a sequence is
 min(max_new_tokens, max_seq_len - len(prompt)), so prompt + completion always fits the context.
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 
 from model.args import ModelArgs
 from model.hf_adapter import from_hf_name, to_hf_name
-from rollout.engine import Completion, GroupRequest, SamplingParams, checked_bucket, validate_prompts
+from rollout.engine import Completion, Polled, SamplingParams, checked_bucket, validate_prompts
 from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
@@ -69,7 +68,7 @@ class TorchEngine:
     compile: compile the decode step with torch.compile.
     cuda_graphs: with compile on CUDA, replay the decode step as CUDA graphs (mode "reduce-overhead").
     flex_decode: on CUDA, decode attention with FlexAttention over the block pool (rollout/paged_flex.py).
-    seed: seeds calls whose SamplingParams.seed is None (call k uses seed + k).
+    seed: seeds rounds whose SamplingParams.seed is None (round k uses seed + k).
     max_prefill_tokens: padded tokens per prefill forward (bounds prefill activation memory).
     poll_steps: scheduler steps (prefills and one decode step) a `poll` runs at most.
     """
@@ -111,9 +110,9 @@ class TorchEngine:
         self.kv_cache_blocks = kv_cache_blocks
         self.seed = seed
         self.poll_steps = poll_steps
-        self.stats = SchedulerStats()  # of the last round (generate call)
+        self.stats = SchedulerStats()  # of the last round
         self.blocks = BlockManager(kv_cache_blocks, block_size)  # the last round's
-        self._round: _Round | None = None  # the groups in flight (rollout/engine.py PartialEngine)
+        self._round: _Round | None = None  # the samples in flight
         self._calls = 0
         self._params = dict(model.named_parameters())
         self._weights = {to_hf_name(n): (p.shape, p.dtype) for n, p in self._params.items()}  # what a bucket may hold
@@ -164,7 +163,7 @@ class TorchEngine:
 
     def _refuse_in_flight(self, what: str) -> None:
         if self._round is not None:
-            raise RuntimeError(f"{what}() while submitted groups are in flight; stop() them first")
+            raise RuntimeError(f"{what}() while submitted samples are in flight")
 
     def shutdown(self) -> None:
         self._round = None
@@ -192,7 +191,7 @@ class TorchEngine:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Only the positions we sample from get projected to the vocabulary (not the whole prompt).
-        assert self.model is not None  # generate refuses a shut-down engine
+        assert self.model is not None  # submit refuses a shut-down engine
         return F.linear(hidden, self.model.output_weight()).float()
 
     def _decode_logits(
@@ -204,7 +203,7 @@ class TorchEngine:
         v_cache: list[torch.Tensor],
     ) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
-        assert self.model is not None  # generate refuses a shut-down engine
+        assert self.model is not None  # submit refuses a shut-down engine
         context: DecodeContext | FlexDecodeContext
         if self._gather_out is None:
             context = self._decode_context(k_cache, v_cache, positions, block_tables)
@@ -216,7 +215,7 @@ class TorchEngine:
     def _prefill_logits(self, groups: list[list[Sequence]]) -> torch.Tensor:
         """Prefill each group's token list once into its sequences' blocks; returns the last-position
         logits per sequence [sum of group sizes, V], in group order."""
-        assert self.model is not None and self._cache is not None  # generate checks both
+        assert self.model is not None and self._cache is not None  # submit checks both
         rows = [group[0].all_tokens() for group in groups]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
@@ -253,7 +252,7 @@ class TorchEngine:
         if self._static_shapes:
             width = min(self.blocks_per_seq, -(-width // self._width_bucket) * self._width_bucket)
             rows = self.max_batch_size
-        assert self._cache is not None  # generate checks it
+        assert self._cache is not None  # submit checks it
         scratch = self._cache.scratch_block
         tables = [seq.block_table + [scratch] * (width - len(seq.block_table)) for seq in running]
         tables += [[scratch] * width] * (rows - len(running))
@@ -279,47 +278,23 @@ class TorchEngine:
     # Generation
     # ---------------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample `params.n` completions per prompt; returns them grouped by prompt (see module doc)."""
-        if self._round is not None:
-            raise RuntimeError("generate() while submitted groups are in flight; stop() them first")
-        validate_prompts(prompts, self.max_seq_len - 1, self.args.vocab_size)  # also refuses no prompts
-        self.submit([GroupRequest(p, prompt) for p, prompt in enumerate(prompts)], params)
-        completions: list[Completion] = []
-        while self._round is not None:
-            completions += self.poll()
-        return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
-
-    def submit(self, groups: list[GroupRequest], params: SamplingParams) -> None:
-        """Queue the groups' unfinished samples (rollout/engine.py PartialEngine); the first submit into an
-        idle engine seeds the sampler: params.seed, or the engine's seed + the number of rounds so far."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Queue params.n samples of every prompt (rollout/engine.py Engine); the submit seeds the sampler:
+        params.seed, or the engine's seed + the number of rounds so far."""
         if self.model is None:
             raise RuntimeError("the engine was shut down")
         if self._cache is None:
             raise RuntimeError("the KV cache is released; call resume_memory() before generating")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if groups:
-            validate_prompts([g.prompt_ids for g in groups], self.max_seq_len - 1, self.args.vocab_size)
-        r = self._round or self._new_round(params)
-        if dataclasses.replace(params, seed=None) != dataclasses.replace(r.params, seed=None):
-            raise ValueError(f"submit() with {params} while groups sampled with {r.params} are in flight")
-        new: dict[int, list[Sequence]] = {}
-        for group in groups:
-            if group.key in r.groups or group.key in new:
-                raise ValueError(f"group key {group.key} is already in flight")
-            budget = min(params.max_new_tokens, self.max_seq_len - len(group.prompt_ids))
-            prompt, samples = list(map(int, group.prompt_ids)), group.start(params.n, budget)
-            seqs = [Sequence(group.key, c.sample_index, prompt, budget, c.token_ids, c.logprobs) for c in samples]
-            for seq, c in zip(seqs, samples):
-                seq.finish_reason = None if c.finish_reason == "abort" else c.finish_reason
-            new[group.key] = seqs
-        for key, seqs in new.items():  # only now: a refused submit leaves the engine as it was
-            r.groups[key] = seqs
-            r.scheduler.add([seq for seq in seqs if seq.finish_reason is None])
-            if all(seq.finish_reason for seq in seqs):
-                r.finished.add(key)
-        self._round = r if r.groups else None
+        self._refuse_in_flight("submit")
+        if not prompts:  # a rank without a share of the work still takes part: nothing to do
+            return
+        validate_prompts(prompts, self.max_seq_len - 1, self.args.vocab_size)
+        self._round = r = self._new_round(params)
+        for p, prompt in enumerate(prompts):
+            budget = min(params.max_new_tokens, self.max_seq_len - len(prompt))
+            r.scheduler.add([Sequence(p, s, list(map(int, prompt)), budget) for s in range(params.n)])
 
     def _new_round(self, params: SamplingParams) -> _Round:
         seed = params.seed if params.seed is not None else self.seed + self._calls
@@ -331,58 +306,48 @@ class TorchEngine:
         return _Round(scheduler, generator, params, frozenset(params.stop_token_ids))
 
     @torch.inference_mode()
-    def poll(self) -> list[Completion]:
-        """At most poll_steps scheduler steps, until a group has finished; the finished groups' completions."""
+    def poll(self) -> Polled:
+        """At most poll_steps scheduler steps: the completions that finished in them and the tokens sampled."""
         r = self._round
         if r is None:
-            return []
+            return Polled([], 0, True)
+        done, sampled = [], 0
         for _ in range(self.poll_steps):
-            if r.finished or r.scheduler.done():
+            if r.scheduler.done():
                 break
-            for seq in self._step(r):
-                if all(s.finish_reason for s in r.groups[seq.prompt_index]):
-                    r.finished.add(seq.prompt_index)
-        done = [_completion(seq) for key in sorted(r.finished) for seq in r.groups.pop(key)]
-        r.finished.clear()
-        if not r.groups:
+            finished, tokens = self._step(r)
+            done += [_completion(seq) for seq in finished]
+            sampled += tokens
+        if r.scheduler.done():
             self.stats, self._round = r.scheduler.stats, None
-        return done
+        return Polled(done, sampled, self._round is None)
 
-    def stop(self) -> list[Completion]:
-        """Stop every sequence (their KV blocks freed); the completions of the groups not yet returned."""
-        r, self._round = self._round, None
-        if r is None:
-            return []
-        r.scheduler.stop()
-        self.stats = r.scheduler.stats
-        return [_completion(seq) for seqs in r.groups.values() for seq in seqs]
-
-    def _step(self, r: _Round) -> list[Sequence]:
-        """One scheduler step: the prefills it admits, then one decode step; the sequences that finished."""
+    def _step(self, r: _Round) -> tuple[list[Sequence], int]:
+        """One scheduler step: the prefills it admits, then one decode step; the sequences that finished, and
+        the tokens sampled."""
         assert self._cache is not None  # submit checks it, and release_memory refuses a round in flight
-        retired = []
+        retired: list[Sequence] = []
+        sampled = 0
         while groups := r.scheduler.next_prefill():
             prefilled = [seq for group in groups for seq in group]
             self._sample_into(prefilled, self._prefill_logits(groups), r.params, r.generator, r.stop)
-            retired += r.scheduler.retire_finished()
+            retired, sampled = retired + r.scheduler.retire_finished(), sampled + len(prefilled)
         running = r.scheduler.next_decode()
         if running:  # else everything was preempted or retired: admit again
             logits = self._decode(*self._decode_batch(running), self._cache.k, self._cache.v)
             self._sample_into(running, logits[: len(running)], r.params, r.generator, r.stop)
-            retired += r.scheduler.retire_finished()
-        return retired
+            retired, sampled = retired + r.scheduler.retire_finished(), sampled + len(running)
+        return retired, sampled
 
 
 @dataclasses.dataclass
 class _Round:
-    """What runs between an idle engine's first submit and the end of its groups (a poll or stop)."""
+    """What runs between a submit and the poll that returns its last completion."""
 
     scheduler: Scheduler
     generator: torch.Generator
     params: SamplingParams
     stop: frozenset[int]
-    groups: dict[int, list[Sequence]] = dataclasses.field(default_factory=dict)  # by key, until returned
-    finished: set[int] = dataclasses.field(default_factory=set)  # keys of finished groups not yet returned
 
 
 def _completion(seq: Sequence) -> Completion:

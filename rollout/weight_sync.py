@@ -22,9 +22,8 @@ still take part in the gathers, which must move the same bytes on every rank. Wi
 holds its own full copy, so every rank passes its engine.
 With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
 `update_weights` gathers the ranks' buckets to the engine's leader.
-An engine whose update failed (its process died: EngineDied, or any other error) takes no more buckets, but
-its rank still takes part in every remaining gather, so every rank's sync completes; the failure is raised at
-the end, where the ranks agree on it (trainer/loop.py engine_call).
+In a run the engine is the guarded one (run/guard.py): the ranks agree after every bucket, so a failed update
+on any rank stops every rank at the same bucket, none of them left in a gather the others never enter.
 """
 
 from __future__ import annotations
@@ -117,15 +116,10 @@ def sync_weights(
         dtype = getattr(engine, "dtype", None)
     if device is None:
         device = getattr(engine, "device", None)
-    sent, failed = 0, None
+    sent = 0
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
-        if engine is not None and failed is None:
-            try:
-                engine.update_weights(bucket)
-            except Exception as exc:  # the gathers go on: every rank must enter each of them
-                failed = exc
+        if engine is not None:
+            engine.update_weights(bucket)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket
-    if failed is not None:
-        raise failed
     return sent

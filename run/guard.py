@@ -1,30 +1,42 @@
-"""The guard around every call into the rollout engine, in one place: run on every rank, agree, checkpoint
-and raise on failure; stop at the phase boundaries.
+"""The rollout engine as train.py drives it (`GuardedEngine`): each call runs on every rank, the ranks agree on
+how it went, and a failure on any of them checkpoints the last completed step and stops every rank; a signal is
+honoured at the next boundary (a poll, a release); an engine that stops producing tokens is hung and ends as a
+dead one.
 
-The engines may hold collectives (SGLang's tensor parallelism, the weight sync), so a call that fails on one
-rank must stop every rank at the same point, or the others wait in a collective for a rank that left.
-`Guard.call(what, fn)` runs fn() on every rank, then the ranks agree on the worst outcome (one all-reduce on
-the gloo control group): OK, FAILED (an exception: EngineFailure, or anything else) or ENGINE_DIED (an
-engine's process is gone: the policy, in the trainer's process, is intact). On a failure every rank
-checkpoints the last completed step (run/phase_runner.py) and raises the error, EngineDied first, naming what
-was running and that the rerun resumes (a user-facing error, errors.py, as it is). A call at a phase boundary
-(`boundary=True`, e.g. a poll of the engine) is followed by a stop when a SIGTERM / SIGINT arrived on any rank.
+Why every rank: the engines hold collectives (SGLang's tensor parallelism, the weight sync's gathers), so a call
+that fails on one rank must stop every rank at the same point, or the others wait in a collective for a rank that
+left. After each call the ranks agree (`agree`: one all-reduce on the gloo control group) on three numbers: the
+worst outcome, whether a signal arrived anywhere, whether any rank still waits. Every collective of the guard has
+this one shape, so a rank that fails between two engine calls (its scoring, say: `failures_agreed`) meets its
+peers in their next agreement. Outcomes: OK, FAILED (an exception: EngineFailure, or anything else) or
+ENGINE_DIED (an engine's process is gone, or it hung: the policy, in the trainer's process, is intact). On a
+failure every rank checkpoints (run/phase_runner.py) and raises the error, EngineDied first, naming what was
+running and that the rerun resumes (a user-facing error, errors.py, as it is).
 
-What the engine itself reports (its exception) is named as an EngineFailure (`engine_reported`); a collective's
-failure passes as it is.
+`generate(prompts, params)`: submit, then poll until every rank's engine returned every completion. Progress, not
+a deadline: the engine is hung when none of its requests produced a token or finished for `call_timeout_s`
+(rollout.call_timeout_s), and is then killed, within that window and one poll; a slow engine that keeps producing
+is never stopped. Nothing else bounds a generation: a poll returns within poll_s (SGLang) or poll_steps decode
+steps (torch), and a poll of an engine process that does not answer within call_timeout_s is a dead engine's
+(rollout/engine_process.py).
+
+What the engine itself reports (its exception) is named as an EngineFailure; a collective's failure passes as it
+is (rollout/sglang_engine.py raises a DistError for its group's): it is never retried as if it were the engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from enum import IntEnum
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
+import torch
 from torch.distributed import DistError
 
 from errors import UserError
-from rollout.engine import EngineDied, EngineFailure
+from rollout.engine import Completion, Engine, EngineDied, EngineFailure, Polled, SamplingParams, check_completions
 
 if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
@@ -34,87 +46,189 @@ T = TypeVar("T")
 
 
 class Outcome(IntEnum):
-    """How a call went on one rank; the ranks agree on the worst (`agree`)."""
+    """How a call went on one rank; the ranks agree on the worst."""
 
     OK = 0
     FAILED = 1
     ENGINE_DIED = 2
 
 
-def agree(dist_env: DistEnv, outcome: Outcome) -> Outcome:
-    """The worst outcome over every rank (one all-reduce on the gloo control group: every rank calls it)."""
-    return Outcome(int(dist_env.all_reduce([float(outcome)], op="max", group="world")[0]))
+class GuardedEngine:
+    """`engine` (rollout/engine.py) called on every rank with the guard's agreement (module docstring).
 
+    dist_env: the run's ranks (None: one process, which raises its failures as they are); runner: the phase runner
+    that checkpoints and stops (None: a failure is raised as it is, and signals wait for the caller); on_poll: an
+    observer of every poll (the rollout display).
+    """
 
-class Guard:
-    """Guarded calls for one phase runner's steps (module docstring); without a runner (a test, a benchmark)
-    a failure is raised as it is, with no checkpoint and no stops."""
+    def __init__(
+        self,
+        engine: Engine,
+        dist_env: DistEnv | None = None,
+        runner: PhaseRunner | None = None,
+        *,
+        call_timeout_s: float = 600.0,
+        on_poll: Callable[[Polled], None] | None = None,
+    ):
+        self.engine, self.dist, self.runner, self.call_timeout_s = engine, dist_env, runner, call_timeout_s
+        self.on_poll = on_poll
+        self.where = ""  # what the run is doing, named in errors ("step 3, rollout")
+        self.seconds = 0.0  # spent generating
+        self._raised: BaseException | None = None  # the error the agreement raised last (not agreed on again)
 
-    def __init__(self, dist_env: DistEnv, runner: PhaseRunner | None = None):
-        self.dist, self.runner = dist_env, runner
+    # -- the engine interface ----------------------------------------------------------------------------
 
-    def call(self, what: str, fn: Callable[[], T], *, boundary: bool = False) -> T:
-        """fn() on every rank, agreed on; a failure anywhere checkpoints and raises on every rank. `what` names
-        the call in the error ("step 3, generation round 1"); boundary: then stop if a signal asked to."""
-        error: Exception | None = None
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """params.n completions of every prompt, grouped by prompt (prompt 0's n first). A collective: every rank
+        calls it, with its own prompts (possibly none), and polls until every rank's completions are back."""
+        start, what = time.perf_counter(), f"generate ({len(prompts)} prompts x {params.n} samples)"
+        self.call(what, lambda: self.engine.submit(prompts, params), boundary=True)
+        watch = _ProgressWatch(self.engine, len(prompts), params.n, self.call_timeout_s, self.on_poll)
+        while self.call(what, watch.poll, boundary=True, waiting=True):
+            pass
+        self.seconds += time.perf_counter() - start
+        return watch.completions
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        bucket = list(named_tensors)
+        self.call(f"update_weights ({len(bucket)} tensors)", lambda: self.engine.update_weights(bucket))
+
+    def release_memory(self) -> None:
+        self.call("release_memory", self.engine.release_memory, boundary=True)
+
+    def resume_memory(self) -> None:
+        self.call("resume_memory", self.engine.resume_memory)
+
+    def shutdown(self) -> None:
+        """Not agreed on: every way out of a run shuts its engine down, whatever the others do."""
+        self.engine.shutdown()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype  # type: ignore[attr-defined]  # both engines have one (rollout/weight_sync.py)
+
+    @property
+    def device(self) -> torch.device | None:
+        return getattr(self.engine, "device", None)
+
+    # -- agreement ---------------------------------------------------------------------------------------
+
+    def call(self, what: str, fn: Callable[[], object], *, boundary: bool = False, waiting: bool = False) -> bool:
+        """fn() on every rank (what the engine raises named an EngineFailure), then the agreement; with `waiting`,
+        fn returns whether this rank still waits, and the result is whether any rank does."""
+        error, mine = None, False
         try:
-            result = fn()
+            try:
+                result = fn()
+                mine = waiting and bool(result)
+            except (EngineDied, EngineFailure, DistError):
+                raise
+            except Exception as exc:
+                raise EngineFailure(f"engine failed on {what}: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:
             error = exc
-        worst = agree(self.dist, _outcome(error))
-        if worst != Outcome.OK:
-            self._stop(what, worst, error)
-        if boundary and self.runner is not None:
-            self.runner.stop_if_requested()
-        return result
+        return self.agree(what, error, mine, boundary=boundary)
 
     def everyone(self, flag: bool) -> bool:
-        """Whether `flag` holds on every data-parallel rank (one all-reduce)."""
-        return self.dist.all_reduce([float(flag)], op="min")[0] > 0
+        """Whether `flag` holds on every rank (an agreement)."""
+        return not self.agree(self.where, None, not flag)
 
-    def stop(self, error: BaseException, cause: BaseException | None = None) -> NoReturn:
-        """Checkpoint the last completed step, then raise `error` (on the rank that calls it)."""
-        if self.runner is None:
-            raise error from cause
-        self.runner.stop_with_checkpoint(error, cause)
+    def agree(self, what: str, error: BaseException | None, flag: bool, *, boundary: bool = False) -> bool:
+        """The ranks' agreement: a failure anywhere checkpoints and raises on every rank; at a boundary, a signal
+        anywhere stops every rank with a checkpoint; returns whether `flag` holds on any rank."""
+        if self.dist is None:
+            if error is not None:
+                raise error
+            return flag
+        stop = self.runner.stop if self.runner is not None else None
+        signal = stop is not None and stop.signal_name is not None
+        worst, signalled, anyone = self.dist.all_reduce([float(_outcome(error)), signal, flag], "max", "world")
+        if worst:
+            self._stop(what, Outcome(int(worst)), error)
+        if boundary and signalled and self.runner is not None:
+            self._raised = None
+            try:
+                self.runner.stop_if_requested(anyone=True)
+            except Exception as exc:
+                self._raised = exc
+                raise
+        return anyone > 0
 
-    def as_of_now(self) -> AbstractContextManager[None]:
-        """Checkpoints taken inside save the run as it stands at entry: a step abandoned before its update is
-        saved as not begun."""
-        return self.runner.as_of_now() if self.runner is not None else nullcontext()
+    @contextmanager
+    def failures_agreed(self, where: str) -> Iterator[None]:
+        """Inside, errors name `where`; an exception raised inside that no agreement has seen (this rank's own,
+        outside an engine call: its scoring, say) is agreed on at once: the peers meet it in their next agreement
+        and every rank stops with a checkpoint."""
+        self.where, self._raised = where, None
+        try:
+            yield
+        except Exception as exc:
+            if exc is not self._raised:
+                self.agree(where, exc, False)
+            raise
+        finally:
+            self.where = ""
 
-    def _stop(self, what: str, worst: Outcome, error: Exception | None) -> NoReturn:
+    def _stop(self, what: str, worst: Outcome, error: BaseException | None) -> NoReturn:
+        what = f"{self.where}, {what}" if self.where and what != self.where else what
         if self.runner is None:  # no checkpoint: the failure as it is
-            raise error or RuntimeError(f"{what}: failed on another rank (see its log)")
+            self._raised = error or RuntimeError(f"{what}: failed on another rank (see its log)")
+            raise self._raised
         saved = f"Checkpoint of step {self.runner.state.step()} saved"
         if worst == Outcome.ENGINE_DIED:
             died = error if isinstance(error, EngineDied) else f"the rollout engine of another rank died during {what}"
-            self.stop(EngineDied(f"{died}. {saved}; rerun the same command to resume"), error)
-        if isinstance(error, UserError):  # a full disk, a bad file: its own one line and exit code
-            self.stop(error)
-        if error is None:
-            message = f"{what}: failed on another rank (see its log)"
-        elif isinstance(error, EngineFailure):
-            message = f"{what}: {error}"
+            stopped: BaseException = EngineDied(f"{died}. {saved}; rerun the same command to resume")
+        elif isinstance(error, UserError):  # a full disk, a bad file: its own one line and exit code
+            stopped = error
         else:
-            message = f"{what} on data-parallel rank {self.dist.dp_rank}: {type(error).__name__}: {error}"
-        fix = "" if isinstance(error, EngineFailure) else " (with the cause fixed)"
-        self.stop(RuntimeError(f"{message}. {saved}; rerun the same command to resume{fix}"), error)
+            if error is None:
+                message = f"{what}: failed on another rank (see its log)"
+            elif isinstance(error, EngineFailure):
+                message = f"{what}: {error}"
+            else:
+                rank = self.dist.dp_rank if self.dist is not None else 0
+                message = f"{what} on data-parallel rank {rank}: {type(error).__name__}: {error}"
+            fix = "" if isinstance(error, EngineFailure) else " (with the cause fixed)"
+            stopped = RuntimeError(f"{message}. {saved}; rerun the same command to resume{fix}")
+        try:
+            self.runner.stop_with_checkpoint(stopped, error if error is not stopped else None)
+        except Exception as exc:
+            self._raised = exc
+            raise
 
 
-def _outcome(error: Exception | None) -> Outcome:
+def _outcome(error: BaseException | None) -> Outcome:
     if error is None:
         return Outcome.OK
     return Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED
 
 
-@contextmanager
-def engine_reported(what: str) -> Iterator[None]:
-    """Inside, the engine's own exceptions become EngineFailure naming `what` ("4 prompts x 16 samples");
-    EngineDied and a torch.distributed failure (a collective's, never the engine's own) pass as they are."""
-    try:
-        yield
-    except (EngineDied, EngineFailure, DistError):
-        raise
-    except Exception as exc:
-        raise EngineFailure(f"engine failed on {what}: {type(exc).__name__}: {exc}") from exc
+class _ProgressWatch:
+    """One generation's polls on this rank: the completions so far, and when the engine last produced a token."""
+
+    def __init__(self, engine: Engine, prompts: int, n: int, timeout_s: float, on_poll: Callable | None):
+        self.engine, self.prompts, self.n, self.timeout_s, self.on_poll = engine, prompts, n, timeout_s, on_poll
+        self.completions: list[Completion] = []
+        self.quiet_since = time.monotonic()
+
+    def poll(self) -> bool:
+        """One poll; whether this rank still waits. The engine is hung (killed, EngineDied) when it produced no
+        token and finished nothing for timeout_s while this rank waited."""
+        polled = self.engine.poll()
+        self.completions += polled.completions
+        now = time.monotonic()
+        if polled.tokens or polled.completions:
+            self.quiet_since = now
+        if self.on_poll is not None:
+            self.on_poll(polled)
+        waiting = not polled.done
+        if waiting and now - self.quiet_since > self.timeout_s:
+            self.engine.shutdown()
+            raise EngineDied(
+                f"no request produced a token or finished for {self.timeout_s:,.0f} s (rollout.call_timeout_s): "
+                "hung, its processes killed"
+            )
+        if not waiting:
+            self.completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+            check_completions(self.completions, self.prompts, self.n)
+        return waiting

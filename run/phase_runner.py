@@ -84,10 +84,10 @@ class PhaseRunner:
             self.save()
         self.stop_if_requested()
 
-    def stop_if_requested(self, *, save: bool = True) -> None:
-        """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective), checkpoint (unless
-        not `save`) and raise StopRequested."""
-        if self.stop is not None and self.stop.requested(self.dist):
+    def stop_if_requested(self, *, save: bool = True, anyone: bool | None = None) -> None:
+        """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective, unless the caller
+        already agreed on it: `anyone`), checkpoint (unless not `save`) and raise StopRequested."""
+        if self.stop is not None and self.stop.requested(self.dist, anyone):
             error = StopRequested(self.stop.signal_name or "a signal", self.state.step(), phase=self.step_name)
             self.stop_with_checkpoint(error, save=save)
 

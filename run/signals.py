@@ -1,6 +1,6 @@
 """Graceful stop on SIGTERM / SIGINT: the first signal asks the loop to stop at the next phase boundary
-(a rollout round's next one is the end of its current generate call; it then writes a checkpoint and exits
-non-zero); a second signal exits at once. The rollout engine's process ignores both (rollout/engine_process.py):
+(during a generation: its next poll, run/guard.py; it then writes a checkpoint and exits non-zero); a second
+signal exits at once. The rollout engine's process ignores both (rollout/engine_process.py):
 the trainer shuts it down on its way out. A finished run answers both with a line and exits 0. `exit_with_codes`
 gives an entry point's failures the exit codes a shell expects."""
 
@@ -65,10 +65,11 @@ class GracefulStop:
             "%s received: finishing the current phase, then saving a checkpoint (send it again to exit at once)", name
         )
 
-    def requested(self, dist_env: DistEnv) -> bool:
-        """True on every rank if any rank received a signal (ranks must stop at the same boundary)."""
-        local = 1.0 if self.signal_name is not None else 0.0
-        anyone = dist_env.all_reduce([local], op="max", group="world")[0] > 0
+    def requested(self, dist_env: DistEnv, anyone: bool | None = None) -> bool:
+        """True on every rank if any rank received a signal (ranks must stop at the same boundary); `anyone`:
+        what the ranks already agreed on, else one all-reduce."""
+        if anyone is None:
+            anyone = dist_env.all_reduce([float(self.signal_name is not None)], op="max", group="world")[0] > 0
         if anyone and self.signal_name is None:
             self.signal_name = "a signal on another rank"
         return anyone

@@ -1,22 +1,22 @@
 """Where a DAPO run stands, as plain data for its checkpoints (parallel/plain_state.py).
 
 `TrainState` is the loop's own position (the last completed step, ...). `LoopPosition` is where the loop
-stands in its data between two steps: the prompt sampler's position (plain already), the batch builder's
+stands in its data between two steps: the prompt sampler's position (plain already) and the batch builder's
 carry-over queue, whose groups (trainer.scoring.RolloutGroup) are stored as their prompt (once) and their
-samples' fields, and the groups partial rollout stopped unfinished (trainer.types.Unfinished), each rebuilt as
-the same objects on resume.
+samples' fields, each rebuilt as the same objects on resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import logging
 from typing import Any
 
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
-from rollout.engine import Completion
-from trainer.types import RolloutGroup, Sample, SkippedUpdates, Unfinished
+from trainer.types import RolloutGroup, Sample, SkippedUpdates
+
+log = logging.getLogger("train")
 
 
 @dataclasses.dataclass
@@ -56,50 +56,45 @@ def _group_to_plain(group: RolloutGroup) -> dict[str, Any]:
 
 def _group_from_plain(plain: dict[str, Any]) -> RolloutGroup:
     example = PromptExample(**plain["example"])
-    samples = [Sample(example=example, **fields) for fields in plain["samples"]]
-    return ScoredGroup(payload=samples, acc=plain["acc"], score=plain["score"])
-
-
-def _unfinished_to_plain(group: Unfinished) -> dict[str, Any]:
-    samples = [{"tokens": c.token_ids, "logprobs": c.logprobs, "finish": c.finish_reason} for c in group.samples]
-    return {"example": dataclasses.asdict(group.example), "started": group.started, "samples": samples}
-
-
-def _unfinished_from_plain(plain: dict[str, Any]) -> Unfinished:
+    known = {f.name for f in dataclasses.fields(Sample)}  # older checkpoints also hold partial rollout's fields
     samples = [
-        Completion(0, i, list(s["tokens"]), list(s["logprobs"]), s["finish"]) for i, s in enumerate(plain["samples"])
+        Sample(example=example, **{k: v for k, v in fields.items() if k in known}) for fields in plain["samples"]
     ]
-    return Unfinished(PromptExample(**plain["example"]), samples, plain["started"])
+    return ScoredGroup(payload=samples, acc=plain["acc"], score=plain["score"])
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopPosition:
-    """The data position between two steps: {"sampler": ..., "builder": ..., "unfinished": ...} in a checkpoint's
-    train state; "unfinished": the groups partial rollout stopped, to continue (trainer/rollout_phase.py)."""
+    """The data position between two steps: {"sampler": ..., "builder": ...} in a checkpoint's train state."""
 
     sampler: dict[str, Any]
     builder: dict[str, Any]  # the builder's state, its carried-over groups as plain data
-    unfinished: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(
-        cls, sampler: PromptSampler, builder: DynamicBatchBuilder[list[Sample]], unfinished: Iterable[Unfinished] = ()
-    ) -> LoopPosition:
-        state = builder.state_dict()
-        carry = [(born, _group_to_plain(group)) for born, group in state["carry"]]
-        return cls(sampler.state_dict(), dict(state, carry=carry), [_unfinished_to_plain(u) for u in unfinished])
+    def of(cls, sampler: dict[str, Any], builder: dict[str, Any]) -> LoopPosition:
+        """The position of the sampler's and the builder's `state_dict()`s."""
+        carry = [(born, _group_to_plain(group)) for born, group in builder["carry"]]
+        return cls(dict(sampler), dict(builder, carry=carry))
 
     def plain(self) -> dict[str, Any]:
-        return {"sampler": self.sampler, "builder": self.builder, "unfinished": self.unfinished}
+        return {"sampler": self.sampler, "builder": self.builder}
 
     @classmethod
     def pop_from(cls, saved: dict[str, Any]) -> LoopPosition:
-        """The position stored in a checkpoint's train state `saved` (its keys are removed from it)."""
-        return cls(saved.pop("sampler"), saved.pop("builder"), saved.pop("unfinished", []))
+        """The position stored in a checkpoint's train state `saved` (its keys are removed from it). The groups a
+        run with partial rollout (since removed) left unfinished are dropped, with one line: their prompts are
+        skipped, as a group dropped for its age was."""
+        unfinished = saved.pop("unfinished", [])
+        if unfinished:
+            log.warning(
+                "the checkpoint holds %d groups that partial rollout (since removed) left unfinished: they are "
+                "dropped, and the run resumes without them",
+                len(unfinished),
+            )
+        return cls(saved.pop("sampler"), saved.pop("builder"))
 
-    def restore(self, sampler: PromptSampler, builder: DynamicBatchBuilder[list[Sample]]) -> list[Unfinished]:
-        """The sampler and builder as saved; returns the unfinished groups to continue."""
+    def restore(self, sampler: PromptSampler, builder: DynamicBatchBuilder[list[Sample]]) -> None:
+        """The sampler and builder as saved."""
         sampler.load_state_dict(self.sampler)
         carry = [(born, _group_from_plain(g)) for born, g in self.builder["carry"]]
         builder.load_state_dict(dict(self.builder, carry=carry))
-        return [_unfinished_from_plain(u) for u in self.unfinished]

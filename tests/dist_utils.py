@@ -141,6 +141,21 @@ class OneProcess:
     dp_rank, dp_size, world_size, rank = 0, 1, 1, 0
     dims = types.SimpleNamespace(tp=1)
     device = torch.device("cpu")
+    is_main = True
 
     def all_reduce(self, values, op="sum", group="dp"):
         return list(values)
+
+
+class GlooRanks(OneProcess):
+    """The DistEnv of one rank of a run_ranks job, every rank a data-parallel one: reductions over all ranks
+    (plain modules: a test sums the ranks' gradients itself)."""
+
+    def __init__(self, rank, world_size):
+        self.dp_rank, self.dp_size, self.world_size, self.rank = rank, world_size, world_size, rank
+        self.is_main = rank == 0
+
+    def all_reduce(self, values, op="sum", group="dp"):
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return tensor.tolist()

@@ -38,19 +38,26 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   model_runner_components/weight_updater.py _update_weights_from_flattened_bucket; a dict has none).
   Every failure there is a scheduler exception: a crash. Writing into released weights writes into
   unmapped memory (a CUDA error, a crash too).
-* Generation: input_ids must not be empty (srt/managers/io_struct.py GenerateReqInput.
-  _determine_batch_size); every request of a batch has the same n (GenerateReqInput._handle_parallel_sampling);
-  a prompt of context_len tokens or more, or prompt + max_new_tokens beyond context_len, raises for the
-  whole batch (srt/managers/tokenizer_manager.py TokenizerManager._validate_one_request); a prompt of
-  max_req_input_len = min(context_len - 1, kv tokens - 1) - 5 tokens or more is aborted with status 400
+* Generation (Engine.async_generate, a coroutine on Engine.loop: srt/entrypoints/engine.py Engine.__init__,
+  _ensure_event_loop): input_ids must not be empty (srt/managers/io_struct.py GenerateReqInput.
+  _determine_batch_size); a prompt of context_len tokens or more, or prompt + max_new_tokens beyond context_len,
+  raises for the whole batch (srt/managers/tokenizer_manager.py TokenizerManager._validate_one_request); a prompt
+  of max_req_input_len = min(context_len - 1, kv tokens - 1) - 5 tokens or more is aborted with status 400
   (srt/managers/tp_worker.py TpModelWorker.get_worker_info, srt/managers/utils.py validate_input_length,
   srt/managers/scheduler.py Scheduler.handle_generate_request, srt/managers/schedule_batch.py
-  Req.set_finish_with_abort), and a non-streaming request aborted with status 400 makes generate raise
-  ValueError for the whole batch (TokenizerManager._handle_abort_finish_reason, _collect_batch_responses);
-  other aborts come back as outputs with finish_reason type "abort". With n > 1 the tokenizer manager
-  first sends one prefix-caching request per prompt, one after another, and warns above 128 prompts
-  (TokenizerManager._handle_batch_request); outputs come prompt-major. Generating with the KV cache or
-  weights released reads unmapped memory (a crash).
+  Req.set_finish_with_abort), and a non-streaming request aborted with status 400 makes its batch raise
+  ValueError (TokenizerManager._handle_abort_finish_reason, _collect_batch_responses); other aborts come back as
+  outputs with finish_reason type "abort" (the model's `abort` option). Not streaming, a batch returns its
+  outputs once all its requests have finished (TokenizerManager._handle_batch_request, _collect_batch_responses),
+  in request order. Its requests hold the scheduler: releasing memory before they are back is the idle
+  assertion's crash; generating with the KV cache or weights released reads unmapped memory (a crash). The
+  model's scheduler steps only while the loop runs (SGLang's runs in its own process); its tokens follow a fixed
+  rule (StrictSGLang.step).
+* Progress of requests that do not stream: the scheduler sends a request's tokens every
+  SGLANG_FORCE_STREAM_INTERVAL = 50 (srt/environ.py; srt/managers/scheduler_components/output_streamer.py,
+  accept: len(output_ids) % 50 == 0) and when it finishes; TokenizerManager._handle_batch_output extends the
+  request's ReqState.output_ids in tokenizer_manager.rid_to_state (created when the request is sent,
+  TokenizerManager._send_one_request's caller) and deletes the state when the request finishes.
 * Outputs (skip_tokenizer_init): {"output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "output_token_logprobs": [(logprob, token id, None)]}}
   (TokenizerManager._handle_batch_output, BatchTokenIDOutput branch).
@@ -60,21 +67,6 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   SchedulerFlushWrapper.handle); it does not raise.
 * A hang: nothing in 0.5.21 bounds how long an Engine call may take (its watchdog covers forward batches
   only); the model's hanging call never returns, and ignores SIGTERM as the engine process does.
-* Background requests (partial rollout, rollout/sglang_groups.py): Engine.async_generate is a coroutine on
-  Engine.loop (srt/entrypoints/engine.py Engine.__init__, _ensure_event_loop); not streaming, a batch returns
-  its outputs once all its requests have finished (TokenizerManager._handle_batch_request,
-  _collect_batch_responses), with the batch checks of generate. Its requests hold the scheduler: releasing
-  memory before they are back is the idle assertion's crash. tokenizer_manager.abort_request(abort_all=True)
-  aborts what the scheduler holds when it arrives (srt/managers/scheduler.py Scheduler.abort_request): a waiting
-  request ends at once, {"type": "abort", "message": "Abort in waiting queue"}, with what the tokenizer manager
-  has received of it (TokenizerManager._handle_abort_req; none of its tokens here, as for a request never run);
-  a running one ("Abort method 3") runs one more decode step whose token is kept and ends with FINISH_ABORT's
-  {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}, checked before the stop-token
-  and length checks (srt/managers/schedule_batch.py Req.update_finish_state; scheduler_components/
-  batch_result_processor.py process_batch_result_decode), so the kept token can be a stop token or the
-  budget's last; such an output is returned, not raised (TokenizerManager._handle_abort_finish_reason: no
-  status code). A request that reaches the scheduler after the abort runs on. The model's scheduler steps only
-  while the loop runs (SGLang's runs in its own process); its tokens follow a fixed rule (StrictSGLang.step).
 
 CPU stand-ins: a "GPU" is a FakeGPU byte ledger in shared memory (the trainer's process and the engine's
 see the same one); a CUDA IPC payload is a pickled, base64-encoded ((pid, serial number),
@@ -108,6 +100,7 @@ from model.hf_adapter import DTYPES, from_hf_name
 from rollout.sglang_memory import MEMORY_TAGS, EngineMemoryError, plan_engine_memory
 
 MIB = 1 << 20
+FORCE_STREAM_INTERVAL = 50  # srt/environ.py SGLANG_FORCE_STREAM_INTERVAL's default
 
 
 class FakeGPU:
@@ -261,6 +254,15 @@ def reconstruct(payload):
     return out
 
 
+def chain(last, count):
+    """The model's tokens and log-probs after a last input token (StrictSGLang.step)."""
+    tokens = []
+    for _ in range(count):
+        last = (7 * last + 3) % 256
+        tokens.append(last)
+    return tokens, [-((t % 5) + 1) / 10 for t in tokens]
+
+
 def _output(ids, logprobs, reason, prompt_len, rid):
     return {
         "output_ids": list(ids),
@@ -322,17 +324,16 @@ class StrictSGLang:
     """sglang.Engine 0.5.21 as the module docstring describes it; loads pushed weights into a torch model.
 
     gpus: one FakeGPU per TP rank (default: tp_size GPUs of 80 GiB with nothing else on them).
-    abort: (call number, request number) pairs whose request the scheduler aborts (calls count from 0).
+    abort: (batch number, request number) pairs whose request the scheduler aborts (batches count from 0).
     untagged_bytes, disable_cuda_graph: passed to plan_engine_memory.
-    Test controls, by call kind ("generate", "release", "resume", "begin", "end", "update", "flush"):
+    Test controls, by call kind ("async_generate", "release", "resume", "begin", "end", "update", "flush"):
     crash: {kind: k}: the scheduler hits an exception in the k-th call of that kind (from 1) and the
         process ends as SGLang's does; hang: {kind: k}: the k-th call of that kind never returns; delay:
-        {kind: seconds} spent inside each such call; announce: a file that gets each call's kind as a line
-        when the call starts, and "hang <time.time()>" when a hang begins (tests wait for a phase with it).
-    Background requests (async_generate, see "Background requests" in the module docstring): max_running:
-        requests the scheduler runs at once (SGLang's max_running_requests; None: all); tick_s: seconds per
-        scheduler step while the event loop runs; stall_after: steps after which it makes no more progress
-        (as if the next step never ended) but for the one step that ends aborted requests.
+        {kind: seconds} spent inside each such call; announce: a file that gets "<kind> <time.time()>" as a line
+        when a call starts, and "hang <time.time()>" when a hang begins (tests wait for a phase with it).
+    The scheduler (see "Generation" in the module docstring): max_running: requests it runs at once (SGLang's
+        max_running_requests; None: all); tick_s: seconds per scheduler step while the event loop runs;
+        stall_after: steps after which it makes no more progress (as if the next step never ended).
     """
 
     def __init__(
@@ -388,8 +389,6 @@ class StrictSGLang:
         self.calls: list = []
         self.counts: collections.Counter = collections.Counter()
         self.generate_calls = 0
-        self.serial_prefix_requests = 0  # n > 1: one prefix-caching request per prompt, one after another
-        self.warnings: list[str] = []
         self.max_new_tokens: list[list[int]] = []
         self.opened: set = set()
         self.sigterm_handler_installed = False
@@ -420,7 +419,7 @@ class StrictSGLang:
         self.counts[kind] += 1
         if self.announce:
             with open(self.announce, "a") as f:
-                f.write(kind + "\n")
+                f.write(f"{kind} {time.time()}\n")
         time.sleep(self.delay.get(kind, 0.0))
         if self.gracefully_exit:  # sigterm_watchdog: the requests drained, the engine leaves
             sys.exit(0)
@@ -548,83 +547,16 @@ class StrictSGLang:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **kwargs):
-        self._call("generate")
-        if not self.sigterm_handler_installed:  # TokenizerManager.auto_create_handle_loop, at the first request
-            signal.signal(signal.SIGTERM, self._on_sigterm)
-            self.sigterm_handler_installed = True
-        assert not kwargs, kwargs
-        if not input_ids:
-            raise ValueError("input_ids cannot be empty.")
-        if isinstance(input_ids[0], int):
-            input_ids, sampling_params, single = [input_ids], [sampling_params], True
-        else:
-            single = False
-            if isinstance(sampling_params, dict):
-                sampling_params = [sampling_params] * len(input_ids)
-        n = sampling_params[0].get("n", 1)
-        if any(sp.get("n", 1) != n for sp in sampling_params):
-            raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
-        for prompt, sp in zip(input_ids, sampling_params):
-            if len(prompt) >= self.context_len:
-                raise ValueError(
-                    f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                    f"({self.context_len} tokens)."
-                )
-            if len(prompt) + sp["max_new_tokens"] > self.context_len:
-                raise ValueError(
-                    f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens."
-                )
-        if self.offload_tags & {"kv_cache", "weights"}:
-            self._die(RuntimeError("CUDA error: an illegal memory access (generate with released memory)"))
-        if n > 1:
-            self.serial_prefix_requests += len(input_ids)
-            if len(input_ids) > 128:
-                self.warnings.append(
-                    "Sending a single large batch with parallel sampling (n > 1) has not been well optimized."
-                )
-        self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
-        outputs = self._answers(input_ids, sampling_params, n)
-        return outputs[0] if single and n == 1 else outputs
-
-    def _answers(self, input_ids, sampling_params, n) -> list[dict]:
-        """[len(prompt) % 256, copy number % 256] per request; aborts as the scheduler gives them."""
-        max_input = min(self.context_len - 1, self.plan.kv_tokens - 1) - 5
-        too_long = [len(p) for p in input_ids if len(p) >= max_input]
-        if too_long:  # validate_input_length's abort, status 400: _handle_abort_finish_reason raises
-            raise ValueError(
-                f"Input length ({too_long[0]} tokens) exceeds the maximum allowed length ({max_input} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
-            )
-        call, self.generate_calls = self.generate_calls, self.generate_calls + 1
-        outputs, request, seen = [], 0, {}
-        for prompt, sp in zip(input_ids, sampling_params):
-            for _ in range(n):
-                key = tuple(prompt)
-                copy = seen.get(key, 0)
-                seen[key] = copy + 1
-                rid = f"{call}-{request}"
-                if (call, request) in self.abort:
-                    reason = {"type": "abort", "message": f"request {rid} aborted", "status_code": None}
-                    outputs.append(_output([], [], dict(reason, err_type=None), len(prompt), rid))
-                else:
-                    ids = [len(prompt) % 256, copy % 256][: sp["max_new_tokens"]]
-                    outputs.append(
-                        _output(ids, [-1.0, -2.0][: len(ids)], {"type": "length", "length": len(ids)}, len(prompt), rid)
-                    )
-                request += 1
-        return outputs
-
     def shutdown(self):
         self.calls.append("shutdown")
         for gpu in self.gpus:
             gpu.engine = 0
 
-    # -- background requests (Engine.async_generate, partial rollout: rollout/sglang_groups.py) ---------------
+    # -- generation (Engine.async_generate, rollout/sglang_groups.py) ---------------------------------------
 
     def _background_init(self, max_running, tick_s, stall_after) -> None:
         self.loop = asyncio.new_event_loop()  # Engine.__init__: self.loop = self._ensure_event_loop()
-        self.tokenizer_manager = _TokenizerManager(self)
+        self.tokenizer_manager = _TokenizerManager()
         self.max_running, self.tick_s, self.stall_after = max_running, tick_s, stall_after
         self.held: list[_Request] = []  # the scheduler's requests: waiting (not yet admitted) or running
         self.steps = 0
@@ -654,9 +586,18 @@ class StrictSGLang:
                 )
         if self.offload_tags & {"kv_cache", "weights"}:
             self._die(RuntimeError("CUDA error: an illegal memory access (generate with released memory)"))
-        requests = [_Request(list(p), sp, self.loop.create_future()) for p, sp in zip(input_ids, sampling_params)]
-        self.held += requests
-        self.running += len(requests)
+        batch, self.generate_calls = self.generate_calls, self.generate_calls + 1
+        self.max_new_tokens.append([sp["max_new_tokens"] for sp in sampling_params])
+        requests = []
+        for i, (prompt, sp) in enumerate(zip(input_ids, sampling_params)):
+            r = _Request(f"{batch}-{i}", list(prompt), sp, self.loop.create_future())
+            self.tokenizer_manager.rid_to_state[r.rid] = types.SimpleNamespace(output_ids=[])
+            requests.append(r)
+            if (batch, i) in self.abort:
+                self._finish(r, {"type": "abort", "message": f"request {r.rid} aborted", "status_code": None})
+            else:
+                self.held.append(r)
+                self.running += 1
         if self._stepping is None:
             self._stepping = self.loop.create_task(self._step_while_held())
         outputs = [await r.output for r in requests]
@@ -673,7 +614,8 @@ class StrictSGLang:
     def step(self) -> None:
         """One scheduler step: admit waiting requests while fewer than max_running run, then every running one
         samples a token: t' = (7 t + 3) % 256 after its last token t (log-prob -(t' % 5 + 1) / 10), ending at a
-        stop id or at max_new_tokens; one aborted while running ends now, with that token kept."""
+        stop id or at max_new_tokens. Every FORCE_STREAM_INTERVAL tokens a request's are reported to the
+        tokenizer manager."""
         self.steps += 1
         for r in self.held:
             r.running = r.running or self.max_running is None or sum(q.running for q in self.held) < self.max_running
@@ -681,51 +623,29 @@ class StrictSGLang:
             token = (7 * (r.tokens or r.input_ids)[-1] + 3) % 256
             r.tokens.append(token)
             r.logprobs.append(-((token % 5) + 1) / 10)
-            if r.aborted:  # Req.update_finish_state: to_finish first
-                self._finish(r, {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
-            elif token in r.params.get("stop_token_ids", ()):
+            if token in r.params.get("stop_token_ids", ()):
                 self._finish(r, {"type": "stop", "matched": token})
             elif len(r.tokens) >= r.params["max_new_tokens"]:
                 self._finish(r, {"type": "length", "length": len(r.tokens)})
-
-    def abort_all(self) -> None:
-        """Scheduler.abort_request(abort_all): waiting requests end at once ("Abort in waiting queue", with what
-        the tokenizer manager received: nothing here); running ones at their next decode step."""
-        for r in list(self.held):
-            if r.running:
-                r.aborted = True
-                if self.stall_after is not None and self.steps >= self.stall_after:
-                    self.step_aborted(r)
-            else:
-                self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
-
-    def step_aborted(self, r) -> None:
-        """The decode step that ends an aborted running request, also when the scheduler stalls otherwise."""
-        held, self.held = self.held, [r]
-        self.step()
-        self.held = [q for q in held if q is not r]
+            elif len(r.tokens) % FORCE_STREAM_INTERVAL == 0:
+                self.tokenizer_manager.rid_to_state[r.rid].output_ids = list(r.tokens)
 
     def _finish(self, r, reason) -> None:
         if r in self.held:
             self.held.remove(r)
-        self.running -= 1
-        r.output.set_result(_output(r.tokens, r.logprobs, reason, len(r.input_ids), f"bg-{id(r)}"))
+            self.running -= 1
+        del self.tokenizer_manager.rid_to_state[r.rid]
+        r.output.set_result(_output(r.tokens, r.logprobs, reason, len(r.input_ids), r.rid))
 
 
 class _Request:
-    def __init__(self, input_ids, params, output):
-        self.input_ids, self.params, self.output = input_ids, params, output
-        self.tokens, self.logprobs, self.running, self.aborted = [], [], False, False
+    def __init__(self, rid, input_ids, params, output):
+        self.rid, self.input_ids, self.params, self.output = rid, input_ids, params, output
+        self.tokens, self.logprobs, self.running = [], [], False
 
 
 class _TokenizerManager:
-    """Engine.tokenizer_manager: abort_request (TokenizerManager.abort_request: with no rid and abort_all False it
-    is ignored; the model knows abort_all only, the one rollout/sglang_groups.py sends)."""
+    """Engine.tokenizer_manager: rid_to_state, each request's ReqState (its output_ids as reported so far)."""
 
-    def __init__(self, engine: StrictSGLang):
-        self.engine = engine
-
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        assert abort_all and not rid, "the model aborts all requests only"
-        self.engine._call("abort")
-        self.engine.abort_all()
+    def __init__(self):
+        self.rid_to_state: dict[str, types.SimpleNamespace] = {}

@@ -27,7 +27,9 @@ from rl.data import rows_to_examples
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, EngineFailure, SamplingParams
 from rollout.torch_engine import TorchEngine
+from run.guard import GuardedEngine
 from tasks.arithmetic import synthetic_arithmetic_rows
+from tests.engines import ByGenerate, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +49,7 @@ def _examples(tokenizer, num, sources=None):
     return examples
 
 
-class FakeEngine:
+class FakeEngine(ByGenerate):
     """Implements the engine protocol; answers each prompt with planted response texts."""
 
     def __init__(self, tokenizer, responses: dict[tuple, list[str]], finish: str = "stop"):
@@ -112,7 +114,7 @@ def test_planted_per_sample_pattern_gives_exact_avg_pass_maj(tokenizer):
         tokenizer, {tuple(e.prompt_ids): answers(i, pattern) for i, (e, pattern) in enumerate(zip(ex, planted))}
     )
     assert isinstance(engine, Engine)
-    report = evaluate(engine, ex, tokenizer, _params(4), pass_at=(1, 2, 4))
+    report = evaluate(GuardedEngine(engine), ex, tokenizer, _params(4), pass_at=(1, 2, 4))
     a, b, overall = report["by_source"]["a"], report["by_source"]["b"], report["overall"]
     # Correct counts: a = 4, 1, 2 ("b" is right through the boxed fallback); b = 2, 1, 0.
     assert a["avg@4"] == pytest.approx((1 + 0.25 + 0.5) / 3, abs=1e-12)
@@ -139,7 +141,7 @@ def test_planted_correct_counts_on_a_synthetic_set(tokenizer):
         right = {(i + j) % k for j in range(i % (k + 1))}
         layouts.append([s in right for s in range(k)])
         responses[tuple(e.prompt_ids)] = [_answer(e, e.ground_truth) if s in right else "no idea" for s in range(k)]
-    report = evaluate(FakeEngine(tokenizer, responses), ex, tokenizer, _params(k), pass_at=(1, 2, 3, 4))
+    report = evaluate(GuardedEngine(FakeEngine(tokenizer, responses)), ex, tokenizer, _params(k), pass_at=(1, 2, 3, 4))
     overall = report["overall"]
     assert overall["avg@4"] == pytest.approx(sum(sum(x) / k for x in layouts) / num, abs=1e-12)
     for j in (1, 2, 3, 4):
@@ -160,32 +162,20 @@ def test_planted_correct_counts_on_a_synthetic_set(tokenizer):
     assert overall["num_problems"] == num
 
 
-def test_chunked_calls_advance_the_progress_display_and_gather_merges_ranks(tokenizer):
+def test_chunked_calls_advance_the_progress_display(tokenizer):
     ex = _examples(tokenizer, 5)
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in ex})
     out = io.StringIO()
     progress = Progress(total=5, desc="eval", unit="problems", file=out)
-    other_rank = []
-
-    def gather(local):  # as if a second rank had evaluated the same problems and got them all wrong
-        other_rank.extend(
-            evaluation.score_completions(
-                ex, [Completion(p, s, [5], [0.0], "length") for p in range(5) for s in range(2)], tokenizer, 2
-            )
-        )
-        return local + other_rank
-
-    report = evaluate(engine, ex, tokenizer, _params(2), progress=progress, prompts_per_call=2, gather=gather)
+    report = evaluate(GuardedEngine(engine), ex, tokenizer, _params(2), progress=progress, prompts_per_call=2)
     progress.close()
     assert engine.calls == [2, 2, 1]
     assert progress.n == 5
     assert "eval: 5/5 problems" in out.getvalue()
-    assert report["overall"]["num_problems"] == 10
-    assert report["overall"]["avg@2"] == 0.5
-    assert report["overall"]["truncated_share"] == 0.5
+    assert report["overall"]["num_problems"] == 5 and report["overall"]["avg@2"] == 1.0
 
 
-def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tokenizer):
+def test_calls_draw_independent_seeds(tokenizer):
     ex = _examples(tokenizer, 5)
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in ex})
     seeds = []
@@ -196,22 +186,15 @@ def test_a_rank_without_problems_takes_part_and_calls_draw_independent_seeds(tok
         return real_generate(prompts, params)
 
     engine.generate = recording_generate
-    others = evaluation.score_completions(
-        ex, engine.generate([list(e.prompt_ids) for e in ex], _params(2)), tokenizer, 2
-    )
-    seeds.clear()
-    # A rank whose share is empty (more ranks than problems) generates nothing and still merges.
-    report = evaluate(engine, [], tokenizer, _params(2), gather=lambda local: local + others)
-    assert seeds == [] and report["overall"]["num_problems"] == 5 and report["overall"]["avg@2"] == 1.0
-    with pytest.raises(ValueError, match="none on any rank"):
-        evaluate(engine, [], tokenizer, _params(2), gather=lambda local: local)
+    with pytest.raises(ValueError, match="needs at least one example"):
+        evaluate(GuardedEngine(engine), [], tokenizer, _params(2))
     # A fixed seed gives each call (chunk, or rank's share) its own stream, reproducibly.
     seeded = SamplingParams(max_new_tokens=64, temperature=1.0, top_p=0.7, n=2, seed=7)
-    evaluate(engine, ex, tokenizer, seeded, prompts_per_call=2)
-    evaluate(engine, ex, tokenizer, seeded, prompts_per_call=2)
-    evaluate(engine, ex[1:], tokenizer, seeded)  # another rank's share
+    evaluate(GuardedEngine(engine), ex, tokenizer, seeded, prompts_per_call=2)
+    evaluate(GuardedEngine(engine), ex, tokenizer, seeded, prompts_per_call=2)
+    evaluate(GuardedEngine(engine), ex[1:], tokenizer, seeded)  # another rank's share
     assert len(set(seeds[:3])) == 3 and seeds[3:6] == seeds[:3] and seeds[6] not in seeds[:3]
-    assert evaluation.evaluate(engine, ex, tokenizer, _params(2)) and seeds[-1] is None  # None stays None
+    assert evaluation.evaluate(GuardedEngine(engine), ex, tokenizer, _params(2)) and seeds[-1] is None  # None stays
 
 
 def _held_out_worker(rank, world, tokenizer, examples, run_path):
@@ -220,7 +203,7 @@ def _held_out_worker(rank, world, tokenizer, examples, run_path):
 
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth)] * 2 for e in examples})
     dist_env = init_distributed(1, -1, 1)
-    metrics = run_held_out_eval(engine, examples, tokenizer, _params(2), dist_env, run_path, step=0)
+    metrics = run_held_out_eval(GuardedEngine(engine, dist_env), examples, tokenizer, _params(2), dist_env, run_path, 0)
     return engine.calls, metrics["eval/avg_at_k"]
 
 
@@ -230,31 +213,31 @@ def test_held_out_eval_with_more_ranks_than_problems(tokenizer, tmp_path):
 
     one_problem = _examples(tokenizer, 1)
     results = run_ranks(_held_out_worker, 2, tokenizer, one_problem, str(tmp_path))
-    assert results == [([1], 1.0), ([], 1.0)]  # rank 1 has no problem: no generate call, same merged metrics
+    assert results == [([1], 1.0), ([], 1.0)]  # rank 1 has no problem: it takes part, with nothing to generate
 
 
 def test_engine_failures_and_repeats_are_refused_with_counts(tokenizer):
     ex = _examples(tokenizer, 3)
     responses = {tuple(e.prompt_ids): ["x", "y"] for e in ex}
     with pytest.raises(EngineFailure, match="aborted 6 of 6 requests"):
-        evaluate(FakeEngine(tokenizer, responses, finish="abort"), ex, tokenizer, _params(2))
+        evaluate(GuardedEngine(FakeEngine(tokenizer, responses, finish="abort")), ex, tokenizer, _params(2))
 
     class Short(FakeEngine):
         def generate(self, prompts, params):
             return super().generate(prompts, params)[:-1]
 
     with pytest.raises(EngineFailure, match="returned 5 completions for 3 prompts x 2 samples"):
-        evaluate(Short(tokenizer, responses), ex, tokenizer, _params(2))
+        evaluate(GuardedEngine(Short(tokenizer, responses)), ex, tokenizer, _params(2))
     with pytest.raises(ValueError, match="example 3 repeats example 0"):
-        evaluate(FakeEngine(tokenizer, responses), ex + ex[:1], tokenizer, _params(2))
+        evaluate(GuardedEngine(FakeEngine(tokenizer, responses)), ex + ex[:1], tokenizer, _params(2))
     with pytest.raises(ValueError, match="pass@3 needs between 1 and k = 2"):
-        evaluate(FakeEngine(tokenizer, responses), ex, tokenizer, _params(2), pass_at=(1, 3))
+        evaluate(GuardedEngine(FakeEngine(tokenizer, responses)), ex, tokenizer, _params(2), pass_at=(1, 3))
 
 
 def test_table_and_flat_metrics(tokenizer):
     ex = _examples(tokenizer, 4, sources=["aime", "aime"])
     engine = FakeEngine(tokenizer, {tuple(e.prompt_ids): [_answer(e, e.ground_truth), "?"] for e in ex})
-    report = evaluate(engine, ex, tokenizer, _params(2))
+    report = evaluate(GuardedEngine(engine), ex, tokenizer, _params(2))
     table = format_table(report).splitlines()
     assert table[0].split() == ["source", "problems", "avg@2", "pass@1", "pass@2", "maj@2", "mean", "len", "truncated"]
     rows = {line.split()[0]: line.split() for line in table if line[:1].isalnum()}
@@ -299,9 +282,9 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
     def engine():
         return TorchEngine(load_hf(str(checkpoint / "hf")), max_batch_size=8, max_seq_len=512)
 
-    report = evaluate(engine(), ex, tokenizer, params)
+    report = evaluate(GuardedEngine(engine()), ex, tokenizer, params)
     # evaluate() seeds its one call from (seed, first problem): the same draw, made directly.
-    completions = engine().generate([e.prompt_ids for e in ex], evaluation._call_params(params, ex, 0))
+    completions = generate(engine(), [e.prompt_ids for e in ex], evaluation.call_params(params, ex, 0))
     lengths = [len(c.token_ids) for c in completions]
     acc = [
         compute_score(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex[c.prompt_index].ground_truth)["acc"]

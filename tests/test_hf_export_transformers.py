@@ -17,6 +17,7 @@ from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests import chat_templates
+from tests.engines import generate
 from tests.test_tokenizer import CONVERSATIONS, _qwen_style_dir
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -104,7 +105,7 @@ def test_transformers_alone_generates_what_the_engine_generates(demo_run, tmp_pa
     engine = TorchEngine(load_hf(hf_dir), max_batch_size=len(conversations), max_seq_len=256, compile=False)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, stop_token_ids=tokenizer.stop_ids)
     prompts = [tokenizer.encode_chat(m) for m in conversations]
-    ours = engine.generate(prompts, params)
+    ours = generate(engine, prompts, params)
 
     got = _transformers_generate(hf_dir, conversations, cwd=str(tmp_path))
     for prompt, completion, theirs in zip(prompts, ours, got["results"]):

@@ -15,6 +15,8 @@ from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
+from tests.engines import generate
+from trainer.observers import TrainWatch, no_display
 from trainer.packing import pack_micro_batches
 from trainer.scoring import Sample
 from trainer.update import (
@@ -95,7 +97,7 @@ def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
     params = SamplingParams(
         max_new_tokens=MAX_RESPONSE, temperature=1.0, top_p=1.0, n=group_size, seed=seed, stop_token_ids=[5]
     )
-    completions = engine.generate([e.prompt_ids for e in examples], params)
+    completions = generate(engine, [e.prompt_ids for e in examples], params)
     groups = []
     for g, example in enumerate(examples):
         samples = [
@@ -120,7 +122,9 @@ def _engine_groups(model, num_groups=4, group_size=4, seed=0, step=1):
 def _train(model, groups, cfg):
     model = copy.deepcopy(model)
     optimizer = _RecordingAdamW(model.parameters(), lr=1e-2)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess()).run(1, groups).metrics()
+    stats = (
+        TrainPhase(cfg, model, optimizer, _NoSchedule(), OneProcess(), TrainWatch(no_display)).run(1, groups).metrics()
+    )
     return stats, optimizer.grads
 
 
@@ -202,7 +206,9 @@ def test_every_rank_runs_as_many_old_log_prob_forwards_as_the_rank_that_needs_mo
         forwards = []
         trained.register_forward_hook(lambda module, args, out: forwards.append(torch.is_grad_enabled()))  # noqa: B023
         optimizer = _RecordingAdamW(trained.parameters(), lr=1e-2)
-        TrainPhase.from_config(trained, optimizer, _NoSchedule(), _config(**FP32_TORCH), dist_env).run(1, groups)
+        TrainPhase(_config(**FP32_TORCH), trained, optimizer, _NoSchedule(), dist_env, TrainWatch(no_display)).run(
+            1, groups
+        )
         calls.append(forwards.count(False))  # the no-grad forwards: old log-probs
     assert calls == [0, 2]  # none needed here; one per mini-batch to keep in step with the other rank
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from rl.filter import DynamicBatchBuilder, FilterStats, ScoredGroup, keep_group
+from observe.records import row
+from rl.filter import DynamicBatchBuilder, ScoredGroup, keep_group
 
 # -- keep rule -------------------------------------------------------------------------------------
 
@@ -88,25 +89,25 @@ def test_rounds_until_full_then_surplus_is_carried_over():
     assert names(batch) == ["a", "d"]
     assert builder.num_carried == 1
     # 5 groups of 4 generated (pass rates 0.5, 1, 0, 0.25, 0.75); kept a, d, e
-    assert diag == FilterStats(
-        rounds=2,
-        groups_generated=5,
-        samples_generated=20,
-        all_correct=1,
-        all_wrong=1,
-        groups_kept=3,
-        groups_in_batch=2,
-        groups_from_carry=0,
-        groups_carried_over=1,
-        groups_dropped_stale=0,
-        shortfall=0,
-    )
+    assert row(diag) == {
+        "gen/rounds": 2,
+        "groups/kept_share": 3 / 5,
+        "groups/all_correct_share": 1 / 5,
+        "groups/all_wrong_share": 1 / 5,
+        "gen/samples": 20,
+        "gen/samples_per_kept_sample": 20 / (3 * 4),
+        "groups/in_batch": 2,
+        "groups/from_carry": 0,
+        "groups/carried_over": 1,
+        "groups/dropped_stale": 0,
+        "groups/shortfall": 0,
+    }
 
     builder.start_step(1)  # the carried group comes first
     builder.add_round([group("f", MIXED), group("g", MIXED)])
     batch, diag = builder.finish()
     assert names(batch) == ["e", "f"]
-    assert diag.groups_from_carry == 1 and diag.groups_carried_over == 1 and diag.groups_kept == 2
+    assert diag.from_carry.result() == 1 and diag.carried_over.result() == 1 and diag.kept_share.parts[0] == 2
 
 
 def test_carry_over_is_fifo_and_can_fill_a_batch_without_generating():
@@ -117,9 +118,9 @@ def test_carry_over_is_fifo_and_can_fill_a_batch_without_generating():
     builder.start_step(1)
     assert builder.full()  # b and c are waiting: no generation needed
     batch, diag = builder.finish()
-    assert names(batch) == ["b"] and diag.rounds == 0 and diag.groups_generated == 0
-    assert diag.samples_generated == 0  # nothing generated: no share of anything
-    assert diag.groups_from_carry == 1 and diag.groups_carried_over == 1
+    assert names(batch) == ["b"] and diag.rounds.result() == 0 and diag.kept_share.parts[1] == 0
+    assert diag.samples.result() == 0  # nothing generated: no share of anything
+    assert diag.from_carry.result() == 1 and diag.carried_over.result() == 1
     builder.start_step(2)
     builder.add_round([group("d", MIXED)])
     assert names(builder.finish()[0]) == ["c"]  # older than d
@@ -136,7 +137,7 @@ def test_stale_groups_are_dropped():
     assert not builder.full()
     builder.add_round([group("d", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["d"] and diag.groups_dropped_stale == 1
+    assert names(batch) == ["d"] and diag.dropped_stale.result() == 1
 
 
 def test_skipped_steps_count_towards_staleness():
@@ -147,7 +148,7 @@ def test_skipped_steps_count_towards_staleness():
     builder.start_step(3)
     builder.add_round([group("c", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["c"] and diag.groups_dropped_stale == 1
+    assert names(batch) == ["c"] and diag.dropped_stale.result() == 1
 
 
 def test_zero_staleness_disables_carry_over():
@@ -159,26 +160,19 @@ def test_zero_staleness_disables_carry_over():
     assert not builder.full()
     builder.add_round([group("c", MIXED)])
     batch, diag = builder.finish()
-    assert names(batch) == ["c"] and diag.groups_dropped_stale == 1
+    assert names(batch) == ["c"] and diag.dropped_stale.result() == 1
 
 
-def test_shortfall_fill_warns_and_trains_on_what_was_kept():
-    builder = DynamicBatchBuilder(train_batch_size=3, max_rounds=2, on_shortfall="fill")
+def test_a_short_batch_is_handed_out_and_counted():
+    """After the last round a batch may be short: what to do about it is the loop's (algorithm.on_shortfall,
+    trainer/loop.py on_shortfall)."""
+    builder = DynamicBatchBuilder(train_batch_size=3, max_rounds=2)
     builder.start_step(5)
     builder.add_round([group("a", MIXED), group("x", ALL_RIGHT)])
     builder.add_round([group("b", MIXED), group("y", ALL_WRONG)])
     assert not builder.full() and builder.rounds == 2
-    with pytest.warns(RuntimeWarning, match="kept 2 of 3 groups at step 5 after 2 of 2"):
-        batch, diag = builder.finish()
-    assert names(batch) == ["a", "b"] and diag.shortfall == 1 and diag.groups_in_batch == 2
-
-
-def test_shortfall_raise():
-    builder = DynamicBatchBuilder(train_batch_size=2, max_rounds=1, on_shortfall="raise")
-    builder.start_step(0)
-    builder.add_round([group("x", ALL_RIGHT), group("a", MIXED)])
-    with pytest.raises(RuntimeError, match="kept 1 of 2 groups"):
-        builder.finish()
+    batch, diag = builder.finish()
+    assert names(batch) == ["a", "b"] and diag.shortfall.result() == 1 and diag.in_batch.result() == 2
 
 
 def test_disabled_keeps_everything_in_one_round():
@@ -188,18 +182,17 @@ def test_disabled_keeps_everything_in_one_round():
     assert builder.full()
     batch, diag = builder.finish()
     assert names(batch) == ["a", "b", "c"]
-    assert diag.rounds == 1 and diag.groups_kept == 3 and diag.samples_generated == 12
-    assert diag.all_correct == 1 and diag.groups_generated == 3  # diagnostics are still computed
+    assert diag.rounds.result() == 1 and diag.kept_share.parts[0] == 3 and diag.samples.result() == 12
+    assert diag.all_correct_share.parts[0] == 1 and diag.kept_share.parts[1] == 3  # diagnostics are still computed
 
 
-def test_disabled_with_a_short_round_applies_the_shortfall_policy():
-    builder = DynamicBatchBuilder(train_batch_size=3, max_rounds=4, enabled=False, on_shortfall="fill")
+def test_disabled_with_a_short_round_hands_out_a_short_batch():
+    builder = DynamicBatchBuilder(train_batch_size=3, max_rounds=4, enabled=False)
     builder.start_step(0)
     builder.add_round([group("a", ALL_RIGHT)])
     assert builder.full()
-    with pytest.warns(RuntimeWarning, match="kept 1 of 3"):
-        batch, _ = builder.finish()
-    assert names(batch) == ["a"]
+    batch, diag = builder.finish()
+    assert names(batch) == ["a"] and diag.shortfall.result() == 2
 
 
 def test_filter_on_shaped_score_instead_of_accuracy():
@@ -229,8 +222,8 @@ def test_training_loop_usage():
         builder.add_round(next(rounds))
     batch, diag = builder.finish()
     assert names(batch) == ["r0-0", "r0-2", "r0-4", "r1-0"]
-    assert diag.rounds == 2 and diag.groups_carried_over == 1
-    assert (diag.all_wrong, diag.all_correct, diag.groups_generated) == (3, 4, 12)
+    assert diag.rounds.result() == 2 and diag.carried_over.result() == 1
+    assert (diag.all_wrong_share.parts[0], diag.all_correct_share.parts[0], diag.kept_share.parts[1]) == (3, 4, 12)
 
 
 def test_misuse_is_refused():
@@ -249,8 +242,7 @@ def test_misuse_is_refused():
     builder2.add_round([])
     with pytest.raises(RuntimeError, match="all 1 rounds"):
         builder2.add_round([])
-    with pytest.warns(RuntimeWarning):
-        builder2.finish()
+    builder2.finish()
     with pytest.raises(ValueError, match="steps must increase"):
         builder2.start_step(0)
 
@@ -260,7 +252,6 @@ def test_misuse_is_refused():
     [
         ({"train_batch_size": 0}, "train_batch_size"),
         ({"max_rounds": 0}, "max_rounds"),
-        ({"on_shortfall": "skip"}, "on_shortfall"),
         ({"max_staleness": -1}, "max_staleness"),
         ({"metric": "reward"}, "metric"),
         ({"tol": -0.1}, "tol"),

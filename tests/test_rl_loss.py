@@ -58,15 +58,14 @@ def test_hand_computed_aggregation(agg, kwargs, expected):
 
 def test_hand_computed_metrics():
     loss, metrics = policy_loss(*hand_example())
-    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 6)  # r 1.5 (A > 0) and r 0.7 (A < 0)
-    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(1 / 6)  # r 20 with A < 0
+    assert metrics.pg_clipfrac.result() == pytest.approx(2 / 6)  # r 1.5 (A > 0) and r 0.7 (A < 0)
+    assert metrics.pg_clipfrac_lower.result() == pytest.approx(1 / 6)  # r 20 with A < 0
     # Clipped at the upper bound: only r 1.5 with A > 0 (r 3 is masked); its pi_old probability is e^-2.
-    assert metrics["pg_clipfrac_upper"].item() == pytest.approx(1 / 6)
-    assert metrics["clipped_upper_prob"].item() == pytest.approx(math.exp(-2.0), rel=1e-12)
-    assert metrics["ppo_kl"].item() == pytest.approx(-math.log(1.5 * 0.5 * 0.7 * 20) / 6)
-    assert metrics["ratio_max"].item() == pytest.approx(20.0)
-    assert metrics["num_tokens"].item() == 6 and metrics["num_nonempty_seqs"].item() == 3
-    assert all(not v.requires_grad for v in metrics.values())
+    assert metrics.pg_clipfrac_upper.result() == pytest.approx(1 / 6)
+    assert metrics.clipped_upper_prob.result() == pytest.approx(math.exp(-2.0), rel=1e-12)
+    assert metrics.ppo_kl.result() == pytest.approx(-math.log(1.5 * 0.5 * 0.7 * 20) / 6)
+    assert metrics.ratio_max == pytest.approx(20.0)
+    assert metrics.num_tokens == 6 and metrics.num_nonempty_seqs == 3
 
 
 def test_hand_computed_gradient():
@@ -81,20 +80,20 @@ def test_hand_computed_gradient():
 
 def test_dual_clip_and_clip_higher_switches():
     loss, metrics = policy_loss(*hand_example(), clip_c=None)  # r 20 token keeps its loss of 40
-    assert loss.item() == pytest.approx(38.32 / 6) and metrics["pg_clipfrac_lower"].item() == 0
+    assert loss.item() == pytest.approx(38.32 / 6) and metrics.pg_clipfrac_lower.result() == 0
     loss, _ = policy_loss(*hand_example(), clip_c=3.0)  # dual clip at 2 * 3 = 6
     assert loss.item() == pytest.approx((18.32 - 20 + 6) / 6)
     loss, _ = policy_loss(*hand_example(), clip_high=0.2)  # symmetric clip: r 1.5 -> -1.2
     assert loss.item() == pytest.approx((18.32 + 0.08) / 6)
     _, metrics = policy_loss(*hand_example(), clip_high=0.6)  # r 1.5 is inside [0.8, 1.6]: nothing up-clipped
-    assert metrics["pg_clipfrac_upper"].item() == 0 and metrics["clipped_upper_prob"].item() == 0
+    assert metrics.pg_clipfrac_upper.result() == 0 and math.isnan(metrics.clipped_upper_prob.result())  # none: no mean
 
 
 def test_token_weights_multiply_the_per_token_loss():
     weights = torch.tensor([[2.0, 1.0, 1.0], [0.5, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     loss, metrics = policy_loss(*hand_example(), token_weights=weights)
     assert loss.item() == pytest.approx((-2.56 - 0.5 - 1.0 + 0.8 + 20.0 - 0.5) / 6)
-    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 6)  # metrics ignore the weights
+    assert metrics.pg_clipfrac.result() == pytest.approx(2 / 6)  # metrics ignore the weights
 
 
 def test_fully_masked_rows_and_groups_are_not_counted():
@@ -114,7 +113,7 @@ def test_fully_masked_rows_and_groups_are_not_counted():
     for agg, value in expect.items():
         loss, metrics = policy_loss(logp4, old4, adv4, mask4, agg=agg, group_ids=torch.tensor([0, 1, 0, 2]))
         assert loss.item() == pytest.approx(value, rel=1e-12), agg
-    assert metrics["num_nonempty_seqs"].item() == 3
+    assert metrics.num_nonempty_seqs == 3
 
 
 def test_empty_mask_gives_zero_loss_and_zero_metrics():
@@ -124,7 +123,7 @@ def test_empty_mask_gives_zero_loss_and_zero_metrics():
         loss, metrics = policy_loss(logp, logp.detach() + 1, torch.ones(2, 4), torch.zeros(2, 4), agg=agg, **kwargs)
         loss.backward()
         assert loss.item() == 0 and torch.equal(logp.grad, torch.zeros(2, 4))
-        assert metrics["pg_clipfrac"].item() == 0 and metrics["ratio_max"].item() == 0
+        assert math.isnan(metrics.pg_clipfrac.result()) and metrics.ratio_max == 0  # no valid token: no share
         logp.grad = None
 
 
@@ -137,7 +136,7 @@ def test_garbage_in_masked_positions_does_not_leak():
     loss, metrics = policy_loss(dirty_logp, dirty_old, dirty_adv, mask)
     loss.backward()
     assert loss.item() == pytest.approx(18.32 / 6) and torch.isfinite(dirty_logp.grad).all()
-    assert metrics["ppo_kl"].item() == pytest.approx(-math.log(10.5) / 6)
+    assert metrics.ppo_kl.result() == pytest.approx(-math.log(10.5) / 6)
 
 
 def test_low_precision_inputs_are_computed_in_float32():
@@ -149,7 +148,7 @@ def test_low_precision_inputs_are_computed_in_float32():
 def test_log_ratio_is_clamped():
     logp = torch.tensor([[100.0]], requires_grad=True)
     loss, metrics = policy_loss(logp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_c=None)
-    assert loss.item() == pytest.approx(math.exp(20), rel=1e-6) and metrics["ppo_kl"].item() == -20
+    assert loss.item() == pytest.approx(math.exp(20), rel=1e-6) and metrics.ppo_kl.result() == -20
 
 
 @pytest.mark.parametrize(
@@ -251,7 +250,7 @@ def test_summed_gradients_with_global_counts_equal_the_one_pass_gradient(agg, sp
     data = _random_minibatch(seed=1)
     logp, old_logp, advantages, mask = data[:4]
     _, metrics = policy_loss(logp, old_logp, advantages, mask, clip_c=3.0)
-    assert metrics["pg_clipfrac"] > 0.1 and metrics["pg_clipfrac_lower"] > 0.01  # every branch is exercised
+    assert metrics.pg_clipfrac.result() > 0.1 and metrics.pg_clipfrac_lower.result() > 0.01  # every branch is exercised
     full_grad, full_loss = _grad_of_chunks(agg, data, ONE_PASS)
     split_grad, split_loss = _grad_of_chunks(agg, data, split)
     assert full_grad.abs().max() > 1e-3  # a non-trivial gradient
@@ -311,8 +310,11 @@ def test_loss_is_finite_and_clip_fractions_are_shares(
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
-    for name in ("pg_clipfrac", "pg_clipfrac_lower"):
-        assert 0.0 <= metrics[name].item() <= 1.0
+    for name in ("pg_clipfrac", "pg_clipfrac_lower"):  # shares of the valid tokens (NaN without any)
+        share = getattr(metrics, name).result()
+        assert 0.0 <= share <= 1.0 or (math.isnan(share) and not mask.any())
     negative_share = ((advantages < 0) & mask).sum().item() / max(int(mask.sum()), 1)
-    assert metrics["pg_clipfrac_lower"].item() <= negative_share + 1e-7  # only A < 0 tokens can bind
-    assert torch.isfinite(metrics["ppo_kl"]) and abs(metrics["ppo_kl"].item()) <= 20.0
+    lower = metrics.pg_clipfrac_lower.result()
+    assert math.isnan(lower) or lower <= negative_share + 1e-7  # only A < 0 tokens can bind
+    kl = metrics.ppo_kl.result()
+    assert (math.isfinite(kl) and abs(kl) <= 20.0) or (math.isnan(kl) and not mask.any())

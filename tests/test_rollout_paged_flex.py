@@ -8,6 +8,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import rollout.paged_flex as paged_flex
 from rollout.kv_cache import DecodeContext
+from tests.engines import generate
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile:UserWarning")
@@ -48,7 +49,7 @@ def test_flex_decode_engine_on_cuda_matches_cpu():
     flex = TorchEngine(
         build_model(args, seed=15), max_batch_size=8, max_seq_len=256, block_size=128, device="cuda", flex_decode=True
     )
-    a, b = cpu.generate(prompts, params), flex.generate(prompts, params)
+    a, b = generate(cpu, prompts, params), generate(flex, prompts, params)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)

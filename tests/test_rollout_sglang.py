@@ -13,19 +13,21 @@ import signal
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import GlooRanks, run_ranks
+from engines import generate
 from sglang_model import (
     MIB,
     FakeGPU,
     InThisProcess,
     StrictSGLang,
+    chain,
     deserialize,
     flatten_bucket,
     install_cuda_ipc_model,
     serialize,
 )
 
-from evaluation.evaluate import evaluate
+from evaluation.evaluate import problem_results
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
@@ -33,8 +35,9 @@ from model.qwen2 import build_model
 from rl.data import PromptExample
 from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, check_sglang_version, context_length_for
-from rollout.sglang_groups import completions_from_sglang, sglang_sampling_params
+from rollout.sglang_groups import GroupRunner, completions_from_sglang, sglang_sampling_params
 from rollout.weight_sync import iter_weight_buckets, sync_weights
+from run.guard import GuardedEngine
 
 ARGS = PRESETS["tiny"]
 
@@ -144,7 +147,7 @@ def engine_class(trainer_gpu=None, **model_options):
     class Engine(SGLangEngine):
         def _launch(self, **kwargs):
             assert kwargs["enable_memory_saver"] and kwargs["skip_tokenizer_init"]
-            return InThisProcess(StrictSGLang(**model_options, **kwargs))
+            return InThisProcess(GroupRunner(StrictSGLang(**model_options, **kwargs)))
 
         def _flatten_bucket(self, bucket):
             return flatten_bucket(bucket, trainer_gpu)
@@ -175,7 +178,7 @@ def test_memory_and_weight_update_protocol(checkpoint):
     sglang = engine._engine
     engine.release_memory()
     with pytest.raises(RuntimeError, match="resume_memory"):
-        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        engine.submit([[1, 2]], SamplingParams(max_new_tokens=2))
     trainer = build_model(ARGS, seed=5)
     engine.update_weights(_named(trainer)[:4])
     with pytest.raises(RuntimeError, match=r"weights were not pushed again"):
@@ -187,15 +190,15 @@ def test_memory_and_weight_update_protocol(checkpoint):
     assert sglang.calls[-3:] == ["end", "flush", ("resume", ("kv_cache",))]
     assert "begin" not in sglang.calls[4:]  # one session for all buckets
     _assert_holds(sglang, trainer)
-    # Updates without a release (weights stay resident) are closed by the next generate.
+    # Updates without a release (weights stay resident) are closed by the next submit.
     engine.update_weights(_named(trainer)[:2])
-    out = engine.generate([[1, 2, 3], [4]], SamplingParams(max_new_tokens=2, n=2))
-    assert sglang.calls[-4:] == ["update", "end", "flush", "generate"]
+    out = generate(engine, [[1, 2, 3], [4]], SamplingParams(max_new_tokens=2, n=2))
+    assert sglang.calls[-5:] == ["update", "end", "flush", "async_generate", "async_generate"]  # a batch a prompt
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (0, 0, [3, 0]),
-        (0, 1, [3, 1]),
-        (1, 0, [1, 0]),
-        (1, 1, [1, 1]),
+        (0, 0, chain(3, 2)[0]),
+        (0, 1, chain(3, 2)[0]),
+        (1, 0, chain(4, 2)[0]),
+        (1, 1, chain(4, 2)[0]),
     ]
     engine.shutdown()
     assert sglang.calls[-1] == "shutdown"
@@ -204,15 +207,18 @@ def test_memory_and_weight_update_protocol(checkpoint):
 def test_long_prompts_get_capped_budgets_instead_of_failing_the_batch(checkpoint):
     engine = engine_class()(checkpoint, dtype=torch.float32, context_length=16)
     prompts = [[1] * 3, [2] * 9]  # 9 = 16 - PROMPT_MARGIN: the longest prompt SGLang accepts here
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=10, n=2))
+    out = generate(engine, prompts, SamplingParams(max_new_tokens=10, n=2))
     cap = 16 - 2 - 9  # capped: ends with finish reason "length"
-    assert engine._engine.max_new_tokens == [[10, 10, cap, cap]]
-    assert [c.prompt_index for c in out] == [0, 0, 1, 1]
+    assert engine._engine.max_new_tokens == [[10, 10], [cap, cap]]
+    assert [(c.prompt_index, len(c.token_ids), c.finish_reason) for c in out[1::2]] == [
+        (0, 10, "length"),
+        (1, cap, "length"),
+    ]
     with pytest.raises(ValueError, match=r"prompt 1 has 10 tokens, longer than the engine's context allows \(9"):
-        engine.generate([[1], [2] * 10], SamplingParams(max_new_tokens=1))
+        engine.submit([[1], [2] * 10], SamplingParams(max_new_tokens=1))
     # The context train.py asks for gives the longest prompt its whole budget.
     engine = engine_class()(checkpoint, dtype=torch.float32, context_length=context_length_for(9, 10))
-    engine.generate([[2] * 9], SamplingParams(max_new_tokens=10))
+    generate(engine, [[2] * 9], SamplingParams(max_new_tokens=10))
     assert engine._engine.max_new_tokens == [[10]]
     assert context_length_for(9, 1) == 9 + 7  # short budgets still leave SGLang's prompt margin
 
@@ -233,7 +239,7 @@ def test_bad_bucket_is_refused_before_sending(checkpoint):
             engine.update_weights(bucket)
     assert engine._engine.calls == []
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        engine.generate([[]], SamplingParams(max_new_tokens=2))
+        engine.submit([[]], SamplingParams(max_new_tokens=2))
 
 
 # -- the strict model's own rules ------------------------------------------------------------------
@@ -265,14 +271,19 @@ def test_strict_model_memory_tags_and_idle_rule(checkpoint):
         sglang.release_memory_occupation()
     sglang = _strict(checkpoint)
     sglang.release_memory_occupation(["kv_cache"])
-    with pytest.raises(Crashed, match="illegal memory access"):
-        sglang.generate(input_ids=[[1]], sampling_params={"max_new_tokens": 1})
-    with pytest.raises(ValueError, match="input_ids cannot be empty"):
-        _strict(checkpoint).generate(input_ids=[], sampling_params=[])
-    with pytest.raises(ValueError, match="parallel_sample_num should be the same"):
-        _strict(checkpoint).generate(
-            input_ids=[[1], [2]], sampling_params=[{"max_new_tokens": 1, "n": 2}, {"max_new_tokens": 1}]
+
+    def batch(model, prompts):
+        request = model.async_generate(
+            input_ids=prompts,
+            sampling_params=[{"max_new_tokens": 1, "no_stop_trim": True}] * len(prompts),
+            return_logprob=True,
         )
+        return model.loop.run_until_complete(request)
+
+    with pytest.raises(Crashed, match="illegal memory access"):
+        batch(sglang, [[1]])
+    with pytest.raises(ValueError, match="input_ids cannot be empty"):
+        batch(_strict(checkpoint), [])
 
 
 def test_strict_model_weight_sessions_and_payloads(checkpoint):
@@ -333,20 +344,35 @@ def test_strict_model_reads_payloads_as_sglang_does(checkpoint):
     assert torch.equal(sglang.model.norm.weight, weight)
 
 
-def test_a_prompt_sglang_aborts_with_status_400_fails_the_whole_generate(checkpoint):
+def test_a_prompt_sglang_aborts_with_status_400_fails_its_batch(checkpoint):
     """A prompt of max_req_input_len tokens or more is aborted with status 400 (validate_input_length), and a
-    non-streaming 400 abort raises ValueError out of generate (_handle_abort_finish_reason): the model before
-    it returned an abort entry among the outputs."""
+    non-streaming 400 abort raises ValueError out of its batch (_handle_abort_finish_reason); another abort comes
+    back as an output of type "abort", which the engine refuses too."""
     sglang = _strict(checkpoint, context_length=64)
     limit = min(64 - 1, sglang.plan.kv_tokens - 1) - 5
-    out = sglang.generate(input_ids=[[1] * (limit - 1)], sampling_params=[{"max_new_tokens": 1}])
-    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+    def batch(prompts):
+        request = sglang.async_generate(
+            input_ids=prompts,
+            sampling_params=[{"max_new_tokens": 1, "no_stop_trim": True}] * len(prompts),
+            return_logprob=True,
+        )
+        return sglang.loop.run_until_complete(request)
+
+    assert batch([[1] * (limit - 1)])[0]["meta_info"]["finish_reason"]["type"] == "length"
     with pytest.raises(ValueError, match=f"Input length \\({limit} tokens\\) exceeds the maximum allowed length"):
-        sglang.generate(input_ids=[[1], [1] * limit], sampling_params=[{"max_new_tokens": 1}] * 2)
+        batch([[1], [1] * limit])
     engine = engine_class()(checkpoint, dtype=torch.float32, context_length=64)
     engine.context_length = 10**6  # our own prompt check off: SGLang's is the one that refuses
+    engine.submit([[1] * limit], SamplingParams(max_new_tokens=1))
     with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
-        engine.generate([[1] * limit], SamplingParams(max_new_tokens=1))
+        while True:
+            engine.poll()
+    engine = engine_class(abort={(0, 1)})(checkpoint, dtype=torch.float32)
+    engine.submit([[1]], SamplingParams(max_new_tokens=1, n=2))
+    with pytest.raises(RuntimeError, match="SGLang aborted a request of rank 0, group 0"):
+        while True:
+            engine.poll()
 
 
 def test_strict_model_memory_accounting(checkpoint):
@@ -407,17 +433,14 @@ def test_engine_refuses_cpu_tensors_when_it_runs_on_a_gpu(checkpoint):
 
 def test_n_samples_are_sent_as_repeated_prompts(checkpoint):
     """0.5.21 serves n > 1 by first prefilling each prompt alone, one after another (and warns above 128
-    prompts); n = 1 requests with each prompt repeated n times run as one batch."""
+    prompts); the engine sends n requests of n = 1 (the model refuses any other), a batch a prompt."""
     engine = engine_class()(checkpoint, dtype=torch.float32)
     prompts = [[1 + i % 200] * (1 + i % 5) for i in range(150)]
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=3))
-    sglang = engine._engine
-    assert sglang.serial_prefix_requests == 0 and sglang.warnings == []
-    assert len(sglang.max_new_tokens[-1]) == 150 * 3
-    # Grouped per prompt, in order; the model answers [prompt length, copy number of this prompt].
+    out = generate(engine, prompts, SamplingParams(max_new_tokens=2, n=3))
+    assert engine._engine.max_new_tokens == [[2] * 3] * 150
+    # Grouped per prompt, in order.
     assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(150) for s in range(3)]
-    assert all(c.token_ids[0] == len(prompts[c.prompt_index]) for c in out)
-    assert [c.token_ids[1] for c in out[:3]] == [0, 1, 2]
+    assert all(c.token_ids == chain(prompts[c.prompt_index][-1], 2)[0] for c in out)
 
 
 def test_a_failure_midway_leaves_the_leaders_true_state(checkpoint):
@@ -453,10 +476,10 @@ def _group_worker(rank, world, checkpoint):
     engine = engine_class()(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     assert (engine._engine is not None) == (rank == 0)  # only the leader starts SGLang
     prompts = [[[1, 2, 3]], [[4], [5, 6]]][rank]
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=2, n=2))
-    # The model answers [len(prompt), copy]: each rank gets its own prompts back, indexed from 0.
+    out = generate(engine, prompts, SamplingParams(max_new_tokens=2, n=2), GlooRanks(rank, world))
+    # Each rank gets its own prompts back, indexed from 0.
     assert [(c.prompt_index, c.sample_index, c.token_ids) for c in out] == [
-        (i, s, [len(p), s]) for i, p in enumerate(prompts) for s in range(2)
+        (i, s, chain(p[-1], 2)[0]) for i, p in enumerate(prompts) for s in range(2)
     ]
     engine.release_memory()
     trainer = build_model(ARGS, seed=5)
@@ -473,7 +496,7 @@ def _group_worker(rank, world, checkpoint):
     # A bad prompt on one rank fails the call on every rank instead of hanging the others.
     bad = [[1]] if rank == 0 else [[]]
     with pytest.raises(RuntimeError, match="rank 1: ValueError: prompt 0 is empty"):
-        engine.generate(bad, SamplingParams(max_new_tokens=2))
+        engine.submit(bad, SamplingParams(max_new_tokens=2))
     return len(out)
 
 
@@ -492,18 +515,19 @@ def _collective_timeout_worker(rank, world, checkpoint):
 
     import torch.distributed as dist
 
-    # The leader's generate outlasts the engine group's timeout: the other rank times out in the result scatter.
+    # The leader's poll outlasts the engine group's timeout: the other rank times out in the result scatter.
     group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=2))
-    engine = engine_class(delay={"generate": 4})(checkpoint, tp_size=world, dtype=torch.float32, group=group)
+    engine = engine_class(delay={"async_generate": 4})(checkpoint, tp_size=world, dtype=torch.float32, group=group)
     try:
-        engine.generate([[1 + rank, 2]], SamplingParams(2))
+        engine.submit([[1 + rank, 2]], SamplingParams(2))
+        engine.poll()
     except Exception as exc:
         return type(exc).__name__
     return None
 
 
 @pytest.mark.multiprocess
-def test_a_collectives_timeout_in_a_generate_call_is_a_dist_error(checkpoint):
+def test_a_collectives_timeout_in_a_poll_is_a_dist_error(checkpoint):
     """A gloo timeout (a plain RuntimeError) in the engine group's collective is raised as a DistError, which the
     guard (run/guard.py) never names as the engine's own failure."""
     assert run_ranks(_collective_timeout_worker, 2, checkpoint, timeout=60)[1] == "DistError"
@@ -515,20 +539,17 @@ def _eval_worker(rank, world, checkpoint):
     engine = engine_class()(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     problems = [PromptExample([1, 2, 3], "3", "t", [])]
     mine = problems[rank::world]  # rank 1 has no problem
-
-    def gather(results):
-        everyone = [None] * world
-        dist.all_gather_object(everyone, results)
-        return [r for part in everyone for r in part]
-
-    report = evaluate(engine, mine, _Digits(), SamplingParams(max_new_tokens=2, n=2, seed=3), gather=gather)
-    return report["overall"]["num_problems"]
+    guarded = GuardedEngine(engine, GlooRanks(rank, world))
+    params = SamplingParams(max_new_tokens=2, n=2, seed=3)
+    return len(
+        problem_results(guarded, mine, _Digits(), params, strict_box=False, progress=None, prompts_per_call=None)
+    )
 
 
 @pytest.mark.multiprocess
 def test_evaluation_with_more_ranks_than_problems(checkpoint):
     """A rank without problems still takes part in its engine group's generate call."""
-    assert run_ranks(_eval_worker, 2, checkpoint, timeout=60) == [1, 1]
+    assert run_ranks(_eval_worker, 2, checkpoint, timeout=60) == [1, 0]
 
 
 # ---------------------------------------------------------------------------------------------------

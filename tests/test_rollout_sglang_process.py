@@ -12,8 +12,9 @@ import time
 
 import pytest
 import torch
-from dist_utils import run_ranks
-from sglang_model import StrictSGLang, children, flatten_bucket, serialize
+from dist_utils import GlooRanks, run_ranks
+from engines import generate
+from sglang_model import StrictSGLang, chain, children, flatten_bucket, serialize
 
 from model.args import PRESETS
 from model.hf import save_hf
@@ -66,8 +67,8 @@ def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
     engine = engine_class()(checkpoint, dtype=torch.float32)
     process = engine._engine
     assert process.pid in children() and os.getsid(process.pid) == process.pid != os.getsid(0)
-    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, n=2))
-    assert [c.token_ids for c in out] == [[3, 0], [3, 1]]
+    out = generate(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=2, n=2))
+    assert [c.token_ids for c in out] == [chain(3, 2)[0]] * 2
     engine.release_memory()
     trainer = build_model(ARGS, seed=5)
     sync_weights(trainer, engine, bucket_bytes=50_000)  # the payload strings cross the pipe as they are
@@ -75,15 +76,13 @@ def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
     pushed = process.call("read", "model", deadline_s=60)
     for name, param in trainer.named_parameters():
         assert torch.equal(pushed[name], param), name
-    with pytest.raises(EngineCallError, match="ValueError: input_ids cannot be empty"):
-        process.call(
-            "generate", input_ids=[], sampling_params=[], deadline_s=60
-        )  # an error inside: the process serves on
-    assert process.call("read", "calls", deadline_s=60)[-1] == "generate"
+    with pytest.raises(EngineCallError, match="AttributeError: .*no_such_state"):
+        process.call("read", "no_such_state", deadline_s=60)  # an error inside: the process serves on
+    assert process.call("read", "calls", deadline_s=60)[-1] == ("resume", ("kv_cache",))
     engine.shutdown()
     assert process.process.exitcode == 0 and engine_children(before) == set()
     with pytest.raises(EngineDied, match="shut down"):
-        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+        engine.submit([[1]], SamplingParams(max_new_tokens=1))
 
 
 @pytest.mark.parametrize("phase", ["release"])  # every phase, in train.py: tests/test_train_engine_process.py
@@ -95,7 +94,7 @@ def test_a_scheduler_crash_ends_only_the_engine_process(checkpoint, phase):
     pid = engine._engine.pid
     trainer = build_model(ARGS, seed=5)
     steps = {
-        "generate": lambda: engine.generate([[1, 2]], SamplingParams(max_new_tokens=2)),
+        "generate": lambda: generate(engine, [[1, 2]], SamplingParams(max_new_tokens=2)),
         "release": engine.release_memory,
         "update": lambda: sync_weights(trainer, engine, bucket_bytes=50_000),
         "resume": engine.resume_memory,
@@ -113,14 +112,14 @@ def test_a_scheduler_crash_ends_only_the_engine_process(checkpoint, phase):
 def test_a_killed_engine_process_and_a_sigquit_are_engine_deaths(checkpoint, tmp_path):
     before = children()
     announce = str(tmp_path / "calls")
-    engine = engine_class(delay={"generate": 30.0}, announce=announce)(checkpoint, dtype=torch.float32)
+    engine = engine_class(delay={"async_generate": 30.0}, announce=announce)(checkpoint, dtype=torch.float32)
     pid = engine._engine.pid
     started = time.monotonic()
     killer = subprocess.Popen(
-        [sys.executable, "-c", _KILL_WHEN_ANNOUNCED, announce, "generate", str(pid), str(int(signal.SIGKILL))]
+        [sys.executable, "-c", _KILL_WHEN_ANNOUNCED, announce, "async_generate", str(pid), str(int(signal.SIGKILL))]
     )
-    with pytest.raises(EngineDied, match=r"ended during generate \(killed by SIGKILL\)"):
-        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+    with pytest.raises(EngineDied, match=r"ended during poll_groups \(killed by SIGKILL\)"):
+        generate(engine, [[1]], SamplingParams(max_new_tokens=1))
     assert time.monotonic() - started < 25  # noticed while waiting, not after the call's 30 s
     killer.wait(timeout=30)
     engine.shutdown()
@@ -128,7 +127,7 @@ def test_a_killed_engine_process_and_a_sigquit_are_engine_deaths(checkpoint, tmp
     engine = engine_class()(checkpoint, dtype=torch.float32)
     os.kill(engine._engine.pid, signal.SIGQUIT)
     with pytest.raises(EngineDied, match="killed by SIGKILL"):
-        engine.generate([[1]], SamplingParams(max_new_tokens=1))
+        generate(engine, [[1]], SamplingParams(max_new_tokens=1))
     engine.shutdown()
     assert engine_children(before) == set()
 
@@ -149,6 +148,7 @@ import torch
 from sglang_model import StrictSGLang
 from rollout.engine import SamplingParams
 from rollout.sglang_engine import SGLangEngine
+from run.guard import GuardedEngine
 
 class Engine(SGLangEngine):
     engine_target = functools.partial(StrictSGLang)
@@ -158,10 +158,10 @@ if __name__ == "__main__":
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: seen.append(signal.Signals(signum).name))
     engine = Engine({checkpoint!r}, dtype=torch.float32)
-    engine.generate([[1]], SamplingParams(max_new_tokens=1))  # SGLang installs its SIGTERM handler now
+    GuardedEngine(engine).generate([[1]], SamplingParams(max_new_tokens=1))  # SGLang installs its SIGTERM handler now
     os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground process group
     os.kill(engine._engine.pid, signal.SIGTERM)  # a launcher signalling every process of the job
-    out = engine.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    out = GuardedEngine(engine).generate([[1, 2]], SamplingParams(max_new_tokens=1))
     engine.shutdown()
     print(seen, out[0].token_ids, engine._engine is None)
 """
@@ -176,18 +176,18 @@ def test_terminal_signals_reach_the_trainer_and_not_the_engine(checkpoint):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, start_new_session=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[0] == "['SIGINT'] [2] True"
+    assert result.stdout.split("\n")[0] == f"['SIGINT'] {chain(2, 1)[0]} True"
 
 
 def _leader_crash_worker(rank, world, checkpoint):
     import torch.distributed as dist
 
     engine = engine_class(crash={"update": 2})(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
-    engine.generate([[1 + rank]], SamplingParams(max_new_tokens=1))
+    generate(engine, [[1 + rank]], SamplingParams(max_new_tokens=1), GlooRanks(rank, world))
     engine.release_memory()
     trainer = build_model(ARGS, seed=5)
     try:
-        sync_weights(trainer, engine, bucket_bytes=50_000)  # every rank finishes the gathers, then raises
+        sync_weights(trainer, engine, bucket_bytes=50_000)  # every rank raises at the same bucket
     except EngineDied as exc:
         died = str(exc)
     try:

@@ -14,6 +14,7 @@ from model.qwen2 import build_model
 from rollout.engine import Engine, SamplingParams
 from rollout.sampling import truncate_logits
 from rollout.torch_engine import TorchEngine
+from tests.engines import generate
 from tests.qwen2_checkpoint import hf_state_dict
 
 # A larger init spread than the default 0.02 makes the tiny random model's next-token distributions
@@ -70,7 +71,7 @@ def test_satisfies_the_engine_protocol():
 def test_greedy_matches_transformers_generate(args):
     engine = _engine(args, seed=3, max_batch_size=4)
     hf = _hf_model(build_model(args, seed=3))
-    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
+    completions = generate(engine, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
     assert [c.prompt_index for c in completions] == [0, 1, 2, 3]
     for prompt, completion in zip(PROMPTS, completions):
         with torch.no_grad():
@@ -91,7 +92,7 @@ def test_logprobs_match_the_trainer(temperature, top_p, top_k):
     engine = _engine(seed=1, max_batch_size=5)  # fewer slots than requests: slots get refilled
     reference = build_model(ARGS, seed=1)
     params = SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, n=3, seed=11)
-    completions = engine.generate(PROMPTS, params)
+    completions = generate(engine, PROMPTS, params)
     assert len(completions) == 12
     _assert_match_the_trainer(completions, reference, temperature or 1.0)
 
@@ -114,7 +115,7 @@ def test_n_samples_share_prompt_blocks_and_match_transformers():
     is 6 blocks; unshared copies would need 12. With 6 blocks all three run together, never preempted."""
     prompt = PROMPTS[3]
     engine = _engine(seed=3, max_seq_len=16, block_size=4, kv_cache_blocks=6)
-    completions = engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0, n=3))
+    completions = generate(engine, [prompt], SamplingParams(max_new_tokens=3, temperature=0.0, n=3))
     assert engine.stats.peak_running == 3 and engine.stats.preemptions == 0
     want = _hf_greedy(_hf_model(build_model(ARGS, seed=3)), prompt, 3)
     assert [c.token_ids for c in completions] == [want] * 3
@@ -124,7 +125,7 @@ def test_n_samples_share_prompt_blocks_and_match_transformers():
 def test_greedy_with_shared_blocks_matches_transformers_for_every_sample(block_size):
     engine = _engine(seed=3, block_size=block_size)
     hf = _hf_model(build_model(ARGS, seed=3))
-    completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, n=3))
+    completions = generate(engine, PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0, n=3))
     for c in completions:
         assert c.token_ids == _hf_greedy(hf, PROMPTS[c.prompt_index], 12), (c.prompt_index, c.sample_index)
 
@@ -134,7 +135,7 @@ def test_preemption_leaves_greedy_outputs_and_logprobs_unchanged():
     params = SamplingParams(max_new_tokens=14, temperature=0.0, n=2)
     tight = _engine(seed=16, max_seq_len=32, block_size=4, kv_cache_blocks=9)
     roomy = _engine(seed=16, max_seq_len=32, block_size=4)
-    preempted, free = tight.generate(PROMPTS, params), roomy.generate(PROMPTS, params)
+    preempted, free = generate(tight, PROMPTS, params), generate(roomy, PROMPTS, params)
     assert tight.stats.preemptions > 0 and roomy.stats.preemptions == 0
     hf = _hf_model(build_model(ARGS, seed=16))
     reference = build_model(ARGS, seed=16)
@@ -147,12 +148,12 @@ def test_sampled_logprobs_match_the_trainer_after_preemption():
     engine = _engine(seed=17, max_seq_len=32, block_size=4, kv_cache_blocks=10)
     reference = build_model(ARGS, seed=17)
     params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, n=3, seed=2)
-    completions = engine.generate(PROMPTS, params)
+    completions = generate(engine, PROMPTS, params)
     assert engine.stats.preemptions > 0
     for c in completions:
         assert c.finish_reason == "length" and len(c.token_ids) == min(16, 32 - len(PROMPTS[c.prompt_index]))
     _assert_match_the_trainer(completions, reference, 0.9)
-    again = _engine(seed=17, max_seq_len=32, block_size=4, kv_cache_blocks=10).generate(PROMPTS, params)
+    again = generate(_engine(seed=17, max_seq_len=32, block_size=4, kv_cache_blocks=10), PROMPTS, params)
     assert [c.token_ids for c in again] == [c.token_ids for c in completions]  # seeded: reproducible
 
 
@@ -160,7 +161,7 @@ def test_samples_stay_inside_top_k_and_nucleus_of_the_true_distribution():
     engine = _engine(seed=2)
     reference = build_model(ARGS, seed=2)
     params = SamplingParams(max_new_tokens=8, temperature=1.3, top_p=0.7, top_k=30, n=4, seed=0)
-    for c in engine.generate(PROMPTS[:2], params):
+    for c in generate(engine, PROMPTS[:2], params):
         seq = PROMPTS[c.prompt_index] + c.token_ids
         with torch.no_grad():
             logits = reference(torch.tensor([seq]))[0, len(PROMPTS[c.prompt_index]) - 1 : -1]
@@ -170,7 +171,7 @@ def test_samples_stay_inside_top_k_and_nucleus_of_the_true_distribution():
 
 def test_n_samples_grouped_by_prompt_and_distinct():
     engine = _engine(seed=4)
-    completions = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6, n=4, seed=5))
+    completions = generate(engine, PROMPTS[:3], SamplingParams(max_new_tokens=6, n=4, seed=5))
     assert [(c.prompt_index, c.sample_index) for c in completions] == [(p, s) for p in range(3) for s in range(4)]
     for p in range(3):
         group = [tuple(c.token_ids) for c in completions if c.prompt_index == p]
@@ -179,16 +180,16 @@ def test_n_samples_grouped_by_prompt_and_distinct():
 
 def test_top_k_one_is_greedy():
     engine = _engine(seed=5)
-    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
-    top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=9))
+    greedy = generate(engine, PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
+    top1 = generate(engine, PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=9))
     assert [c.token_ids for c in greedy] == [c.token_ids for c in top1]
 
 
 def test_fixed_seed_reproduces_across_slot_counts():
     params = SamplingParams(max_new_tokens=8, n=2, seed=123)
-    a = _engine(seed=6, max_batch_size=8).generate(PROMPTS, params)
-    b = _engine(seed=6, max_batch_size=8).generate(PROMPTS, params)
-    c = _engine(seed=6, max_batch_size=8).generate(PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=124))
+    a = generate(_engine(seed=6, max_batch_size=8), PROMPTS, params)
+    b = generate(_engine(seed=6, max_batch_size=8), PROMPTS, params)
+    c = generate(_engine(seed=6, max_batch_size=8), PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=124))
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
 
@@ -196,8 +197,8 @@ def test_fixed_seed_reproduces_across_slot_counts():
 def test_greedy_is_independent_of_batching():
     """One slot (every request alone) and many slots (all together, refilled) give the same tokens."""
     params = SamplingParams(max_new_tokens=9, temperature=0.0, n=2)
-    alone = _engine(seed=7, max_batch_size=1).generate(PROMPTS, params)
-    batched = _engine(seed=7, max_batch_size=3, max_prefill_tokens=16).generate(PROMPTS, params)
+    alone = generate(_engine(seed=7, max_batch_size=1), PROMPTS, params)
+    batched = generate(_engine(seed=7, max_batch_size=3, max_prefill_tokens=16), PROMPTS, params)
     assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
     _assert_match_the_trainer(alone, build_model(ARGS, seed=7))
     _assert_match_the_trainer(batched, build_model(ARGS, seed=7))
@@ -205,10 +206,10 @@ def test_greedy_is_independent_of_batching():
 
 def test_stop_token_is_kept_and_ends_the_request():
     engine = _engine(seed=8)
-    free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0))
+    free = generate(engine, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0))
     # Stop on the 4th greedy token of prompt 0: that request must end right there, keeping the token.
     stop = free[0].token_ids[3]
-    stopped = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop]))
+    stopped = generate(engine, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[stop]))
     for f, s in zip(free, stopped):
         if stop in f.token_ids:
             cut = f.token_ids.index(stop) + 1
@@ -222,7 +223,7 @@ def test_stop_token_is_kept_and_ends_the_request():
 def test_length_finish_at_max_new_tokens_and_at_the_context_end():
     engine = _engine(seed=9, max_seq_len=16)
     prompts = [[1, 2, 3], list(range(1, 14)), list(range(1, 16))]  # 3, 13 and 15 tokens of 16
-    completions = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
+    completions = generate(engine, prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
     assert [len(c.token_ids) for c in completions] == [5, 3, 1]
     assert all(c.finish_reason == "length" for c in completions)
 
@@ -231,15 +232,17 @@ def test_bad_input_is_refused():
     engine = _engine(max_seq_len=16)
     params = SamplingParams(max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        engine.generate([[1, 2], []], params)
+        engine.submit([[1, 2], []], params)
     with pytest.raises(ValueError, match="prompt 0 has 16 tokens, longer than the engine's context"):
-        engine.generate([list(range(16))], params)
+        engine.submit([list(range(16))], params)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.generate([[1, 256]], params)
-    with pytest.raises(ValueError, match="non-empty list of prompts"):
-        engine.generate([], params)
+        engine.submit([[1, 256]], params)
     with pytest.raises(TypeError, match="SamplingParams"):
-        engine.generate([[1]], {"max_new_tokens": 4})
+        engine.submit([[1]], {"max_new_tokens": 4})
+    assert generate(engine, [], params) == []  # a rank without prompts takes part in a round, with nothing to do
+    engine.submit([[1]], params)
+    with pytest.raises(RuntimeError, match="submit\\(\\) while submitted samples are in flight"):
+        engine.submit([[2]], params)
     with pytest.raises(ValueError, match="max_seq_len"):
         _engine(max_seq_len=ARGS.max_position_embeddings + 1)
     with pytest.raises(ValueError, match="kv_cache_blocks = 3 cannot hold one sequence of max_seq_len = 16"):
@@ -250,13 +253,13 @@ def test_bad_input_is_refused():
 
 def test_release_and_resume_memory():
     engine = _engine(seed=10)
-    before = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
+    before = generate(engine, PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
     engine.release_memory()
     assert engine._cache is None
     with pytest.raises(RuntimeError, match="resume_memory"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=5))
+        engine.submit(PROMPTS, SamplingParams(max_new_tokens=5))
     engine.resume_memory()
-    after = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
+    after = generate(engine, PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0))
     assert [c.token_ids for c in before] == [c.token_ids for c in after]
 
 
@@ -273,7 +276,7 @@ def test_update_weights_in_place(args):
         assert torch.equal(p, q), n
     fresh = _engine(args, seed=12)
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
-    updated, expected = engine.generate(PROMPTS, params), fresh.generate(PROMPTS, params)
+    updated, expected = generate(engine, PROMPTS, params), generate(fresh, PROMPTS, params)
     assert [c.token_ids for c in updated] == [c.token_ids for c in expected]
     _assert_match_the_trainer(updated, new)
 
@@ -305,8 +308,8 @@ def test_bad_bucket_changes_nothing():
 @pytest.mark.slow
 def test_compiled_decode_matches_eager():
     params = SamplingParams(max_new_tokens=12, temperature=0.8, n=2, seed=3)
-    eager = _engine(seed=14, max_batch_size=3).generate(PROMPTS, params)
-    compiled = _engine(seed=14, max_batch_size=3, compile=True).generate(PROMPTS, params)
+    eager = generate(_engine(seed=14, max_batch_size=3), PROMPTS, params)
+    compiled = generate(_engine(seed=14, max_batch_size=3, compile=True), PROMPTS, params)
     assert [c.token_ids for c in eager] == [c.token_ids for c in compiled]
     _assert_match_the_trainer(compiled, build_model(ARGS, seed=14), 0.8)
 
@@ -314,9 +317,9 @@ def test_compiled_decode_matches_eager():
 @pytest.mark.gpu
 def test_cuda_engine_matches_cpu_and_compiled_cuda_graphs():
     params = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
-    cpu = _engine(seed=15).generate(PROMPTS, params)
-    cuda = _engine(seed=15, device="cuda").generate(PROMPTS, params)
-    graphs = _engine(seed=15, device="cuda", compile=True).generate(PROMPTS, params)
+    cpu = generate(_engine(seed=15), PROMPTS, params)
+    cuda = generate(_engine(seed=15, device="cuda"), PROMPTS, params)
+    graphs = generate(_engine(seed=15, device="cuda", compile=True), PROMPTS, params)
     assert [c.token_ids for c in cpu] == [c.token_ids for c in cuda] == [c.token_ids for c in graphs]
     for x, y in zip(cpu, graphs):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-4)

@@ -1,16 +1,18 @@
 """rollout/weight_sync.py: buckets, dtype cast, and sync from FSDP / TP / 2-D sharded trainers (gloo, CPU)."""
 
 import copy
+import re
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import GlooRanks, run_ranks
 
 from model.args import PRESETS
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.torch_engine import TorchEngine
 from rollout.weight_sync import iter_weight_buckets, sync_weights
+from run.guard import GuardedEngine
 
 ARGS = PRESETS["tiny"]
 
@@ -182,27 +184,24 @@ class _FailsAtFirstBucket(_Recorder):
 
 
 def _one_engine_fails_worker(rank, world):
-    import torch.distributed as dist
-
     trainer = _shard(_distinct_model(7), "fsdp", world)
     engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32)
     receiver = _FailsAtFirstBucket(engine) if rank == 0 else _Recorder(engine)
-    try:
-        sent, failure = sync_weights(trainer, receiver, bucket_bytes=30_000), 0.0
-    except RuntimeError:
-        sent, failure = None, 1.0
-    agreed = torch.tensor([failure])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # what the trainer does next (trainer/loop.py engine_call)
-    return sent, float(agreed), len(receiver.buckets)
+    try:  # the engine as train.py drives it: the ranks agree after every bucket
+        sync_weights(trainer, GuardedEngine(receiver, GlooRanks(rank, world)), bucket_bytes=30_000)
+    except RuntimeError as exc:
+        return str(exc), len(receiver.buckets)
+    return None, len(receiver.buckets)
 
 
 @pytest.mark.multiprocess
-def test_a_failed_update_on_one_rank_finishes_every_gather_before_the_ranks_agree():
-    """Rank 0's engine refuses the first bucket: rank 0 still enters every all-gather of the sync (rank 1's
-    engine gets every bucket), and only then do both ranks agree that the sync failed."""
-    (sent0, agreed0, got0), (sent1, agreed1, got1) = run_ranks(_one_engine_fails_worker, 2, timeout=60)
-    assert sent0 is None and sent1 > 0 and agreed0 == agreed1 == 1.0
-    assert got0 == 0 and got1 > 1
+def test_a_failed_update_on_one_rank_stops_every_rank_at_that_bucket():
+    """Rank 0's engine refuses the first bucket: the ranks agree on it right after that bucket, and both stop
+    there, neither left in an all-gather of the next bucket that the other never enters."""
+    (error0, got0), (error1, got1) = run_ranks(_one_engine_fails_worker, 2, timeout=60)
+    assert "the engine refused the bucket" in error0
+    assert re.fullmatch(r"update_weights \(\d+ tensors\): failed on another rank \(see its log\)", error1), error1
+    assert got0 == 0 and got1 == 1
 
 
 def _after_no_grad_forward_worker(rank, world, folder):

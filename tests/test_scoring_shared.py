@@ -1,14 +1,18 @@
 """One response-to-text function and one completion check: a completion gets the same reward in training
 (trainer/scoring.py score_groups) as in evaluation (evaluation/evaluate.py score_completions)."""
 
-import pytest
+import dataclasses
 
+import pytest
+from engines import ByGenerate, generate
+
+from config import Config
 from evaluation.evaluate import score_completions
 from model.tokenizer import ENDOFTEXT, IM_END, IM_START, train_bpe_tokenizer
 from rl.data import PromptExample
 from rl.reward import compute_score, response_text
-from rollout.engine import Completion, EngineFailure
-from trainer.scoring import RewardSettings, score_groups
+from rollout.engine import Completion, EngineFailure, SamplingParams
+from trainer.scoring import score_groups
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +57,9 @@ def test_the_same_completions_score_the_same_in_training_and_in_evaluation(token
         for i, (pieces, finish, _) in enumerate(responses)
     ]
     n = len(responses)
-    settings = RewardSettings(max_response_length=64, overlong_penalty=False)
-    trained = score_groups([example], completions, n, tokenizer, settings, stop_ids)[0].payload
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, overlong_penalty=False))
+    trained = score_groups([example], completions, tokenizer, cfg)[0].payload
     evaluated = score_completions([example], completions, tokenizer, n, stop_ids=tuple(stop_ids))[0]
     expected = [acc for _, _, acc in responses]
     assert [s.acc for s in trained] == evaluated.acc == expected
@@ -67,17 +72,22 @@ def test_the_same_completions_score_the_same_in_training_and_in_evaluation(token
         assert sample.pred == compute_score(text, "42")["pred"]
 
 
-def test_one_completion_check_for_training_and_evaluation(tokenizer):
-    example = PromptExample(prompt_ids=[5, 6], ground_truth="42", data_source="test", messages=[])
-    settings = RewardSettings(max_response_length=64)
+def test_one_completion_check_for_training_and_evaluation():
+    """What the engine returned is checked once, by the generate both training and evaluation call (run/guard.py):
+    n completions per prompt, none aborted, grouped by prompt."""
     ok = [Completion(0, 0, [3], [0.0], "stop"), Completion(0, 1, [3], [0.0], "stop")]
     bad = {
         "returned 1 completions for 1 prompts x 2 samples": ok[:1],
         "aborted 1 of 2 requests": [ok[0], Completion(0, 1, [], [], "abort")],
         "not grouped by prompt": [ok[0], Completion(1, 1, [3], [0.0], "stop")],
     }
+
+    class Returns(ByGenerate):
+        def generate(self, prompts, params):
+            return list(self.completions)
+
     for message, completions in bad.items():
+        engine = Returns()
+        engine.completions = completions
         with pytest.raises(EngineFailure, match=message):
-            score_groups([example], completions, 2, tokenizer, settings, set())
-        with pytest.raises(EngineFailure, match=message):
-            score_completions([example], completions, tokenizer, 2)
+            generate(engine, [[5, 6]], SamplingParams(max_new_tokens=2, n=2))

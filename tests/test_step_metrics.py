@@ -1,28 +1,18 @@
 """trainer/step_metrics.py: the step's reward, accuracy and lengths describe every generated sample, the
 kept/* metrics the batch trained on; a step whose groups were all dropped still shows what it generated."""
 
-import contextlib
 import math
 
 import pytest
-from dist_utils import OneProcess
-from partial_engines import SubmitPollStop
+from engines import ByGenerate
+from test_trainer_rollout_phase import collect_batch
 
-from observe.records import row as metrics_row
 from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import Completion, SamplingParams
-from run.guard import Guard
-from trainer.rollout_phase import RolloutPhase
-from trainer.scoring import RewardSettings
+from rollout.engine import Completion
 
 
-class _AnswerTokenizer:
-    def decode(self, ids, skip_special_tokens=False):
-        return "Answer: " + "".join(str(i) for i in ids)
-
-
-class _Engine(SubmitPollStop):
+class _Engine(ByGenerate):
     """Prompt k: sample 0 answers "1" (correct, 1 token) when k is even; every other sample answers "22"
     (wrong, 2 tokens), truncated ("length") when k is odd."""
 
@@ -43,27 +33,8 @@ class _Engine(SubmitPollStop):
 
 def _row(engine, train_batch_size, max_rounds):
     examples = [PromptExample(prompt_ids=[k], ground_truth="1", data_source="t", messages=[]) for k in range(8)]
-    builder = DynamicBatchBuilder(train_batch_size, max_rounds, on_shortfall="fill", max_staleness=0)
-    params = SamplingParams(max_new_tokens=8, n=4)
-    reward = RewardSettings(max_response_length=8, overlong_penalty=False)
-    with (
-        pytest.warns(RuntimeWarning, match="dynamic sampling kept")
-        if train_batch_size > 1
-        else contextlib.nullcontext()
-    ):
-        sampler = PromptSampler(examples, shuffle=False)
-        phase = RolloutPhase(
-            engine,
-            sampler,
-            builder,
-            _AnswerTokenizer(),
-            OneProcess(),
-            params=params,
-            reward=reward,
-            prompts_per_round=2,
-        )
-        batch = phase.collect(1, Guard(OneProcess()))
-    return batch.groups, metrics_row(batch.metrics)
+    builder = DynamicBatchBuilder(train_batch_size, max_rounds, max_staleness=0)
+    return collect_batch(1, builder, engine, PromptSampler(examples, shuffle=False), 2)
 
 
 def test_all_samples_and_kept_batch_are_logged_under_their_own_names():

@@ -18,6 +18,7 @@ from config import load_config
 from model.args import get_preset
 from model.hf import save_hf
 from model.qwen2 import build_model
+from model.tokenizer import Tokenizer
 from parallel.checkpoint import CheckpointManager
 from rollout.engine import EngineDied
 from tests.dist_utils import run_ranks
@@ -193,7 +194,7 @@ def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
     announce, deadline = str(tmp_path / "calls"), 15  # every other call must answer within it, on a loaded machine too
     use_strict_model(monkeypatch.setattr, hang={kind: call}, announce=announce)
     settings = {"rollout.tp_size": 2, "parallelism.dp_shard": 2, "rollout.call_timeout_s": deadline}
-    ended = run_ranks(_stopped_at, 2, sglang_argv(tmp_path, hf_dir, **settings, **{"rollout.min_tokens_per_s": 1e6}))
+    ended = run_ranks(_stopped_at, 2, sglang_argv(tmp_path, hf_dir, **settings))
     hung_at = float(next(line for line in open(announce) if line.startswith("hang")).split()[1])
     for code, message, at in ended:  # every rank: exit code 1, the checkpoint of the step before, at the deadline
         assert code == 1 and f"ended during {during} (no answer within its deadline of {deadline} s: hung" in message
@@ -202,19 +203,50 @@ def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
     assert saved_steps(tmp_path) == [1]
 
 
-def test_an_engine_that_answers_but_never_finishes_a_round_dies_at_the_rounds_deadline(tmp_path, hf_dir, monkeypatch):
-    """Its scheduler stalls (SGLang's tokenizer manager still answers): every poll returns nothing, in time. The
-    round's deadline (call_timeout_s + requests x tokens / min_tokens_per_s) ends it as a hung engine."""
-    use_strict_model(monkeypatch.setattr, stall_after=0)
-    argv = sglang_argv(tmp_path, hf_dir, **{"rollout.call_timeout_s": 15, "rollout.min_tokens_per_s": 1e6})
-    start = time.monotonic()
-    with pytest.raises(
-        EngineDied,
-        match=r"ended during poll_groups \(a round of \d+ requests x \d+ tokens outlasted "
-        r"its deadline of 15 s: hung, its processes killed\)\. Checkpoint of step 0 saved",
-    ):
+def test_a_slow_engine_that_keeps_producing_is_never_stopped(tmp_path, hf_dir, monkeypatch):
+    """A round lasts ~9 s (up to 300 tokens a request, a scheduler step every 0.03 s), longer than the progress
+    window of 4 s and than the deadline the throughput guess gave it (call_timeout_s + 16 requests x 300 tokens /
+    2500 tokens/s = 5.9 s); SGLang reports each request's tokens every 50 (every 1.5 s): it finishes, and so does
+    the evaluation after it, on the same path."""
+    use_strict_model(monkeypatch.setattr, tick_s=0.03)
+    # A stop id the model's tokens (below 256) never reach: every response runs to its 300 tokens.
+    monkeypatch.setattr(Tokenizer, "stop_ids", property(lambda self: [511]))
+    settings = {"rollout.call_timeout_s": 4, "rollout.max_response_length": 300, "training.micro_batch_tokens": 512}
+    evaluation = {"eval.at_end": True, "eval.k": 2, "eval.max_response_length": 300}
+    argv = sglang_argv(tmp_path, hf_dir, steps=1, **settings, **evaluation)
+    assert train.main(argv) == 0
+    (row,) = [r for r in read_rows(str(tmp_path)) if "loss" in r]
+    assert row["time/generate"] > 4 + 16 * 300 / 2500 and row["response_length/mean"] == 300, row
+    assert "eval/avg_at_k" in read_rows(str(tmp_path))[-1]
+
+
+def _stalled(rank, world, argv):
+    try:
         train.main(argv)
-    assert 15 <= time.monotonic() - start < 15 + 120 and saved_steps(tmp_path) == [0]
+    except EngineDied as exc:
+        return exc.exit_code, str(exc), time.time()
+
+
+@pytest.mark.multiprocess
+def test_an_engine_that_stops_producing_is_killed_within_the_progress_window(tmp_path, hf_dir, monkeypatch):
+    """Its scheduler stalls while SGLang's tokenizer manager still answers: every poll returns in time, with no
+    token. Both ranks of its group stop within call_timeout_s and a poll of the round's start, exit code 1, after a
+    checkpoint; its processes are killed."""
+    announce, window = str(tmp_path / "calls"), 4
+    use_strict_model(monkeypatch.setattr, stall_after=0, announce=announce)
+    settings = {"rollout.tp_size": 2, "parallelism.dp_shard": 2, "rollout.call_timeout_s": window}
+    before = children()
+    ended = run_ranks(_stalled, 2, sglang_argv(tmp_path, hf_dir, **settings))
+    started = min(float(line.split()[1]) for line in open(announce) if line.startswith("async_generate"))
+    for code, message, at in ended:
+        assert (
+            code == 1 and f"no request produced a token or finished for {window} s (rollout.call_timeout_s)" in message
+        )
+        assert message.endswith(
+            "hung, its processes killed. Checkpoint of step 0 saved; rerun the same command to resume"
+        )
+        assert window <= at - started < window + 1 + 20, at - started  # + a poll, + a loaded machine's slack
+    assert saved_steps(tmp_path) == [0] and engine_children(before) == set()
 
 
 def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
@@ -227,19 +259,42 @@ def test_a_trainer_killed_outright_takes_its_engine_with_it(tmp_path, hf_dir):
     assert code == -signal.SIGKILL and left == []
 
 
-def test_partial_rollout_on_the_strict_model_stops_full_rounds_and_continues_their_groups(
-    tmp_path, hf_dir, monkeypatch
-):
-    """rollout.partial through the engine process: 12 groups a round, 1.5 of them running at once (max_running 6),
-    so the batch of 4 is full while others run; SGLang aborts them with what they have (abort_request(abort_all)),
-    and the next step submits them again as prompt + those tokens."""
-    use_strict_model(monkeypatch.setattr, max_running=6)
-    train.main(sglang_argv(tmp_path, hf_dir, steps=3, **{"rollout.partial": True, "rollout.gen_batch_multiplier": 3}))
-    rows = {r["step"]: r for r in read_rows(str(tmp_path)) if "loss" in r}
-    assert sorted(rows) == [1, 2, 3]
-    shown = {s: {k: v for k, v in r.items() if k.startswith(("partial/", "groups/", "gen/"))} for s, r in rows.items()}
-    assert all(rows[step]["partial/groups_stopped"] > 0 and rows[step]["groups/in_batch"] == 4 for step in rows), str(
-        shown
-    )
-    continued = [rows[step] for step in (2, 3) if rows[step]["partial/continued_token_share"] > 0]
-    assert continued and all(row["partial/age/max"] == 1 for row in continued)
+def _failing_bucket(rank, world, argv, failing_rank):
+    """train.main on this rank, whose second weight bucket fails to serialize on `failing_rank` (before its
+    engine group's gather): (the error, seconds from the failure to the stop)."""
+    from rollout.sglang_engine import SGLangEngine
+
+    serialize, buckets, failed_at = SGLangEngine._serialize, [], []
+
+    def failing(self, payload):
+        buckets.append(1)
+        if rank == failing_rank and len(buckets) == 2:
+            failed_at.append(time.time())
+            raise RuntimeError("injected serialization failure")
+        return serialize(self, payload)
+
+    SGLangEngine._serialize = failing
+    try:
+        train.main(argv)
+    except RuntimeError as exc:
+        return str(exc), time.time()
+    return "finished", time.time()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_bucket_that_fails_to_prepare_on_one_rank_stops_every_rank_at_once(tmp_path, hf_dir, monkeypatch, world):
+    """Rank 1's flattening or serialization of a weight bucket fails before its engine group's gather: it enters
+    the gather with its error, every rank of the group raises it, and the ranks agree at that bucket: every rank
+    stops with a checkpoint within seconds, none waits in a collective for the 6-hour group timeout."""
+    use_strict_model(monkeypatch.setattr)
+    settings = {"rollout.tp_size": 2, "parallelism.dp_shard": world, "rollout.weight_sync_bucket_mb": 1}
+    start = time.time()
+    ended = run_ranks(_failing_bucket, world, sglang_argv(tmp_path, hf_dir, **settings), 1, timeout=600)
+    for rank, (message, _) in enumerate(ended):  # ranks 0 and 1 share the failing engine, 2 and 3 another
+        why = "rank 1: RuntimeError: injected serialization failure" if rank < 2 else "failed on another rank"
+        assert "update_weights (" in message and why in message, message
+        assert message.endswith("Checkpoint of step 1 saved; rerun the same command to resume"), message
+    stops = [at for _, at in ended]
+    assert max(stops) - min(stops) < 20 and max(stops) - start < 300  # together, and no collective's timeout
+    assert saved_steps(tmp_path) == [1]

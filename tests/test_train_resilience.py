@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
+import rl.loss
 import rl.reward
 import train
 import trainer.build
 import trainer.loop
-import trainer.losses
+import trainer.observers
 import trainer.scoring
 import trainer.update
 from parallel.checkpoint import CheckpointManager
@@ -30,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_loss = trainer.losses.token_mean
+    real_loss = rl.loss.token_mean
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -41,7 +42,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
             loss = loss * float("nan")
         return loss
 
-    monkeypatch.setattr(trainer.losses, "token_mean", poisoned)
+    monkeypatch.setattr(rl.loss, "token_mean", poisoned)
     argv = overrides(
         str(tmp_path),
         steps=4,
@@ -63,7 +64,7 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 
 def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
-    real_loss = trainer.losses.token_mean
+    real_loss = rl.loss.token_mean
     poison_from = {"call": 3}  # the first run: step 1 is finite, step 2's two updates are not
     calls = {"n": 0}
 
@@ -72,7 +73,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
         calls["n"] += 1
         return loss * float("nan") if calls["n"] >= poison_from["call"] else loss
 
-    monkeypatch.setattr(trainer.losses, "token_mean", poisoned)
+    monkeypatch.setattr(rl.loss, "token_mean", poisoned)
     settings = {
         "training.max_nonfinite_steps": 3,
         "training.mini_batch_size": 2,
@@ -91,9 +92,9 @@ def test_engine_failure_stops_with_a_checkpoint(tmp_path, monkeypatch):
     submits = []
     original_submit = TorchEngine.submit
 
-    def counting_submit(self, groups, params):
-        submits.append(len(groups))
-        return original_submit(self, groups, params)
+    def counting_submit(self, prompts, params):
+        submits.append(len(prompts))
+        return original_submit(self, prompts, params)
 
     def flaky(self):
         if len(submits) >= 2:  # step 2's first poll fails
@@ -105,8 +106,8 @@ def test_engine_failure_stops_with_a_checkpoint(tmp_path, monkeypatch):
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
-        match=r"step 2, generation round 1: engine failed on poll of 4 groups x 4 samples: RuntimeError: CUDA "
-        r"error: out of memory \(simulated\). Checkpoint of step 1 saved",
+        match=r"step 2, rollout, generate \(4 prompts x 4 samples\): engine failed on generate \(4 prompts x 4 "
+        r"samples\): RuntimeError: CUDA error: out of memory \(simulated\). Checkpoint of step 1 saved",
     ):
         train.main(argv)
     assert submits == [4, 4]
@@ -143,9 +144,9 @@ def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_chec
     generate_calls = []
     real_submit = TorchEngine.submit
 
-    def counting_submit(self, groups, params):
-        generate_calls.append(len(groups))
-        return real_submit(self, groups, params)
+    def counting_submit(self, prompts, params):
+        generate_calls.append(len(prompts))
+        return real_submit(self, prompts, params)
 
     def score(solution, ground_truth, strict_box=False):
         if len(generate_calls) >= 2:
@@ -157,7 +158,7 @@ def test_scoring_error_is_not_retried_as_an_engine_failure_and_stops_with_a_chec
     argv = overrides(str(tmp_path), steps=3, **{"algorithm.dynamic_sampling": False, "checkpoint.interval": 100})
     with pytest.raises(
         RuntimeError,
-        match=r"step 2, generation round 1 on data-parallel rank 0: KeyError: "
+        match=r"step 2, rollout on data-parallel rank 0: KeyError: "
         r"'broken scorer \(simulated\)'. Checkpoint of step 1 saved",
     ):
         train.main(argv)
@@ -247,15 +248,18 @@ def test_progress_covers_warm_up_rollout_training_and_eval(tmp_path, monkeypatch
         def update(self, n=1, **postfix):
             self.n += n
 
+        def close(self):
+            pass
+
         def __enter__(self):
             return self
 
         def __exit__(self, *exc):
             pass
 
-    monkeypatch.setattr(trainer.loop, "Progress", Recording)
+    monkeypatch.setattr(trainer.observers, "Progress", Recording)
     train.main(overrides(str(tmp_path), steps=1, **{"training.sft_warmup_steps": 2, "eval.at_start": True}))
-    seen = [(p.desc, p.unit, p.n, p.total) for p in phases]
+    seen = [(p.desc, p.unit, p.n, p.total) for p in phases if p.desc]  # (unnamed: the observers' idle displays)
     assert seen[0] == ("warm-up", "steps", 2, 2)
     assert seen[1] == ("eval at step 0", "problems", 8, 8)
     assert seen[2] == ("step 1 rollout", "groups", 4, 4)

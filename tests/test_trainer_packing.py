@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -89,6 +90,7 @@ def test_padding_to_a_multiple_adds_a_separate_document_that_predicts_nothing():
 
 
 def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
+    from config import Config
     from rl.correction import truncated_is_weights
     from rl.loss import policy_loss
     from trainer.losses import DAPOLoss, GlobalCounts
@@ -103,9 +105,9 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     mb = pack(items)
     with torch.no_grad():
         mb.old_logp, _ = micro_batch_logprobs(model, mb)
-    settings = dict(clip_low=0.2, clip_high=0.28, clip_c=10.0, agg="token-mean", temperature=1.0, norm_len=None)
+    cfg = Config()  # clip 0.2 / 0.28, c = 10, token-mean, temperature 1
     local = GlobalCounts(tokens=None, seqs=None, groups=None)  # the micro-batch alone
-    loss, _ = DAPOLoss(**settings)(model, mb, local)
+    loss, _ = DAPOLoss(cfg.algorithm, cfg.rollout)(model, mb, local)
     logp, _ = micro_batch_logprobs(model, mb)
     weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=2.0)
     expected_weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
@@ -114,6 +116,6 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     # The same fp32 computation on both sides (one forward, one loss over 4 rows): equal to a few ulps.
     ulps = 8 * torch.finfo(torch.float32).eps * max(1.0, expected.abs().item())
     assert torch.allclose(loss, expected, rtol=0, atol=ulps)
-    everything, _ = DAPOLoss(**settings, truncated_is=True)(model, mb, local)
+    everything, _ = DAPOLoss(dataclasses.replace(cfg.algorithm, truncated_is=True), cfg.rollout)(model, mb, local)
     all_weighted, _ = policy_loss(logp, mb.old_logp, mb.advantages, mb.mask, token_weights=weights)
     assert torch.allclose(everything, all_weighted, rtol=0, atol=ulps)

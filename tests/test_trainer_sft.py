@@ -1,8 +1,11 @@
 """The supervised warm-up resumes from its checkpoints exactly: interrupted at step k or not, same result."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from config import Config
 from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.checkpoint import CheckpointManager
@@ -35,9 +38,11 @@ def _examples():
 
 def _warmup(model, checkpoints=None, interval=0, stop=None, resume=True, **run_options):
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), dims=ParallelDims(world_size=1))
-    warm = SFTWarmup(
-        model, _examples(), CharTokenizer(), env, steps=STEPS, batch_size=4, lr=1e-2, micro_batch_tokens=64, seed=5
+    cfg = Config()
+    training = dataclasses.replace(
+        cfg.training, sft_warmup_steps=STEPS, sft_batch_size=4, sft_lr=1e-2, micro_batch_tokens=64
     )
+    warm = SFTWarmup(training, cfg.optimizer, model, _examples(), CharTokenizer(), env, seed=5)
     runner = None
     if checkpoints is not None:
         runner = PhaseRunner(
@@ -90,7 +95,7 @@ class StopAfter:
     def __init__(self, n):
         self.n, self.calls, self.signal_name = n, 0, None
 
-    def requested(self, dist_env):
+    def requested(self, dist_env, anyone=None):
         self.calls += 1
         if self.calls >= self.n:
             self.signal_name = "SIGTERM"

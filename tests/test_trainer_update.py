@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import OneProcess
+from dist_utils import GlooRanks, OneProcess
 from numerics import cascade_sum_rtol
 
 from config import Config
@@ -20,6 +20,7 @@ from rl.advantage import group_advantages
 from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rl.loss import AGG_MODES, policy_loss
+from trainer.observers import TrainWatch, no_display
 from trainer.scoring import Sample
 from trainer.update import TrainPhase
 
@@ -166,7 +167,9 @@ def _train(groups, cfg, lr=0.0):
     model = build_model(ARGS, seed=0).double()
     start = copy.deepcopy(model)
     optimizer = _RecordingSGD(model.parameters(), lr=lr)
-    stats = TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, OneProcess()).run(1, groups).metrics()
+    stats = (
+        TrainPhase(cfg, model, optimizer, _NoSchedule(), OneProcess(), TrainWatch(no_display)).run(1, groups).metrics()
+    )
     return start, optimizer.updates, stats
 
 
@@ -242,20 +245,6 @@ def test_a_mini_batch_with_every_sample_masked_is_no_update():
     _assert_grads_match(updates[0][1], start, start, groups[:1], cfg)
 
 
-class _GlooDataParallel(OneProcess):
-    """One data-parallel rank of a gloo job (plain modules: the test sums the ranks' gradients itself)."""
-
-    def __init__(self, rank, world_size):
-        self.dp_rank, self.dp_size, self.world_size, self.rank = rank, world_size, world_size, rank
-
-    def all_reduce(self, values, op="sum", group="dp"):
-        import torch.distributed as dist
-
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-        return tensor.tolist()
-
-
 DP_GROUPS = dict(num_groups=4, truncate_second=True, truncate_groups=(3,))  # rank 1 holds the masked group
 
 
@@ -272,7 +261,9 @@ def _dp_rank_grads(rank, world_size):
         )
         model = build_model(ARGS, seed=0).double()
         optimizer = _RecordingSGD(model.parameters(), lr=0.0)
-        TrainPhase.from_config(model, optimizer, _NoSchedule(), cfg, _GlooDataParallel(rank, world_size)).run(1, share)
+        TrainPhase(cfg, model, optimizer, _NoSchedule(), GlooRanks(rank, world_size), TrainWatch(no_display)).run(
+            1, share
+        )
         out[agg] = optimizer.updates[0][1]
     return out
 
@@ -303,7 +294,7 @@ def test_a_step_with_nothing_to_train_on_is_no_update_and_no_schedule_step():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))  # train.py's warm-up
     cfg = _config(algorithm__overlong_filter=True, training__train_batch_size=4, training__mini_batch_size=2)
-    phase = TrainPhase.from_config(model, optimizer, scheduler, cfg, OneProcess())
+    phase = TrainPhase(cfg, model, optimizer, scheduler, OneProcess(), TrainWatch(no_display))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Every group dropped by dynamic sampling; then every sample overlong-filtered.

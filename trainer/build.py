@@ -23,11 +23,13 @@ from parallel.device_memory import return_cached_memory
 from parallel.sharded_policy import build_sharded_policy
 from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_prompts, rows_to_examples
 from rl.filter import DynamicBatchBuilder
-from rollout.engine import PartialEngine
+from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
 from run.folder import prepare_run_folder, run_folder_path
+from run.guard import GuardedEngine
 from run.lock import FolderLock
 from tasks.catalog import synthetic_task_rows
+from trainer.observers import RolloutWatch, TrainWatch, display_for
 from trainer.optimizer import build_optimizer
 from trainer.rollout_phase import RolloutPhase
 from trainer.types import Sample
@@ -52,7 +54,7 @@ class Components:
     eval_set: list[PromptExample]
     sampler: PromptSampler
     policy: Qwen2
-    engine: PartialEngine
+    engine: GuardedEngine  # the rollout engine as every call reaches it (run/guard.py)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
@@ -100,14 +102,21 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
     warn_if_fewer_than_a_round(cfg, len(train_set))
 
-    policy, engine = build_policy_and_engine(cfg, dist)
+    policy, raw_engine = build_policy_and_engine(cfg, dist)
+    engine = GuardedEngine(raw_engine, dist, call_timeout_s=cfg.rollout.call_timeout_s)  # its runner: the Trainer's
     fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
     optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused)
-    builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder.from_config(
-        cfg.algorithm, cfg.training.train_batch_size // dist.dp_size
+    alg, display = cfg.algorithm, display_for(cfg.metrics, dist)
+    builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder(
+        cfg.training.train_batch_size // dist.dp_size,  # this rank's share of a batch
+        alg.max_num_gen_batches,
+        max_staleness=alg.carry_over_max_staleness,
+        enabled=alg.dynamic_sampling,
+        metric=alg.filter_metric,
     )
-    rollout = RolloutPhase.from_config(cfg, engine, sampler, builder, tokenizer, dist)
-    update = TrainPhase.from_config(policy, optimizer, scheduler, cfg, dist)
+    watch = RolloutWatch(engine, builder, display)
+    rollout = RolloutPhase(cfg, engine, sampler, builder, tokenizer, dist.dp_rank, watch)
+    update = TrainPhase(cfg, policy, optimizer, scheduler, dist, TrainWatch(display))
     return Components(
         dist,
         run_path,
@@ -136,7 +145,7 @@ def warn_if_fewer_than_a_round(cfg: Config, prompts: int) -> None:
         )
 
 
-def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, PartialEngine]:
+def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engine]:
     """train.py's build order on GPUs the engine shares: the sharded policy first (parallel/sharded_policy.py:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout engine,
     which sizes its KV pool from the memory free when it starts."""

@@ -1,10 +1,10 @@
 """The DAPO trainer: one iteration of Algorithm 1 (`StepPhases.step`, which `Trainer` runs) over the components
 train.py built once (trainer/build.py), and the phases around the loop (resume, warm-up, evaluation, the end).
 
-Every call into the rollout engine goes through one guard (run/guard.py): it runs on every rank, the ranks
+The rollout engine is the run's guarded one (run/guard.py GuardedEngine): each call runs on every rank, the ranks
 agree on how it went, and a failure on any of them checkpoints the last completed step and stops every rank
-(an engine whose process died included: the policy lives in the trainer's process and is intact); a signal
-stops the run at the next phase boundary with a checkpoint. The warm-up and the loop run under a phase runner
+(an engine whose process died or hung included: the policy lives in the trainer's process and is intact); a
+signal stops the run at the next phase boundary with a checkpoint. The warm-up and the loop run under a phase runner
 (run/phase_runner.py: resume, interval checkpoints, stops). Every way out of a run goes through
 `Trainer.close`: the rollout engine is shut down, the signal handlers restored, the run folder released, and
 the row of a step that completed but was not logged yet is written.
@@ -12,48 +12,61 @@ the row of a step that completed but was not logged yet is written.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from config import Config
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import discard_reports_after, run_held_out_eval
 from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
-from observe.progress import Progress
 from parallel.checkpoint import CheckpointManager
 from parallel.device_memory import return_cached_memory
 from parallel.hf_export import export_hf
 from rollout.weight_sync import sync_weights
 from run.folder import WARMUP_CHECKPOINTS, mark_finished
-from run.guard import Guard
+from run.guard import GuardedEngine
 from run.phase_runner import Checkpointed, PhaseRunner
 from run.signals import GracefulStop
 from run.state import LoopPosition, TrainState
 from trainer.build import Components
+from trainer.observers import display_for
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
-from trainer.types import RolloutBatch
+from trainer.types import RolloutGroup
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
 if TYPE_CHECKING:
+    from config.schema import AlgorithmConfig
     from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
-    from rollout.engine import Engine
+    from rl.stats import FilterStats
 
 log = logging.getLogger("train")
 
 
-class StepPhases(Protocol):
+def on_shortfall(filtered: FilterStats, step: int, algorithm: AlgorithmConfig) -> None:
+    """A batch dynamic sampling left short after its last round: trained on with one line (on_shortfall "fill"),
+    or the run stopped (on_shortfall "raise")."""
+    short = int(filtered.shortfall.result())
+    if short:
+        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
+        rounds, most = filtered.rounds.result(), algorithm.max_num_gen_batches
+        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {most}"
+        message += " generation rounds"
+        if algorithm.on_shortfall == "raise":
+            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
+        log.warning("%s; training on the smaller batch", message)
+
+
+class StepPhases:
     """One step's phases in the order that sharing the GPUs with the engine requires: the engine takes its
     memory back (the trainer's cached blocks handed back first), generates and frees its KV cache for
     training; the trainer trains; the new weights go into the engine. `Trainer` runs them; the rehearsal
-    (preflight/rehearsal.py) runs the same sequence over stand-ins and measures each phase. Each engine call
-    goes through `guard` (run/guard.py)."""
+    (preflight/rehearsal.py) runs the same sequence over stand-ins and measures each phase. The engine is the
+    run's guarded one (run/guard.py): its calls run on every rank and stop every rank on a failure."""
 
-    guard: Guard
-    engine: Engine
+    engine: GuardedEngine
     policy: Qwen2
     dist: DistEnv
     bucket_bytes: int  # of the weight sync (rollout.weight_sync_bucket_mb)
@@ -61,33 +74,38 @@ class StepPhases(Protocol):
     def step(self, step: int) -> None:
         """One iteration of Algorithm 1: dynamic-sampling rollouts, the DAPO updates, the weights to the engine."""
         times = StepTimes()  # the step's clock
-        with self.guard.as_of_now():  # until the update, a stop saves the step as not begun
-            batch = self.rollouts(step)  # lines 3-8
-        record = self.train(step, batch, times)  # lines 9-12
-        self.guard.call(f"step {step}, weight sync", self.sync_weights)  # the new policy into the engine
+        groups = self.rollouts(step)  # lines 3-8
+        record = self.train(step, groups, times)  # lines 9-12
+        self.sync_weights()  # the new policy into the engine
         self.after_step(step, record)
 
-    def rollouts(self, step: int) -> RolloutBatch:
+    def rollouts(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 with the engine's memory around them: taken back to generate, released for training."""
-        self.guard.call(f"step {step}, resume", self.resume_engine)
-        batch = self.generate(step)  # generate, score, filter until the batch is full
-        self.guard.call(f"step {step}, release", self.engine.release_memory, boundary=True)  # room for training
-        return batch
+        self.resume_engine()
+        groups = self.generate(step)  # generate, score, filter until the batch is full
+        self.release_engine()  # room for training
+        return groups
 
     def resume_engine(self) -> None:
         return_cached_memory(self.dist)
         self.engine.resume_memory()
+
+    def release_engine(self) -> None:
+        self.engine.release_memory()
 
     def sync_weights(self) -> None:
         """The policy's weights into the engine, in place (the first bucket maps the engine's weights back)."""
         return_cached_memory(self.dist)
         sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
 
-    def generate(self, step: int) -> RolloutBatch: ...
+    def generate(self, step: int) -> list[RolloutGroup]:
+        raise NotImplementedError
 
-    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord: ...
+    def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
+        raise NotImplementedError
 
-    def after_step(self, step: int, record: StepRecord) -> None: ...
+    def after_step(self, step: int, record: StepRecord) -> None:
+        raise NotImplementedError
 
 
 class Trainer(StepPhases):
@@ -95,52 +113,49 @@ class Trainer(StepPhases):
 
     def __init__(self, cfg: Config, parts: Components):
         self.cfg, self.parts, self.dist = cfg, parts, parts.dist
-        self.engine, self.policy, self.bucket_bytes = (
-            parts.engine,
-            parts.policy,
-            cfg.rollout.weight_sync_bucket_mb << 20,
-        )
+        self.engine, self.policy = parts.engine, parts.policy
+        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
         self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
+        self.position = parts.sampler.state_dict(), parts.builder.state_dict()  # the data's, as of the last step
         self.stop = GracefulStop()  # listening from `resume` on
         checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
         saved = Checkpointed(parts.policy, parts.optimizer, parts.scheduler, lambda: self.state.step, self.extra)
         interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
         self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
-        self.guard = Guard(self.dist, self.runner)
+        self.engine.runner = self.runner  # a failure in an engine call checkpoints through it
         self.metrics: MetricsWriter | None = None
         self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
+        self.display = display_for(cfg.metrics, self.dist)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
-    def generate(self, step: int) -> RolloutBatch:
-        """Lines 3-8 on this rank: generation rounds until every rank's batch is full (trainer/rollout_phase.py)."""
-        with self.progress(self.parts.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
-            return self.parts.rollout.collect(step, self.guard, bar)
+    def generate(self, step: int) -> list[RolloutGroup]:
+        """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring) is agreed
+        on by every rank, and a short batch is trained on or stops the run (algorithm.on_shortfall)."""
+        with self.engine.failures_agreed(f"step {step}, rollout"):
+            groups, filtered = self.parts.rollout.collect(step)
+            on_shortfall(filtered, step, self.cfg.algorithm)
+        return groups
 
-    def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
+    def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""
         times.lap()  # the rollout phase's time is in its metrics
-        with self.progress(None, f"step {step} train", "micro-batches") as bar:
-            record = StepRecord(batch.metrics, self.parts.update.run(step, batch.groups, progress=bar), times)
+        record = StepRecord(self.parts.rollout.watch.metrics, self.parts.update.run(step, groups), times)
         times.train = times.lap()
         self.state.step, self.unlogged = step, (step, record)
+        self.position = self.parts.sampler.state_dict(), self.parts.builder.state_dict()
         record.reduce(self.dist)  # one all-reduce per kind
         self.state.tokens += int(record.train.train_tokens.result())
         cfg = self.cfg
-        args = (self.parts.policy.args, batch.groups, times.train, self.dist)
+        args = (self.parts.policy.args, groups, times.train, self.dist)
         record.mfu = training_mfu(*args, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
         return record
 
     # --- Checkpoints, metrics, evaluation ----------------------------------------------------------
     def extra(self) -> dict[str, Any]:
-        """The loop's state and the data's position, as plain data for a checkpoint."""
-        p = self.parts
-        return {**self.state.state_dict(), **LoopPosition.of(p.sampler, p.builder, p.rollout.unfinished).plain()}
-
-    def progress(self, total: int | None, desc: str, unit: str) -> Progress:
-        return Progress(
-            total=total, desc=desc, unit=unit, enabled=self.cfg.metrics.progress and self.dist.is_main, leave=False
-        )
+        """The loop's state and the data's position after the last completed step, as plain data for a
+        checkpoint (one taken during a step's rollouts saves that step as not begun)."""
+        return {**self.state.state_dict(), **LoopPosition.of(*self.position).plain()}
 
     def write(self, step: int, row: dict[str, Any]) -> None:
         assert self.metrics is not None, "resume() opens metrics.jsonl"
@@ -150,11 +165,10 @@ class Trainer(StepPhases):
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
         args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step)
-        with self.progress(-(-len(p.eval_set) // self.dist.dp_size), f"eval at step {step}", "problems") as bar:
-            evaluation = functools.partial(
-                run_held_out_eval, *args, strict_box=alg.strict_box, progress=bar, pass_at=ev.pass_at
-            )
-            return self.guard.call(f"the evaluation at step {step}", evaluation)
+        problems = -(-len(p.eval_set) // self.dist.dp_size)
+        with self.display(problems, f"eval at step {step}", "problems") as bar:
+            with self.engine.failures_agreed(f"the evaluation at step {step}"):
+                return run_held_out_eval(*args, strict_box=alg.strict_box, pass_at=ev.pass_at, progress=bar)
 
     # --- Around the loop ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -162,10 +176,12 @@ class Trainer(StepPhases):
         p = self.parts
         saved = self.runner.resume() if self.cfg.checkpoint.resume else None
         if saved is not None:
-            p.rollout.unfinished = LoopPosition.pop_from(saved).restore(p.sampler, p.builder)
+            LoopPosition.pop_from(saved).restore(p.sampler, p.builder)
             self.state.load_state_dict(saved)
+            self.position = p.sampler.state_dict(), p.builder.state_dict()
             log.info("resumed from step %d", self.state.step)
-            self.guard.call("resume", self.sync_weights)
+            with self.engine.failures_agreed("resume"):
+                self.sync_weights()
         self.resumed_at = self.state.step  # an evaluation report of this step is of the weights resumed
         if self.dist.is_main:
             discard_reports_after(p.run_path, self.state.step)
@@ -185,9 +201,7 @@ class Trainer(StepPhases):
         if not training.sft_warmup_steps or self.state.sft_done:
             return
         start = time.perf_counter()
-        warm = SFTWarmup.from_config(
-            training, cfg.optimizer, p.policy, p.train_set, p.tokenizer, self.dist, seed=cfg.job.seed
-        )
+        warm = SFTWarmup(training, cfg.optimizer, p.policy, p.train_set, p.tokenizer, self.dist, seed=cfg.job.seed)
         checkpoints = CheckpointManager(f"{p.run_path}/{WARMUP_CHECKPOINTS}", keep=1)
         runner = PhaseRunner(
             checkpoints,
@@ -198,7 +212,7 @@ class Trainer(StepPhases):
             step_name="supervised warm-up step",
             last_step=training.sft_warmup_steps,  # its end is checkpointed as the DAPO loop's step 0
         )
-        with self.progress(training.sft_warmup_steps, "warm-up", "steps") as bar:
+        with self.display(training.sft_warmup_steps, "warm-up", "steps") as bar:
             warm.run(
                 runner,
                 resume=cfg.checkpoint.resume,
@@ -209,7 +223,8 @@ class Trainer(StepPhases):
         if cfg.checkpoint.enabled:  # the warm-up's end, as step 0: a rerun goes on from here
             self.runner.save()
         discard_warmup_checkpoints(checkpoints, self.dist.is_main)
-        self.guard.call("the weight sync after the warm-up", self.sync_weights)
+        with self.engine.failures_agreed("the weight sync after the warm-up"):
+            self.sync_weights()
         log.info("supervised warm-up: %d steps in %.1fs", training.sft_warmup_steps, time.perf_counter() - start)
 
     def evaluate_at_start(self) -> None:
@@ -238,7 +253,8 @@ class Trainer(StepPhases):
         self.runner.end_of_step()
         skipped = self.state.skipped.in_a_row
         if skipped >= self.cfg.training.max_nonfinite_steps:
-            self.guard.stop(RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved"))
+            error = RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved")
+            self.runner.stop_with_checkpoint(error)
 
     def finish(self) -> None:
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""

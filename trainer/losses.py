@@ -17,13 +17,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from model.logprob import DEFAULT_CHUNK, token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
 from rl.correction import truncated_is_weights
-from rl.loss import clipped_token_loss, token_mean
-from rl.loss_modes import Normalisers, aggregate
+from rl.loss import policy_loss
 from rl.stats import ClipStats
 from trainer.packing import MicroBatch
 
 if TYPE_CHECKING:
-    from config.schema import AlgorithmConfig, LossAgg, RolloutConfig
+    from config.schema import AlgorithmConfig, RolloutConfig
     from model.qwen2 import Qwen2
 
 
@@ -74,64 +73,48 @@ class PassStats:
     logp: torch.Tensor
 
 
-@dataclass(frozen=True)
 class DAPOLoss:
-    """The DAPO policy loss of one micro-batch (Eq. 10, then Eq. 8), with the run's settings: built once from
-    the [algorithm] and [rollout] sections (`from_config`), then called with data only.
+    """The DAPO policy loss of one micro-batch (Eq. 10, then Eq. 8) with the run's [algorithm] settings: built
+    once from the [algorithm] and [rollout] sections, then called with data only.
 
-        l = clipped_token_loss(log pi, log pi_old, A; eps_low, eps_high, c)      Eq. 10, per token
-        loss = token_mean(l, N_tokens of the whole mini-batch)                   Eq. 8
+        loss, clip = policy_loss(log pi, log pi_old, A, mask; eps_low, eps_high, c, N_tokens)   rl/loss.py
 
     With the mini-batch's global count N_tokens (`GlobalCounts`), each micro-batch's loss is its share, so the
     gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py). Table 1's other
-    `agg` modes divide by their own counts (rl/loss_modes.py).
+    algorithm.loss_agg modes divide by their own counts (rl/loss_modes.py). The log-probs are at the rollout's
+    temperature (rollout.logprob_temperature); seq-mean-token-sum-norm divides by rollout.max_response_length.
     """
 
-    clip_low: float  # eps_low of Eq. 10
-    clip_high: float  # eps_high of Eq. 10 (clip-higher)
-    clip_c: float  # dual clip c for A < 0
-    agg: LossAgg  # token-mean (Eq. 8) or a sample-level mode
-    temperature: float  # log-probs at the rollout's temperature (rollout.logprob_temperature)
-    norm_len: float | None  # seq-mean-token-sum-norm's constant length (rollout.max_response_length)
-    truncated_is: bool = False  # min(pi_old / pi_rollout, cap) on fresh samples too (rl/correction.py)
-    is_cap: float = 2.0
-    chunk_size: int = DEFAULT_CHUNK  # rows of the output head at a time (model/logprob.py)
-
-    @classmethod
-    def from_config(cls, algorithm: AlgorithmConfig, rollout: RolloutConfig) -> DAPOLoss:
-        return cls(
-            clip_low=algorithm.clip_low,
-            clip_high=algorithm.clip_high,
-            clip_c=algorithm.clip_c,
-            agg=algorithm.loss_agg,
-            temperature=rollout.logprob_temperature,
-            norm_len=rollout.max_response_length,
-            truncated_is=algorithm.truncated_is,
-            is_cap=algorithm.truncated_is_cap,
-        )
+    def __init__(self, algorithm: AlgorithmConfig, rollout: RolloutConfig, chunk_size: int = DEFAULT_CHUNK):
+        self.algorithm, self.chunk_size = algorithm, chunk_size  # chunk_size: output-head rows at a time
+        self.temperature, self.norm_len = rollout.logprob_temperature, rollout.max_response_length
 
     def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, PassStats]:
         """This micro-batch's share of the mini-batch loss, and what it tells the step's metrics."""
         logp, entropy = micro_batch_logprobs(model, mb, temperature=self.temperature, chunk_size=self.chunk_size)
         assert entropy is not None  # asked for: with_entropy defaults to True
         assert mb.old_logp is not None, "pi_old is filled before the updates (trainer/update.py)"
-        valid = mb.mask > 0
-        per_token, clip = clipped_token_loss(
+        alg = self.algorithm
+        loss, clip = policy_loss(
             logp,
             mb.old_logp,
             mb.advantages,
-            valid,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            clip_c=self.clip_c,
+            mb.mask,
+            clip_low=alg.clip_low,
+            clip_high=alg.clip_high,
+            clip_c=alg.clip_c,
+            agg=alg.loss_agg,
+            global_num_tokens=counts.tokens,
+            global_num_seqs=counts.seqs,
             token_weights=self.importance_weights(mb),
+            # groups never straddle ranks, but may straddle micro-batches: mb.group_tokens holds their counts
+            group_ids=mb.group_ids,
+            group_num_tokens=mb.group_tokens,
+            global_num_groups=counts.groups,
+            norm_len=self.norm_len,
         )
-        if self.agg == "token-mean":
-            loss = token_mean(per_token, valid, counts.tokens)
-        else:  # groups never straddle ranks, but may straddle micro-batches: mb.group_tokens holds their counts
-            norm = Normalisers(counts.seqs, mb.group_ids, mb.group_tokens, counts.groups, self.norm_len)
-            loss = aggregate(per_token, valid, self.agg, norm)
         with torch.no_grad():
+            valid = mb.mask > 0
             entropy_sum = (entropy.float() * valid).sum()
             token_prob_sum = (logp.detach().float().exp() * valid).sum()
         return loss, PassStats(clip, entropy_sum, token_prob_sum, logp.detach())
@@ -139,11 +122,11 @@ class DAPOLoss:
     def importance_weights(self, mb: MicroBatch) -> torch.Tensor:
         """Truncated importance sampling (rl/correction.py): min(pi_old / pi_rollout, cap) per token. Samples of
         carried-over groups were drawn by an earlier policy, so they always get it (decoupled PPO: the clip
-        stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only when
-        truncated_is is on, to absorb engine/trainer numeric differences."""
+        stays anchored at pi_old, the weight corrects for the behaviour policy); fresh samples only with
+        algorithm.truncated_is, to absorb engine/trainer numeric differences."""
         assert mb.old_logp is not None
-        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=self.is_cap)
-        if not self.truncated_is:
+        weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=self.algorithm.truncated_is_cap)
+        if not self.algorithm.truncated_is:
             weights = torch.where(mb.stale.unsqueeze(1), weights, torch.ones_like(weights))
         return weights
 

@@ -6,8 +6,7 @@ weights have not moved yet). The update hands the probe every log-prob it comput
 (`MismatchProbe.saw`); the probe measures each micro-batch once, into the step's metrics.
 
     mean |delta|, max |delta|, k3 = E[exp(delta) - 1 - delta], share of |p_trainer - p_engine| > 0.1
-    with delta = log p_trainer - log p_engine over the valid tokens of fresh samples, and apart over the tokens
-    of partial rollout's continued samples that an earlier step's policy generated
+    with delta = log p_trainer - log p_engine over the valid tokens of fresh samples
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ class MismatchProbe:
     """The update's hook for one step: measures the micro-batches `first` (the first mini-batch's, whose
     loss pass runs at the step-start weights) and every recomputed pi_old, each once."""
 
-    def __init__(self, metrics: MismatchMetrics, continued: MismatchMetrics, first: list[MicroBatch]):
-        self.metrics, self.continued, self.unmeasured = metrics, continued, list(first)
+    def __init__(self, metrics: MismatchMetrics, first: list[MicroBatch]):
+        self.metrics, self.unmeasured = metrics, list(first)
 
     def saw(self, trainer_logp: torch.Tensor, mb: MicroBatch, *, step_start: bool = False) -> None:
         """The trainer's log-probs of `mb`: measured if they are at the step-start weights (`step_start`, or
@@ -50,11 +49,9 @@ class MismatchProbe:
         if not step_start and not any(mb is m for m in self.unmeasured):
             return
         self.unmeasured = [m for m in self.unmeasured if m is not mb]
-        # Fresh tokens: carried-over samples and the older tokens of continued ones differ by design (an older
-        # policy drew them); those older tokens are measured apart, loss mask or not (rollout.partial_mask_older).
-        fresh = mb.mask * ~mb.stale.unsqueeze(1) * ~mb.older
+        # Fresh tokens: carried-over samples differ by design (an older policy drew them).
+        fresh = mb.mask * ~mb.stale.unsqueeze(1)
         _add(self.metrics, mismatch_metrics(trainer_logp, mb.rollout_logp, fresh))
-        _add(self.continued, mismatch_metrics(trainer_logp, mb.rollout_logp, mb.older & (mb.layout >= 0)))
 
     def warn_if_above(self, tolerance: float, step: int, setting: str) -> None:
         """Where the engine's log-probs serve as pi_old: warn when they differ from the trainer's by more."""

@@ -55,15 +55,12 @@ def build_optimizer(
 
 
 class OptimizerStep:
-    """One update of `model` by `optimizer` (module docstring); grad_clip 0: the norm is measured, not clipped."""
+    """One update of `model` by `optimizer` (module docstring), with the [optimizer] section's grad_clip (0: the
+    norm is measured, not clipped)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_clip: float):
-        self.model, self.optimizer, self.grad_clip = model, optimizer, grad_clip
+    def __init__(self, opt: OptimizerConfig, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer, self.grad_clip = model, optimizer, opt.grad_clip
         self.skipped = SkippedUpdates()
-
-    @classmethod
-    def from_config(cls, opt: OptimizerConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerStep:
-        return cls(model, optimizer, grad_clip=opt.grad_clip)
 
     def __call__(self, where: str) -> float | None:
         """Clip, step, zero, check; returns the gradient norm, or None for a skipped update. `where` names the

@@ -1,4 +1,4 @@
-"""Turn engine completions into scored groups: reward (rule + soft overlong punishment) per sample.
+"""Engine completions -> scored groups: the rule reward of every sample, plus the soft overlong punishment (Eq. 13).
 
     score_i = R_rule(o_i) + R_length(|o_i|)      R_rule = +1 / -1 (rl/reward.py), R_length = Eq. 13
 
@@ -12,82 +12,47 @@ overlong penalty, the recipe's default) or `score`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rl.filter import ScoredGroup
 from rl.reward import overlong_penalty, rule_score
-from rollout.engine import Completion, check_completions
 from trainer.types import RolloutGroup, Sample
 
 if TYPE_CHECKING:
     from config import Config
     from model.tokenizer import Tokenizer
     from rl.data import PromptExample
-
-
-@dataclass(frozen=True)
-class RewardSettings:
-    """The reward's settings: L_max (rollout.max_response_length) and the soft overlong punishment's buffer
-    L_cache and factor (Eq. 13), and the rule reward's boxed-only mode."""
-
-    max_response_length: int
-    overlong_penalty: bool = True
-    overlong_buffer: int = 4096
-    overlong_penalty_factor: float = 1.0
-    strict_box: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> RewardSettings:
-        alg = cfg.algorithm
-        return cls(
-            cfg.rollout.max_response_length,
-            alg.overlong_penalty,
-            alg.overlong_buffer,
-            alg.overlong_penalty_factor,
-            alg.strict_box,
-        )
+    from rollout.engine import Completion
 
 
 def score_groups(
-    examples: list[PromptExample],
+    examples: Sequence[PromptExample],
     completions: Sequence[Completion],
-    n: int,
     tokenizer: Tokenizer,
-    settings: RewardSettings,
-    stop_ids: set[int],
+    cfg: Config,
     step: int = 0,
 ) -> list[RolloutGroup]:
-    """Score the n completions of every prompt; one RolloutGroup per prompt."""
-    check_completions(completions, len(examples), n)
+    """One RolloutGroup per prompt from its n completions (grouped by prompt, as the engine's generate returns
+    them). The rule reward of each (algorithm.strict_box: boxed answers only), plus, with
+    algorithm.overlong_penalty, Eq. 13 with L_max = rollout.max_response_length, L_cache = algorithm.overlong_buffer."""
+    n, algorithm, max_response_length = (
+        len(completions) // max(len(examples), 1),
+        cfg.algorithm,
+        cfg.rollout.max_response_length,
+    )
     groups = []
     for p, example in enumerate(examples):
         samples = []
         for c in completions[p * n : (p + 1) * n]:
-            result = rule_score(
-                tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=settings.strict_box
-            )
+            stop_ids, strict_box = tokenizer.stop_ids, algorithm.strict_box
+            result = rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
             score = result["score"]
-            if settings.overlong_penalty:
-                score += overlong_penalty(
-                    len(c.token_ids),
-                    settings.max_response_length,
-                    settings.overlong_buffer,
-                    settings.overlong_penalty_factor,
-                )
+            if algorithm.overlong_penalty:
+                length, buffer, factor = len(c.token_ids), algorithm.overlong_buffer, algorithm.overlong_penalty_factor
+                score += overlong_penalty(length, max_response_length, buffer, factor)
+            acc, pred = bool(result["acc"]), result["pred"]
             samples.append(
-                Sample(
-                    example,
-                    list(c.token_ids),
-                    list(c.logprobs),
-                    c.finish_reason,
-                    bool(result["acc"]),
-                    float(score),
-                    result["pred"],
-                    step,
-                )
+                Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason, acc, score, pred, step)
             )
-        groups.append(
-            ScoredGroup(payload=samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples))
-        )
+        groups.append(ScoredGroup(samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples)))
     return groups

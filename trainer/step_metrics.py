@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
 from observe.plot import plot_run
-from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, logged, over_ranks, row
+from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, add, logged, over_ranks, row
+from rl.stats import ClipStats, FilterStats
 from trainer.mismatch import MismatchMetrics
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
     from config.schema import MetricsConfig
     from parallel.dist_env import DistEnv
-    from rl.filter import FilterStats
     from trainer.losses import PassStats
     from trainer.types import RolloutGroup
 
@@ -58,78 +58,27 @@ class SampleMetrics:
 
 
 @dataclass
-class PartialMetrics:
-    """Partial rollout (rollout.partial): the batch's continued samples (started in an earlier step's rollout)
-    and their tokens generated under older weights, as shares of the batch's; their age in steps; the groups
-    stopped unfinished at a round's end and those dropped for age (rollout.partial_max_age)."""
-
-    continued_share: Mean = logged("continued_share", Mean)
-    continued_token_share: Mean = logged("continued_token_share", Mean)
-    age: Mean = logged("age/mean", Mean)  # of the continued samples
-    age_max: Max = logged("age/max", Max)
-    stopped: Sum = logged("groups_stopped", Sum)
-    dropped_old: Sum = logged("groups_dropped_old", Sum)
-
-    def add(self, groups: Iterable[RolloutGroup]) -> None:
-        samples = [s for g in groups for s in g.payload]
-        continued = [s for s in samples if s.age > 0]
-        self.continued_share.add(float(len(continued)), len(samples))
-        tokens = sum(len(s.response_ids) for s in samples)
-        self.continued_token_share.add(float(sum(s.continued_tokens for s in continued)), tokens)
-        self.age.add(float(sum(s.age for s in continued)), len(continued))
-        for s in continued:
-            self.age_max.add(float(s.age))
-
-
-@dataclass
 class RolloutMetrics:
     """A step's rollout phase: what it generated (the panel's view of the policy: also a step whose groups
-    were all dropped shows it), what it trained on (kept groups, carried-over ones included), and the groups.
-    The shares are of the groups generated: NaN on a step served entirely from carried-over groups."""
+    were all dropped shows it), what it trained on (kept groups, carried-over ones included), what dynamic
+    sampling did (rl/stats.py FilterStats, the builder's own record), and the phase's times."""
 
     generated: SampleMetrics = logged("", SampleMetrics)
     kept: SampleMetrics = logged("kept/", SampleMetrics)
-    kept_share: Mean = logged("groups/kept_share", Mean)
-    all_correct_share: Mean = logged("groups/all_correct_share", Mean)
-    all_wrong_share: Mean = logged("groups/all_wrong_share", Mean)
-    rounds: Count = logged("gen/rounds", Count, SAME)
-    samples: Sum = logged("gen/samples", Sum)  # the x axis of accuracy against generated samples (DAPO Fig. 6)
-    samples_per_kept_sample: Mean = logged("gen/samples_per_kept_sample", Mean)
-    in_batch: Sum = logged("groups/in_batch", Sum)
-    # Where the batch came from: carried-over groups used, surplus carried to the next step, stale ones
-    # dropped, and the groups missing from a short batch (on_shortfall = "fill").
-    from_carry: Sum = logged("groups/from_carry", Sum)
-    carried_over: Sum = logged("groups/carried_over", Sum)
-    dropped_stale: Sum = logged("groups/dropped_stale", Sum)
-    shortfall: Sum = logged("groups/shortfall", Sum)
-    tokens: Sum = logged("gen/tokens", Sum)  # generated in this step's rounds (stopped samples' included)
-    partial: PartialMetrics = logged("partial/", PartialMetrics)
+    filter: FilterStats = logged("", FilterStats)
+    tokens: Sum = logged("gen/tokens", Sum)  # generated in this step's rounds
     generate_s: Sum = logged("time/generate", Sum, MAX)  # the slowest rank's
-    score_s: Sum = logged("time/score", Sum, MAX)
+    score_s: Sum = logged("time/score", Sum, MAX)  # scoring and filtering
 
-    def add_generated(self, groups: list[RolloutGroup], score_s: float) -> None:
-        """Finished groups just scored (in `score_s` seconds), with the tokens this step generated for them."""
+    def add_generated(self, groups: list[RolloutGroup]) -> None:
+        """Groups just scored, with the tokens this step generated for them."""
         self.generated.add(groups)
-        self.score_s.add(score_s)
-        self.tokens.add(float(sum(len(s.response_ids) - s.continued_tokens for g in groups for s in g.payload)))
+        self.tokens.add(float(sum(len(s.response_ids) for g in groups for s in g.payload)))
 
-    def add_batch(self, batch: tuple[list[RolloutGroup], FilterStats], group_size: int) -> list[RolloutGroup]:
-        """The batch dynamic sampling handed out (rl/filter.py), counted with what the filter did."""
-        groups, f = batch
+    def add_batch(self, batch: tuple[list[RolloutGroup], FilterStats]) -> None:
+        """The batch dynamic sampling handed out (rl/filter.py), and what the filter did."""
+        groups, self.filter = batch
         self.kept.add(groups)
-        self.kept_share.add(f.groups_kept, f.groups_generated)
-        self.all_correct_share.add(f.all_correct, f.groups_generated)
-        self.all_wrong_share.add(f.all_wrong, f.groups_generated)
-        self.rounds.add(f.rounds)
-        self.samples.add(f.samples_generated)
-        self.samples_per_kept_sample.add(f.samples_generated, f.groups_kept * group_size)
-        self.in_batch.add(f.groups_in_batch)
-        self.from_carry.add(f.groups_from_carry)
-        self.carried_over.add(f.groups_carried_over)
-        self.dropped_stale.add(f.groups_dropped_stale)
-        self.shortfall.add(f.shortfall)
-        self.partial.add(groups)
-        return groups
 
 
 @dataclass
@@ -138,11 +87,7 @@ class TrainMetrics:
     optimizer updates (which every rank runs alike), and the engine/trainer mismatch."""
 
     loss: Mean = logged("loss", Mean, (SUM, SAME))  # each update's mini-batch loss: its shares summed over ranks
-    pg_clipfrac: Mean = logged("pg_clipfrac", Mean)
-    pg_clipfrac_lower: Mean = logged("pg_clipfrac_lower", Mean)
-    pg_clipfrac_upper: Mean = logged("pg_clipfrac_upper", Mean)
-    clipped_upper_prob: Mean = logged("token_prob/clipped_upper_mean", Mean)  # of the upper-clipped tokens
-    ppo_kl: Mean = logged("ppo_kl", Mean)
+    clip: ClipStats = logged("", ClipStats)  # Eq. 10's, over the trained tokens (rl/stats.py)
     entropy: Mean = logged("entropy", Mean)
     token_prob: Mean = logged("token_prob/mean", Mean)
     grad_norm: Mean = logged("grad_norm", Mean, (SAME, SAME))  # of the updates that were not skipped
@@ -151,20 +96,12 @@ class TrainMetrics:
     lr: Sum = logged("lr", Sum, SAME)  # the rate this step ran at
     train_tokens: Sum = logged("train_tokens", Sum)  # valid tokens trained on (once, whatever ppo_epochs)
     mismatch: MismatchMetrics = logged("mismatch/", MismatchMetrics)
-    continued_mismatch: MismatchMetrics = logged("partial/mismatch/", MismatchMetrics)  # older-policy tokens
 
     def add_pass(self, stats: PassStats) -> None:
         """One micro-batch's loss pass, weighted by its valid tokens."""
-        clip = stats.clip
-        n = float(clip.num_tokens)
-        upper = float(clip.pg_clipfrac_upper) * n
-        self.pg_clipfrac.add(float(clip.pg_clipfrac) * n, n)
-        self.pg_clipfrac_lower.add(float(clip.pg_clipfrac_lower) * n, n)
-        self.pg_clipfrac_upper.add(upper, n)
-        self.clipped_upper_prob.add(float(clip.clipped_upper_prob) * upper, upper)
-        self.ppo_kl.add(float(clip.ppo_kl) * n, n)
-        self.entropy.add(float(stats.entropy_sum), n)
-        self.token_prob.add(float(stats.token_prob_sum), n)
+        add(self.clip, stats.clip)
+        self.entropy.add(float(stats.entropy_sum), stats.clip.num_tokens)
+        self.token_prob.add(float(stats.token_prob_sum), stats.clip.num_tokens)
 
     def add_update(self, loss: float, grad_norm: float | None) -> None:
         """One optimizer update: its mini-batch loss (this rank's share) and gradient norm (None: skipped)."""

@@ -16,20 +16,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from observe.progress import Progress
 from rl.advantage import group_advantages
 from rl.reward import overlong_filter_mask
 from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
-from trainer.mismatch import MismatchProbe
 from trainer.optimizer import OptimizerStep
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.step_metrics import TrainMetrics
 
 if TYPE_CHECKING:
     from config import Config
-    from config.schema import AlgorithmConfig, TrainingConfig
     from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
+    from trainer.observers import TrainWatch
     from trainer.types import RolloutGroup
 
 
@@ -41,10 +39,8 @@ def pack_items_for_groups(
     overlong_filter: bool,
     group_offset: int = 0,
     step: int = 0,
-    mask_older: bool = False,
 ) -> list[list[PackItem]]:
-    """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight; mask_older: the
-    tokens an earlier step's policy generated (partial rollout) enter no loss."""
+    """One list of PackItems per group: each sample with its Eq. 9 advantage and its loss weight."""
     out = []
     for g, group in enumerate(groups):
         samples = group.payload
@@ -69,11 +65,9 @@ def pack_items_for_groups(
                     sample.rollout_logprobs,
                     group_id=group_offset + g,
                     stale=sample.step < step,
-                    older_tokens=sample.continued_tokens,
-                    loss_from=sample.continued_tokens if mask_older else 0,
                 )
             )
-        tokens = sum(max(len(it.response_ids) - it.loss_from, 0) for it in items if it.loss_weight > 0)
+        tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
         for it in items:
             it.group_num_tokens = tokens
         out.append(items)
@@ -163,70 +157,33 @@ def fill_old_logprobs(
 
 
 class TrainPhase:
-    """The updates of a step, built once from the run's sections (`from_config`) and called with data.
-
-    model: the policy; optimizer_step: its AdamW step (trainer/optimizer.py), scheduler: the learning-rate
-    schedule; loss: the DAPO loss (trainer/losses.py); training: the [training] section; algorithm: the
-    [algorithm] section (advantage and overlong-filter settings); old_logprobs: where pi_old comes from
-    (`old_logprob_source`); share_prompts: one prompt copy per group (`shares_prompts`); mask_older: no loss on
-    the tokens of continued samples an earlier step's policy generated (partial rollout; else their pi_old is the
-    engine's log-prob, the generating policy's).
-    """
+    """The updates of a step, built once (the run's configuration, the policy, its optimizer and schedule, the
+    ranks, the phase's observer) and called with data every step (`run`)."""
 
     def __init__(
         self,
-        model: Qwen2,
-        optimizer_step: OptimizerStep,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        dist_env: DistEnv,
-        loss: DAPOLoss,
-        *,
-        training: TrainingConfig,
-        algorithm: AlgorithmConfig,
-        old_logprobs: str,
-        share_prompts: bool,
-        mask_older: bool = False,
-    ):
-        self.model, self.optimizer_step, self.scheduler = model, optimizer_step, scheduler
-        self.dist, self.device, self.loss = dist_env, dist_env.device, loss
-        self.training, self.algorithm = training, algorithm
-        self.old_logprobs, self.share_prompts, self.mask_older = old_logprobs, share_prompts, mask_older
-
-    @classmethod
-    def from_config(
-        cls,
+        cfg: Config,
         model: Qwen2,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        cfg: Config,
         dist_env: DistEnv,
-    ) -> TrainPhase:
-        """The phase with the sections and decisions of `cfg` it reads."""
-        return cls(
-            model,
-            OptimizerStep.from_config(cfg.optimizer, model, optimizer),
-            scheduler,
-            dist_env,
-            DAPOLoss.from_config(cfg.algorithm, cfg.rollout),
-            training=cfg.training,
-            algorithm=cfg.algorithm,
-            old_logprobs=old_logprob_source(cfg),
-            share_prompts=shares_prompts(cfg, dist_env, dist_env.device),
-            mask_older=cfg.rollout.partial_mask_older,
-        )
+        watch: TrainWatch,
+    ):
+        self.cfg, self.model, self.scheduler, self.dist, self.watch = cfg, model, scheduler, dist_env, watch
+        self.training, self.algorithm = cfg.training, cfg.algorithm
+        self.optimizer_step = OptimizerStep(cfg.optimizer, model, optimizer)
+        self.loss = DAPOLoss(cfg.algorithm, cfg.rollout)
+        self.old_logprobs = old_logprob_source(cfg)  # where pi_old comes from
+        self.share_prompts = shares_prompts(cfg, dist_env, dist_env.device)  # one prompt copy per group
 
-    def run(self, step: int, groups: list[RolloutGroup], progress: Progress | None = None) -> TrainMetrics:
+    def run(self, step: int, groups: list[RolloutGroup]) -> TrainMetrics:
         """Lines 9-12 on this rank's `groups`: advantages and mini-batches (`mini_batches`), pi_old, then for
         each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
-        rank's training metrics (StepRecord.reduce combines the ranks'). progress: set to the number of
-        micro-batches to run and advanced after each (None: no display)."""
-        metrics = TrainMetrics()
-        mini_batches = self.mini_batches(step, groups, metrics)
-        mismatch = MismatchProbe(metrics.mismatch, metrics.continued_mismatch, mini_batches[0] if mini_batches else [])
+        rank's training metrics (StepRecord.reduce combines the ranks')."""
+        mini_batches = self.mini_batches(step, groups)
+        metrics = self.watch.start(step, mini_batches, self.training.ppo_epochs)
         self.model.train()
-        self.fill_old_logprobs(mini_batches, mismatch)
-        progress = progress or Progress(enabled=False)
-        progress.set_total(sum(len(mbs) for mbs in mini_batches) * self.training.ppo_epochs)
+        self.fill_old_logprobs(mini_batches)
         metrics.lr.add(self.optimizer_step.optimizer.param_groups[0]["lr"])  # the rate this step runs at
         for _ in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
@@ -235,10 +192,12 @@ class TrainPhase:
                     # Nothing to train on in this mini-batch on any rank: a short batch (on_shortfall = "fill")
                     # left it empty, or overlong filtering masked every sample. No update, and nothing that
                     # would enter the logged loss or grad norm as a zero.
-                    progress.update(len(mbs))
+                    self.watch.skipped(len(mbs))
                     continue
-                shares = [self.loss_pass(mb, counts, metrics, mismatch, progress) for mb in mbs]
-                metrics.add_update(sum(shares), self.optimizer_step(f"step {step}, mini-batch {index}"))
+                loss = 0.0
+                for mb in mbs:
+                    loss += self.loss_pass(mb, counts)
+                self.watch.update(loss, self.optimizer_step(f"step {step}, mini-batch {index}"))
         if metrics.updates.result() > metrics.skipped.result():
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
@@ -246,13 +205,12 @@ class TrainPhase:
             # up warm-up either; the schedule's position is checkpointed with it.
             self.scheduler.step()
         if self.old_logprobs == "rollout":
-            mismatch.warn_if_above(ROLLOUT_LOGP_TOLERANCE, step, self.algorithm.old_logprobs)
-        return metrics
+            self.watch.probe.warn_if_above(ROLLOUT_LOGP_TOLERANCE, step, self.algorithm.old_logprobs)
+        return self.watch.finish()
 
-    def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]], mismatch: MismatchProbe) -> None:
+    def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]]) -> None:
         """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones are
-        measured against the engine's (`mismatch`). Every rank runs as many forwards as the rank that needs the
-        most (FSDP)."""
+        measured against the engine's. Every rank runs as many forwards as the rank that needs the most (FSDP)."""
         source = self.old_logprobs
         needed = [float(sum(needs_recompute(mb, source) for mb in mbs)) for mbs in mini_batches]
         most = self.dist.all_reduce(needed, op="max") if source == "rollout" else needed
@@ -260,14 +218,11 @@ class TrainPhase:
         for mbs, m in zip(mini_batches, most):
             for mb in fill_old_logprobs(self.model, mbs, temperature, chunk, source, at_least=int(m)):
                 assert mb.old_logp is not None  # just filled
-                mismatch.saw(mb.old_logp, mb, step_start=True)
-            for mb in mbs:  # partial rollout: an older token's pi_old is the policy that generated it
-                assert mb.old_logp is not None
-                mb.old_logp = torch.where(mb.older, mb.rollout_logp.to(mb.old_logp.dtype), mb.old_logp)
+                self.watch.recomputed(mb.old_logp, mb)
 
-    def mini_batches(self, step: int, groups: list[RolloutGroup], metrics: TrainMetrics) -> list[list[MicroBatch]]:
+    def mini_batches(self, step: int, groups: list[RolloutGroup]) -> list[list[MicroBatch]]:
         """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
-        as many on every rank; their valid tokens counted in `metrics`."""
+        as many on every rank."""
         alg = self.algorithm
         num_updates = self.training.train_batch_size // self.training.mini_batch_size
         group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
@@ -278,31 +233,20 @@ class TrainPhase:
             overlong_filter=alg.overlong_filter,
             group_offset=group_offset,
             step=step,
-            mask_older=self.mask_older,
         )
-        metrics.train_tokens.add(float(sum(items[0].group_num_tokens for items in group_items if items)))
         mini_batches = []
         for mini in split_into_mini_batches(group_items, num_updates):
             tokens, tp = self.training.micro_batch_tokens, self.dist.dims.tp
             mbs = pack_micro_batches(mini, tokens, tp, share_prompts=self.share_prompts) if mini else []
-            mini_batches.append([mb.to(self.device) for mb in equalize_micro_batch_count(mbs, self.dist)])
+            mini_batches.append([mb.to(self.dist.device) for mb in equalize_micro_batch_count(mbs, self.dist)])
         return mini_batches
 
-    def loss_pass(
-        self,
-        mb: MicroBatch,
-        counts: GlobalCounts,
-        metrics: TrainMetrics,
-        mismatch: MismatchProbe,
-        progress: Progress,
-    ) -> float:
+    def loss_pass(self, mb: MicroBatch, counts: GlobalCounts) -> float:
         """Forward, the DAPO loss (Eq. 10, 8), backward: returns the micro-batch's share of the mini-batch loss
-        (its one host read); its statistics go to `metrics`, its log-probs to the mismatch probe."""
+        (its one host read)."""
         loss, stats = self.loss(self.model, mb, counts)
         loss.backward()
-        metrics.add_pass(stats)
-        mismatch.saw(stats.logp, mb)
-        progress.update(1)
+        self.watch.loss_pass(stats, mb)
         return loss.item()
 
     def global_counts(self, mbs: list[MicroBatch]) -> GlobalCounts:

@@ -41,7 +41,8 @@ log = logging.getLogger("train")
 
 class SFTWarmup:
     """Teacher forcing on solved examples, one AdamW step at a time; `done` steps so far. Built once from the
-    [training] section (`from_config`), then run under a phase runner (`run`).
+    [training] section (sft_warmup_steps, sft_batch_size, sft_lr, micro_batch_tokens) and the [optimizer] one
+    (grad_clip), then run under a phase runner (`run`).
 
     Every data-parallel rank draws its own share of each batch. The optimizer is separate from DAPO's
     (its state would otherwise bias DAPO's first updates); a linear decay to 10% keeps the end stable. Its
@@ -50,18 +51,14 @@ class SFTWarmup:
 
     def __init__(
         self,
+        training: TrainingConfig,
+        opt: OptimizerConfig,
         model: Qwen2,
         examples: Sequence[PromptExample],
         tokenizer: Tokenizer,
         dist_env: DistEnv,
         *,
-        steps: int,
-        batch_size: int,
-        lr: float,
-        micro_batch_tokens: int,
         seed: int = 0,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
     ):
         self.solved = [e for e in examples if e.solution]
         if not self.solved:
@@ -69,41 +66,17 @@ class SFTWarmup:
                 "the supervised warm-up needs examples with worked solutions (extra_info.solution); "
                 "set training.sft_warmup_steps = 0 for this data set"
             )
+        steps, batch_size = training.sft_warmup_steps, training.sft_batch_size
         if batch_size % dist_env.dp_size:
             raise ValueError(f"sft_batch_size {batch_size} does not divide over {dist_env.dp_size} data-parallel ranks")
         self.model, self.tokenizer, self.steps = model, tokenizer, steps
-        self.micro_batch_tokens, self.dist_env, self.device = micro_batch_tokens, dist_env, dist_env.device
+        self.micro_batch_tokens, self.dist_env, self.device = training.micro_batch_tokens, dist_env, dist_env.device
         self.share = batch_size // dist_env.dp_size
         self.rng = random.Random(f"sft-{seed}-{dist_env.dp_rank}")
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=training.sft_lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 - 0.9 * s / max(1, steps))
-        self.optimizer_step = OptimizerStep(model, self.optimizer, grad_clip=grad_clip)
+        self.optimizer_step = OptimizerStep(opt, model, self.optimizer)
         self.done = 0
-
-    @classmethod
-    def from_config(
-        cls,
-        training: TrainingConfig,
-        optimizer: OptimizerConfig,
-        model: Qwen2,
-        examples: Sequence[PromptExample],
-        tokenizer: Tokenizer,
-        dist_env: DistEnv,
-        *,
-        seed: int,
-    ) -> SFTWarmup:
-        return cls(
-            model,
-            examples,
-            tokenizer,
-            dist_env,
-            steps=training.sft_warmup_steps,
-            batch_size=training.sft_batch_size,
-            lr=training.sft_lr,
-            micro_batch_tokens=training.micro_batch_tokens,
-            seed=seed,
-            grad_clip=optimizer.grad_clip,
-        )
 
     def checkpointed(self) -> Checkpointed:
         """What the warm-up's checkpoints hold: the model, its own AdamW and schedule, the steps done and
