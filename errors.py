@@ -2,7 +2,7 @@
 
     UserError            bad input: one line `<kind>: <message>` naming the file or key and the fix, exit 2
       ConfigError        a configuration key, file or flag (config/)
-      DataError          a prompt data file (rl/data.py)
+      DataError          a prompt data file (data/prompts.py)
       CheckpointError    an HF checkpoint directory, or one of the run's own checkpoints (model/, parallel/)
       RunFolderError     a run folder in use by another run, or one that cannot be prepared (trainer/)
       WriteError         a file the run writes, on a full disk or a read-only or forbidden folder (`writing`)

@@ -65,7 +65,7 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isfile(os.path.join(path, "hf", "config.json")):
         return os.path.join(path, "hf")
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run folder whose run has not finished
-        from parallel.checkpoint import CheckpointManager
+        from checkpoint.manager import CheckpointManager
 
         steps = CheckpointManager(os.path.join(path, "checkpoints")).complete_steps()
         at = f"its newest checkpoint is step {steps[-1]}" if steps else "it has no checkpoint yet"

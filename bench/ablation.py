@@ -50,8 +50,8 @@ import tomllib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from checkpoint.manager import CheckpointManager  # noqa: E402
 from config import ConfigError, config_to_dict, load_config  # noqa: E402
-from parallel.checkpoint import CheckpointManager  # noqa: E402
 from run.folder import finished_at  # noqa: E402
 
 TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")

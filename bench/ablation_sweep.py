@@ -8,7 +8,7 @@
 Each lr is a one-rung ladder of bench/ablation.py in DIR/lr-X/ (its own ladder.json: the task config with the
 overrides and optimizer.lr = X). The warm-up runs once, in the first lr's folder; the others start from a copy
 of it: the warm-up trains at training.sft_lr and never steps the DAPO optimizer, and a run started from its
-checkpoint trains at its own configured lr (parallel/optimizer_settings.py). Resumable like the ladder.
+checkpoint trains at its own configured lr (checkpoint/optimizer_settings.py). Resumable like the ladder.
 
 Per lr: pg_clipfrac (the share of trained tokens whose ratio was clipped) and pg_clipfrac_upper (at 1 + eps_high),
 means over the steps; the entropy of the first and the last 5 steps; the held-out accuracy at every evaluation

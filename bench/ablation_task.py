@@ -116,9 +116,9 @@ def generate(cfg, policy_dir: str, prompts: int):
     `policy_dir`/hf, scored with the configuration's reward; returns (groups, response texts)."""
     import torch
 
+    from checkpoint.sharded_policy import build_policy
+    from data.prompts import PromptSampler
     from parallel.dist_env import init_distributed
-    from parallel.sharded_policy import build_policy
-    from rl.data import PromptSampler
     from rl.reward import response_text
     from rollout.engine_spec import EngineSpec
     from run.guard import GuardedEngine

@@ -3,8 +3,8 @@
 Baseline ("unhashed save"): what a checkpoint save did before content hashes: DCP's stock FileSystemWriter
 (fsync on), the train state through safetensors' save_file, a manifest of file sizes, the rename. Measured:
   - "hashed write": the same DCP write through the hashing writer (XXH3-128 of the bytes as written);
-  - "verified save": CheckpointManager.save as a run calls it: hashed writes, every file read back and
-    compared, the manifest, the rename;
+  - "verified save": CheckpointManager.save as a run calls it: hashed, fsynced writes, the manifest, the
+    rename (a save no longer reads its files back: checkpoint/manager.py);
   - "verify on resume": reading every file of the checkpoint and checking it, as a resume does before it
     loads (next to "load", the DCP load itself).
 Each for a model at the CPU demo's size and one of a few hundred MB (AdamW state included), alternately,
@@ -33,10 +33,10 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import xxhash  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from checkpoint.files import WrittenFiles, hashing_writer  # noqa: E402
+from checkpoint.manager import MANIFEST, CheckpointManager  # noqa: E402
 from model.args import get_preset  # noqa: E402
 from model.qwen2 import build_model  # noqa: E402
-from parallel.checkpoint import MANIFEST, CheckpointManager  # noqa: E402
-from parallel.checkpoint_files import WrittenFiles, hashing_writer  # noqa: E402
 
 SIZES = {
     "demo": get_preset("demo"),

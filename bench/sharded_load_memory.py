@@ -1,7 +1,7 @@
 """Host memory of loading a checkpoint into a sharded policy: each rank reading only its rows vs the whole model.
 
-Measured: train.py's build (parallel/sharded_policy.py build_sharded_policy), whose ranks read only the rows of their
-shards (parallel/hf_load.py). Baseline, in the same run: the same sharded model filled the way it was filled
+Measured: train.py's build (checkpoint/sharded_policy.py build_sharded_policy), whose ranks read only the rows of their
+shards (checkpoint/hf_load.py). Baseline, in the same run: the same sharded model filled the way it was filled
 before, the whole fp32 policy built on every rank (model/hf.py load_hf) and then sliced (copy_into_shards).
 Each rank's high-water mark of resident memory (VmHWM, reset before) above its resident set at the start.
 The checkpoint is written by transformers' save_pretrained in bf16, in several files with an index.
@@ -34,9 +34,9 @@ LAYOUTS = {"fsdp": ["parallelism.dp_shard=-1"], "fsdp-tp": ["parallelism.dp_shar
 def _load(rank, world_size, path, layout, whole_first):
     from torch.distributed.tensor import DTensor
 
+    from checkpoint.sharded_policy import build_policy, build_sharded_policy, copy_into_shards, shard_policy
     from config import load_config
     from parallel.dist_env import init_distributed
-    from parallel.sharded_policy import build_policy, build_sharded_policy, copy_into_shards, shard_policy
 
     return_freed_memory_at_once()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

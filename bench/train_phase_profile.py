@@ -77,10 +77,10 @@ def demo_overrides(policy: str, micro_batch_tokens: int) -> list[str]:
 def build(config: str, overrides: list[str]):
     """The configuration, the policy and its engine, and one generated batch of train_batch_size prompts
     (one round, no dynamic sampling): (cfg, dist, model, engine, groups, prompts, sampling params)."""
+    from checkpoint.sharded_policy import build_policy
     from config import load_config
+    from data.prompts import PromptSampler
     from parallel.dist_env import init_distributed
-    from parallel.sharded_policy import build_policy
-    from rl.data import PromptSampler
     from rollout.engine_spec import EngineSpec
     from run.guard import GuardedEngine
     from trainer.build import build_tokenizer, load_datasets

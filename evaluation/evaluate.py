@@ -1,7 +1,7 @@
 """k samples per problem from an engine, each scored as training scores it: rl/reward.py `rule_score` on
 `response_text`, so the same tokens get the same reward in training and in evaluation. The engine is a guarded
 one (run/guard.py GuardedEngine: its generate checks what the engine returned and watches its progress). The
-estimators and the majority-vote rules are in rl/eval_metrics.py; the report in evaluation/report.py."""
+estimators and the majority-vote rules are in evaluation/metrics.py; the report in evaluation/report.py."""
 
 from __future__ import annotations
 
@@ -11,23 +11,21 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from data.prompts import load_split
+from evaluation.metrics import ProblemResult, pass_ks
 from evaluation.report import make_report
-from rl.data import load_prompts, rows_to_examples
-from rl.eval_metrics import ProblemResult, pass_ks
 from rl.reward import rule_score
-from rollout.engine import Completion, SamplingParams
-from tasks.catalog import synthetic_task_rows
+from rollout.engine import Completion, Generator, SamplingParams
 
 if TYPE_CHECKING:
     from config import Config
+    from data.prompts import PromptExample
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
-    from rl.data import PromptExample
-    from run.guard import GuardedEngine
 
 
 def evaluate(
-    engine: GuardedEngine,
+    engine: Generator,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,
@@ -39,7 +37,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Generate `params.n` (= k) samples for each example, score them, and summarise.
 
-    examples: distinct problems (rl/data.py PromptExample: prompt_ids, ground_truth, data_source);
+    examples: distinct problems (data/prompts.py PromptExample: prompt_ids, ground_truth, data_source);
         k comes from params.n, so a data set loaded with repeat > 1 is refused.
     progress: None/False for no display, True for one on stderr, or an object with `update(n, **postfix)`
         (e.g. observe.progress.Progress) that is advanced by the number of problems done, with the
@@ -62,7 +60,7 @@ def evaluate(
 
 
 def problem_results(
-    engine: GuardedEngine,
+    engine: Generator,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,
@@ -155,20 +153,7 @@ def params_from_config(cfg: Config, stop_token_ids: Sequence[int], seed: int | N
 def load_eval_set(cfg: Config, tokenizer: Tokenizer) -> list[PromptExample]:
     """The held-out problems of `data.eval_path` (a parquet file, or the synthetic task's eval split),
     prompts of at most data.max_prompt_length tokens, the first eval.eval_size of them."""
-    data = cfg.data
-    if data.eval_path == "synthetic":
-        rows = synthetic_task_rows(data, "eval")
-        examples = rows_to_examples(
-            rows,
-            tokenizer,
-            max_prompt_length=data.max_prompt_length,
-            overflow=data.prompt_overflow,
-            source_name="synthetic eval",
-        )[0]
-    else:
-        examples = load_prompts(
-            data.eval_path, tokenizer, max_prompt_length=data.max_prompt_length, overflow=data.prompt_overflow
-        )
+    examples = load_split(cfg.data, "eval", tokenizer)
     return examples[: cfg.eval.eval_size] if cfg.eval.eval_size else examples
 
 

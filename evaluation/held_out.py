@@ -12,17 +12,16 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from evaluation.evaluate import call_params, checked_pass_ks, score_completions
+from evaluation.metrics import ProblemResult
 from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
-from rl.eval_metrics import ProblemResult
-from rollout.engine import SamplingParams
+from rollout.engine import Generator, SamplingParams
 
 if TYPE_CHECKING:
+    from data.prompts import PromptExample
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
-    from rl.data import PromptExample
-    from run.guard import GuardedEngine
 
 
 # What a rank reports after its share: ("ok", its results) or ("failed", why).
@@ -55,7 +54,7 @@ def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | No
 
 
 def run_held_out_eval(
-    engine: GuardedEngine,
+    engine: Generator,
     examples: Sequence[PromptExample],
     tokenizer: Tokenizer,
     params: SamplingParams,

@@ -1,4 +1,4 @@
-"""The evaluation report: avg@k / pass@k / maj@k per data source and overall (rl/eval_metrics.py), as a
+"""The evaluation report: avg@k / pass@k / maj@k per data source and overall (evaluation/metrics.py), as a
 fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON file."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from errors import write_atomically
-from rl.eval_metrics import ProblemResult, summarize
+from evaluation.metrics import ProblemResult, summarize
 from rollout.engine import SamplingParams
 
 

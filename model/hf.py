@@ -190,7 +190,7 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
 
     The checkpoint is checked first (`checkpoint_layout`). A tied checkpoint's stored `lm_head.weight` is
     accepted only if it equals the embedding, and then dropped. A sharded model reads only its own rows
-    instead (parallel/hf_load.py).
+    instead (checkpoint/hf_load.py).
     """
     args = read_hf_config(path)
     with torch.device("meta"):

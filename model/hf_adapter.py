@@ -2,7 +2,7 @@
 shape it has, which dtypes it may store, how its config.json reads and how its weight files are named.
 
 Everything that crosses the HF boundary goes through here: loading and saving (model/hf.py), the export
-from shards (parallel/hf_export.py), the weight sync to an engine (rollout/weight_sync.py) and both
+from shards (checkpoint/hf_export.py), the weight sync to an engine (rollout/weight_sync.py) and both
 engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body
 (`layers.{i}.mlp.up_proj.weight` is `model.layers.{i}.mlp.up_proj.weight`; `lm_head.weight` keeps its name);
 `_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no

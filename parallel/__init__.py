@@ -9,7 +9,7 @@ compile.py               torch.compile per block, in place
 float8.py                torchao float8 linears (CUDA only)
 parallelize.py           parallelize_qwen2: TP -> float8 -> AC -> compile -> FSDP
 grad_clip.py             grad-norm clipping across FSDP/TP DTensor meshes
-checkpoint.py            atomic DCP checkpoints: model, optimizer, scheduler, train state; auto-resume
-hf_export.py             Hugging Face export from the sharded model
 plain_names.py           parameter names without torch.compile / checkpoint_wrapper components
+
+Checkpoints and Hugging Face I/O of the sharded policy are checkpoint/'s.
 """

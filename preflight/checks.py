@@ -7,9 +7,9 @@ import os
 from typing import TYPE_CHECKING
 
 from config.schema import Config
+from data.prompts import SCHEMA_COLUMNS, check_parquet_file
 from errors import ConfigError
 from model.args import PRESETS
-from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
 if TYPE_CHECKING:
     from preflight.machine import Machine
@@ -45,7 +45,7 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
     of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); the paths
     are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
-    only: an rl.data.DataError). Configuration problems raise ConfigError.
+    only: an data.prompts.DataError). Configuration problems raise ConfigError.
     """
     from preflight.limits import check_limits
 

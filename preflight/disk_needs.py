@@ -1,12 +1,12 @@
 """The disk a run needs, from its configuration: what it reads and the most its run folder holds.
 
     checkpoint in         the HF checkpoint of model.hf_path, in its stored dtype (bf16 for Qwen2.5's releases)
-    training checkpoint   one DCP checkpoint (parallel/checkpoint.py): the parameters in the training dtype
+    training checkpoint   one DCP checkpoint (checkpoint/manager.py): the parameters in the training dtype
                           and AdamW's two moments (exp_avg, exp_avg_sq) in the same dtype, P x 3 x dtype bytes
     at once               checkpoint.keep_latest_k + 1 of them: a new one is written and verified before the
                           oldest is pruned (CheckpointManager.save renames it complete, then _prune);
                           keep_latest_k = 0 keeps one per checkpoint.interval steps
-    HF export             the final policy in the training dtype (parallel/hf_export.py export_hf, no cast)
+    HF export             the final policy in the training dtype (checkpoint/hf_export.py export_hf, no cast)
 
 A few KB per checkpoint (manifest, index, train state, RNG states) are not counted.
 """

@@ -5,7 +5,7 @@ adds what else lives there. For each phase, one rank (its process and its GPU's 
 
     process     the trainer process itself: interpreter, torch, CUDA and NCCL host state (assumed:
                 [rehearse] host_process_gb, not measured)
-    load        the checkpoint read beside the shards (parallel/hf_load.py load_transient_bytes: one
+    load        the checkpoint read beside the shards (checkpoint/hf_load.py load_transient_bytes: one
                 tensor's resident pages); the load phase only
     params      CPU-offloaded fp32 parameter shards, pinned (see below)
     grads       CPU-offloaded fp32 gradient shards, pinned; cached from the first backward on
@@ -210,9 +210,9 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     rank's (possibly fake) sharded `policy` of architecture `args`."""
     from torch.distributed.tensor import DTensor
 
+    from checkpoint.hf_load import load_transient_bytes
     from model.args import num_params
     from model.hf_adapter import DTYPES
-    from parallel.hf_load import load_transient_bytes
     from preflight.disk_needs import checkpoint_dtype_and_bytes
 
     reh, offload, ro = cfg.rehearse, cfg.parallelism.cpu_offload, cfg.rollout

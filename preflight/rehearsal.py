@@ -6,8 +6,8 @@ data), so a 32B policy on 8 or 128 ranks needs seconds to minutes and no memory.
 phases in their real order, through the functions train.py itself calls:
 
     load + shard, engine start    train.py's build order (trainer/build.py build_policy_and_engine):
-                                  parallel/sharded_policy.py, then the engine of rollout/engine_spec.py as
-                                  a stand-in that holds memory by the engine's rules (rollout/sglang_memory.py)
+                                  checkpoint/sharded_policy.py, then the engine of rollout/engine_spec.py as
+                                  a stand-in that holds memory by the engine's rules (preflight/sglang_memory.py)
     then train.py's step itself (trainer/loop.py StepPhases.step), each engine call a phase:
     rollout                       the step's resume: the engine holds everything while it generates
     release                       engine.release_memory()
@@ -88,9 +88,9 @@ class EngineShare:
 
 def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
     """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
-    (rollout/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
+    (preflight/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
+    from preflight.sglang_memory import EngineMemoryError, plan_engine_memory
     from rollout.sglang_engine import RELEASED_TAGS, context_length_for
-    from rollout.sglang_memory import EngineMemoryError, plan_engine_memory
 
     ro = spec.rollout
     try:
@@ -176,7 +176,7 @@ def _gpu_parts(tracker: MemTracker, kind: str) -> dict[str, int]:
 
 def rehearsal_args(cfg: Config) -> ModelArgs:
     if cfg.model.hf_path:
-        from parallel.sharded_policy import policy_args
+        from checkpoint.sharded_policy import policy_args
 
         return policy_args(cfg.model)
     return get_preset(cfg.model.preset or cfg.rehearse.preset)
@@ -281,8 +281,8 @@ class _Phases(StepPhases):
     def build(self, fill: bool) -> None:
         """train.py's build order (trainer/build.py build_policy_and_engine): the sharded policy (its values
         only with `fill`: the memory of a rank's checkpoint read), the allocator's cache handed back, the engine."""
+        from checkpoint.sharded_policy import fill_policy, shard_policy
         from parallel.device_memory import return_cached_memory
-        from parallel.sharded_policy import fill_policy, shard_policy
 
         cfg = self.cfg
         with self.build_tracker:

@@ -30,11 +30,11 @@ import torch
 
 from rl import checks
 from rl.math_normalize import last_boxed_content, normalize_final_answer
-from rl.prompt_row import GroundTruth
 
 if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
 
+GroundTruth = str | tuple[str, ...]  # one answer, or the accepted answers (data/prompt_row.py reads a row's)
 SCORED_CHARS = 300
 BOXED_CHARS = 100
 _ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")

@@ -176,6 +176,15 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
+class Generator(Protocol):
+    """The engine as evaluation and the rollout phase call it: run/guard.py GuardedEngine, which turns an Engine's
+    submit and polls into generate (params.n completions per prompt, grouped by prompt) on every rank."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def resume_memory(self) -> None: ...
+
+
 def checked_bucket(
     named_tensors: Iterable[tuple[str, torch.Tensor]], weights: dict[str, tuple[torch.Size, torch.dtype]]
 ) -> list[tuple[str, torch.Tensor]]:

@@ -86,7 +86,6 @@ from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import EngineDied, Polled, SamplingParams, checked_bucket, validate_prompts
 from rollout.engine_process import EngineCallError, EngineProcess, describe
 from rollout.sglang_groups import GroupLedger, with_groups
-from rollout.sglang_memory import MEMORY_TAGS as _MEMORY_TAGS
 
 if TYPE_CHECKING:
     import sglang
@@ -99,8 +98,10 @@ _ProtocolState = tuple[bool, frozenset[str], frozenset[str], str | None, int]
 
 SGLANG_VERSION = "0.5.21"
 
+# sglang.srt.constants GPU_MEMORY_ALL_TYPES: the tags release/resume_memory_occupation know.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 # Released for training. Not the CUDA graphs: by default 0.5.21 does not capture them under the memory saver,
-# so releasing their tag frees nothing (rollout/sglang_memory.py); with SGLANG_MEMORY_SAVER_CUDA_GRAPH it would
+# so releasing their tag frees nothing (preflight/sglang_memory.py); with SGLANG_MEMORY_SAVER_CUDA_GRAPH it would
 # back them up to host and restore them every step, for ~1-1.5 GB per GPU (the rehearsal's ledger).
 RELEASED_TAGS = ("kv_cache", "weights")
 
@@ -438,7 +439,7 @@ class SGLangEngine:
 
         def resume() -> None:
             self._end_session()
-            rest = [tag for tag in _MEMORY_TAGS if tag in self._released]
+            rest = [tag for tag in MEMORY_TAGS if tag in self._released]
             if rest:
                 self._call("resume_memory_occupation", rest)
                 self._released -= set(rest)

@@ -29,9 +29,9 @@ import os
 import re
 import shutil
 
+from checkpoint.manager import CheckpointManager
 from errors import RunFolderError, write_atomically
 from evaluation.report import read_report
-from parallel.checkpoint import CheckpointManager
 from run.lock import FolderBusyError, FolderLock
 
 log = logging.getLogger("train")

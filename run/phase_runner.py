@@ -1,6 +1,6 @@
 """What every phase of a run does around its steps, in one place for the supervised warm-up and the DAPO loop:
 
-    resume       the phase's newest intact checkpoint (parallel/checkpoint.py verifies it first)
+    resume       the phase's newest intact checkpoint (checkpoint/manager.py verifies it first)
     interval     a checkpoint every `interval` steps (0: none)
     stop         after a first SIGTERM / SIGINT on any rank (run/signals.py): a checkpoint of the last
                  completed step, then StopRequested on every rank (train.py exits 143 / 130)
@@ -25,7 +25,7 @@ from parallel.finite import NonFiniteStateError
 from run.signals import StopRequested
 
 if TYPE_CHECKING:
-    from parallel.checkpoint import CheckpointManager
+    from checkpoint.manager import CheckpointManager
     from parallel.dist_env import DistEnv
     from run.signals import GracefulStop
 

@@ -6,10 +6,14 @@ the rows of a split, in the DAPO-Math-17k schema (tasks/arithmetic.py, tasks/cha
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from config.schema import DataConfig
+# The instruction DAPO-Math-17k wraps around every problem; the synthetic tasks ask theirs in it.
+DAPO_PROMPT_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
 
 # arithmetic: (operators, operands drawn from [0, limit)) per level
 ARITHMETIC_LEVELS = {1: ("+", 10), 2: ("+", 100), 3: ("+-", 100), 4: ("+-*", 100), 5: ("+-*", 1000)}
@@ -43,8 +47,6 @@ def in_eval_split(problem: str, eval_share: float) -> bool:
 
 def task_row(source: str, question: str, answer: int, extra_info: dict[str, object]) -> dict[str, Any]:
     """A row of the DAPO-Math-17k schema asking `question` inside DAPO's prompt template."""
-    from rl.data import DAPO_PROMPT_TEMPLATE
-
     return {
         "data_source": source,
         "prompt": [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=f"What is {question}?")}],
@@ -52,21 +54,3 @@ def task_row(source: str, question: str, answer: int, extra_info: dict[str, obje
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": extra_info,
     }
-
-
-def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
-    """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
-    data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed."""
-    from tasks.arithmetic import synthetic_arithmetic_rows
-    from tasks.chain import synthetic_chain_rows
-
-    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    if data.synthetic_task == "chain":
-        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )

@@ -3,7 +3,7 @@
 It answers the calls rollout/sglang_engine.py makes as the release does and refuses what the release
 refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from (paths inside the wheel):
 
-* Start: the engine sizes its memory by rollout/sglang_memory.py (the release's KV-pool rule, cited
+* Start: the engine sizes its memory by preflight/sglang_memory.py (the release's KV-pool rule, cited
   there) from the memory free on its GPUs at start, and fails as SGLang does when nothing is left.
 * Crashes: an exception inside a scheduler request handler ends the engine's process: the scheduler
   logs it and sends SIGQUIT to its parent, the process that owns the Engine (srt/managers/scheduler.py
@@ -97,7 +97,8 @@ import torch
 
 from model.hf import load_hf
 from model.hf_adapter import DTYPES, from_hf_name
-from rollout.sglang_memory import MEMORY_TAGS, EngineMemoryError, plan_engine_memory
+from preflight.sglang_memory import EngineMemoryError, plan_engine_memory
+from rollout.sglang_engine import MEMORY_TAGS
 
 MIB = 1 << 20
 FORCE_STREAM_INTERVAL = 50  # srt/environ.py SGLANG_FORCE_STREAM_INTERVAL's default

@@ -62,7 +62,7 @@ def test_the_regime_is_what_the_task_config_header_states(tmp_path):
     """The header of configs/ablation_cpu.toml states the updates per rollout step and where the soft punishment's
     buffer starts; the resolved configuration of every rung has those values, and the buffer starts beyond the
     longest worked solution of the task (so only a runaway answer reaches it)."""
-    from tasks.catalog import synthetic_task_rows
+    from data.prompts import synthetic_task_rows
     from tasks.chain import CHAIN_STYLES, chain_solution
     from trainer.build import build_tokenizer
 
@@ -303,7 +303,7 @@ def test_figures_are_drawn_small(tmp_path):
 
 def test_task_statistics_of_two_hand_made_groups():
     from bench.ablation_task import response_style, task_statistics
-    from rl.data import PromptExample
+    from data.prompts import PromptExample
     from rl.filter import ScoredGroup
     from trainer.types import Sample
 

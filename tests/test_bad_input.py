@@ -15,8 +15,8 @@ import torch
 
 import eval as eval_command
 import train
+from data.prompts import DataError, read_parquet_rows
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
-from rl.data import DataError, read_parquet_rows
 from tasks.arithmetic import synthetic_arithmetic_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,11 +9,11 @@ from torch.distributed.tensor import DTensor
 
 import rl.reward
 import train
+from checkpoint.sharded_policy import build_sharded_policy
 from config import load_config
 from model.args import get_preset
 from model.qwen2 import build_model
 from parallel.device_memory import observe_cache_returns
-from parallel.sharded_policy import build_sharded_policy
 from preflight.rehearsal import fake_dist_env, fake_job
 from rollout.engine_spec import EngineSpec
 from tests.dist_utils import run_ranks

@@ -12,10 +12,10 @@ import pytest
 import config
 from config import Config, ConfigError, config_to_dict, load_config, parse_cli, validate
 from config.loader import coerce
+from data.prompts import DataError
 from preflight.checks import check_runnable
 from preflight.limits import check_rollout_batch_fits
 from preflight.machine import Machine
-from rl.data import DataError
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests.parquet_rows import write_parquet_rows
 

@@ -4,11 +4,11 @@ import os
 
 import torch
 
+from checkpoint.hf_export import export_hf
+from checkpoint.manager import CheckpointManager
 from config import load_config
 from model.args import ModelArgs, num_params
 from model.qwen2 import build_model
-from parallel.checkpoint import CheckpointManager
-from parallel.hf_export import export_hf
 from preflight.disk_needs import run_disk_bytes
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

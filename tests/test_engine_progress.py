@@ -9,7 +9,7 @@ import pytest
 
 import rl.reward
 import train
-from parallel.checkpoint import CheckpointManager
+from checkpoint.manager import CheckpointManager
 from rollout.engine import EngineDied, Polled
 from rollout.torch_engine import TorchEngine
 from tests.dist_utils import run_ranks

@@ -16,6 +16,7 @@ import torch
 import eval as eval_command
 import evaluation.evaluate as evaluation
 from config import ConfigError
+from data.prompts import rows_to_examples
 from evaluation.evaluate import evaluate
 from evaluation.report import flat_metrics, format_table
 from model.args import PRESETS
@@ -23,7 +24,6 @@ from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import train_bpe_tokenizer
 from observe.progress import Progress
-from rl.data import rows_to_examples
 from rl.reward import compute_score
 from rollout.engine import Completion, Engine, EngineFailure, SamplingParams
 from rollout.torch_engine import TorchEngine

@@ -99,7 +99,7 @@ class ResidentLedger(MemoryLedger):
 
 
 def _resident(rank, world_size, cfg):
-    """train.py's phases on real gloo ranks, the policy read from the checkpoint (parallel/hf_load.py)."""
+    """train.py's phases on real gloo ranks, the policy read from the checkpoint (checkpoint/hf_load.py)."""
     from parallel.dims import ParallelDims
     from parallel.dist_env import DistEnv
 

@@ -74,8 +74,8 @@ def test_training_mfu_uses_the_configured_peak_and_all_devices():
     import torch
 
     from config import Config
+    from data.prompts import PromptExample
     from model.args import training_flops
-    from rl.data import PromptExample
     from trainer.scoring import Sample
     from trainer.step_metrics import training_mfu
 

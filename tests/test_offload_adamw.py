@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from checkpoint.manager import CheckpointManager
 from config.schema import OptimizerConfig
 from model.args import PRESETS
 from model.qwen2 import build_model
 from parallel.adamw import fused_adamw
-from parallel.checkpoint import CheckpointManager
 from parallel.fsdp import set_gradient_sum
 from parallel.grad_clip import clip_grad_norm_
 from trainer.optimizer import build_optimizer

@@ -9,9 +9,9 @@ from dist_utils import OneProcess
 from numerics import assert_close_to_float64
 
 from config import Config
+from data.prompts import PromptExample
 from model.args import PRESETS
 from model.qwen2 import build_model
-from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine

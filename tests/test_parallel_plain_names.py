@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from checkpoint.hf_export import export_hf
 from model.args import PRESETS
 from model.hf_adapter import iter_hf_tensors
 from model.qwen2 import build_model
-from parallel.hf_export import export_hf
 from parallel.plain_names import plain_name, plain_named_parameters
 
 

@@ -39,7 +39,7 @@ def small_config(world_size, **extra):
 
 def _measured(rank, world_size, cfg):
     """train.py's phases on real gloo ranks with real tensors, measured by PyTorch's memory trackers."""
-    import parallel.sharded_policy
+    import checkpoint.sharded_policy
     from parallel.dims import ParallelDims
     from parallel.dist_env import DistEnv
 
@@ -50,7 +50,7 @@ def _measured(rank, world_size, cfg):
     # and the "GPU" are one device); the shards it fills are allocated either way. Their values are whatever
     # the allocator left there: zeroed in place (no memory), so that the gradient norm is finite and the
     # optimizer step is not skipped.
-    shard_policy = parallel.sharded_policy.shard_policy
+    shard_policy = checkpoint.sharded_policy.shard_policy
 
     def zeroed(*args, **kwargs):
         policy = shard_policy(*args, **kwargs)
@@ -59,7 +59,7 @@ def _measured(rank, world_size, cfg):
                 p.zero_()
         return policy
 
-    parallel.sharded_policy.shard_policy = zeroed
+    checkpoint.sharded_policy.shard_policy = zeroed
     run_phases(cfg, DistEnv(rank, world_size, rank, torch.device("cpu"), dims), ledger, fill=False)
     return {row.phase: row.trainer_peak for row in ledger.rows}
 
@@ -148,7 +148,7 @@ def test_the_optimizer_step_holds_the_state_and_one_foreach_temporary():
 
 
 def test_an_engine_without_room_for_its_kv_pool_fails_at_engine_start(capsys):
-    """SGLang's rule (rollout/sglang_memory.py): the KV pool is sized from the memory free at engine start."""
+    """SGLang's rule (preflight/sglang_memory.py): the KV pool is sized from the memory free at engine start."""
     argv = [
         "--config",
         os.path.join(CONFIGS, "demo_cpu.toml"),

@@ -27,12 +27,12 @@ from sglang_model import (
     serialize,
 )
 
+from data.prompts import PromptExample
 from evaluation.evaluate import problem_results
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
-from rl.data import PromptExample
 from rollout.engine import Completion, SamplingParams
 from rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, check_sglang_version, context_length_for
 from rollout.sglang_groups import GroupRunner, completions_from_sglang, sglang_sampling_params

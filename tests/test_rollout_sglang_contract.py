@@ -1,6 +1,6 @@
 """Contract with sglang 0.5.21's own pure-Python pieces: our weight payloads and engine arguments, read by
 SGLang's FlattenedTensorBucket, MultiprocessingSerializer (its SafeUnpickler) and ServerArgs, and the rules of
-tests/sglang_model.py and rollout/sglang_memory.py that SGLang's code can check directly. Skipped where sglang
+tests/sglang_model.py and preflight/sglang_memory.py that SGLang's code can check directly. Skipped where sglang
 does not import (it needs a GPU build for everything else); on CPU it imports in a separate environment with
 `pip install --no-deps sglang==0.5.21` plus the light packages its imports name (orjson, psutil, pybase64,
 requests, triton, starlette, msgspec, pyzmq, IPython, aiohttp), e.g. run this file with that environment's
@@ -139,7 +139,7 @@ def test_the_strict_models_rules_are_sglangs():
     from sglang.srt.model_executor.cuda_graph_config import Backend, default_cuda_graph_config
     from sglang_model import ALLOWED_GLOBALS
 
-    from rollout.sglang_memory import prefill_cuda_graph_sizes
+    from preflight.sglang_memory import prefill_cuda_graph_sizes
 
     # The model's unpickler allows a subset of SafeUnpickler's list: it refuses all SGLang refuses.
     assert ALLOWED_GLOBALS <= SafeUnpickler.ALLOWED_GLOBALS

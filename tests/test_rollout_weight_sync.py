@@ -205,8 +205,8 @@ def test_a_failed_update_on_one_rank_stops_every_rank_at_that_bucket():
 
 
 def _after_no_grad_forward_worker(rank, world, folder):
+    from checkpoint.manager import CheckpointManager
     from model.args import PRESETS as presets
-    from parallel.checkpoint import CheckpointManager
     from parallel.dims import ParallelDims
     from parallel.parallelize import parallelize_qwen2
 

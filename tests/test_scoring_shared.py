@@ -7,9 +7,9 @@ import pytest
 from engines import ByGenerate, generate
 
 from config import Config
+from data.prompts import PromptExample
 from evaluation.evaluate import score_completions
 from model.tokenizer import ENDOFTEXT, IM_END, IM_START, train_bpe_tokenizer
-from rl.data import PromptExample
 from rl.reward import compute_score, response_text
 from rollout.engine import Completion, EngineFailure, SamplingParams
 from trainer.scoring import score_groups

@@ -7,7 +7,7 @@ import pytest
 from engines import ByGenerate
 from test_trainer_rollout_phase import collect_batch
 
-from rl.data import PromptExample, PromptSampler
+from data.prompts import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion
 

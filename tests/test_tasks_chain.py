@@ -5,8 +5,9 @@ import re
 import pytest
 
 from config import ConfigError, load_config
+from data.prompts import synthetic_task_rows
 from rl.reward import compute_score
-from tasks.catalog import CHAIN_LEVELS, problem_limit, synthetic_task_rows
+from tasks.catalog import CHAIN_LEVELS, problem_limit
 from tasks.chain import chain_solution, synthetic_chain_rows
 
 

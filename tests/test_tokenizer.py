@@ -167,8 +167,8 @@ def test_errors_name_the_problem(tmp_path, trained):
 
 def test_phrases_collapse_a_repeated_template_and_still_round_trip():
     from model.tokenizer import render_chat, train_bpe_tokenizer
-    from rl.data import DAPO_PROMPT_TEMPLATE
     from tasks.arithmetic import synthetic_arithmetic_rows
+    from tasks.catalog import DAPO_PROMPT_TEMPLATE
 
     rows = synthetic_arithmetic_rows(300, difficulty=2, seed=0)
     texts = [render_chat(r["prompt"]) + r["extra_info"]["solution"] for r in rows]

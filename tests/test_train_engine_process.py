@@ -14,12 +14,12 @@ import uuid
 import pytest
 
 import train
+from checkpoint.manager import CheckpointManager
 from config import load_config
 from model.args import get_preset
 from model.hf import save_hf
 from model.qwen2 import build_model
 from model.tokenizer import Tokenizer
-from parallel.checkpoint import CheckpointManager
 from rollout.engine import EngineDied
 from tests.dist_utils import run_ranks
 from tests.strict_engine_train import use_strict_model

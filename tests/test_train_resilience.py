@@ -19,8 +19,8 @@ import trainer.loop
 import trainer.observers
 import trainer.scoring
 import trainer.update
-from parallel.checkpoint import CheckpointManager
-from parallel.checkpoint_files import file_record
+from checkpoint.files import file_record
+from checkpoint.manager import CheckpointManager
 from rollout.torch_engine import TorchEngine
 from run.folder import RunFolderError, prepare_run_folder
 from tests.planted_train import planted_score

@@ -17,7 +17,7 @@ import rl.reward
 import train
 import trainer.loop
 import trainer.scoring
-from parallel.checkpoint import CheckpointError, CheckpointManager
+from checkpoint.manager import CheckpointError, CheckpointManager
 from parallel.finite import NonFiniteStateError
 from run.lock import FolderBusyError, FolderLock
 from tests.planted_train import planted_score
@@ -50,7 +50,7 @@ def test_a_run_resumes_from_the_newest_intact_checkpoint_and_says_which(tmp_path
     damaged = overwrite_16_bytes_inside_a_tensor(_checkpoints(tmp_path).step_path(2))
     with caplog.at_level("INFO"):
         assert train.main(overrides(str(tmp_path), steps=3)) == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "parallel.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "checkpoint.manager"]
     assert len(lines) == 1 and "step-00000002 is damaged" in lines[0] and damaged in lines[0], lines
     assert "resumed from step 1" in caplog.text
     assert [r["step"] for r in read_rows(str(tmp_path)) if "loss" in r] == [1, 2, 3]  # step 2 redone
@@ -173,7 +173,7 @@ def test_a_real_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_check
     disk.mkdir()
     argv = overrides(str(disk), steps=40, **{"checkpoint.keep_latest_k": 0})
     check = (
-        "import json, os, sys; from parallel.checkpoint import CheckpointManager; "
+        "import json, os, sys; from checkpoint.manager import CheckpointManager; "
         f"m = CheckpointManager({str(disk / 'run' / 'checkpoints')!r}); "
         "print(json.dumps({'listing': sorted(os.listdir(m.folder)), "
         "'intact': [m.validate(s) is None for s in m.complete_steps()]}))"

@@ -102,9 +102,9 @@ class _AnswerTokenizer:
 
 def _late_eval_worker(rank, world, store_path, run_path):
 
+    from data.prompts import PromptExample
     from evaluation.held_out import run_held_out_eval
     from parallel.dist_env import init_distributed
-    from rl.data import PromptExample
     from rollout.engine import SamplingParams
 
     # As above: the default group's timeout is shorter than one engine's evaluation (NCCL: 10 minutes).

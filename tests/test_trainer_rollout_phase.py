@@ -9,10 +9,10 @@ import torch
 from engines import ByGenerate
 
 from config import Config
+from data.prompts import PromptExample, PromptSampler
 from observe.records import row
 from parallel.dims import ParallelDims
 from parallel.dist_env import DistEnv
-from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure
 from run.guard import GuardedEngine

@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
+from checkpoint.manager import CheckpointManager
 from config import Config
+from data.prompts import PromptExample
 from model.args import PRESETS
 from model.qwen2 import build_model
-from parallel.checkpoint import CheckpointManager
 from parallel.dims import ParallelDims
 from parallel.dist_env import DistEnv
-from rl.data import PromptExample
 from run.phase_runner import PhaseRunner
 from run.signals import StopRequested
 from trainer.warmup import SFTWarmup

@@ -14,10 +14,10 @@ from dist_utils import GlooRanks, OneProcess
 from numerics import cascade_sum_rtol
 
 from config import Config
+from data.prompts import PromptExample
 from model.args import PRESETS
 from model.qwen2 import build_model
 from rl.advantage import group_advantages
-from rl.data import PromptExample
 from rl.filter import ScoredGroup
 from rl.loss import AGG_MODES, policy_loss
 from trainer.observers import TrainWatch, no_display

@@ -13,22 +13,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from checkpoint.sharded_policy import build_sharded_policy
 from config import config_to_dict
+from data.prompts import PromptExample, PromptSampler, load_split, synthetic_task_rows
 from errors import ConfigError
 from model.args import get_preset
 from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.adamw import fused_adamw
 from parallel.device_memory import return_cached_memory
-from parallel.sharded_policy import build_sharded_policy
-from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_prompts, rows_to_examples
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
 from run.folder import prepare_run_folder, run_folder_path
 from run.guard import GuardedEngine
 from run.lock import FolderLock
-from tasks.catalog import synthetic_task_rows
+from tasks.catalog import DAPO_PROMPT_TEMPLATE
 from trainer.observers import RolloutWatch, TrainWatch, display_for
 from trainer.optimizer import build_optimizer
 from trainer.rollout_phase import RolloutPhase
@@ -146,7 +146,7 @@ def warn_if_fewer_than_a_round(cfg: Config, prompts: int) -> None:
 
 
 def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engine]:
-    """train.py's build order on GPUs the engine shares: the sharded policy first (parallel/sharded_policy.py:
+    """train.py's build order on GPUs the engine shares: the sharded policy first (checkpoint/sharded_policy.py:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout engine,
     which sizes its KV pool from the memory free when it starts."""
     policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed)
@@ -190,24 +190,8 @@ def build_tokenizer(
 def load_datasets(
     data: DataConfig, tokenizer: Tokenizer, *, eval_size: int | None = None
 ) -> tuple[list[PromptExample], list[PromptExample]]:
-    """(train examples, eval examples) from parquet files or the synthetic task; eval_size: the first
-    eval_size held-out examples only (eval.eval_size; None: all)."""
-    max_len = data.max_prompt_length
-    overflow = data.prompt_overflow
-
-    def load(path: str, split: str) -> list[PromptExample]:
-        if path == "synthetic":
-            return rows_to_examples(
-                synthetic_task_rows(data, split),
-                tokenizer,
-                max_prompt_length=max_len,
-                overflow=overflow,
-                source_name=f"synthetic {split}",
-            )[0]
-        return load_prompts(path, tokenizer, max_prompt_length=max_len, overflow=overflow)
-
-    train = load(data.train_path, "train")
-    evals = load(data.eval_path, "eval") if data.eval_path else []
-    if eval_size:
-        evals = evals[:eval_size]
-    return train, evals
+    """(train examples, eval examples) from parquet files or the synthetic task (data/prompts.py load_split);
+    eval_size: the first eval_size held-out examples only (eval.eval_size; None: all)."""
+    train = load_split(data, "train", tokenizer)
+    evals = load_split(data, "eval", tokenizer) if data.eval_path else []
+    return train, evals[:eval_size] if eval_size else evals

@@ -16,22 +16,22 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from checkpoint.hf_export import export_hf
+from checkpoint.manager import CheckpointManager
 from config import Config
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import discard_reports_after, run_held_out_eval
 from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
-from parallel.checkpoint import CheckpointManager
 from parallel.device_memory import return_cached_memory
-from parallel.hf_export import export_hf
 from rollout.weight_sync import sync_weights
 from run.folder import WARMUP_CHECKPOINTS, mark_finished
 from run.guard import GuardedEngine
 from run.phase_runner import Checkpointed, PhaseRunner
 from run.signals import GracefulStop
-from run.state import LoopPosition, TrainState
 from trainer.build import Components
 from trainer.observers import display_for
+from trainer.state import LoopPosition, TrainState
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
 from trainer.types import RolloutGroup
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints

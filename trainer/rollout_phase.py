@@ -20,8 +20,8 @@ from trainer.scoring import score_groups
 if TYPE_CHECKING:
     from config import Config
     from config.schema import RolloutConfig
+    from data.prompts import PromptSampler
     from model.tokenizer import Tokenizer
-    from rl.data import PromptSampler
     from rl.filter import DynamicBatchBuilder, FilterStats
     from run.guard import GuardedEngine
     from trainer.observers import RolloutWatch

@@ -20,8 +20,8 @@ from trainer.types import RolloutGroup, Sample
 
 if TYPE_CHECKING:
     from config import Config
+    from data.prompts import PromptExample
     from model.tokenizer import Tokenizer
-    from rl.data import PromptExample
     from rollout.engine import Completion
 
 

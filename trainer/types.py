@@ -1,6 +1,6 @@
 """The data of one DAPO step, in the order it flows (a reader's first stop):
 
-PromptExample (rl/data.py)     a prompt's token ids, its chat messages and the ground truth
+PromptExample (data/prompts.py)     a prompt's token ids, its chat messages and the ground truth
 Sample                         one response to it: tokens, the engine's log-probs, how it ended, its reward
 RolloutGroup                   a prompt's G samples, scored: dynamic sampling (Eq. 11) reads their accuracy
 PackItem, MicroBatch           samples with their advantages (Eq. 9), packed into token-budgeted rows
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from rl.data import PromptExample
+from data.prompts import PromptExample
 from rl.filter import ScoredGroup
 
 

@@ -28,13 +28,13 @@ from trainer.packing import PackItem, pack_micro_batches
 from trainer.update import equalize_micro_batch_count
 
 if TYPE_CHECKING:
+    from checkpoint.manager import CheckpointManager
     from config.schema import OptimizerConfig, TrainingConfig
+    from data.prompts import PromptExample
     from model.qwen2 import Qwen2
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
-    from parallel.checkpoint import CheckpointManager
     from parallel.dist_env import DistEnv
-    from rl.data import PromptExample
 
 log = logging.getLogger("train")
 

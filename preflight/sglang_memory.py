@@ -38,11 +38,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from model.args import ModelArgs
+from rollout.sglang_engine import MEMORY_TAGS
 
 GIB = 1 << 30
 MIB = 1 << 20
-# sglang.srt.constants GPU_MEMORY_ALL_TYPES: the tags release/resume_memory_occupation know.
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 # srt/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE: embedding rows are padded to it.
 VOCAB_PADDING = 64
 # srt/mem_cache/kv_cache_configurator.py: the req_to_token rows are context_len + 4 wide (int32).

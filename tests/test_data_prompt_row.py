@@ -1,4 +1,4 @@
-"""rl/prompt_row.py through the real parquet reader: every type a field of a DAPO-schema file can hold is either read
+"""data/prompt_row.py through the real parquet reader: every type a field of a DAPO-schema file can hold is either read
 as documented (a list of accepted answers scores when any matches) or skips the row with its reason counted in the
 load summary; nothing is turned into a string that can never score."""
 
@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.data import DataError, load_prompts, rows_to_examples
+from data.prompts import DataError, load_prompts, rows_to_examples
 from rl.reward import compute_score
 
 
@@ -98,7 +98,7 @@ def test_a_list_of_accepted_answers_scores_when_any_of_them_matches(tmp_path):
 
 def test_the_load_summary_counts_skipped_rows_per_reason(caplog):
     rows = [_row(content="a"), _row(content="b", truth=True), _row(content="c", truth=False), _row(content=7)]
-    with caplog.at_level(logging.WARNING, logger="rl.data"):
+    with caplog.at_level(logging.WARNING, logger="data.prompts"):
         examples, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=10, source_name="f.parquet")
     assert [e.messages[0]["content"] for e in examples] == ["a"]
     assert stats.skipped == {

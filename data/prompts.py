@@ -1,6 +1,6 @@
 """Prompt sets in the DAPO-Math-17k schema and a resumable sampler.
 
-A row of the schema (one parquet row, or one dict here; what each field may hold: rl/prompt_row.py):
+A row of the schema (one parquet row, or one dict here; what each field may hold: data/prompt_row.py):
     {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
      "reward_model": {"style": "rule", "ground_truth": str | [str, ...]}, "extra_info": {...}}
 
@@ -18,28 +18,25 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from data.prompt_row import RowSkipped, read_messages, read_row
 from errors import DataError
-from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
+from rl.reward import GroundTruth
+from tasks.arithmetic import synthetic_arithmetic_rows
+from tasks.chain import synthetic_chain_rows
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from config.schema import DataConfig
     from model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# The instruction DAPO-Math-17k wraps around every problem.
-DAPO_PROMPT_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-    'Remember to put your answer on its own line after "Answer:".'
-)
 
 
 @dataclass
 class PromptExample:
     """One usable prompt: its chat messages, token ids and the ground truth the scorer compares with (one
-    answer, or a tuple of accepted answers: rl/prompt_row.py)."""
+    answer, or a tuple of accepted answers: data/prompt_row.py)."""
 
     prompt_ids: list[int]
     ground_truth: GroundTruth
@@ -53,7 +50,7 @@ class PromptExample:
 class LoadStats:
     rows: int = 0
     duplicates: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped for it (rl/prompt_row.py)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped for it (data/prompt_row.py)
     truncated: int = 0
     dropped_too_long: int = 0
     first_problem: str | None = None
@@ -91,7 +88,7 @@ def rows_to_examples(
 ) -> tuple[list[PromptExample], LoadStats]:
     """Deduplicate, validate, template and tokenise rows of the DAPO schema.
 
-    Each row is read by rl/prompt_row.py: a row it cannot use is skipped and counted under its reason in
+    Each row is read by data/prompt_row.py: a row it cannot use is skipped and counted under its reason in
     the load summary (logged as a warning). Duplicates are rows whose prompt messages are identical (the
     official DAPO-Math-17k file repeats each prompt about 100 times). Prompts longer than
     `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
@@ -309,3 +306,28 @@ class PromptSampler:
             )
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._epoch_order(self.epoch)
+
+
+def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
+    """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
+    data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed (tasks/)."""
+    count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
+    if data.synthetic_task == "chain":
+        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
+    return synthetic_arithmetic_rows(
+        count,
+        difficulty=data.synthetic_difficulty,
+        split=split,
+        seed=data.seed,
+        answer_line_share=data.synthetic_answer_share,
+    )
+
+
+def load_split(data: DataConfig, split: str, tokenizer: Tokenizer) -> list[PromptExample]:
+    """The prompts of data.train_path or data.eval_path (`split` "train" or "eval"): a parquet file in the
+    schema, or the synthetic task's split; prompts of at most data.max_prompt_length tokens."""
+    path, longest, overflow = getattr(data, f"{split}_path"), data.max_prompt_length, data.prompt_overflow
+    if path == "synthetic":
+        rows, name = synthetic_task_rows(data, split), f"synthetic {split}"
+        return rows_to_examples(rows, tokenizer, max_prompt_length=longest, overflow=overflow, source_name=name)[0]
+    return load_prompts(path, tokenizer, max_prompt_length=longest, overflow=overflow)

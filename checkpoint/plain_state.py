@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from parallel.checkpoint_files import WrittenFiles, write_file
+from checkpoint.files import WrittenFiles, write_file
 
 _TUPLE, _TENSOR = "__tuple__", "__tensor__"
 
@@ -80,7 +80,7 @@ def decode(value: Any, tensors: dict[str, torch.Tensor], where: str = "state") -
 
 def save_plain(value: PlainData, json_path: str, tensors_path: str, written: WrittenFiles | None = None) -> None:
     """Write `value` to `json_path` (structure) and `tensors_path` (safetensors), each fsynced; their sizes
-    and content hashes go to `written` (parallel/checkpoint_files.py)."""
+    and content hashes go to `written` (checkpoint/files.py)."""
     tensors: dict[str, torch.Tensor] = {}
     data = encode(value, tensors)
     written = written if written is not None else WrittenFiles(os.path.dirname(json_path))

@@ -4,7 +4,7 @@
     2. parallelize_qwen2 (TP, AC, compile, FSDP) on the meta parameters;
     3. to_empty: only this rank's shards are allocated (in host memory with cpu_offload);
     4. the values: from a checkpoint, each rank reads only the rows of its own shards, one tensor at a time
-       (parallel/hf_load.py); a preset's seeded initialisation is built whole on the CPU, copied into the
+       (checkpoint/hf_load.py); a preset's seeded initialisation is built whole on the CPU, copied into the
        shards and dropped (presets are the small models of tests and demos).
 
 Nothing full-size ever reaches the GPU, so an engine started afterwards sizes its KV pool from what the
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from checkpoint.hf_load import load_hf_shards
 from model.args import ModelArgs, get_preset
 from model.hf import checkpoint_layout, load_hf, nonfinite_weights_error
 from model.hf_adapter import DTYPES, read_hf_config, to_hf_name
 from model.qwen2 import Qwen2, build_model
-from parallel.hf_load import load_hf_shards
 from parallel.parallelize import parallelize_qwen2
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Where a DAPO run stands, as plain data for its checkpoints (parallel/plain_state.py).
+"""Where a DAPO run stands, as plain data for its checkpoints (checkpoint/plain_state.py).
 
 `TrainState` is the loop's own position (the last completed step, ...). `LoopPosition` is where the loop
 stands in its data between two steps: the prompt sampler's position (plain already) and the batch builder's
@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from rl.data import PromptExample, PromptSampler
+from data.prompts import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
 from trainer.types import RolloutGroup, Sample, SkippedUpdates
 

@@ -2,13 +2,12 @@
 
 Every file of a checkpoint is hashed from the bytes handed to the operating system as it is written (DCP's
 tensor files and index through `HashingFileSystem`, the train state through `write_file`), not by reading
-it back: the hash records what the trainer meant to store. Before a checkpoint counts as written, each rank
-reads its own files back and compares (`verify`); before one is loaded, every file is read and compared
-again. Damage of any kind (bytes overwritten in place, a truncated or missing file, a changed index) is the
+it back: the hash records what the trainer meant to store. Before one is loaded, every file is read and compared
+(`verify`). Damage of any kind (bytes overwritten in place, a truncated or missing file, a changed index) is the
 same finding: a file whose bytes or size differ from its record.
 
 The hash is XXH3-128 (the `xxhash` package): not cryptographic, since it guards against damage, not an
-attacker (loading runs no code from the folder in any case, see parallel/safe_dcp.py), and far faster than
+attacker (loading runs no code from the folder in any case, see checkpoint/safe_dcp.py), and far faster than
 the disk: about 15 GB/s on one core against ~0.4 GB/s for BLAKE2b on the same machine (bench/RESULTS.md).
 """
 

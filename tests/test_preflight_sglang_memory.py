@@ -1,9 +1,9 @@
-"""rollout/sglang_memory.py: SGLang 0.5.21's per-GPU memory plan, against hand-computed values."""
+"""preflight/sglang_memory.py: SGLang 0.5.21's per-GPU memory plan, against hand-computed values."""
 
 import pytest
 
 from model.args import PRESETS, num_params
-from rollout.sglang_memory import (
+from preflight.sglang_memory import (
     GIB,
     MIB,
     EngineMemoryError,

@@ -10,7 +10,7 @@ function while they are read:
 Here the metadata is read by an unpickler that resolves only the classes a DCP index consists of (the
 approach of the Python documentation's "Restricting Globals"), every storage file it names must lie inside
 the checkpoint folder, and byte items are refused: the states this project saves through DCP hold tensors
-only (everything else goes to JSON, see parallel/plain_state.py). Tensor data keeps torch's weights-only
+only (everything else goes to JSON, see checkpoint/plain_state.py). Tensor data keeps torch's weights-only
 loading.
 """
 

@@ -2,8 +2,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rl.data import (
-    DAPO_PROMPT_TEMPLATE,
+from data.prompts import (
     DataError,
     PromptSampler,
     load_prompts,
@@ -11,6 +10,7 @@ from rl.data import (
 )
 from rl.reward import compute_score
 from tasks.arithmetic import synthetic_arithmetic_rows
+from tasks.catalog import DAPO_PROMPT_TEMPLATE
 from tests.parquet_rows import write_parquet_rows
 
 

@@ -1,12 +1,12 @@
 """The loop's data position (sampler, carried-over groups) survives a checkpoint as plain data."""
 
+from checkpoint.manager import CheckpointManager
+from data.prompts import PromptExample, PromptSampler
 from model.args import PRESETS
 from model.qwen2 import build_model
-from parallel.checkpoint import CheckpointManager
-from rl.data import PromptExample, PromptSampler
 from rl.filter import DynamicBatchBuilder, ScoredGroup
-from run.state import LoopPosition
 from trainer.scoring import Sample
+from trainer.state import LoopPosition
 
 
 def _group(i):

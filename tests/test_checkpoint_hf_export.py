@@ -14,11 +14,11 @@ import torch
 from dist_utils import run_ranks
 from safetensors import safe_open
 
+from checkpoint.hf_export import export_hf
 from model.args import PRESETS
 from model.hf import load_hf, save_hf
 from model.qwen2 import build_model
 from parallel.dims import ParallelDims
-from parallel.hf_export import export_hf
 from parallel.parallelize import parallelize_qwen2
 
 

@@ -5,20 +5,22 @@ Layout of `folder`:
     step-00000120/                  a complete checkpoint
         .metadata, __0_0.distcp...  DCP: model parameters and optimizer state tensors, each rank writing
                                     its own shards
-        train_state/rank-00000.json     per rank, as plain data (parallel/plain_state.py): step, tokens,
+        train_state/rank-00000.json     per rank, as plain data (checkpoint/plain_state.py): step, tokens,
         train_state/rank-00000.safetensors  data position, carried-over rollout groups, LR scheduler, the
                                     optimizer's hyperparameters, RNG states (torch CPU/CUDA, Python, NumPy)
         COMPLETE.json               manifest: every file's size and content hash (XXH3-128, taken from the
-                                    bytes as they were written: parallel/checkpoint_files.py); written last
+                                    bytes as they were written: checkpoint/files.py); written last
     step-00000140.tmp/              being written (or left by a crash): never loaded, removed later
 
 Saving: a policy or optimizer state with NaN or infinite values is refused before anything is written
-(NonFiniteStateError). All ranks write into `step-N.tmp`, hashing what they write; each rank then reads its
-own files back and compares; only when every rank's files read back as written does rank 0 write the
-manifest and rename the folder to `step-N` (one rename, atomic on POSIX file systems), and only then are
-older checkpoints pruned (the latest `keep` are kept; 0: all). A save that fails (a full disk, a file that
-reads back differently) removes its partial folder and raises CheckpointSaveError on every rank, naming the
-cause; the previous checkpoints are untouched.
+(NonFiniteStateError). All ranks write into `step-N.tmp`, hashing the bytes the operating system accepted, and
+fsync each file; only when every rank's files are written does rank 0 write the manifest and rename the folder
+to `step-N` (one rename, atomic on POSIX file systems), and only then are older checkpoints pruned (the latest
+`keep` are kept; 0: all). The files are not read back after the write: right after an fsync a read is served
+by the page cache, so it would compare the write-time hash with itself at the cost of every byte again (393 GB
+for the 32B recipe); what protects a run is that every write error fails the save and the check below, before
+anything is loaded. A save that fails (a full disk, an unwritable folder) removes its partial folder and raises
+CheckpointSaveError on every rank, naming the cause; the previous checkpoints are untouched.
 
 Resuming: before anything is loaded, every file of the newest checkpoint is read and checked against the
 manifest (the files divided among the ranks). A damaged checkpoint (no manifest or one of sizes only, a missing,
@@ -29,7 +31,7 @@ pruned by them. When checkpoints exist but none is intact, the run is refused (C
 moved, and nothing starts over silently.
 
 Loading runs no code from the folder: the train state is JSON and safetensors, and DCP is read by
-parallel/safe_dcp.py (its index through a restricted unpickler, tensors only). Checkpoints of the older
+checkpoint/safe_dcp.py (its index through a restricted unpickler, tensors only). Checkpoints of the older
 layout, whose train state was a pickle (`train_state/rank-N.pt`), are refused, not unpickled.
 
 Works with and without a process group: single-process training saves the same layout.
@@ -61,8 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-from errors import CheckpointError, first_os_error
-from parallel.checkpoint_files import (
+from checkpoint.files import (
     HASH_NAME,
     NO_SPACE,
     FileRecord,
@@ -71,11 +72,12 @@ from parallel.checkpoint_files import (
     hashing_writer,
     verify,
 )
+from checkpoint.optimizer_settings import configured_settings, restore_configured
+from checkpoint.plain_state import PlainStateError, encode, load_plain, save_plain
+from checkpoint.safe_dcp import load_tensors
+from errors import CheckpointError, first_os_error
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
-from parallel.optimizer_settings import configured_settings, restore_configured
-from parallel.plain_state import PlainStateError, encode, load_plain, save_plain
-from parallel.safe_dcp import load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ _T = TypeVar("_T")
 
 
 class CheckpointSaveError(CheckpointError):
-    """A checkpoint could not be written (full disk, unwritable folder, files that read back differently);
+    """A checkpoint could not be written (full disk, unwritable folder);
     its partial folder was removed and the earlier checkpoints are intact."""
 
 
@@ -128,7 +130,7 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain data (parallel/plain_state.py)."""
+    """This process's RNG states as plain data (checkpoint/plain_state.py)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -179,17 +181,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class _ReadBackMismatch(RuntimeError):
-    """A file of the checkpoint being saved read back differently from what was written."""
-
-
 def _failure_report(failure: BaseException | None, written: WrittenFiles | None) -> tuple[str, str] | None:
     """What a rank tells the others about its part of a save: None (done), or (kind, detail) with kind
-    "no_space", "os" (another OSError), "mismatch" (a file read back differently) or "other" (a bug)."""
+    "no_space", "os" (another OSError) or "other" (a bug)."""
     if failure is None:
         return None
-    if isinstance(failure, _ReadBackMismatch):
-        return "mismatch", str(failure)
     os_error = (written.failure if written is not None else None) or first_os_error(failure)
     if os_error is not None:
         where = f": {os_error.filename}" if os_error.filename else ""
@@ -280,7 +276,7 @@ class CheckpointManager:
     ) -> str:
         """Write checkpoint `step` atomically on every rank, verified before it counts; returns its folder.
 
-        train_state: this rank's values as plain data (parallel/plain_state.py: str-keyed dicts, lists,
+        train_state: this rank's values as plain data (checkpoint/plain_state.py: str-keyed dicts, lists,
         tuples, numbers, strings, tensors), e.g. step, tokens, data position, carried-over rollout groups;
         RNG states are added automatically. Anything else raises PlainStateError before anything is written,
         and so do NaN or infinite weights or optimizer state (NonFiniteStateError). A save that fails raises
@@ -306,7 +302,7 @@ class CheckpointManager:
         tmp = final + ".tmp"
         written = WrittenFiles(tmp)
         self._save_phase(step, tmp, lambda: self._make_folder(tmp), main_only=True)
-        records = self._save_phase(step, tmp, lambda: self._write_and_verify(tmp, tensors, extra, written), written)
+        records = self._save_phase(step, tmp, lambda: self._write(tmp, tensors, extra, written), written)
         # Every rank ran the write, so no entry is None.
         files = {name: record for rank_records in records if rank_records for name, record in rank_records.items()}
         self._save_phase(step, tmp, lambda: self._commit(step, tmp, files, with_optimizer), main_only=True)
@@ -349,8 +345,6 @@ class CheckpointManager:
                 f"({detail}); {previous}. Free some space (or keep fewer checkpoints: checkpoint.keep_latest_k) "
                 f"and run the same command again to resume",
                 "os": f"cannot write checkpoint step {step} to {self.folder} ({detail}); {previous}",
-                "mismatch": f"checkpoint step {step} did not read back as it was written ({detail}): the storage "
-                f"under {self.folder} may be failing; the partial checkpoint was removed and {previous}",
                 "other": f"saving checkpoint step {step} failed on another rank ({detail}); {previous}",
             }[kind]
         ) from failure
@@ -361,21 +355,18 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "train_state"))
 
-    def _write_and_verify(
+    def _write(
         self, tmp: str, tensors: dict[str, Any], extra: dict[str, Any], written: WrittenFiles
     ) -> dict[str, FileRecord]:
-        """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are
-        written, then read back and compared; returns their records."""
+        """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are written
+        and fsynced; returns their records."""
         with _single_process_quiet():
             dcp.save(tensors, storage_writer=hashing_writer(tmp, written), no_dist=not dist.is_initialized())
         save_plain(extra, *self._rank_files(tmp, _rank()), written)
-        problem = verify(tmp, written.records)
-        if problem is not None:
-            raise _ReadBackMismatch(problem)
         return written.records
 
     def _commit(self, step: int, tmp: str, files: dict[str, FileRecord], with_optimizer: bool) -> None:
-        """Rank 0, once every rank's files read back as written: the manifest, the rename, then the prune."""
+        """Rank 0, once every rank's files are written: the manifest, the rename, then the prune."""
         manifest = {
             "step": step,
             "world_size": _world_size(),
@@ -387,9 +378,6 @@ class CheckpointManager:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        reread, problem = _read_manifest(tmp)
-        if reread is None or reread["files"] != files:  # reread None: `problem` says why
-            raise _ReadBackMismatch(f"{MANIFEST}: {problem or 'its file list reads back differently'}")
         final = self.step_path(step)
         old = None
         if os.path.exists(final):  # re-saving a step replaces it; a directory cannot be replaced in one rename
@@ -399,7 +387,7 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        self._prune(keep_step=step)  # only now: the new checkpoint is written, read back and committed
+        self._prune(keep_step=step)  # only now: the new checkpoint is written, fsynced and committed
 
     def _prune(self, keep_step: int) -> None:
         if self.keep:  # 0: keep every checkpoint
@@ -462,7 +450,7 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """Load checkpoint `step` into the (already parallelised) model and optimizer in place; restore this
         rank's RNG states and the scheduler's position; return the saved train state. The optimizer's configured
-        hyperparameters (lr, betas, weight decay, ...) win over the checkpoint's (parallel/optimizer_settings.py).
+        hyperparameters (lr, betas, weight decay, ...) win over the checkpoint's (checkpoint/optimizer_settings.py).
 
         Nothing in the folder can run code (see the module docstring); a checkpoint that would need it
         raises CheckpointError, naming the file, before the model is touched."""

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 from model.tokenizer import CHAT_ROLES
 from rl.math_normalize import normalize_final_answer
-
-GroundTruth = str | tuple[str, ...]
+from rl.reward import GroundTruth
 
 
 class RowSkipped(ValueError):

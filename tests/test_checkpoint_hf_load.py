@@ -1,4 +1,4 @@
-"""A sharded policy reads only its own rows of a checkpoint (parallel/hf_load.py through train.py's
+"""A sharded policy reads only its own rows of a checkpoint (checkpoint/hf_load.py through train.py's
 build_sharded_policy): each rank's host high-water mark during the load, and the values against load_hf."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from checkpoint.sharded_policy import build_sharded_policy, shard_policy
 from config import load_config
 from model.args import ModelArgs
 from model.hf import CheckpointError, load_hf, save_hf
 from model.qwen2 import build_model
-from parallel.sharded_policy import build_sharded_policy, shard_policy
 from tests.dist_utils import run_ranks
 from tests.host_memory import peak, reset_peak
 from tests.qwen2_checkpoint import write_qwen2_checkpoint

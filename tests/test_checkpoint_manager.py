@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 
+from checkpoint.manager import MANIFEST, CheckpointManager
 from model.args import PRESETS
 from model.qwen2 import build_model
-from parallel.checkpoint import MANIFEST, CheckpointManager
 from parallel.dims import ParallelDims
 from parallel.grad_clip import clip_grad_norm_
 from parallel.logprob import vocab_parallel_token_logprobs
@@ -87,11 +87,11 @@ def _worker(rank, world_size, mode, folder):
     torch.manual_seed(999)
     model, optimizer, scheduler = _setup(1, dims)
     caught = _LogLines()
-    logging.getLogger("parallel.checkpoint").addHandler(caught)
+    logging.getLogger("checkpoint.manager").addHandler(caught)
     try:
         state = manager.resume(model, optimizer, scheduler)
     finally:
-        logging.getLogger("parallel.checkpoint").removeHandler(caught)
+        logging.getLogger("checkpoint.manager").removeHandler(caught)
     losses = [_step(model, optimizer, scheduler) for _ in range(2)]
     return {"losses": losses, "state": state, "warnings": caught.lines}
 
@@ -155,7 +155,7 @@ def test_single_process_save_prune_and_fallback(tmp_path, caplog):
     # A checkpoint whose manifest is missing (renamed by hand, or an older format) is not trusted either.
     os.remove(os.path.join(folder, "step-00000004", MANIFEST))
     fresh, fresh_opt, fresh_sched = _setup(1)
-    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint.manager"):
         state = manager.resume(fresh, fresh_opt, fresh_sched)
     assert re.search(
         r"step-00000004 is damaged \(no COMPLETE.json .*\); resuming from step-00000003 instead; the "
@@ -182,7 +182,7 @@ def test_a_run_resumed_below_damaged_checkpoints_keeps_its_own(tmp_path, caplog)
     manager.keep = 0
     manager.save(20, model, optimizer, scheduler, {"step": 20})
     manager.keep = 1
-    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint.manager"):
         assert manager.resume(*_setup(1)) == {"step": 20}
     assert "rank-00000.json has 10 bytes" in caplog.text
     # The resumed run's next checkpoints are the newest: kept, and step 30 is written again.
@@ -211,9 +211,9 @@ def test_bad_keep_is_refused(tmp_path):
 
 def test_checkpoint_before_the_first_update_leaves_the_optimizer_fresh(tmp_path):
     """DCP would initialise an empty Adam state with a zero-lr step (step count 1); it must not."""
+    from checkpoint.manager import CheckpointManager
     from model.args import get_preset
     from model.qwen2 import build_model
-    from parallel.checkpoint import CheckpointManager
 
     model = build_model(get_preset("tiny"), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -260,7 +260,7 @@ def test_resume_trains_at_the_configured_lr_at_the_schedules_position(tmp_path, 
 
     same = build_model(ARGS, seed=1)
     same_optimizer, same_scheduler = _optimizer(same, 1e-4, 0.0)
-    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint.manager"):
         manager.resume(same, same_optimizer, same_scheduler)
     assert "other optimizer settings" not in caplog.text
     assert same_scheduler.state_dict() == scheduler.state_dict()
@@ -269,7 +269,7 @@ def test_resume_trains_at_the_configured_lr_at_the_schedules_position(tmp_path, 
 
     restored = build_model(ARGS, seed=1)
     other, other_scheduler = _optimizer(restored, 1.5e-5, 0.1)
-    with caplog.at_level(logging.WARNING, logger="parallel.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="checkpoint.manager"):
         manager.resume(restored, other, other_scheduler)
     assert "lr 0.0001 -> 1.5e-05" in caplog.text
     assert ("weight_decay 0.0 -> 0.1" in caplog.text) == moved  # saved param groups exist after an update only
@@ -312,7 +312,7 @@ def _saved_checkpoint(folder):
 
 def _update_manifest(path):
     """What an attacker would do too: make the manifest match the planted files, so the folder looks intact."""
-    from parallel.checkpoint_files import file_record
+    from checkpoint.files import file_record
 
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
@@ -324,7 +324,7 @@ def _update_manifest(path):
 
 
 def test_a_pickled_train_state_of_the_old_layout_is_refused_not_run(tmp_path):
-    from parallel.checkpoint import CheckpointError
+    from checkpoint.manager import CheckpointError
 
     manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
     # The old layout: train_state/rank-00000.pt, read with torch.load(weights_only=False).
@@ -354,7 +354,7 @@ def test_a_pickled_train_state_of_the_old_layout_is_refused_not_run(tmp_path):
 def test_a_planted_dcp_index_is_refused_not_run(tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from parallel.safe_dcp import UnsafeCheckpointError
+    from checkpoint.safe_dcp import UnsafeCheckpointError
 
     manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
     with open(os.path.join(path, ".metadata"), "rb") as f:
@@ -378,7 +378,7 @@ def test_a_planted_pickled_item_in_dcp_data_is_refused_not_run(tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from parallel.safe_dcp import UnsafeCheckpointError
+    from checkpoint.safe_dcp import UnsafeCheckpointError
 
     manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
     with open(os.path.join(path, ".metadata"), "rb") as f:
@@ -405,7 +405,7 @@ def test_a_planted_pickled_item_in_dcp_data_is_refused_not_run(tmp_path):
     # Behind that check, the load planner refuses such an item too.
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from parallel.safe_dcp import TensorsOnlyLoadPlanner
+    from checkpoint.safe_dcp import TensorsOnlyLoadPlanner
 
     item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(key), 0, MetadataIndex(key), 0, 0)
     with pytest.raises(UnsafeCheckpointError, match="as a pickled object"):
@@ -414,7 +414,7 @@ def test_a_planted_pickled_item_in_dcp_data_is_refused_not_run(tmp_path):
 
 
 def test_a_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
-    from parallel.safe_dcp import UnsafeCheckpointError
+    from checkpoint.safe_dcp import UnsafeCheckpointError
 
     manager, path = _saved_checkpoint(str(tmp_path / "ckpt"))
     with open(os.path.join(path, ".metadata"), "rb") as f:
@@ -429,7 +429,7 @@ def test_a_dcp_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
 
 
 def test_train_state_that_is_not_plain_data_is_refused_before_anything_is_written(tmp_path):
-    from parallel.plain_state import PlainStateError
+    from checkpoint.plain_state import PlainStateError
 
     manager = CheckpointManager(str(tmp_path), keep=1)
     model, optimizer, scheduler = _setup(0)
@@ -441,7 +441,7 @@ def test_train_state_that_is_not_plain_data_is_refused_before_anything_is_writte
 def test_plain_state_round_trips_exactly(tmp_path):
     import random
 
-    from parallel.plain_state import load_plain, save_plain
+    from checkpoint.plain_state import load_plain, save_plain
 
     value = {
         "ints": [1, -2, 3**40],

@@ -1,4 +1,4 @@
-"""avg@k, unbiased pass@k and maj@k on hand-computed examples (rl/eval_metrics.py)."""
+"""avg@k, unbiased pass@k and maj@k on hand-computed examples (evaluation/metrics.py)."""
 
 import itertools
 import math
@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from rl.eval_metrics import (
+from evaluation.metrics import (
     ProblemResult,
     avg_at_k,
     maj_at_k,
