@@ -33,6 +33,7 @@ from errors import ConfigError, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
 from model.hf import check_finite_weights
+from observe.progress import Progress
 from rollout.engine_spec import EngineSpec
 from run.guard import GuardedEngine
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
+    display = Progress(total=len(examples), desc="eval", unit="problems", enabled=cfg.metrics.progress)
     try:
         report = evaluate(
             engine,
@@ -127,10 +129,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tokenizer,
             params,
             strict_box=cfg.algorithm.strict_box,
-            progress=cfg.metrics.progress,
+            progress=display,
             pass_at=cfg.eval.pass_at,
             prompts_per_call=per_call,
         )
+        display.close()
     finally:
         engine.shutdown()
     report["model"] = os.path.abspath(model_dir)

@@ -31,7 +31,7 @@ def evaluate(
     params: SamplingParams,
     *,
     strict_box: bool = False,
-    progress: Progress | bool | None = None,
+    progress: Progress | None = None,
     pass_at: Sequence[int] | None = None,
     prompts_per_call: int | None = None,
 ) -> dict[str, Any]:
@@ -39,9 +39,7 @@ def evaluate(
 
     examples: distinct problems (data/prompts.py PromptExample: prompt_ids, ground_truth, data_source);
         k comes from params.n, so a data set loaded with repeat > 1 is refused.
-    progress: None/False for no display, True for one on stderr, or an object with `update(n, **postfix)`
-        (e.g. observe.progress.Progress) that is advanced by the number of problems done, with the
-        running accuracy as `acc=`.
+    progress: a display advanced by the problems done, with the running accuracy as `acc=` (None: none).
     pass_at: the j of the reported pass@j (each <= k); None or empty: 1 and k.
     prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
         engine's batch fullest; smaller calls give the progress display finer steps).
@@ -66,38 +64,20 @@ def problem_results(
     params: SamplingParams,
     *,
     strict_box: bool,
-    progress: Progress | bool | None,
+    progress: Progress | None,
     prompts_per_call: int | None,
 ) -> list[ProblemResult]:
-    """evaluate's generation and scoring of this process's examples, one ProblemResult each."""
-    k = params.n
-    chunk = prompts_per_call or max(len(examples), 1)
-    owned = progress is True
-    if progress is True:
-        from observe.progress import Progress
-
-        shown: Progress | None = Progress(total=len(examples), desc="eval", unit="problems")
-    else:
-        shown = progress or None
-    results: list[ProblemResult] = []
-    # Generation is a collective over the ranks (run/guard.py): a rank without problems still takes part, with
-    # no prompts, or the others would wait for it.
-    starts = range(0, len(examples), chunk) if examples else [0]
-    try:
-        for begin in starts:
-            batch = examples[begin : begin + chunk]
-            completions = engine.generate([list(e.prompt_ids) for e in batch], call_params(params, batch, begin))
-            results.extend(
-                score_completions(
-                    batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
-                )
-            )
-            if shown is not None and batch:
-                done = results[-len(batch) :]
-                shown.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
-    finally:
-        if owned and shown is not None:
-            shown.close()
+    """evaluate's generation and scoring of the examples, one ProblemResult each."""
+    k, chunk, results = params.n, prompts_per_call or max(len(examples), 1), list[ProblemResult]()
+    for begin in range(0, len(examples), chunk):
+        batch = examples[begin : begin + chunk]
+        completions = engine.generate([list(e.prompt_ids) for e in batch], call_params(params, batch, begin))
+        done = score_completions(
+            batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
+        )
+        results += done
+        if progress is not None:
+            progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
     return results
 
 

@@ -24,32 +24,15 @@ if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
 
 
-# What a rank reports after its share: ("ok", its results) or ("failed", why).
-Outcome = tuple[str, "list[ProblemResult] | str"]
-
-
-def _gather_outcomes(outcome: Outcome, dist_env: DistEnv) -> list[tuple[int, Outcome]]:
-    """(data-parallel rank, outcome) of every rank, gathered over the gloo control group of all ranks
-    (parallel/dist_env.py, with its long timeout, rollout.round_timeout_s)."""
+def _merged(results: list[ProblemResult], dist_env: DistEnv) -> list[ProblemResult]:
+    """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the same
+    share: the first one's is kept), gathered over the gloo control group of all ranks (parallel/dist_env.py, with
+    its long timeout: a rank waits there for the slowest)."""
     everyone: list[Any] = [None] * dist_env.world_size
-    dist.all_gather_object(everyone, (dist_env.dp_rank, outcome), group=dist_env.control_group)
-    return everyone
-
-
-def _merged(everyone: list[tuple[int, Outcome]], local_error: BaseException | None) -> list[ProblemResult]:
-    """The results of every data-parallel share in data-parallel order (tensor-parallel peers evaluate the
-    same share: the first one's is kept), or, when any rank failed to score its share, that failure raised on
-    every rank (this rank's own error where it failed)."""
-    failed = [(rank, value) for rank, (_, (status, value)) in enumerate(everyone) if status == "failed"]
-    if local_error is not None:
-        raise local_error
-    if failed:
-        rank, why = failed[0]
-        raise RuntimeError(f"the evaluation failed on rank {rank}: {why}")
+    dist.all_gather_object(everyone, (dist_env.dp_rank, results), group=dist_env.control_group)
     shares: dict[int, list[ProblemResult]] = {}
-    for dp_rank, (_, results) in everyone:
-        assert not isinstance(results, str)  # every rank reported "ok"
-        shares.setdefault(dp_rank, results)
+    for dp_rank, share in everyone:
+        shares.setdefault(dp_rank, share)
     return [r for dp_rank in sorted(shares) for r in shares[dp_rank]]
 
 
@@ -69,10 +52,11 @@ def run_held_out_eval(
     """Evaluate the engine's current weights; returns flat `eval/...` metrics and writes eval/step_N.json.
 
     The trainer's cached GPU memory is handed back before the engine takes its memory back
-    (parallel/device_memory.py). Data-parallel ranks split the problems, generate together (a failure of any
-    rank's engine stops them all, run/guard.py) and merge their results over the gloo control group
-    (`_gather_outcomes`): a failure to score a share is raised on every rank. Tensor-parallel peers evaluate the
-    same share with the same weights and seeds. progress: advanced by this rank's problems once they are scored.
+    (parallel/device_memory.py). Data-parallel ranks split the problems and generate together (run/guard.py: a
+    failure of any rank's engine stops them all); the ranks then agree that every share was scored (a rank whose
+    scoring failed meets the others there, inside the guard's failures_agreed) and merge their results.
+    Tensor-parallel peers evaluate the same share with the same weights and seeds. progress: advanced by this
+    rank's problems once they are scored.
     """
     return_cached_memory(dist_env)
     mine = examples[dist_env.dp_rank :: dist_env.dp_size]
@@ -80,24 +64,13 @@ def run_held_out_eval(
     start = time.perf_counter()
     engine.resume_memory()
     completions = engine.generate([list(e.prompt_ids) for e in mine], call_params(params, mine, 0))
-    local_error: Exception | None = None
-    outcome: Outcome = ("ok", [])
-    try:
-        outcome = (
-            "ok",
-            score_completions(
-                mine, completions, tokenizer, params.n, strict_box=strict_box, stop_ids=params.stop_token_ids
-            ),
-        )
-    except Exception as exc:
-        if dist_env.world_size == 1:
-            raise
-        outcome, local_error = ("failed", f"{type(exc).__name__}: {exc}"), exc
+    stop_ids, k = params.stop_token_ids, params.n
+    results = score_completions(mine, completions, tokenizer, k, strict_box=strict_box, stop_ids=stop_ids)
+    engine.everyone(True)  # every share scored
     elapsed = time.perf_counter() - start
-    if progress is not None and not local_error:
+    if progress is not None:
         progress.update(len(mine))
-    results = outcome[1] if dist_env.world_size == 1 else _merged(_gather_outcomes(outcome, dist_env), local_error)
-    assert not isinstance(results, str)
+    results = results if dist_env.world_size == 1 else _merged(results, dist_env)
     if not results:
         raise ValueError("evaluate() needs at least one example (none on any rank)")
     report = make_report(results, ks, params, strict_box, elapsed)

@@ -178,11 +178,14 @@ class Engine(Protocol):
 
 class Generator(Protocol):
     """The engine as evaluation and the rollout phase call it: run/guard.py GuardedEngine, which turns an Engine's
-    submit and polls into generate (params.n completions per prompt, grouped by prompt) on every rank."""
+    submit and polls into generate (params.n completions per prompt, grouped by prompt) on every rank, and whose
+    everyone(flag) is an agreement of the ranks."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
     def resume_memory(self) -> None: ...
+
+    def everyone(self, flag: bool) -> bool: ...
 
 
 def checked_bucket(

@@ -1,75 +1,58 @@
 """The production rollout engine on GPUs: SGLang's offline `sglang.Engine`, driven by token ids.
 
-Pinned to sglang 0.5.21, the release whose own pin is torch==2.13.0 (ours, requirements.txt);
-requirements-gpu.txt installs it. The installed version is checked when an engine starts and any
-other is refused: the weight-update protocol below changes between releases. sglang is imported
-lazily, so this module imports (and its pure functions are tested) on machines without it.
+Pinned to sglang 0.5.21 (its own pin is our torch==2.13.0; requirements-gpu.txt installs it): any other version
+is refused at start, since the weight-update protocol below changes between releases. sglang is imported lazily:
+this module imports, and its pure functions are tested, without it.
 
-Engine start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static,
-enable_memory_saver=True, skip_tokenizer_init=True, dtype, random_seed)`; prompts go in as token ids.
-The engine lives in a child process that owns it (rollout/engine_process.py: SGLang's crash handling
-SIGKILLs the process tree of the process that owns the engine, and its first request installs a SIGTERM
-handler); every call below crosses that process's pipe. When that process ends, every call raises
-EngineDied on every rank of the group, and so does every later call.
+Start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static, enable_memory_saver=True,
+skip_tokenizer_init=True, dtype, random_seed)`, in a child process that owns it (rollout/engine_process.py:
+SGLang's crash handling SIGKILLs the owner's process tree, its first request installs a SIGTERM handler). Every
+call crosses that process's pipe; once it has ended, every call raises EngineDied on every rank of the group.
 
-Generation (submit / poll, rollout/engine.py Engine): the leader records every rank's prompts and runs each
-prompt's n samples as one batch of `Engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)`
-in the engine's process, between calls (rollout/sglang_groups.py); a poll waits up to poll_s for a batch to
-finish and returns the finished ones, with the tokens SGLang reported meanwhile (the progress run/guard.py
-watches). Each request's max_new_tokens is capped at what the context leaves (SGLang refuses the whole batch
-otherwise); prompts must leave SGLang's margin of PROMPT_MARGIN tokens. The n samples of a prompt are n requests
-with n = 1, the prompt repeated n times in a row (as verl and slime do): 0.5.21 serves n > 1 by first
-prefilling each prompt alone, one request after another, before the batch runs
+Generation (submit / poll, rollout/engine.py): the leader records every rank's prompts and runs each prompt's n
+samples as one batch of `Engine.async_generate(input_ids, sampling_params, return_logprob=True)` in the engine's
+process, between calls (rollout/sglang_groups.py); a poll waits up to poll_s for a batch to finish and returns
+the finished ones with the tokens SGLang reported meanwhile (the progress run/guard.py watches). A request's
+max_new_tokens is capped at what the context leaves (SGLang refuses the whole batch otherwise); prompts leave
+SGLang's margin of PROMPT_MARGIN tokens. The n samples are n requests with n = 1, the prompt repeated (as verl
+and slime do): 0.5.21 serves n > 1 by first prefilling each prompt alone, one after another
 (TokenizerManager._handle_batch_request). A request SGLang aborts fails the poll on every rank of the group; a
-prompt SGLang refuses as too long (a non-streaming abort with status 400) makes its batch raise
-(srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason), and so the poll. Weight updates
-and memory calls are refused until every batch is back. Every output dict is translated by
-rollout/sglang_groups.py `completions_from_sglang`:
-    token_ids  <- the token ids of meta_info["output_token_logprobs"] (entries (logprob, id, text))
-    logprobs   <- their log-probs: log_softmax(logits / T) of the sampled token (SGLang's default)
-    finish     <- meta_info["finish_reason"]["type"] ("stop" | "length" | "abort")
-and checked against `output_ids`. A sampled stop token is kept (`no_stop_trim`), as in the torch
-engine. SGLang also stops on the checkpoint's own `eos_token_id` (config.json / generation_config);
-save checkpoints with the stop ids you pass. `SamplingParams.seed` is not used: SGLang seeds its
-sampler once, from `random_seed` at engine start (per-request seeds exist only in its deterministic
-mode, where the n samples of a prompt would share one seed and come out identical).
+prompt it refuses as too long (a non-streaming abort, status 400) makes its batch raise
+(srt/managers/tokenizer_manager.py TokenizerManager._handle_abort_finish_reason). Weight updates and memory calls
+are refused until every batch is back. Outputs are translated by sglang_groups.py `completions_from_sglang`:
+token ids and log-probs (log_softmax(logits / T), SGLang's default) from meta_info["output_token_logprobs"],
+the finish reason's type, checked against `output_ids`. A sampled stop token is kept (`no_stop_trim`), as in
+the torch engine; SGLang also stops on the checkpoint's own `eos_token_id`, so save checkpoints with the stop
+ids you pass. `SamplingParams.seed` is not used: SGLang seeds its sampler once, from `random_seed` (per-request
+seeds exist only in its deterministic mode, where a prompt's n samples would come out identical).
 
-Weight updates (after each optimizer step), inside one update session:
-    begin_weight_update()                                   # opened by the first bucket
-    update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=False)  per bucket
-    end_weight_update(); flush_cache()                      # closed by resume_memory() / submit()
-A bucket is flattened into one uint8 tensor plus metadata (SGLang's FlattenedTensorBucket), and
-serialized with SGLang's MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC handle, not
-as bytes. SGLang's TP rank i opens payload i, and each payload is a serialization of its own (a CUDA
-IPC reference is released once per serialization). With a process group (one trainer rank per SGLang TP
-rank, on the same GPUs), each rank serializes its own gathered copy and the payloads are gathered to
-the group's rank 0, which owns the sglang.Engine; a rank whose flattening or serialization failed enters the
-gather all the same, with its error in place of its payload, and then every rank of the group raises it (no
-rank is left alone in the gather). Every rank keeps its bucket alive until the leader's
-call returned (a broadcast of the result), and then collects CUDA IPC handles (torch.cuda.ipc_collect):
-torch keeps a sent block in its IPC limbo until then, and without it every bucket of the sync would still
-be reserved when the engine maps its KV cache back. Tensors must already be on this rank's GPU (`device`):
-SGLang opens CUDA IPC handles, and rollout/weight_sync.py moves offloaded shards there before gathering.
-Names are Hugging Face's, as SGLang loads them.
+Weight updates, in one session per sync: the first bucket opens it (begin_weight_update, after
+resume_memory_occupation(["weights"]) if they were released), each bucket is one update_weights_from_tensor(
+payloads, load_format="flattened_bucket", flush_cache=False), and resume_memory() or the next submit closes it
+(end_weight_update, flush_cache). A bucket is flattened into one uint8 tensor plus metadata (SGLang's
+FlattenedTensorBucket) and serialized with its MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC
+handle. SGLang's TP rank i opens payload i, each payload a serialization of its own (a CUDA IPC reference is
+released once per serialization). With a group (one trainer rank per SGLang TP rank, on the same GPUs) each rank
+serializes its own gathered copy and the payloads are gathered to the group's rank 0, which owns the engine; a
+rank whose flattening or serialization failed enters the gather with its error instead, and every rank of the
+group raises it (none is left alone in the gather). Every rank keeps its bucket alive until the leader's call
+returned, then collects CUDA IPC handles (torch.cuda.ipc_collect): torch keeps a sent block in its IPC limbo
+until then, and every bucket of the sync would still be reserved when the engine maps its KV cache back. Tensors
+are on this rank's GPU (`device`: rollout/weight_sync.py moves offloaded shards there), named as Hugging Face's.
 
-Memory (colocated with the trainer on one GPU pool):
-    release_memory()        release_memory_occupation(RELEASED_TAGS)   (KV cache, weights; graphs stay)
-    update_weights(...)     resume_memory_occupation(["weights"]) first, then the buckets
-    resume_memory()         end the update session, flush_cache(), resume_memory_occupation(the rest)
-Released weights are discarded, not offloaded: after a release every weight must be pushed again
-before resume_memory(), which refuses otherwise and names the missing weights.
+Memory (colocated with the trainer): release_memory() releases RELEASED_TAGS (KV cache, weights; the CUDA graphs
+stay); resume_memory() ends an update session and maps the rest back. Released weights are discarded, not
+offloaded: every weight must be pushed again before resume_memory(), which names the missing ones otherwise.
 
-Deadlines: every call into the engine process has one, `call_timeout_s` (rollout.call_timeout_s;
-rollout/engine_process.py): a poll returns after poll_s, every other call (release, resume, begin / end of an
-update, a bucket, flush, a submit) in seconds on a working engine. Past it the engine's processes are killed and
-the call raises EngineDied, as a dead one's. An engine that answers its polls but produces no token is hung by
-run/guard.py's progress rule, on the same call_timeout_s.
+Deadlines: every call into the engine process must answer within `call_timeout_s` (rollout.call_timeout_s): a
+poll returns after poll_s, the others in seconds on a working engine; past it the engine's processes are killed
+and the call raises EngineDied. An engine that answers but produces no token is hung by run/guard.py's progress
+rule, on the same call_timeout_s.
 
-Protocol state (update session open, released tags, weights pushed since the release) is the leader's:
-the leader updates it after each SGLang call that succeeded, and after every call, failed or not, the
-group adopts it, so a failure part-way (weights resumed, then the update failed) never leaves a rank
-believing what SGLang did not do. The group is a gloo group with the long timeout (rollout/engine_spec.py
-engine_group): non-leader ranks wait in it while the leader's calls run.
+Protocol state (update session open, released tags, weights pushed since the release, groups in flight) is the
+leader's, adopted by the group after every call, failed or not: a failure part-way (weights resumed, then the
+update failed) never leaves a rank believing what SGLang did not do. The group is a gloo group with the long
+timeout (rollout/engine_spec.py engine_group): non-leader ranks wait in it while the leader's calls run.
 """
 
 from __future__ import annotations
@@ -267,20 +250,11 @@ class SGLangEngine:
 
         return MultiprocessingSerializer.serialize(payload, output_str=True)
 
-    def _serialize_bucket(
-        self, bucket: list[tuple[str, torch.Tensor]], copies: int
-    ) -> tuple[list[str], FlattenedTensorBucket]:
-        """(`copies` serialized payloads, keep-alive). Each serialization of a CUDA tensor takes one
-        reference on the sender's block that exactly one receiver releases, so every SGLang TP rank must
-        open a payload of its own: one shared string opened by tp ranks would never let the memory go."""
+    def _serialize_bucket(self, bucket: list[tuple[str, torch.Tensor]], copies: int) -> tuple[list[str], object]:
+        """(`copies` serialized payloads, keep-alive): one per receiving TP rank, since each serialization of a
+        CUDA tensor takes one reference on the sender's block that exactly one receiver releases."""
         payload, keep_alive = self._flatten_bucket(bucket)
         return [self._serialize(payload) for _ in range(copies)], keep_alive
-
-    @staticmethod
-    def _collect_ipc_handles() -> None:
-        """Free the sent buckets torch keeps for CUDA IPC receivers (its IPC limbo) once they let go."""
-        if torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()
 
     # -- collectives over the group ----------------------------------------------------------------
 
@@ -322,13 +296,9 @@ class SGLangEngine:
     def _call(self, method: str, *args: object, **kwargs: object) -> Any:
         """The leader's call into the engine process, answered within call_timeout_s; its death (or hang) is
         recorded before it is raised. (Any: what the engine's method returned, unpickled.)"""
-        return self._recorded(lambda engine: engine.call(method, *args, deadline_s=self.call_timeout_s, **kwargs))
-
-    def _recorded(self, fn: Callable[[EngineProcess], _T]) -> _T:
-        """fn(the leader's engine process); the engine's death (or hang) is recorded before it is raised."""
         assert self._engine is not None  # the leader's, from __init__ (shutdown marks the engine dead first)
         try:
-            return fn(self._engine)
+            return self._engine.call(method, *args, deadline_s=self.call_timeout_s, **kwargs)
         except EngineDied as exc:
             self._dead = str(exc)
             raise
@@ -385,7 +355,7 @@ class SGLangEngine:
             if not bucket:
                 return []
             # With a group each rank serializes its own gathered copy for its SGLang TP rank; without one this
-            # process feeds every TP rank, one serialization each.
+            # process feeds every TP rank.
             payloads, flat = self._serialize_bucket(bucket, 1 if self.group is not None else self.tp_size)
             keep_alive.append(flat)
             return payloads
@@ -415,7 +385,8 @@ class SGLangEngine:
             self._per_rank("update_weights", prepare, send)
         finally:
             keep_alive.clear()  # only now, after the leader's call returned, may the memory behind the handles go
-            self._collect_ipc_handles()
+            if torch.cuda.is_initialized():  # free what torch keeps for the receivers (its IPC limbo)
+                torch.cuda.ipc_collect()
 
     def release_memory(self) -> None:
         """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""

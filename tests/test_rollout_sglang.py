@@ -28,7 +28,7 @@ from sglang_model import (
 )
 
 from data.prompts import PromptExample
-from evaluation.evaluate import problem_results
+from evaluation.evaluate import score_completions
 from model.args import PRESETS, num_params
 from model.hf import save_hf
 from model.hf_adapter import to_hf_name
@@ -539,11 +539,9 @@ def _eval_worker(rank, world, checkpoint):
     engine = engine_class()(checkpoint, tp_size=world, dtype=torch.float32, group=dist.group.WORLD)
     problems = [PromptExample([1, 2, 3], "3", "t", [])]
     mine = problems[rank::world]  # rank 1 has no problem
-    guarded = GuardedEngine(engine, GlooRanks(rank, world))
-    params = SamplingParams(max_new_tokens=2, n=2, seed=3)
-    return len(
-        problem_results(guarded, mine, _Digits(), params, strict_box=False, progress=None, prompts_per_call=None)
-    )
+    guarded = GuardedEngine(engine, GlooRanks(rank, world))  # as the held-out evaluation generates its share
+    completions = guarded.generate([e.prompt_ids for e in mine], SamplingParams(max_new_tokens=2, n=2, seed=3))
+    return len(score_completions(mine, completions, _Digits(), 2))
 
 
 @pytest.mark.multiprocess
