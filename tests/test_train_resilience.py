@@ -717,3 +717,36 @@ def test_a_report_of_a_step_the_rerun_trains_again_is_discarded_at_resume(tmp_pa
     monkeypatch.setattr(trainer.loop, "run_held_out_eval", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
     assert train.main(argv) == 0
     assert calls == [1] and len(_final_evaluation_rows(tmp_path, 2)) == 1
+
+
+def _scoring_fails_on_rank_1(rank, world_size, argv):
+    import evaluation.held_out
+
+    rl.reward.compute_score = planted_score
+    real = evaluation.held_out.score_completions
+
+    def scoring(*args, **kwargs):
+        if rank == 1:
+            raise KeyError("broken scorer (simulated)")
+        return real(*args, **kwargs)
+
+    evaluation.held_out.score_completions = scoring
+    try:
+        train.main(argv)
+    except RuntimeError as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.multiprocess
+def test_a_scoring_failure_on_one_rank_of_the_evaluation_stops_every_rank_with_a_checkpoint(tmp_path):
+    """Rank 1's evaluation share fails to score after the generation every rank took part in: it meets the others
+    where they agree that every share was scored, and both stop with step 0's checkpoint, neither left waiting in
+    the gather of the results."""
+    from tests.dist_utils import run_ranks
+
+    argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
+    first, second = run_ranks(_scoring_fails_on_rank_1, 2, argv, timeout=300)
+    assert first.startswith("the evaluation at step 0: failed on another rank (see its log). Checkpoint of step 0")
+    assert second.startswith("the evaluation at step 0 on data-parallel rank 1: KeyError: 'broken scorer")
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).complete_steps() == [0]
