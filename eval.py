@@ -32,7 +32,7 @@ from config import Config, config_parser, parse_config_args
 from errors import ConfigError, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
-from model.hf import check_finite_weights
+from model.hf import check_checksums, check_finite_weights
 from rollout.engine_spec import EngineSpec
 
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(cfg.model.hf_path)
+    check_checksums(model_dir)
     check_finite_weights(model_dir)
     if args.json:  # a folder that cannot take the report is refused before the evaluation, not after it
         with writing(args.json):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from config.schema import Config
 from errors import ConfigError
 from model.args import PRESETS
+from model.hf import check_checksums
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
 if TYPE_CHECKING:
@@ -43,14 +44,17 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
-    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); the paths
-    are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
-    only: an rl.data.DataError). Configuration problems raise ConfigError.
+    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); a checkpoint
+    directory holds the files its SHA256SUMS lists, when it has one; the paths are set and exist; the sequences fit
+    the model; the data files are parquet prompt sets with rows (their footers only: an rl.data.DataError).
+    Configuration problems raise ConfigError.
     """
     from preflight.limits import check_limits
 
     check_machine(cfg, machine)
     check_limits(cfg)  # sizes no machine runs
+    if os.path.isdir(cfg.model.hf_path):
+        check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
     max_positions = _model_max_positions(cfg)
     _check_tokenizer_dir(cfg)
     _check_data_paths(cfg)

@@ -15,6 +15,7 @@ import torch
 
 import eval as eval_command
 import train
+from errors import CheckpointError
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
 from rl.data import DataError, read_parquet_rows
 from tasks.arithmetic import synthetic_arithmetic_rows
@@ -99,6 +100,27 @@ def _truncate(folder):
     path.write_bytes(data[: len(data) // 2])
 
 
+def _write_checksums(folder):
+    import hashlib
+
+    files = sorted(p for p in os.listdir(folder) if p != "SHA256SUMS")
+    lines = [f"{hashlib.sha256((folder / p).read_bytes()).hexdigest()}  {p}\n" for p in files]
+    (folder / "SHA256SUMS").write_text("".join(lines))
+
+
+def _changed_under_its_checksums(folder):
+    _write_checksums(folder)
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last weight: still a readable file of finite weights
+    path.write_bytes(bytes(data))
+
+
+def _listed_but_missing(folder):
+    _write_checksums(folder)
+    (folder / "generation_config.json").unlink()
+
+
 # kind: (damage, the message after "checkpoint error: ", where {ckpt} is the damaged folder)
 DAMAGE = {
     "no-hidden-size": (
@@ -131,6 +153,14 @@ DAMAGE = {
         "{ckpt}/model.safetensors holds NaN or inf in model.layers.1.mlp.down_proj.weight: a policy with "
         "non-finite weights can be neither trained nor evaluated",
     ),
+    "changed-under-its-checksums": (
+        _changed_under_its_checksums,
+        "{ckpt}/model.safetensors does not match its SHA-256 in {ckpt}/SHA256SUMS (",
+    ),
+    "listed-in-checksums-but-missing": (
+        _listed_but_missing,
+        "{ckpt}/generation_config.json is listed in {ckpt}/SHA256SUMS but missing",
+    ),
     "misshaped-tensor": (
         _misshape,
         "checkpoint {ckpt} does not match the model: wrong shapes (1): model.norm.weight is (32,) but the "
@@ -155,10 +185,29 @@ def _one_line(capsys) -> str:
     return err
 
 
-def test_the_undamaged_checkpoint_is_accepted(hf_checkpoint):
-    from model.hf import load_hf
+def test_the_undamaged_checkpoint_is_accepted(hf_checkpoint, tmp_path):
+    import shutil
+
+    from model.hf import check_checksums, load_hf
 
     assert load_hf(str(hf_checkpoint)).args.hidden_size == 64  # the damage below is what each test refuses
+    listed = tmp_path / "listed"
+    shutil.copytree(hf_checkpoint, listed)
+    _write_checksums(listed)
+    check_checksums(str(listed))  # its own SHA256SUMS: accepted
+
+
+@pytest.mark.parametrize("line", ["not a checksum line", "0" * 64 + "  ../model.safetensors", "0" * 63 + "  x"])
+def test_a_checksums_file_that_does_not_read_as_sha256sum_output_is_one_named_error(hf_checkpoint, tmp_path, line):
+    import shutil
+
+    from model.hf import check_checksums
+
+    folder = tmp_path / "odd"
+    shutil.copytree(hf_checkpoint, folder)
+    (folder / "SHA256SUMS").write_text(line + "\n")
+    with pytest.raises(CheckpointError, match=r"SHA256SUMS, line 1, is not '<sha256>  <file name>' of a file"):
+        check_checksums(str(folder))
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
