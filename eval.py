@@ -11,9 +11,9 @@ evaluates its checkpoints with the settings of its own held-out evaluations, and
 `--config configs/dapo_32b.toml` gives the paper's (avg@32 at temperature 1.0, top_p 0.7, responses of up
 to 20480 tokens).
 
-The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory
-or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
-(a parquet file in the DAPO-Math-17k schema, or "synthetic") and `--tokenizer DIR` is
+The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory, a hub
+id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
+(a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
 report to a file. The command prints a table (one row per data source, then the overall row) followed
 by one JSON line with the full report. The evaluation itself is evaluation/evaluate.py.
@@ -33,6 +33,7 @@ from errors import ConfigError, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
 from model.hf import check_checksums, check_finite_weights
+from preflight.hub_inputs import EVAL_INPUTS, fetch_hub_inputs
 from rollout.engine_spec import EngineSpec
 
 
@@ -49,8 +50,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
         "Evaluate a policy with avg@k / pass@k / maj@k.",
         "--eval.k=32 --eval.top_p=0.7 --rollout.max_batch_size=256 --data.synthetic_num_eval=50",
     )
-    parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory, or a run folder (its hf/ export)")
-    parser.add_argument("--data", help="data.eval_path: a parquet file in the DAPO schema, or 'synthetic'")
+    parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory or hub id, or a run folder")
+    parser.add_argument("--data", help="data.eval_path: a parquet / jsonl file or hub id, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
     parser.add_argument("--json", help="also write the report to this file")
     return parse_config_args(parser, argv, _short_flags)
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg, args = parse_cli(argv)
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    cfg = fetch_hub_inputs(cfg, EVAL_INPUTS)  # hub ids: into the hub cache, then read from there
     model_dir = resolve_checkpoint(cfg.model.hf_path)
     check_checksums(model_dir)
     check_finite_weights(model_dir)

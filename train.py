@@ -29,6 +29,7 @@ from config import config_to_dict, parse_cli
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
 from preflight.checks import check_runnable
+from preflight.hub_inputs import fetch_training_inputs
 from run.folder import finished_run_report
 from run.signals import NothingToStop, exit_with_codes
 from trainer.build import build
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in report if dist.is_main else ():
                 log.info(line)
         else:
+            cfg = fetch_training_inputs(cfg, dist)  # hub ids: one process per node downloads, then checks
             trainer = Trainer(cfg, build(cfg, dist, fresh=cli.fresh))
             trainer.resume()  # the latest checkpoint, when checkpoint.resume
             trainer.warm_up()  # supervised, on worked solutions (training.sft_warmup_steps)

@@ -7,9 +7,11 @@ import os
 from typing import TYPE_CHECKING
 
 from config.schema import Config
+from data.hub import read_by_datasets
 from errors import ConfigError
 from model.args import PRESETS
 from model.hf import check_checksums
+from model.hub import hub_name
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
 if TYPE_CHECKING:
@@ -44,15 +46,21 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
-    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); a checkpoint
-    directory holds the files its SHA256SUMS lists, when it has one; the paths are set and exist; the sequences fit
-    the model; the data files are parquet prompt sets with rows (their footers only: an rl.data.DataError).
-    Configuration problems raise ConfigError.
+    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); then
+    `check_inputs`. Configuration problems raise ConfigError.
     """
     from preflight.limits import check_limits
 
     check_machine(cfg, machine)
     check_limits(cfg)  # sizes no machine runs
+    check_inputs(cfg)
+
+
+def check_inputs(cfg: Config) -> None:
+    """A checkpoint directory holds the files its SHA256SUMS lists, when it has one; the paths are set and exist;
+    the sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
+    rl.data.DataError). A hub id (model/hub.py) passes as a name: train.py checks again once it is fetched (a data
+    set's rows are checked as they are read)."""
     if os.path.isdir(cfg.model.hf_path):
         check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
     max_positions = _model_max_positions(cfg)
@@ -60,7 +68,7 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     _check_data_paths(cfg)
     _check_sequences_fit(cfg, max_positions)
     for path in (cfg.data.train_path, cfg.data.eval_path):
-        if path and path != "synthetic":
+        if path and path != "synthetic" and not read_by_datasets(path):
             check_parquet_file(path, SCHEMA_COLUMNS)
 
 
@@ -75,6 +83,8 @@ def _model_max_positions(cfg: Config) -> int | None:
         )
     if not model.hf_path:
         return PRESETS[model.preset].max_position_embeddings
+    if hub_name(model.hf_path):
+        return None  # read once fetched
     config_json = os.path.join(model.hf_path, "config.json")
     if not os.path.isfile(config_json):
         raise ConfigError(
@@ -91,6 +101,8 @@ def _check_tokenizer_dir(cfg: Config) -> None:
     """model.tokenizer_path, when set, is a directory; the tokenizer's folder (it, else model.hf_path) holds
     tokenizer.json."""
     model = cfg.model
+    if hub_name(model.tokenizer_path or model.hf_path):
+        return  # checked once fetched
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
         raise ConfigError(
             f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
@@ -122,7 +134,7 @@ def _check_data_paths(cfg: Config) -> None:
             raise ConfigError(
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )
-        if path != "synthetic" and not os.path.isfile(path):
+        if path != "synthetic" and not os.path.isfile(path) and not hub_name(path, splits=True):
             problem = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
             raise ConfigError(
                 f"data.{key} = {path!r} {problem}: set data.{key} to a parquet file in the "
