@@ -304,6 +304,51 @@ def test_a_sigterm_to_a_finished_run_says_so_and_exits_0(tmp_path):
     assert "this run finished at step 1" in result.stderr
 
 
+# train.py (planted reward) that sends itself a SIGTERM as it logs each line named on its command line, and one
+# more as the interpreter tears the finished process down (atexit): every moment after training and its final
+# evaluation, when a launcher's SIGTERM must not make a finished job look unfinished.
+_SIGTERM_AT_LINES = """
+import atexit, logging, os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import rl.reward, train
+from planted_train import planted_score
+
+class SigtermAt(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith({lines!r}):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+logging.getLogger().addHandler(SigtermAt())
+atexit.register(os.kill, os.getpid(), signal.SIGTERM)
+rl.reward.compute_score = planted_score
+train.run_cli(sys.argv[1:])
+"""
+
+
+def test_a_sigterm_after_the_final_evaluation_or_the_panel_or_in_the_teardown_still_exits_0(tmp_path):
+    lines = ("held-out accuracy after DAPO", "monitoring panel")
+    code = _SIGTERM_AT_LINES.format(root=ROOT, tests=os.path.join(ROOT, "tests"), lines=lines)
+    settings = {"eval.at_end": True, "metrics.plot": True, "checkpoint.export_hf": True}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *overrides(str(tmp_path), steps=1, **settings)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("SIGTERM received")]
+    assert (
+        said
+        == ["SIGTERM received: training is done; the run ends as planned (checkpoint, HF export, plot), exit 0"] * 2
+    )
+    assert "Traceback" not in result.stderr and "stopped by" not in result.stderr
+    run = tmp_path / "run"
+    assert json.loads((run / "finished.json").read_text()) == {"step": 1}
+    assert (run / "hf" / "config.json").exists() and (run / "plots" / "panel.png").exists()
+
+
 # ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
 
 
