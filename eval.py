@@ -33,6 +33,9 @@ from errors import ConfigError, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, write_report
 from model.hf import check_finite_weights
+from model.hf_adapter import read_hf_config
+from preflight import limits
+from preflight.checks import eval_problems
 from rollout.engine_spec import EngineSpec
 
 
@@ -98,6 +101,16 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
+def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
+    """Before any work: the torch engine's KV cache and the samples of one generate call (`per_call` problems;
+    None: all) fit this machine (preflight/limits.py)."""
+    args = read_hf_config(model_dir)
+    seq_len = min(args.max_position_embeddings, cfg.data.max_prompt_length + cfg.eval_max_new_tokens)
+    limits.check_torch_engine_fits(cfg, args, seq_len)
+    problems = eval_problems(cfg)
+    limits.check_evaluation_fits(cfg, min(per_call or problems, problems), limits.physical_memory())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
@@ -105,6 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     model_dir = resolve_checkpoint(cfg.model.hf_path)
+    # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
+    per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
+    check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
     if args.json:  # a folder that cannot take the report is refused before the evaluation, not after it
         with writing(args.json):
@@ -114,8 +130,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
-    # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
-    per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     engine = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     try:

@@ -12,6 +12,7 @@ from model.args import PRESETS
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
 if TYPE_CHECKING:
+    from model.args import ModelArgs
     from preflight.machine import Machine
 
 
@@ -43,26 +44,47 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
-    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); the paths
-    are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
-    only: an rl.data.DataError). Configuration problems raise ConfigError.
+    of a recipe differ between the machines it may run on); a step's samples fit this node (preflight/limits.py);
+    the paths are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows
+    (their footers only: an rl.data.DataError); the torch engine's KV cache and an evaluation's samples fit
+    (preflight/limits.py: the held-out set's size is read from its footer). Configuration problems raise
+    ConfigError.
     """
-    from preflight.limits import check_limits
+    from preflight import limits
 
     check_machine(cfg, machine)
-    check_limits(cfg)  # sizes no machine runs
-    max_positions = _model_max_positions(cfg)
+    limits.check_limits(cfg)  # sizes no machine runs
+    args = _model_args(cfg)
     _check_tokenizer_dir(cfg)
     _check_data_paths(cfg)
-    _check_sequences_fit(cfg, max_positions)
+    _check_sequences_fit(cfg, args.max_position_embeddings)
     for path in (cfg.data.train_path, cfg.data.eval_path):
         if path and path != "synthetic":
             check_parquet_file(path, SCHEMA_COLUMNS)
+    limits.check_torch_engine_fits(cfg, args, cfg.engine_max_seq_len)
+    if evaluates(cfg):  # each rank evaluates its share of the problems in one call
+        share = eval_problems(cfg) * limits.node_share()
+        limits.check_evaluation_fits(cfg, share, limits.physical_memory())
 
 
-def _model_max_positions(cfg: Config) -> int | None:
-    """The model's max_position_embeddings, after checking that the model is set: a preset's, or the
-    config.json's of model.hf_path (None where that file sets it to null)."""
+def eval_problems(cfg: Config) -> int:
+    """The held-out problems an evaluation has at most: eval.eval_size, or the set's rows (the parquet footer's
+    count, before duplicates are dropped; the synthetic task's)."""
+    data = cfg.data
+    if data.eval_path == "synthetic":
+        rows = data.synthetic_num_eval
+    else:
+        import pyarrow.parquet as pq
+
+        check_parquet_file(data.eval_path, SCHEMA_COLUMNS)  # a DataError naming the file, before it is read
+        with pq.ParquetFile(data.eval_path) as parquet:
+            rows = parquet.metadata.num_rows
+    return min(rows, cfg.eval.eval_size or rows)
+
+
+def _model_args(cfg: Config) -> ModelArgs:
+    """The model's architecture, after checking that the model is set: a preset's, or the config.json's of
+    model.hf_path."""
     model = cfg.model
     if not model.preset and not model.hf_path:
         raise ConfigError(
@@ -70,7 +92,7 @@ def _model_max_positions(cfg: Config) -> int | None:
             f"--model.hf_path=/ckpt/Qwen2.5-32B), or model.preset to one of {', '.join(PRESETS)}"
         )
     if not model.hf_path:
-        return PRESETS[model.preset].max_position_embeddings
+        return PRESETS[model.preset]
     config_json = os.path.join(model.hf_path, "config.json")
     if not os.path.isfile(config_json):
         raise ConfigError(
@@ -80,7 +102,7 @@ def _model_max_positions(cfg: Config) -> int | None:
     from model.hf_adapter import read_hf_config
 
     # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
-    return read_hf_config(model.hf_path).max_position_embeddings
+    return read_hf_config(model.hf_path)
 
 
 def _check_tokenizer_dir(cfg: Config) -> None:

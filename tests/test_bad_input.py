@@ -5,6 +5,7 @@ keeps its traceback."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -214,6 +215,68 @@ def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_in_both_commands(
     assert info.value.code == 2 and _one_line(capsys) == (
         f"eval.py: configuration error: --tokenizer {empty}: no tokenizer.json there; pass the folder that holds it"
     )
+
+
+# ------------------------------------------------------------------------------------------ sizes no machine holds
+
+
+def _run_limited(*args):
+    """`_run` with 4 GB of address space: a size that is not refused fails fast instead of filling the machine."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit
+    )
+
+
+# 1e12 sequences (or blocks of 16) x 512 bytes a token (k and v of 2 layers x 2 KV heads x 16 in float32); a train
+# sequence holds 256 + 8 tokens (17 blocks), an eval.py one 64 + 8 (5 blocks). 1e12 samples x 4 problems x 12 bytes
+# x 264 (train) or 72 (eval.py) tokens.
+ENGINE = "the torch engine's KV cache cannot fit this machine: "
+SAMPLES = "an evaluation's samples cannot fit this machine: eval.k = 1,000,000,000,000 samples of each of "
+TOO_LARGE = {
+    "max_batch_size": (
+        "--rollout.max_batch_size=1000000000000",
+        ENGINE + "rollout.max_batch_size = 1,000,000,000,000 sequences of up to 264 tokens take 139,264,000.0 GB",
+        ENGINE + "rollout.max_batch_size = 1,000,000,000,000 sequences of up to 72 tokens take 40,960,000.0 GB",
+    ),
+    "kv_cache_blocks": pytest.param(
+        "--rollout.kv_cache_blocks=1000000000000",
+        ENGINE + "rollout.kv_cache_blocks = 1,000,000,000,000 blocks of 16 positions take 8,192,000.0 GB",
+        ENGINE + "rollout.kv_cache_blocks = 1,000,000,000,000 blocks of 16 positions take 8,192,000.0 GB",
+        marks=pytest.mark.slow,
+    ),
+    "eval.k": (
+        "--eval.k=1000000000000",
+        SAMPLES + "4 problems held at once, of up to 264 tokens, take at least 12,672,000.0 GB on this node",
+        SAMPLES + "1 problems held at once, of up to 72 tokens, take at least 864,000.0 GB on this node",
+    ),
+}
+
+
+@pytest.mark.parametrize("flag, train_line, eval_line", TOO_LARGE.values(), ids=TOO_LARGE)
+def test_a_size_no_machine_holds_is_refused_in_one_line_before_any_work(
+    flag, train_line, eval_line, hf_checkpoint, tmp_path
+):
+    evaluation = ["--data.eval_path=synthetic", "--data.synthetic_num_eval=4", "--eval.at_end=true"]
+    proc = _run_limited(
+        "train.py", "--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}",
+        f"--job.run_dir={tmp_path / 'runs'}", *SMALL, *evaluation, "--training.sft_warmup_steps=10", flag,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"configuration error: {train_line}")
+    assert re.search(r"more than (its|the) [\d,]+\.\d GB of (this node's )?memory", proc.stderr), proc.stderr
+    assert not (tmp_path / "runs").exists()  # before the run folder, the warm-up, anything
+    proc = _run_limited(
+        "eval.py", "--model", str(hf_checkpoint), "--data", "synthetic", "--data.synthetic_num_eval=4",
+        "--eval.max_response_length=8", "--metrics.progress=false", flag,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"eval.py: configuration error: {eval_line}")
 
 
 # ------------------------------------------------------------------------------------------ bugs keep tracebacks
