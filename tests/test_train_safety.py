@@ -352,6 +352,32 @@ def test_a_sigterm_after_the_final_evaluation_or_the_panel_or_in_the_teardown_st
 # ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
 
 
+def test_a_file_size_limit_in_the_hf_export_is_one_line_exit_2_and_removes_the_export(tmp_path):
+    import resource
+
+    def one_mb_files():  # as `ulimit -f 1024`, or a FAT volume's 4 GB at scale; the write then fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    # No checkpoint (its optimizer state would meet the limit first); the demo policy's export is 3.5 MB.
+    settings = {"checkpoint.enabled": False, "checkpoint.export_hf": True}
+    result = subprocess.run(
+        PLANTED_TRAIN + overrides(str(tmp_path), steps=1, **settings),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=one_mb_files,
+    )
+    run = tmp_path / "run"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {run / 'hf'}: File too large; a file-size limit (ulimit -f) or the file system (FAT32: "
+        "4 GB a file) caps it: raise the limit or write to another file system, then run the same command again"
+    )
+    assert not (run / "hf").exists() and not (run / "finished.json").exists()
+
+
 def _disk_full_at(monkeypatch, name: str, error: int = errno.ENOSPC) -> None:
     """Writes to files whose name holds `name` (errors.py's atomic writes, metrics.jsonl's appends) fail as on a
     full disk: half the bytes go out, then the OS error. A read-only folder (EROFS) refuses the file itself."""
