@@ -139,6 +139,21 @@ def write_atomically(path: str, content: str | bytes | Callable[[IO[bytes]], obj
             raise
 
 
+def broken_link(path: str) -> str | None:
+    """Why `path` cannot be reached when a symbolic link is the cause ("is a symbolic link loop", "is a symbolic
+    link to T, which does not exist"), for a line that names it; None when it is not (it exists, or is simply
+    not there)."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link loop" if os.path.islink(path) else "goes through a symbolic link loop"
+    if os.path.islink(path):
+        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    return None
+
+
 class RunStopped(Exception):
     """The run stopped for a reason its message names; what it had done is saved or left intact."""
 

@@ -23,7 +23,6 @@ The evaluation itself is evaluation/evaluate.py.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, report, writing
+from errors import ConfigError, broken_link, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
 from evaluation.report import format_table, report_text, write_report
 from model.hf import check_finite_weights
@@ -83,6 +82,8 @@ def resolve_checkpoint(path: str) -> str:
         raise ConfigError(f"--model {path} is a run folder without an HF export: {why}; or pass an HF checkpoint")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
+    if broken_link(path):
+        raise ConfigError(f"--model {path} {broken_link(path)}; pass an HF checkpoint directory or a run folder")
     raise ConfigError(
         f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
         "hf/ export (no hf/config.json)"
@@ -149,7 +150,7 @@ def _mode(path: str) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        problem = "is a symbolic link loop" if exc.errno == errno.ELOOP else f"cannot be reached ({exc.strerror})"
+        problem = broken_link(path) or f"cannot be reached ({exc.strerror})"
         raise ConfigError(f"--json {path} {problem}; pass the path of a file for the report") from None
 
 

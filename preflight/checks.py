@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from config.schema import Config
-from errors import ConfigError
+from errors import ConfigError, broken_link
 from model.args import PRESETS
 from rl.data import SCHEMA_COLUMNS, check_parquet_file
 
@@ -95,9 +95,9 @@ def _model_args(cfg: Config) -> ModelArgs:
         return PRESETS[model.preset]
     config_json = os.path.join(model.hf_path, "config.json")
     if not os.path.isfile(config_json):
+        problem = broken_link(model.hf_path) or "is not a checkpoint directory (no config.json)"
         raise ConfigError(
-            f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
-            "set model.hf_path to a Qwen2.5 checkpoint directory"
+            f"model.hf_path = {model.hf_path!r} {problem}: set model.hf_path to a Qwen2.5 checkpoint directory"
         )
     from model.hf_adapter import read_hf_config
 
@@ -110,8 +110,9 @@ def _check_tokenizer_dir(cfg: Config) -> None:
     tokenizer.json."""
     model = cfg.model
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
+        problem = broken_link(model.tokenizer_path) or "is not a directory"
         raise ConfigError(
-            f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
+            f"model.tokenizer_path = {model.tokenizer_path!r} {problem}: set it to the "
             "folder holding tokenizer.json, or leave it empty"
         )
     tokenizer_key = "model.tokenizer_path" if model.tokenizer_path else "model.hf_path"
@@ -141,7 +142,7 @@ def _check_data_paths(cfg: Config) -> None:
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )
         if path != "synthetic" and not os.path.isfile(path):
-            problem = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            problem = "is a directory, not a file" if os.path.isdir(path) else broken_link(path) or "does not exist"
             raise ConfigError(
                 f"data.{key} = {path!r} {problem}: set data.{key} to a parquet file in the "
                 f"{what} schema, or to 'synthetic'"

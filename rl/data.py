@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from errors import DataError
+from errors import DataError, broken_link
 from rl.math_normalize import normalize_final_answer
 from rl.prompt_row import GroundTruth, RowSkipped, read_messages, read_row
 
@@ -210,7 +210,9 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
     if os.path.isdir(path):
         raise DataError(f"{path} is a directory; a prompt set is one parquet file in the DAPO-Math-17k schema")
     if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+        raise DataError(
+            f"data file {path} {broken_link(path)}" if broken_link(path) else f"data file not found: {path}"
+        )
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: the file is empty (0 bytes), not a parquet file")
     try:

@@ -312,6 +312,70 @@ def test_a_toml_file_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path,
     assert info.value.code == 2 and _one_line(capsys) == f"eval.py: {expected}"
 
 
+def test_a_toml_file_with_a_utf8_byte_order_mark_reads_as_the_same_file_without_it(tmp_path):
+    from config import load_config
+
+    demo = os.path.join(ROOT, "configs/demo_cpu.toml")
+    text = f'base = "{demo}"\n[job]\nname = "caf\u00e9"\n'
+    (tmp_path / "plain.toml").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.toml").write_text(text, encoding="utf-8-sig")  # as Windows editors save UTF-8
+    assert (tmp_path / "bom.toml").read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_config(str(tmp_path / "bom.toml")) == load_config(str(tmp_path / "plain.toml"))
+    assert load_config(str(tmp_path / "bom.toml")).job.name == "caf\u00e9"
+
+
+def test_a_symbolic_link_loop_or_a_dangling_link_is_named_as_such(tmp_path, hf_checkpoint, capsys):
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling.parquet"
+    loop.symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(loop)
+    dangling.symlink_to(tmp_path / "moved-away.parquet")
+    bases = tmp_path / "with-base.toml"
+    bases.write_text('base = "loop"\n')
+    model = ["--model.preset=", f"--model.hf_path={hf_checkpoint}", f"--job.run_dir={tmp_path / 'runs'}", *SMALL]
+    refused = {
+        ("--config", str(loop), "--dry-run"): f"configuration error: config file {loop} is a symbolic link loop",
+        ("--config", str(bases), "--dry-run"): (
+            f"configuration error: {bases}: base file 'loop' is a symbolic link loop (looked for {loop})"
+        ),
+        (*model, f"--data.train_path={loop}"): (
+            f"configuration error: data.train_path = '{loop}' is a symbolic link loop: set data.train_path to a "
+            "parquet file in the DAPO-Math-17k schema, or to 'synthetic'"
+        ),
+        (*model, f"--data.train_path={dangling}"): (
+            f"configuration error: data.train_path = '{dangling}' is a symbolic link to {tmp_path}/moved-away.parquet, "
+            "which does not exist: set data.train_path to a parquet file in the DAPO-Math-17k schema, or to 'synthetic'"
+        ),
+        (*model, f"--model.hf_path={loop}"): (
+            f"configuration error: model.hf_path = '{loop}' is a symbolic link loop: set model.hf_path to a Qwen2.5 "
+            "checkpoint directory"
+        ),
+        (*model, f"--model.tokenizer_path={loop}"): (
+            f"configuration error: model.tokenizer_path = '{loop}' is a symbolic link loop: set it to the folder "
+            "holding tokenizer.json, or leave it empty"
+        ),
+    }
+    for argv, line in refused.items():
+        with pytest.raises(SystemExit) as info:
+            train.run_cli(list(argv))
+        assert info.value.code == 2 and _one_line(capsys) == line
+    refused = {
+        (
+            "--config",
+            str(loop),
+            "--model",
+            str(hf_checkpoint),
+        ): f"configuration error: config file {loop} is a symbolic link loop",
+        ("--model", str(loop)): f"configuration error: --model {loop} is a symbolic link loop; pass an HF checkpoint "
+        "directory or a run folder",
+        ("--model", str(hf_checkpoint), "--data", str(loop)): f"data error: data file {loop} is a symbolic link loop",
+    }
+    for argv, line in refused.items():
+        with pytest.raises(SystemExit) as info:
+            eval_command.run_cli(list(argv))
+        assert info.value.code == 2 and _one_line(capsys) == f"eval.py: {line}"
+    assert not (tmp_path / "runs").exists()
+
+
 def _prompt_file_with_undecodable_content(path, rows: int, bad_row: int):
     """A DAPO-schema parquet file whose prompt content in `bad_row` holds Latin-1 bytes in a string column."""
     contents = [f"What is {i} + 1?".encode() for i in range(rows)]
