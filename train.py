@@ -29,7 +29,7 @@ from config import config_to_dict, parse_cli
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
 from preflight.checks import check_runnable
-from run.folder import finished_run_report
+from run.folder import accept_launch, discard_refused_launch, finished_run_report
 from run.signals import NothingToStop, exit_with_codes
 from trainer.build import build
 from trainer.loop import Trainer
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             trainer = Trainer(cfg, build(cfg, dist, fresh=cli.fresh))
             trainer.resume()  # the latest checkpoint, when checkpoint.resume
+            if dist.is_main:  # nothing refused this launch: its configuration snapshot
+                accept_launch(trainer.parts.run_path, config_to_dict(cfg))
             trainer.warm_up()  # supervised, on worked solutions (training.sft_warmup_steps)
             trainer.evaluate_at_start()
             for step in range(trainer.state.step + 1, cfg.training.steps + 1):
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         try:
             if trainer is not None:
+                discard_refused_launch(trainer.parts.run_path)  # refused before accept_launch: the folder it made
                 trainer.close()
         finally:
             shutdown_distributed(clean=finished)

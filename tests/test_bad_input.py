@@ -170,6 +170,7 @@ def test_train_refuses_a_damaged_hf_checkpoint_in_one_line(kind, hf_checkpoint, 
         train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
     assert info.value.code == 2
     assert _one_line(capsys).startswith(f"checkpoint error: {message}")
+    assert not (tmp_path / "runs").exists()  # the run folder this refused launch made is gone, its parent too
 
 
 @pytest.mark.parametrize("kind", DAMAGE)

@@ -84,6 +84,7 @@ def test_resuming_with_another_model_preset_is_one_line_naming_both_shapes(tmp_p
     assert exited.value.code == 2 and len(err) == 1, err
     assert "holds model.embed_tokens.weight with shape [512, 128], this run's model has [256, 64]" in err[0]
     assert "written for another model" in err[0] and "--fresh" in err[0]
+    assert not list((tmp_path / "run").glob("config.launch-*"))  # a refused launch leaves no snapshot
 
 
 # ---- two runs, one folder -----------------------------------------------------------------------------------
