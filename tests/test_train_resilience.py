@@ -302,6 +302,16 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     assert _folder_state(tmp_path) == files
 
 
+def test_a_run_of_no_dapo_step_does_not_call_its_evaluation_after_dapo(tmp_path, caplog, signal_handlers):
+    with caplog.at_level("INFO", logger="train"):
+        assert train.main(overrides(str(tmp_path), steps=0, **{"eval.at_end": True})) == 0
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held-out accuracy")]
+    [row] = read_rows(str(tmp_path))
+    assert (
+        line == f"held-out accuracy with no DAPO step (training.steps = 0): {100 * row['eval/avg_at_k']:.1f}% (avg@4)"
+    )
+
+
 def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
