@@ -58,7 +58,8 @@ def check_evaluation_fits(cfg: Config, problems_at_once: float, memory_bytes: in
     if need > memory_bytes:
         raise ConfigError(
             f"an evaluation's samples cannot fit this machine: eval.k = {cfg.eval.k:,} samples of each of "
-            f"{problems_at_once:,.0f} problems held at once, of up to {seq_len} tokens, take at least "
+            f"{problems_at_once:,.0f} problem{'' if problems_at_once == 1 else 's'} held at once, of up to {seq_len} "
+            f"tokens, take at least "
             f"{need / 1e9:,.1f} GB on this node ({BYTES_PER_TOKEN} bytes a token: an int64 id and a float32 "
             f"log-prob), more than its {memory_bytes / 1e9:,.1f} GB of memory; lower eval.k (or eval.eval_size)"
         )

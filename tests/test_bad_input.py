@@ -254,7 +254,7 @@ TOO_LARGE = {
     "eval.k": (
         "--eval.k=1000000000000",
         SAMPLES + "4 problems held at once, of up to 264 tokens, take at least 12,672,000.0 GB on this node",
-        SAMPLES + "1 problems held at once, of up to 72 tokens, take at least 864,000.0 GB on this node",
+        SAMPLES + "1 problem held at once, of up to 72 tokens, take at least 864,000.0 GB on this node",
     ),
 }
 
