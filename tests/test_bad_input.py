@@ -359,16 +359,12 @@ def test_a_symbolic_link_loop_or_a_dangling_link_is_named_as_such(tmp_path, hf_c
         with pytest.raises(SystemExit) as info:
             train.run_cli(list(argv))
         assert info.value.code == 2 and _one_line(capsys) == line
+    checkpoint = ("--model", str(hf_checkpoint))
     refused = {
-        (
-            "--config",
-            str(loop),
-            "--model",
-            str(hf_checkpoint),
-        ): f"configuration error: config file {loop} is a symbolic link loop",
-        ("--model", str(loop)): f"configuration error: --model {loop} is a symbolic link loop; pass an HF checkpoint "
-        "directory or a run folder",
-        ("--model", str(hf_checkpoint), "--data", str(loop)): f"data error: data file {loop} is a symbolic link loop",
+        ("--config", str(loop), *checkpoint): f"configuration error: config file {loop} is a symbolic link loop",
+        ("--model", str(loop)): f"configuration error: --model {loop} is a symbolic link loop; pass an HF "
+        "checkpoint directory or a run folder",
+        (*checkpoint, "--data", str(loop)): f"data error: data file {loop} is a symbolic link loop",
     }
     for argv, line in refused.items():
         with pytest.raises(SystemExit) as info:
