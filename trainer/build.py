@@ -25,7 +25,7 @@ from rl.data import DAPO_PROMPT_TEMPLATE, PromptExample, PromptSampler, load_pro
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import PartialEngine
 from rollout.engine_spec import EngineSpec
-from run.folder import prepare_run_folder, run_folder_path
+from run.folder import discard_refused_launch, prepare_run_folder, run_folder_path
 from run.lock import FolderLock
 from tasks.catalog import synthetic_task_rows
 from trainer.optimizer import build_optimizer
@@ -69,6 +69,7 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         parts = _build(cfg, dist, fresh, lock)
     except BaseException:
         if lock is not None:
+            discard_refused_launch(lock.folder)  # the folder, when this launch made it
             lock.release()
         raise
     parts.lock = lock

@@ -243,12 +243,14 @@ class Trainer(StepPhases):
     def finish(self) -> None:
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
-        if cfg.eval.at_end and p.eval_set:
-            scores = self.final_evaluation(step)
-            log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
+        scores = self.final_evaluation(step) if cfg.eval.at_end and p.eval_set else None
+        self.stop.only_the_end_left()  # a signal from here on stops nothing; one during the evaluation still does
+        if scores is not None:
+            label = "after DAPO" if step else "with no DAPO step (training.steps = 0)"
+            log.info("held-out accuracy %s: %.1f%% (avg@%d)", label, 100 * scores["eval/avg_at_k"], self.eval_params.n)
+        self.runner.stop_if_requested()
         if cfg.checkpoint.enabled:
             self.runner.save()  # no-op when the last step's interval checkpoint exists
-        self.runner.stop_if_requested(save=False)
         if cfg.checkpoint.export_hf:
             export_hf(p.policy, f"{p.run_path}/hf")
             if self.dist.is_main:
