@@ -12,10 +12,11 @@ switches), and nothing else changed: the learning rate, batch, steps and evaluat
 the same for every rung. Overrides on the command line change the task config for every rung alike; a
 Table 1 switch cannot be overridden.
 
-Per seed, one supervised warm-up run (`seed-S/warm-up/`: train.py with training.steps = 0) ends with a
-checkpoint of step 0; each rung's run folder (`seed-S/<rung>/`) starts from a copy of it, so every rung of a
-seed starts from the same weights, optimizer state, data position and random state. The held-out accuracy
-at step 0 is the warm-up run's (every rung would measure the same number).
+Per seed, one warm-up run (`seed-S/warm-up/`: train.py with training.steps = 0) evaluates the base policy and ends
+with a checkpoint of step 0 (the task config's base, bases/chain, is itself a supervised warm-up's result; a task
+config without one trains its warm-up there); each rung's run folder (`seed-S/<rung>/`) starts from a copy of that
+checkpoint, so every rung of a seed starts from the same weights, optimizer state, data position and random state.
+The held-out accuracy at step 0 is the warm-up run's (every rung would measure the same number).
 
 Resumable: a run folder that holds finished.json is done and skipped; an unfinished one resumes from its
 newest checkpoint (train.py's own resume); a killed ladder continues where it stopped when run again. The
@@ -58,8 +59,7 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
-# whole: half of it (300 steps) left the policy at 2% held-out accuracy, nearly every group all wrong.
+# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder.
 QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
 DEFAULT_SEEDS = "0,1,2,3,4"  # five: enough for a 95% t-interval of each rung's paired gain
 _RUNG_FILE = re.compile(r"(\d+)_[\w-]+\.toml\Z")
@@ -152,7 +152,8 @@ class Job:
 
 def plan_jobs(run_dir: str, seeds: list[int], rungs: list[Rung], task_config: str, overrides: list[str]) -> list[Job]:
     """Every seed's warm-up, then every seed's rungs (seed by seed: an interrupted ladder has whole seeds)."""
-    steps = effective_config(task_config, overrides, None).training.steps
+    start = effective_config(task_config, overrides, None)
+    steps = start.training.steps
     base = [sys.executable, os.path.join(ROOT, "train.py"), "--config", task_config, *[f"--{o}" for o in overrides]]
     warm_ups, jobs = {}, []
     for seed in seeds:
@@ -172,7 +173,9 @@ def plan_jobs(run_dir: str, seeds: list[int], rungs: list[Rung], task_config: st
         for rung in rungs:
             command = [*base, *[f"--{o}" for o in rung_overrides(rung)], f"--job.run_dir={folder}"]
             command += [f"--job.seed={seed}", f"--job.name={rung.name}", "--metrics.progress=false"]
-            command += [f"--model.tokenizer_path={os.path.join(warm.path, 'tokenizer')}", "--eval.at_start=false"]
+            if not start.model.hf_path:  # a base trained in the warm-up run: its tokenizer too
+                command += [f"--model.tokenizer_path={os.path.join(warm.path, 'tokenizer')}"]
+            command += ["--eval.at_start=false"]
             jobs.append(Job(seed, rung, os.path.join(folder, rung.name), steps, command, warm))
     return list(warm_ups.values()) + jobs
 

@@ -170,7 +170,7 @@ def test_parse_cli_defaults_to_the_demo_config():
     cfg, args = parse_cli([])
     root = os.path.dirname(os.path.dirname(config.__file__))
     assert os.path.samefile(args.config, os.path.join(root, "configs", "demo_cpu.toml"))
-    assert args.dry_run is False and cfg.model.preset == "demo"
+    assert args.dry_run is False and cfg.model.hf_path == "bases/demo"
 
 
 def test_parse_cli_errors():

@@ -11,7 +11,8 @@ import pytest
 
 from config import Config, ConfigError, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
-from model.hf_adapter import hf_config_from_args
+from model.hf import CHECKSUMS, check_checksums
+from model.hf_adapter import hf_config_from_args, read_hf_config
 from preflight.checks import check_runnable
 from preflight.machine import Machine
 from rollout.sglang_engine import SGLANG_VERSION
@@ -173,16 +174,33 @@ def test_ablation_rows_are_the_recipe_apart_from_the_table_1_switches():
 
 def test_demo_is_runnable_small_and_has_every_technique_on():
     cfg = load("demo_cpu.toml")
-    check_runnable(cfg, Machine())  # no paths to fill in: preset model, synthetic data; a CPU runs it as it is
-    assert cfg.model.preset == "demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
+    check_runnable(cfg, Machine())  # no paths to fill in: the shipped base, synthetic data; a CPU runs it as it is
+    assert cfg.model.hf_path == "bases/demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
     assert cfg.rollout.engine == "torch" and cfg.model.dtype == cfg.parallelism.param_dtype == "float32"
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp) == (1, -1, 1)
-    assert cfg.training.sft_warmup_steps > 0
+    assert cfg.training.sft_warmup_steps == 0  # the base policy is the warm-up's result (configs/bases/demo_cpu.toml)
     alg = cfg.algorithm
     assert alg.clip_high > alg.clip_low and alg.loss_agg == "token-mean"
     assert alg.overlong_filter and alg.overlong_penalty and alg.dynamic_sampling
     # Small enough for the 10-minute CPU budget (measured by bench/demo_learning.py).
     assert cfg.training.train_batch_size * cfg.rollout.n <= 512 and cfg.rollout.max_response_length <= 48
+
+
+@pytest.mark.parametrize("name, user", [("demo", "demo_cpu.toml"), ("chain", "ablation_cpu.toml")])
+def test_a_shipped_base_is_what_its_recipe_makes_and_what_its_run_starts_from(name, user):
+    folder = os.path.join(ROOT, "bases", name)
+    check_checksums(folder)  # every file as SHA256SUMS lists it (not a Git LFS pointer, not changed)
+    with open(os.path.join(folder, CHECKSUMS)) as f:
+        listed = {line.split()[1] for line in f if line.strip()}
+    assert listed == set(os.listdir(folder)) - {CHECKSUMS}  # and nothing beside them that it does not list
+    recipe, run = load(f"bases/{name}_cpu.toml"), load(user)
+    assert run.model.hf_path == f"bases/{name}" and run.training.sft_warmup_steps == 0
+    # The recipe is the run's own configuration from the preset's random weights with the warm-up on and no DAPO
+    # step (what it writes is the base: its held-out accuracy at step 0, then the HF export).
+    changed = {"job.name", "job.seed", "model.preset", "model.hf_path", "training.steps", "training.sft_warmup_steps"}
+    assert differences(run, recipe) <= changed | {"eval.at_end", "metrics.plot"}
+    assert (recipe.model.hf_path, recipe.training.steps, recipe.training.sft_warmup_steps) == ("", 0, 600)
+    assert read_hf_config(folder) == PRESETS[recipe.model.preset]
 
 
 def test_dapo_32b_memory_budget_arithmetic():
