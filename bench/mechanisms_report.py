@@ -243,7 +243,7 @@ def markdown_table(rows: list[dict], measures, seeds: list[int]) -> str:
         for row in rows:
             e = row["measures"][i]
             per_seed = " / ".join(_number(e["per_seed"][s], p) for s in seeds)
-            cell = f"{_number(e['mean'], p)} ± {_number(e['std'], p)}"
+            cell = "-" if math.isnan(e["mean"]) else f"{_number(e['mean'], p)} ± {_number(e['std'], p)}"
             if e.get("not_reached"):
                 cell += f" ({e['not_reached']} never)"
             if "diff_mean" in e:
@@ -256,7 +256,11 @@ def markdown_table(rows: list[dict], measures, seeds: list[int]) -> str:
                 )
                 low, high = e["diff_ci"]
                 interval = "-" if math.isnan(low) else f"[{_number(low, p, True)}, {_number(high, p, True)}]"
-                diff = f"{_number(e['diff_mean'], p, True)} ± {_number(e['diff_std'], p)}"
+                diff = (
+                    "-"
+                    if math.isnan(e["diff_mean"])
+                    else f"{_number(e['diff_mean'], p, True)} ± {_number(e['diff_std'], p)}"
+                )
                 lines.append(f"| {row['arm']} | {cell} | {per_seed} | {diffs} | {diff} | {interval} |")
             else:
                 lines.append(f"| {row['arm']} | {cell} | {per_seed} | (reference) | | |")
