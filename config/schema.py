@@ -113,7 +113,7 @@ class DataConfig:
     eval_path: str = "synthetic"  # held-out set, the same kinds (AIME 2024 in the paper), or "synthetic"
     max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
     prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
-    synthetic_task: Literal["arithmetic", "chain"] = "arithmetic"  # built-in task: tasks/arithmetic.py, tasks/chain.py
+    synthetic_task: Literal["arithmetic", "chain", "coin", "fork", "scan"] = "arithmetic"  # built-in: tasks/<name>.py
     synthetic_difficulty: int = at_least(2, 1)  # level of the synthetic task (tasks/catalog.py)
     synthetic_num_train: int = at_least(2000, 1)  # synthetic training problems
     synthetic_num_eval: int = at_least(200, 1)  # synthetic held-out problems (disjoint from training)
@@ -268,6 +268,7 @@ class MetricsConfig:
     progress: bool = True  # progress bars on the console (plain lines when not a terminal)
     peak_tflops: float = at_least(0.0, 0)  # per-device peak for "mfu"; 0 = the datasheet bf16 value of a known GPU
     log_every: int = at_least(1, 1)  # steps between console lines (the JSONL gets every step)
+    rollout_dump: bool = False  # each step's trained samples as JSONL in rollouts/ (observe/rollout_dump.py)
 
 
 @dataclass

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 class ClipStats:
     """Detached scalars of Eq. 10 over a call's valid tokens (weight them by num_tokens to combine calls): the
     shares clipped (the clipped term the larger), dual-clipped (A < 0) and clipped at the upper bound (A > 0),
-    the mean pi_old probability of the last (weight it by their count), mean old_logp - logp (clamped)."""
+    the mean pi_old probability of the last (weight it by their count), mean old_logp - logp (clamped); and how
+    many of the responses' first tokens were clipped at the upper bound, of how many."""
 
     pg_clipfrac: torch.Tensor
     pg_clipfrac_lower: torch.Tensor
@@ -28,6 +29,8 @@ class ClipStats:
     ratio_max: torch.Tensor
     num_tokens: torch.Tensor
     num_nonempty_seqs: torch.Tensor
+    first_tokens_upper: torch.Tensor  # of the responses' first tokens (column 0): how many were clipped at the upper
+    num_first_tokens: torch.Tensor  # bound, of how many valid ones
 
     @classmethod
     @torch.no_grad()
@@ -62,6 +65,9 @@ class ClipStats:
             ratio_max=torch.where(valid, ratio, 0.0).max() if valid.numel() else ratio.new_zeros(()),
             num_tokens=num_tokens,
             num_nonempty_seqs=valid.any(dim=-1).sum(),
+            # Where a response chooses its approach: clip-higher's bound on a rare first token (a strategy).
+            first_tokens_upper=upper[..., :1].sum(),
+            num_first_tokens=valid[..., :1].sum(),
         )
 
 

@@ -23,6 +23,7 @@ from evaluation.held_out import discard_reports_after, run_held_out_eval
 from evaluation.report import flat_metrics, read_report
 from model.hf import complete_hf_export
 from observe.progress import Progress
+from observe.rollout_dump import rollout_dump
 from parallel.checkpoint import CheckpointManager
 from parallel.device_memory import return_cached_memory
 from parallel.hf_export import export_hf
@@ -110,12 +111,15 @@ class Trainer(StepPhases):
         self.metrics: MetricsWriter | None = None
         self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
+        self.dump = rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
     def generate(self, step: int) -> RolloutBatch:
         """Lines 3-8 on this rank: generation rounds until every rank's batch is full (trainer/rollout_phase.py)."""
         with self.progress(self.parts.builder.train_batch_size, f"step {step} rollout", "groups") as bar:
-            return self.parts.rollout.collect(step, self.guard, bar)
+            batch = self.parts.rollout.collect(step, self.guard, bar)
+        self.dump(step, batch.groups)  # metrics.rollout_dump
+        return batch
 
     def train(self, step: int, batch: RolloutBatch, times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""

@@ -142,6 +142,7 @@ class TrainMetrics:
     pg_clipfrac_lower: Mean = logged("pg_clipfrac_lower", Mean)
     pg_clipfrac_upper: Mean = logged("pg_clipfrac_upper", Mean)
     clipped_upper_prob: Mean = logged("token_prob/clipped_upper_mean", Mean)  # of the upper-clipped tokens
+    first_token_upper: Mean = logged("pg_clipfrac_upper/first_token", Mean)  # of the responses' first tokens
     ppo_kl: Mean = logged("ppo_kl", Mean)
     entropy: Mean = logged("entropy", Mean)
     token_prob: Mean = logged("token_prob/mean", Mean)
@@ -162,6 +163,7 @@ class TrainMetrics:
         self.pg_clipfrac_lower.add(float(clip.pg_clipfrac_lower) * n, n)
         self.pg_clipfrac_upper.add(upper, n)
         self.clipped_upper_prob.add(float(clip.clipped_upper_prob) * upper, upper)
+        self.first_token_upper.add(float(clip.first_tokens_upper), float(clip.num_first_tokens))
         self.ppo_kl.add(float(clip.ppo_kl) * n, n)
         self.entropy.add(float(stats.entropy_sum), n)
         self.token_prob.add(float(stats.token_prob_sum), n)
