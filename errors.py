@@ -5,7 +5,8 @@
       DataError          a prompt data file (data/prompts.py)
       CheckpointError    an HF checkpoint directory, or one of the run's own checkpoints (model/, parallel/)
       RunFolderError     a run folder in use by another run, or one that cannot be prepared (trainer/)
-      WriteError         a file the run writes, on a full disk or a read-only or forbidden folder (`writing`)
+      WriteError         a file the run writes, on a full disk, a read-only or forbidden folder, or past a file-size
+                         limit (`writing`)
     RunStopped           the run stopped for a reason it names, with its work saved or left intact: one line
       StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; run/signals.py)
       EngineDied         the rollout engine's process ended (exit 1; rollout/engine.py)
@@ -15,7 +16,8 @@ Everything else is a failure of the program and keeps its traceback (exit 1): a 
 is not bad input, so the entry points catch these classes and nothing wider.
 
 Every file a run writes goes through `write_atomically` (whole or absent, never half-written) or `writing`
-(a write's full disk, read-only file system or missing permission is a WriteError naming the file).
+(a write's full disk, read-only file system, missing permission or file-size limit is a WriteError naming the
+file and the fix).
 """
 
 from __future__ import annotations
@@ -67,8 +69,18 @@ class WriteError(UserError):
     is left behind."""
 
 
-# What a person can fix: a full disk or quota, a read-only file system, a folder they may not write to.
-FIXABLE_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+# What a person can fix, and how: a full disk or quota, a read-only file system, a folder they may not write to;
+# a file larger than its file system (FAT32: 4 GB) or a file-size limit (`ulimit -f`) allows.
+_ROOM = "make room or make its folder writable"
+WRITE_ERROR_FIXES = {
+    errno.ENOSPC: _ROOM,
+    errno.EDQUOT: _ROOM,
+    errno.EROFS: _ROOM,
+    errno.EACCES: _ROOM,
+    errno.EPERM: _ROOM,
+    errno.EFBIG: "a file-size limit (ulimit -f) or the file system (FAT32: 4 GB a file) caps it: raise the limit "
+    "or write to another file system",
+}
 
 
 def first_os_error(exc: BaseException | None) -> OSError | None:
@@ -91,16 +103,16 @@ def first_os_error(exc: BaseException | None) -> OSError | None:
 
 @contextlib.contextmanager
 def writing(path: str) -> Iterator[None]:
-    """Writes to `path` inside: an OSError of FIXABLE_WRITE_ERRORS (itself, or behind the error raised, as DCP
+    """Writes to `path` inside: an OSError of WRITE_ERROR_FIXES (itself, or behind the error raised, as DCP
     wraps one) becomes a WriteError naming `path`."""
     try:
         yield
     except BaseException as exc:
         os_error = None if isinstance(exc, WriteError) else first_os_error(exc)
-        if os_error is None or os_error.errno not in FIXABLE_WRITE_ERRORS:
+        if os_error is None or os_error.errno not in WRITE_ERROR_FIXES:
             raise
         raise WriteError(
-            f"cannot write {path}: {os_error.strerror or os_error}; make room or make its folder writable, then run "
+            f"cannot write {path}: {os_error.strerror or os_error}; {WRITE_ERROR_FIXES[os_error.errno]}, then run "
             "the same command again"
         ) from exc
 
@@ -125,6 +137,21 @@ def write_atomically(path: str, content: str | bytes | Callable[[IO[bytes]], obj
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             raise
+
+
+def broken_link(path: str) -> str | None:
+    """Why `path` cannot be reached when a symbolic link is the cause ("is a symbolic link loop", "is a symbolic
+    link to T, which does not exist"), for a line that names it; None when it is not (it exists, or is simply
+    not there)."""
+    try:
+        os.stat(path)
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link loop" if os.path.islink(path) else "goes through a symbolic link loop"
+    if os.path.islink(path):
+        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    return None
 
 
 class RunStopped(Exception):

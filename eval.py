@@ -11,12 +11,13 @@ evaluates its checkpoints with the settings of its own held-out evaluations, and
 `--config configs/dapo_32b.toml` gives the paper's (avg@32 at temperature 1.0, top_p 0.7, responses of up
 to 20480 tokens).
 
-The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory
-or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
-(a parquet file in the DAPO-Math-17k schema, or "synthetic") and `--tokenizer DIR` is
+The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory, a hub
+id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
+(a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
-report to a file. The command prints a table (one row per data source, then the overall row) followed
-by one JSON line with the full report. The evaluation itself is evaluation/evaluate.py.
+report to a file, through a symbolic link, or into a pipe (`--json >(jq .)`; `ReportTarget`). The command
+prints a table (one row per data source, then the overall row) followed by one JSON line with the full report.
+The evaluation itself is evaluation/evaluate.py.
 """
 
 from __future__ import annotations
@@ -25,15 +26,21 @@ import argparse
 import json
 import logging
 import os
+import re
+import stat
 import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, report, writing
+from errors import ConfigError, broken_link, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
-from evaluation.report import format_table, write_report
-from model.hf import check_finite_weights
+from evaluation.report import format_table, report_text, write_report
+from model.hf import check_checksums, check_finite_weights
+from model.hf_adapter import read_hf_config
 from observe.progress import Progress
+from preflight import limits
+from preflight.checks import eval_problems
+from preflight.hub_inputs import EVAL_INPUTS, fetch_hub_inputs
 from rollout.engine_spec import EngineSpec
 from run.guard import GuardedEngine
 
@@ -51,8 +58,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
         "Evaluate a policy with avg@k / pass@k / maj@k.",
         "--eval.k=32 --eval.top_p=0.7 --rollout.max_batch_size=256 --data.synthetic_num_eval=50",
     )
-    parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory, or a run folder (its hf/ export)")
-    parser.add_argument("--data", help="data.eval_path: a parquet file in the DAPO schema, or 'synthetic'")
+    parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory or hub id, or a run folder")
+    parser.add_argument("--data", help="data.eval_path: a parquet / jsonl file or hub id, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
     parser.add_argument("--json", help="also write the report to this file")
     return parse_config_args(parser, argv, _short_flags)
@@ -78,6 +85,8 @@ def resolve_checkpoint(path: str) -> str:
         raise ConfigError(f"--model {path} is a run folder without an HF export: {why}; or pass an HF checkpoint")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
+    if broken_link(path):
+        raise ConfigError(f"--model {path} {broken_link(path)}; pass an HF checkpoint directory or a run folder")
     raise ConfigError(
         f"--model {path}: neither an HF checkpoint (no config.json) nor a run folder with an "
         "hf/ export (no hf/config.json)"
@@ -100,24 +109,96 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
+class ReportTarget:
+    """Where `--json PATH` writes the report, checked before the evaluation starts:
+    - a file, a symbolic link to one or a path not there yet: its folder is proven writable now, and the report
+      replaces the file whole at the end (errors.py write_atomically); through a link, the file it points to,
+      never the link itself;
+    - a pipe, a terminal, a device or an open file descriptor (`>(jq .)`, /dev/fd/N, /dev/stdout): opened now
+      (for appending, so a descriptor's file keeps what is in it) and written in place at the end;
+    - a directory or a symbolic-link loop: refused in one line."""
+
+    def __init__(self, path: str):
+        self.path, self.stream = path, None
+        mode = _mode(path)
+        if mode is not None and stat.S_ISDIR(mode):
+            raise ConfigError(
+                f"--json {path} is a directory; pass the path of a file for the report, e.g. "
+                f"{os.path.join(path, 'report.json')}"
+            )
+        if (mode is not None and not stat.S_ISREG(mode)) or _names_a_descriptor(path):
+            with writing(path):
+                self.stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held until the report is in)
+            return
+        self.file = os.path.realpath(path)  # through a symbolic link: the file it points to
+        with writing(self.file):
+            os.makedirs(os.path.dirname(self.file), exist_ok=True)
+            open(f"{self.file}.probe", "w").close()
+            os.remove(f"{self.file}.probe")
+
+    def write(self, report: dict) -> None:
+        if self.stream is None:
+            write_report(report, self.file)
+            return
+        sys.stdout.flush()  # what was printed comes first where the target is this process's own output
+        with writing(self.path), self.stream:
+            self.stream.write(report_text(report))
+
+
+def _mode(path: str) -> int | None:
+    """The st_mode of what `path` names, links followed (None: nothing there yet); a symbolic-link loop, or a path
+    through a file or a folder that may not be searched, is a ConfigError."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        problem = broken_link(path) or f"cannot be reached ({exc.strerror})"
+        raise ConfigError(f"--json {path} {problem}; pass the path of a file for the report") from None
+
+
+def _names_a_descriptor(path: str) -> bool:
+    """Whether `path` reaches, through its symbolic links, an entry of a /proc/PID/fd folder (/dev/fd/N,
+    /dev/stdout): an open descriptor, whose file must be written in place, not replaced by another."""
+    for _ in range(40):  # the kernel's own limit on links followed
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        if re.fullmatch(r"/proc/[^/]+/fd", folder):
+            return True
+        if not os.path.islink(path):
+            return False
+        path = os.path.join(os.path.dirname(os.path.abspath(path)), os.readlink(path))
+    return False
+
+
+def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
+    """Before any work: the torch engine's KV cache and the samples of one generate call (`per_call` problems;
+    None: all) fit this machine (preflight/limits.py)."""
+    args = read_hf_config(model_dir)
+    seq_len = min(args.max_position_embeddings, cfg.data.max_prompt_length + cfg.eval_max_new_tokens)
+    limits.check_torch_engine_fits(cfg, args, seq_len)
+    problems = eval_problems(cfg)  # None: a set read through `datasets`, counted as it is read
+    if per_call is not None or problems is not None:
+        calls = [n for n in (per_call, problems) if n is not None]
+        limits.check_evaluation_fits(cfg, min(calls), limits.physical_memory())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
     cfg, args = parse_cli(argv)
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    cfg = fetch_hub_inputs(cfg, EVAL_INPUTS)  # hub ids: into the hub cache, then read from there
     model_dir = resolve_checkpoint(cfg.model.hf_path)
+    check_checksums(model_dir)
+    # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
+    per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
+    check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
-    if args.json:  # a folder that cannot take the report is refused before the evaluation, not after it
-        with writing(args.json):
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            open(f"{args.json}.probe", "w").close()
-            os.remove(f"{args.json}.probe")
+    target = ReportTarget(args.json) if args.json else None  # refused before the evaluation, not after it
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
-    # The torch engine gets one full batch per call (the progress display moves per call); SGLang takes all.
-    per_call = max(1, cfg.rollout.max_batch_size // params.n) if cfg.rollout.engine == "torch" else None
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
@@ -140,8 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["data"] = cfg.data.eval_path
     print(format_table(report))
     print(json.dumps(report))
-    if args.json:
-        write_report(report, args.json)
+    if target is not None:
+        target.write(report)
     return report
 
 

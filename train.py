@@ -29,7 +29,8 @@ from config import config_to_dict, parse_cli
 from parallel.cpu_threads import set_intra_op_threads
 from parallel.dist_env import init_distributed, shutdown_distributed
 from preflight.checks import check_runnable
-from run.folder import finished_run_report
+from preflight.hub_inputs import fetch_training_inputs
+from run.folder import accept_launch, discard_refused_launch, finished_run_report
 from run.signals import NothingToStop, exit_with_codes
 from trainer.build import build
 from trainer.loop import Trainer
@@ -71,20 +72,23 @@ def main(argv: list[str] | None = None) -> int:
             for line in report if dist.is_main else ():
                 log.info(line)
         else:
+            cfg = fetch_training_inputs(cfg, dist)  # hub ids: one process per node downloads, then checks
             trainer = Trainer(cfg, build(cfg, dist, fresh=cli.fresh))
             trainer.resume()  # the latest checkpoint, when checkpoint.resume
+            if dist.is_main:  # nothing refused this launch: its configuration snapshot
+                accept_launch(trainer.parts.run_path, config_to_dict(cfg))
             trainer.warm_up()  # supervised, on worked solutions (training.sft_warmup_steps)
             trainer.evaluate_at_start()
             for step in range(trainer.state.step + 1, cfg.training.steps + 1):
                 trainer.step(step)  # Algorithm 1
             trainer.finish()  # held-out accuracy, last checkpoint, HF export, plot
-            trainer.stop.restore()
-            finished_signals.install()  # while the engine shuts down
+            finished_signals.take_over(trainer.stop)  # while the engine shuts down, and to the process's end
         finished = True
         return 0
     finally:
         try:
             if trainer is not None:
+                discard_refused_launch(trainer.parts.run_path)  # refused before accept_launch: the folder it made
                 trainer.close()
         finally:
             shutdown_distributed(clean=finished)

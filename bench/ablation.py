@@ -12,10 +12,11 @@ switches), and nothing else changed: the learning rate, batch, steps and evaluat
 the same for every rung. Overrides on the command line change the task config for every rung alike; a
 Table 1 switch cannot be overridden.
 
-Per seed, one supervised warm-up run (`seed-S/warm-up/`: train.py with training.steps = 0) ends with a
-checkpoint of step 0; each rung's run folder (`seed-S/<rung>/`) starts from a copy of it, so every rung of a
-seed starts from the same weights, optimizer state, data position and random state. The held-out accuracy
-at step 0 is the warm-up run's (every rung would measure the same number).
+Per seed, one warm-up run (`seed-S/warm-up/`: train.py with training.steps = 0) evaluates the base policy and ends
+with a checkpoint of step 0 (the task config's base, bases/chain, is itself a supervised warm-up's result; a task
+config without one trains its warm-up there); each rung's run folder (`seed-S/<rung>/`) starts from a copy of that
+checkpoint, so every rung of a seed starts from the same weights, optimizer state, data position and random state.
+The held-out accuracy at step 0 is the warm-up run's (every rung would measure the same number).
 
 Resumable: a run folder that holds finished.json is done and skipped; an unfinished one resumes from its
 newest checkpoint (train.py's own resume); a killed ladder continues where it stopped when run again. The
@@ -58,8 +59,7 @@ TASK_CONFIG = os.path.join(ROOT, "configs", "ablation_cpu.toml")
 RUNGS_DIR = os.path.join(ROOT, "configs", "ablation")
 WARM_UP = "warm-up"
 LADDER_FILE = "ladder.json"
-# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder. The warm-up stays
-# whole: half of it (300 steps) left the policy at 2% held-out accuracy, nearly every group all wrong.
+# --quick: one seed and a third of the DAPO steps (the same for every rung), in its own folder.
 QUICK_OVERRIDES = ["training.steps=10", "eval.interval=5"]
 DEFAULT_SEEDS = "0,1,2,3,4"  # five: enough for a 95% t-interval of each rung's paired gain
 _RUNG_FILE = re.compile(r"(\d+)_[\w-]+\.toml\Z")
@@ -115,14 +115,15 @@ def effective_config(task_config: str, overrides: list[str], rung: Rung | None):
     return load_config(task_config, [*overrides, *(rung_overrides(rung) if rung else [])])
 
 
-def check_overrides(overrides: list[str], rungs: list[Rung]) -> None:
-    """Refuse an override of a Table 1 switch (each rung is exactly its file's switches) or of what the ladder
-    sets per run (job.*, model.tokenizer_path)."""
+def check_overrides(overrides: list[str], rungs: list[Rung], what: str = "a Table 1 switch") -> None:
+    """Refuse an override of a rung's switch (each rung is exactly its file's switches; `what` names them) or of
+    what the ladder sets per run (job.*, model.tokenizer_path)."""
     switched = {f"algorithm.{key}" for rung in rungs for key in rung.switches}
     for item in overrides:
         key = item.partition("=")[0]
         if key in switched:
-            raise LadderError(f"--{item}: {key} is a Table 1 switch; each rung takes it from its file in {RUNGS_DIR}")
+            where = os.path.dirname(rungs[0].path)
+            raise LadderError(f"--{item}: {key} is {what}; each run takes it from its file in {where}")
         if key.startswith("job.") or key == "model.tokenizer_path":
             raise LadderError(f"--{item}: the ladder sets {key} itself (use --run-dir and --seeds)")
 
@@ -140,40 +141,68 @@ class Job:
     steps: int  # training.steps it finishes at
     command: list[str]
     warm_up: Job | None = None  # the warm-up a rung starts from
+    prefix: str = ""  # what the label starts with (bench/mechanisms.py: the probe's name)
+    needs: tuple[Job, ...] = ()  # other runs that must be done before this one starts
 
     @property
     def label(self) -> str:
-        return f"seed {self.seed} | {self.rung.name if self.rung else WARM_UP}"
+        return f"{self.prefix}seed {self.seed} | {self.rung.name if self.rung else WARM_UP}"
 
     def done(self) -> bool:
         step = finished_at(self.path)
         return step is not None and step >= self.steps
 
+    def ready(self) -> bool:
+        """Whether the warm-up it starts from and the runs it waits for are done."""
+        return all(job.done() for job in (self.warm_up, *self.needs) if job is not None)
+
+
+def train_command(task_config: str, overrides: list[str]) -> list[str]:
+    """train.py on the task config with the overrides: what every run of a ladder starts from."""
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", task_config, *[f"--{o}" for o in overrides]]
+
+
+def warm_up_job(base: list[str], seed: int, folder: str, prefix: str = "", evaluate: bool = True) -> Job:
+    """The supervised warm-up run in `folder`/warm-up: train.py with training.steps = 0, its step-0 evaluation
+    (unless not `evaluate`: a task without a held-out set), its step-0 checkpoint (every rung that starts from it
+    gets a copy) and its HF export."""
+    common = [f"--job.run_dir={folder}", f"--job.seed={seed}", "--metrics.progress=false"]
+    command = [
+        *base,
+        *common,
+        f"--job.name={WARM_UP}",
+        "--training.steps=0",
+        f"--eval.at_start={str(evaluate).lower()}",
+    ]
+    command += ["--eval.at_end=false", "--metrics.plot=false", "--checkpoint.export_hf=true"]
+    return Job(seed, None, os.path.join(folder, WARM_UP), 0, command, prefix=prefix)
+
+
+def rung_job(
+    base: list[str], seed: int, folder: str, rung: Rung, steps: int, warm: Job, warm_tokenizer: bool = True
+) -> Job:
+    """One rung of one seed in `folder`/<rung>: the task config plus the rung's switches, from `warm`'s step 0
+    (with the tokenizer the warm-up trained, unless `warm_tokenizer` is off: a base policy brings its own)."""
+    command = [*base, *[f"--{o}" for o in rung_overrides(rung)], f"--job.run_dir={folder}"]
+    command += [f"--job.seed={seed}", f"--job.name={rung.name}", "--metrics.progress=false"]
+    if warm_tokenizer:
+        command += [f"--model.tokenizer_path={os.path.join(warm.path, 'tokenizer')}"]
+    command += ["--eval.at_start=false"]
+    return Job(seed, rung, os.path.join(folder, rung.name), steps, command, warm, prefix=warm.prefix)
+
 
 def plan_jobs(run_dir: str, seeds: list[int], rungs: list[Rung], task_config: str, overrides: list[str]) -> list[Job]:
     """Every seed's warm-up, then every seed's rungs (seed by seed: an interrupted ladder has whole seeds)."""
-    steps = effective_config(task_config, overrides, None).training.steps
-    base = [sys.executable, os.path.join(ROOT, "train.py"), "--config", task_config, *[f"--{o}" for o in overrides]]
-    warm_ups, jobs = {}, []
-    for seed in seeds:
-        folder = os.path.join(run_dir, f"seed-{seed}")
-        common = [f"--job.run_dir={folder}", f"--job.seed={seed}", "--metrics.progress=false"]
-        warm = Job(
-            seed,
-            None,
-            os.path.join(folder, WARM_UP),
-            0,
-            [*base, *common, f"--job.name={WARM_UP}", "--training.steps=0", "--eval.at_start=true"]
-            + ["--eval.at_end=false", "--metrics.plot=false", "--checkpoint.export_hf=true"],
-        )
-        warm_ups[seed] = warm
-    for seed in seeds:
-        folder, warm = os.path.join(run_dir, f"seed-{seed}"), warm_ups[seed]
-        for rung in rungs:
-            command = [*base, *[f"--{o}" for o in rung_overrides(rung)], f"--job.run_dir={folder}"]
-            command += [f"--job.seed={seed}", f"--job.name={rung.name}", "--metrics.progress=false"]
-            command += [f"--model.tokenizer_path={os.path.join(warm.path, 'tokenizer')}", "--eval.at_start=false"]
-            jobs.append(Job(seed, rung, os.path.join(folder, rung.name), steps, command, warm))
+    start = effective_config(task_config, overrides, None)
+    steps = start.training.steps
+    base = train_command(task_config, overrides)
+    warm_ups = {seed: warm_up_job(base, seed, os.path.join(run_dir, f"seed-{seed}")) for seed in seeds}
+    own_tokenizer = not start.model.hf_path  # a base policy brings its tokenizer; a warm-up run trains one
+    jobs = [
+        rung_job(base, seed, os.path.join(run_dir, f"seed-{seed}"), rung, steps, warm_ups[seed], own_tokenizer)
+        for seed in seeds
+        for rung in rungs
+    ]
     return list(warm_ups.values()) + jobs
 
 
@@ -376,7 +405,7 @@ def run_jobs(jobs: list[Job], *, workers: int, threads: int, timing: Timing, eve
     failed = []
     try:
         while True:
-            startable = [j for j in pending if j.warm_up is None or j.warm_up.done()]
+            startable = [j for j in pending if j.ready()]
             while not signals and not failed and startable and len(running) < workers:
                 job = startable.pop(0)
                 pending.remove(job)
@@ -415,29 +444,41 @@ def run_jobs(jobs: list[Job], *, workers: int, threads: int, timing: Timing, eve
 # ---------------------------------------------------------------------------------------------- command
 
 
-def parse_args(argv):
-    from config import split_overrides
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", default=None, help="default runs/ablation (--quick: runs/ablation-quick)")
+def runner_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every ladder of runs takes (this one, bench/mechanisms.py): where, which seeds, how many at
+    once, and --report."""
+    parser.add_argument("--run-dir", default=None, help=f"default runs/{name} (--quick: runs/{name}-quick)")
     parser.add_argument("--seeds", default=None, help="comma-separated job.seed values (default 0,1,2,3,4; --quick: 0)")
-    parser.add_argument("--rungs", default=None, help="comma-separated rung numbers (default: every rung file)")
-    parser.add_argument("--quick", action="store_true", help="1 seed and fewer steps: " + " ".join(QUICK_OVERRIDES))
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run (default 1)")
-    parser.add_argument("--report", action="store_true", help="only write the table and figures of finished runs")
-    parser.add_argument("--config", default=TASK_CONFIG, help="the task config every rung starts from")
-    parser.add_argument("--rungs-dir", default=RUNGS_DIR, help="where the rung files N_<name>.toml are")
+    parser.add_argument("--report", action="store_true", help="only write the tables and figures of finished runs")
+
+
+def parse_runner_arguments(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[str]]:
+    """(options, the --section.key=value overrides), checked."""
+    from config import split_overrides
+
     opts, rest = parser.parse_known_args(argv)
     plain, overrides = split_overrides(rest)
     if plain:
         raise LadderError(f"unknown arguments {' '.join(plain)} (overrides are written --section.key=value)")
     if opts.jobs < 1 or opts.threads < 1:
         raise LadderError("--jobs and --threads must be >= 1")
+    return opts, overrides
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    runner_arguments(parser, "ablation")
+    parser.add_argument("--rungs", default=None, help="comma-separated rung numbers (default: every rung file)")
+    parser.add_argument("--quick", action="store_true", help="1 seed and fewer steps: " + " ".join(QUICK_OVERRIDES))
+    parser.add_argument("--config", default=TASK_CONFIG, help="the task config every rung starts from")
+    parser.add_argument("--rungs-dir", default=RUNGS_DIR, help="where the rung files N_<name>.toml are")
+    opts, overrides = parse_runner_arguments(parser, argv)
     return opts, (QUICK_OVERRIDES if opts.quick else []) + overrides
 
 
-def _numbers(text: str, what: str) -> list[int]:
+def parse_numbers(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -453,12 +494,12 @@ def prepare(opts, overrides: list[str]):
         raise LadderError(f"task config not found: {opts.config}")
     rungs = ladder_rungs(opts.rungs_dir)
     if opts.rungs:
-        wanted = _numbers(opts.rungs, "rungs")
+        wanted = parse_numbers(opts.rungs, "rungs")
         unknown = sorted(set(wanted) - {r.number for r in rungs})
         if unknown:
             raise LadderError(f"--rungs: no rung file numbered {unknown} in {opts.rungs_dir}")
         rungs = [r for r in rungs if r.number in wanted]
-    seeds = _numbers(opts.seeds or ("0" if opts.quick else DEFAULT_SEEDS), "seeds")
+    seeds = parse_numbers(opts.seeds or ("0" if opts.quick else DEFAULT_SEEDS), "seeds")
     check_overrides(overrides, rungs)
     for rung in [None, *rungs]:
         effective_config(opts.config, overrides, rung)  # every rung's configuration loads and validates
@@ -479,33 +520,43 @@ def main(argv=None) -> int:
     del base["job"]
     if not opts.report:
         check_ladder_file(run_dir, {"task_config": os.path.relpath(opts.config, ROOT), "config": base})
-        timing = Timing(run_dir)
-        todo = [job for job in jobs if not job.done()]
-        print(
-            f"ablation ladder in {run_dir}: {len(rungs)} rungs x {len(seeds)} seeds (seeds {seeds}), "
-            f"{len(todo)} of {len(jobs)} runs to do, {opts.jobs} at a time",
-            flush=True,
-        )
-        code = run_jobs(jobs, workers=opts.jobs, threads=opts.threads, timing=timing)
-        totals = timing.totals()
-        print(
-            f"ladder wall time {totals['ladder_wall_s']:.0f} s over all its launches; the runs used "
-            f"{totals['runs_cpu_s']:.0f} CPU s; mean load average {totals['load_mean']}",
-            flush=True,
-        )
+        title = f"ablation ladder in {run_dir}: {len(rungs)} rungs x {len(seeds)} seeds (seeds {seeds})"
+        code = run_timed(jobs, run_dir, title, workers=opts.jobs, threads=opts.threads)
         if code:
-            print("ladder stopped: run the same command again to continue where it stopped", file=sys.stderr)
             return code
-    try:
-        with open(os.path.join(run_dir, "timing.json")) as f:
-            totals = timing_totals(json.load(f))
-    except (OSError, ValueError, KeyError):
-        totals = None
-    write_report(run_dir, seeds, rungs, base, totals)
+    write_report(run_dir, seeds, rungs, base, saved_timing(run_dir))
     return 0
 
 
-def run_cli(argv=None) -> None:
+def run_timed(jobs: list[Job], run_dir: str, title: str, *, workers: int, threads: int) -> int:
+    """`run_jobs` with what it has to do and what it cost printed, and its times kept in run_dir/timing.json.
+    Returns run_jobs' exit code (0: every job done)."""
+    timing = Timing(run_dir)
+    todo = [job for job in jobs if not job.done()]
+    print(f"{title}, {len(todo)} of {len(jobs)} runs to do, {workers} at a time", flush=True)
+    code = run_jobs(jobs, workers=workers, threads=threads, timing=timing)
+    totals = timing.totals()
+    print(
+        f"wall time {totals['ladder_wall_s']:.0f} s over all launches; the runs used {totals['runs_cpu_s']:.0f} "
+        f"CPU s; mean load average {totals['load_mean']}",
+        flush=True,
+    )
+    if code:
+        print("stopped: run the same command again to continue where it stopped", file=sys.stderr)
+    return code
+
+
+def saved_timing(run_dir: str) -> dict | None:
+    """The totals of run_dir/timing.json (None without one)."""
+    try:
+        with open(os.path.join(run_dir, "timing.json")) as f:
+            return timing_totals(json.load(f))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_cli(argv=None, main=main) -> None:
+    """`main(argv)` as a command: bad input is one line on stderr and exit code 2."""
     try:
         sys.exit(main(argv))
     except (LadderError, ConfigError) as exc:

@@ -101,14 +101,22 @@ def _panel(ax, title: str, xlabel: str = "step", ylabel: str = "") -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _figure(panels: int):
+def _figure(panels: int, rows: int = 1):
+    """A figure of `panels` panels in `rows` rows (unused cells of the grid hidden), and its axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(FIGSIZE_PER_PANEL[0] * panels, FIGSIZE_PER_PANEL[1]), dpi=DPI, layout="constrained")
-    return fig, fig.subplots(1, panels).ravel() if panels > 1 else [fig.subplots(1, 1)]
+    columns = -(-panels // rows)
+    size = (FIGSIZE_PER_PANEL[0] * columns, FIGSIZE_PER_PANEL[1] * rows)
+    fig = Figure(figsize=size, dpi=DPI, layout="constrained")
+    if panels == 1:
+        return fig, [fig.subplots(1, 1)]
+    axes = list(fig.subplots(rows, columns).ravel())
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    return fig, axes[:panels]
 
 
 def _pair(rungs: list, *switches: str) -> list:

@@ -111,31 +111,58 @@ def task_statistics(groups, *, max_response_length: int, overlong_buffer: int, t
     return stats
 
 
-def generate(cfg, policy_dir: str, prompts: int):
-    """One generation round of `prompts` training prompts x rollout.n samples from the policy in
-    `policy_dir`/hf, scored with the configuration's reward; returns (groups, response texts)."""
+def policy_config(policy: str, config: str, overrides: list[str]):
+    """(the configuration `config` with the --section.key=value `overrides` and the exported policy of the warm-up
+    run folder `policy` as its model, that export's folder); torch set to the configuration's threads. Bad input
+    is one line on stderr and exit code 2."""
+    from config import ConfigError, load_config
+
+    hf = os.path.join(policy, "hf")
+    try:
+        if not os.path.isfile(os.path.join(hf, "config.json")):
+            raise ConfigError(f"no HF export at {hf}: run the warm-up first")
+        cfg = load_config(config, ["model.preset=", f"model.hf_path={hf}", *[o[2:] for o in overrides]])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    import torch
+
+    torch.set_num_threads(max(cfg.job.cpu_threads, 1))
+    return cfg, hf
+
+
+def load_policy(cfg, policy_dir: str):
+    """The policy exported in `policy_dir` (cfg.model.hf_path) with the tokenizer beside it, the training prompts
+    of cfg, and a rollout engine over the policy (guarded: it generates): (tokenizer, train_set, model, engine)."""
     import torch
 
     from checkpoint.sharded_policy import build_policy
-    from data.prompts import PromptSampler
     from parallel.dist_env import init_distributed
-    from rl.reward import response_text
     from rollout.engine_spec import EngineSpec
     from run.guard import GuardedEngine
     from trainer.build import build_tokenizer, load_datasets
-    from trainer.rollout_phase import rollout_sampling
-    from trainer.scoring import score_groups
 
     torch.manual_seed(cfg.job.seed)
     dist = init_distributed(1, -1, 1)
     tokenizer = build_tokenizer(cfg.model, cfg.data, policy_dir, is_main=True, barrier=lambda: None)
     train_set, _ = load_datasets(cfg.data, tokenizer)
     model = build_policy(cfg.model, dist.device, seed=cfg.job.seed)
-    engine = EngineSpec.from_config(cfg).start_beside(model, dist)
+    return tokenizer, train_set, model, GuardedEngine(EngineSpec.from_config(cfg).start_beside(model, dist))
+
+
+def generate(cfg, policy_dir: str, prompts: int):
+    """One generation round of `prompts` training prompts x rollout.n samples from the policy in
+    `policy_dir`/hf, scored with the configuration's reward; returns (groups, response texts)."""
+    from data.prompts import PromptSampler
+    from rl.reward import response_text
+    from trainer.rollout_phase import rollout_sampling
+    from trainer.scoring import score_groups
+
+    tokenizer, train_set, _, engine = load_policy(cfg, policy_dir)
     params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
     sampler = PromptSampler(train_set, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     examples = sampler.next_batch(prompts)
-    completions = GuardedEngine(engine).generate([e.prompt_ids for e in examples], params)
+    completions = engine.generate([e.prompt_ids for e in examples], params)
     groups = score_groups(examples, completions, tokenizer, cfg)
     stop = set(tokenizer.stop_ids)
     texts = [response_text(tokenizer, s.response_ids, stop) for g in groups for s in g.payload]
@@ -173,25 +200,12 @@ def print_report(stats: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from config import ConfigError, load_config
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", required=True, help="a warm-up run folder holding hf/ (bench/ablation.py)")
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "ablation_cpu.toml"))
     parser.add_argument("--prompts", type=int, default=256, help="training prompts to generate for")
     opts, overrides = parser.parse_known_args(argv)
-    hf = os.path.join(opts.policy, "hf")
-    if not os.path.isfile(os.path.join(hf, "config.json")):
-        print(f"error: no HF export at {hf}: run the warm-up first (bench/ablation.py)", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(opts.config, ["model.preset=", f"model.hf_path={hf}", *[o[2:] for o in overrides]])
-    except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        return 2
-    import torch
-
-    torch.set_num_threads(max(cfg.job.cpu_threads, 1))
+    cfg, hf = policy_config(opts.policy, opts.config, overrides)
     groups, texts = generate(cfg, hf, opts.prompts)
     stats = task_statistics(
         groups,

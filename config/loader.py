@@ -13,6 +13,7 @@ valid name for a misspelt section or key.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import math
@@ -23,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from errors import ConfigError
+from errors import ConfigError, broken_link
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -239,15 +240,17 @@ def _read_file(
     if real in chain:
         raise ConfigError(f"{path}: base files form a cycle: {' -> '.join(chain + (real,))}")
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        with open(path, "rb") as f:  # a UTF-8 byte-order mark (Windows editors write one) is not TOML: dropped
+            data = tomllib.loads(f.read().removeprefix(codecs.BOM_UTF8).decode())
     except OSError as e:
+        if broken_link(path):
+            raise ConfigError(f"config file {path} {broken_link(path)}") from None
+        if isinstance(e, FileNotFoundError):
+            raise ConfigError(f"config file not found: {path}") from None
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:  # the message carries "(at line L, column C)"
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    except UnicodeDecodeError as e:  # tomllib decodes the whole file first; TOML files are UTF-8 by definition
+    except UnicodeDecodeError as e:  # TOML files are UTF-8 by definition
         line = e.object[: e.start].count(b"\n") + 1
         raise ConfigError(
             f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at line {line}): save the file as UTF-8"
@@ -258,7 +261,8 @@ def _read_file(
             raise ConfigError(f"{path}: base must be the path of another TOML file, got {base!r}")
         base_path = os.path.join(os.path.dirname(path), base)
         if not os.path.isfile(base_path):
-            raise ConfigError(f"{path}: base file {base!r} not found (looked for {base_path})")
+            why = broken_link(base_path) or "not found"
+            raise ConfigError(f"{path}: base file {base!r} {why} (looked for {base_path})")
         _read_file(schema, base_path, values, origins, chain + (real,))
     for section, table in data.items():
         if not isinstance(table, dict):

@@ -94,8 +94,8 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     preset: str = _preset("")  # a name from model/args.py PRESETS (random init); "" = use hf_path
-    hf_path: str = ""  # HF checkpoint directory (config.json + safetensors); "" = use preset
-    tokenizer_path: str = ""  # tokenizer.json directory; "" = hf_path's, or a BPE trained on the synthetic task
+    hf_path: str = ""  # HF checkpoint directory, or a hub id org/name[@revision] (model/hub.py); "" = use preset
+    tokenizer_path: str = ""  # tokenizer.json directory or hub id; "" = hf_path's, or a BPE trained on synthetic data
     dtype: DType = "float32"  # dtype of trained parameters and optimizer state (compute: parallelism.param_dtype)
     attention_backend: Literal["auto", "sdpa", "flex"] = "auto"  # auto: FlexAttention on CUDA, SDPA on CPU
 
@@ -109,11 +109,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "synthetic"  # parquet in the DAPO-Math-17k schema, or "synthetic" (built-in arithmetic)
-    eval_path: str = "synthetic"  # held-out set in the same schema (AIME 2024 in the paper), or "synthetic"
+    train_path: str = "synthetic"  # DAPO-Math-17k schema: parquet, jsonl, hub id org/name[@rev][:split]; or "synthetic"
+    eval_path: str = "synthetic"  # held-out set, the same kinds (AIME 2024 in the paper), or "synthetic"
     max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
     prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
-    synthetic_task: Literal["arithmetic", "chain"] = "arithmetic"  # built-in task: tasks/arithmetic.py, tasks/chain.py
+    synthetic_task: Literal["arithmetic", "chain", "coin", "fork", "scan"] = "arithmetic"  # built-in: tasks/<name>.py
     synthetic_difficulty: int = at_least(2, 1)  # level of the synthetic task (tasks/catalog.py)
     synthetic_num_train: int = at_least(2000, 1)  # synthetic training problems
     synthetic_num_eval: int = at_least(200, 1)  # synthetic held-out problems (disjoint from training)
@@ -263,6 +263,7 @@ class MetricsConfig:
     progress: bool = True  # progress bars on the console (plain lines when not a terminal)
     peak_tflops: float = at_least(0.0, 0)  # per-device peak for "mfu"; 0 = the datasheet bf16 value of a known GPU
     log_every: int = at_least(1, 1)  # steps between console lines (the JSONL gets every step)
+    rollout_dump: bool = False  # each step's trained samples as JSONL in rollouts/ (observe/rollout_dump.py)
 
 
 @dataclass

@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from data.prompt_row import RowSkipped, read_messages, read_row
-from errors import DataError
+from errors import DataError, broken_link
+from rl.math_normalize import normalize_final_answer
 from rl.reward import GroundTruth
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tasks.chain import synthetic_chain_rows
+from tasks.coin import synthetic_coin_rows
+from tasks.fork import synthetic_fork_rows
+from tasks.scan import synthetic_scan_rows
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -54,6 +58,8 @@ class LoadStats:
     truncated: int = 0
     dropped_too_long: int = 0
     first_problem: str | None = None
+    conflicting: int = 0  # duplicates whose ground truth scores otherwise than the first's (which is kept)
+    first_conflict: str | None = None
 
     @property
     def skipped_rows(self) -> int:
@@ -63,10 +69,35 @@ class LoadStats:
         if self.first_problem is None:
             self.first_problem = f"row {row_number}: {problem}"
 
+    def note_duplicate(
+        self, row_number: int, row: Mapping[str, object], messages: list[dict], first: tuple[int, object, GroundTruth]
+    ) -> None:
+        """Count a duplicate of the prompt first read at row `first[0]` (raw ground truth `first[1]`, read as
+        `first[2]`), and note it when its ground truth is another answer for the scorer (its normalised answers
+        differ). Rows whose raw ground truth equals the first's, nearly every repeat, are not read further."""
+        self.duplicates += 1
+        raw = _raw_truth(row)
+        if type(raw) is type(first[1]) and isinstance(raw, str | int | float) and raw == first[1]:
+            return
+        try:
+            truth = read_row(row, messages).ground_truth
+        except RowSkipped:  # unusable: dropped as a duplicate all the same
+            return
+        if _scored_as(truth) != _scored_as(first[2]):
+            self.conflicting += 1
+            if self.first_conflict is None:
+                self.first_conflict = f"row {row_number} answers {truth!r} where row {first[0]} answers {first[2]!r}"
+
     def summary(self, path: str, kept: int) -> str:
         reasons = "; ".join(f"{count} x {reason}" for reason, count in self.skipped.items())
+        conflicts = (
+            f" ({self.conflicting} of them with another ground truth than the first, which is kept: "
+            f"{self.first_conflict})"
+            if self.conflicting
+            else ""
+        )
         return (
-            f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped, "
+            f"{path}: {self.rows} rows -> {kept} prompts ({self.duplicates} duplicates dropped{conflicts}, "
             f"{self.skipped_rows} rows skipped{f' ({reasons})' if reasons else ''}, {self.truncated} left-truncated, "
             f"{self.dropped_too_long} dropped as too long)"
         )
@@ -90,12 +121,13 @@ def rows_to_examples(
 
     Each row is read by data/prompt_row.py: a row it cannot use is skipped and counted under its reason in
     the load summary (logged as a warning). Duplicates are rows whose prompt messages are identical (the
-    official DAPO-Math-17k file repeats each prompt about 100 times). Prompts longer than
+    official DAPO-Math-17k file repeats each prompt about 100 times); the first is kept, and duplicates whose
+    ground truth scores otherwise are counted and one is named in the summary (then a warning). Prompts longer than
     `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
     prompt is) or dropped, per `overflow`.
     """
     stats = LoadStats()
-    seen: set[tuple] = set()
+    seen: dict[tuple, tuple[int, object, GroundTruth]] = {}  # prompt -> its row number, raw and read ground truth
     examples: list[PromptExample] = []
     for row_number, row in enumerate(rows):
         stats.rows += 1
@@ -103,7 +135,7 @@ def rows_to_examples(
             messages = read_messages(row)
             key = tuple((m["role"], m["content"]) for m in messages)
             if key in seen:  # before the other fields are read: DAPO-Math-17k is 99% repeats
-                stats.duplicates += 1
+                stats.note_duplicate(row_number, row, messages, seen[key])
                 continue
             parsed = read_row(row, messages)
         except RowSkipped as skipped:
@@ -111,7 +143,7 @@ def rows_to_examples(
             stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
             stats.note_problem(row_number, reason)
             continue
-        seen.add(key)
+        seen[key] = (row_number, _raw_truth(row), parsed.ground_truth)
         ids = _fit_prompt(tokenizer.encode_chat(parsed.messages), max_prompt_length, overflow, stats, row_number)
         if ids is None:
             continue
@@ -152,7 +184,18 @@ def _report_load(source_name: str, kept: int, stats: LoadStats) -> None:
             f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
             f"{stats.first_problem or 'the file is empty'}"
         )
-    (log.warning if stats.skipped else log.info)(stats.summary(source_name, kept))
+    (log.warning if stats.skipped or stats.conflicting else log.info)(stats.summary(source_name, kept))
+
+
+def _raw_truth(row: Mapping[str, object]) -> object:
+    """reward_model.ground_truth as the row holds it (None where it has none)."""
+    reward_model = row.get("reward_model")
+    return reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+
+
+def _scored_as(truth: GroundTruth) -> frozenset[str]:
+    """The normalised answers a response is compared with (rl/reward.py): equal sets score every response alike."""
+    return frozenset(normalize_final_answer(a) for a in ((truth,) if isinstance(truth, str) else truth))
 
 
 def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> None:
@@ -167,7 +210,9 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
     if os.path.isdir(path):
         raise DataError(f"{path} is a directory; a prompt set is one parquet file in the DAPO-Math-17k schema")
     if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+        raise DataError(
+            f"data file {path} {broken_link(path)}" if broken_link(path) else f"data file not found: {path}"
+        )
     if os.path.getsize(path) == 0:
         raise DataError(f"{path}: the file is empty (0 bytes), not a parquet file")
     try:
@@ -235,8 +280,11 @@ def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
 def load_prompts(
     path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left", repeat: int = 1
 ) -> list[PromptExample]:
-    """Prompts of a DAPO-schema parquet file; `repeat` > 1 repeats each prompt (avg@k evaluation sets)."""
-    rows = read_parquet_rows(path, required_columns=SCHEMA_COLUMNS)
+    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py); `repeat` > 1 repeats each
+    prompt (avg@k evaluation sets)."""
+    from data.hub import read_by_datasets, read_dataset_rows
+
+    rows = (read_dataset_rows if read_by_datasets(path) else read_parquet_rows)(path, SCHEMA_COLUMNS)
     examples, _ = rows_to_examples(
         rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
     )
@@ -312,8 +360,14 @@ def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
     """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
     data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed (tasks/)."""
     count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    if data.synthetic_task == "chain":
-        return synthetic_chain_rows(count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
+    by_name = {
+        "chain": synthetic_chain_rows,
+        "coin": synthetic_coin_rows,
+        "fork": synthetic_fork_rows,
+        "scan": synthetic_scan_rows,
+    }
+    if data.synthetic_task in by_name:
+        return by_name[data.synthetic_task](count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
     return synthetic_arithmetic_rows(
         count,
         difficulty=data.synthetic_difficulty,

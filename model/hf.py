@@ -14,6 +14,7 @@ most `max_shard_bytes`, so a sharded trainer can hand over one gathered tensor a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -183,6 +184,39 @@ def check_finite_weights(path: str) -> None:
             for name in names:
                 if not bool(torch.isfinite(f.get_tensor(name)).all()):
                     raise nonfinite_weights_error(file, name)
+
+
+CHECKSUMS = "SHA256SUMS"
+
+
+def check_checksums(path: str) -> None:
+    """Refuse (CheckpointError naming the file) a checkpoint directory whose files differ from its SHA256SUMS,
+    when it has one: lines of "<sha256 hex digest>  <file name>", as `sha256sum` writes them (and `sha256sum -c
+    SHA256SUMS` checks them by hand). A base policy shipped with the repository (bases/) pins its files this way,
+    so a changed, truncated or never-fetched file (a Git LFS pointer) is named before anything loads."""
+    listing = os.path.join(path, CHECKSUMS)
+    if not os.path.isfile(listing):
+        return
+    with open(listing, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    for number, line in enumerate(lines, 1):
+        found = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
+        if found is None or os.path.basename(found.group(2)) != found.group(2):
+            raise CheckpointError(
+                f"{listing}, line {number}, is not '<sha256>  <file name>' of a file beside it: {line[:80]!r}; "
+                f"rewrite it with `sha256sum FILES > {CHECKSUMS}` in {path}"
+            )
+        file = os.path.join(path, found.group(2))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is listed in {listing} but missing: restore the checkpoint's files")
+        with open(file, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != found.group(1).lower():
+            raise CheckpointError(
+                f"{file} does not match its SHA-256 in {listing} ({digest[:12]}... instead of "
+                f"{found.group(1)[:12]}...): the file was changed or only partly fetched; restore it (or, for a "
+                f"checkpoint you remade on purpose, write {CHECKSUMS} again)"
+            )
 
 
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:

@@ -10,17 +10,21 @@ timeout; control groups get `control_timeout_s` (config: rollout.round_timeout_s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from errors import UserError
 from parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 # Six hours: longer than any one generation round of the shipped configs (32B, 20k-token responses).
 DEFAULT_CONTROL_TIMEOUT_S = 6 * 3600
@@ -81,6 +85,30 @@ class DistEnv:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def node_first(self, fn: Callable[[], T]) -> T:
+        """fn() on each node's first process (local rank 0), then on the node's others, which meanwhile wait on
+        the gloo control group (a download can outlast NCCL's 10-minute default) and so find what the first
+        left behind (a download cache) complete. After each turn the ranks agree: a failure on any rank is raised
+        on every rank (its own on the rank that failed; a copy of the first elsewhere), so none waits for a
+        peer that already left."""
+        if self.world_size == 1:
+            return fn()
+        result: T | None = None
+        for first_turn in (True, False):
+            error: Exception | None = None
+            if (self.local_rank == 0) == first_turn:
+                try:
+                    result = fn()
+                except Exception as exc:
+                    error = exc
+            shared = error if error is None or isinstance(error, UserError) else RuntimeError(repr(error))
+            everyone: list[Exception | None] = [None] * self.world_size
+            dist.all_gather_object(everyone, shared, group=self.control_group)  # picklable: a UserError or a repr
+            first = error or next((e for e in everyone if e is not None), None)
+            if first is not None:
+                raise first
+        return cast(T, result)
 
 
 def init_distributed(

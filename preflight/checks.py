@@ -7,11 +7,15 @@ import os
 from typing import TYPE_CHECKING
 
 from config.schema import Config
+from data.hub import read_by_datasets
 from data.prompts import SCHEMA_COLUMNS, check_parquet_file
-from errors import ConfigError
+from errors import ConfigError, broken_link
 from model.args import PRESETS
+from model.hf import check_checksums
+from model.hub import hub_name
 
 if TYPE_CHECKING:
+    from model.args import ModelArgs
     from preflight.machine import Machine
 
 
@@ -43,26 +47,62 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     """The checks that only matter when training starts, before any data or model is loaded.
 
     In this order: this machine can run the settings (`check_machine`: first, because it reads no file and the paths
-    of a recipe differ between the machines it may run on); sizes no machine runs (preflight/limits.py); the paths
-    are set and exist; the sequences fit the model; the data files are parquet prompt sets with rows (their footers
-    only: an data.prompts.DataError). Configuration problems raise ConfigError.
+    of a recipe differ between the machines it may run on); a step's samples fit this node (preflight/limits.py);
+    then `check_inputs`. Configuration problems raise ConfigError.
     """
-    from preflight.limits import check_limits
+    from preflight import limits
 
     check_machine(cfg, machine)
-    check_limits(cfg)  # sizes no machine runs
-    max_positions = _model_max_positions(cfg)
+    limits.check_limits(cfg)  # sizes no machine runs
+    check_inputs(cfg)
+
+
+def check_inputs(cfg: Config) -> None:
+    """A checkpoint directory holds the files its SHA256SUMS lists, when it has one; the paths are set and exist;
+    the sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
+    data.prompts.DataError); the torch engine's KV cache and an evaluation's samples fit (preflight/limits.py: the
+    held-out set's size is read from its footer). A hub id (model/hub.py) passes as a name: train.py checks again
+    once it is fetched (a data set's rows are checked as they are read)."""
+    from preflight import limits
+
+    if os.path.isdir(cfg.model.hf_path):
+        check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
+    args = _model_args(cfg)
     _check_tokenizer_dir(cfg)
     _check_data_paths(cfg)
-    _check_sequences_fit(cfg, max_positions)
     for path in (cfg.data.train_path, cfg.data.eval_path):
-        if path and path != "synthetic":
+        if path and path != "synthetic" and not read_by_datasets(path):
             check_parquet_file(path, SCHEMA_COLUMNS)
+    if args is None:
+        return  # a hub id: the model's sizes are read once it is fetched
+    _check_sequences_fit(cfg, args.max_position_embeddings)
+    limits.check_torch_engine_fits(cfg, args, cfg.engine_max_seq_len)
+    problems = eval_problems(cfg) if evaluates(cfg) else None
+    if problems is not None:  # each rank evaluates its share of the problems in one call
+        limits.check_evaluation_fits(cfg, problems * limits.node_share(), limits.physical_memory())
 
 
-def _model_max_positions(cfg: Config) -> int | None:
-    """The model's max_position_embeddings, after checking that the model is set: a preset's, or the
-    config.json's of model.hf_path (None where that file sets it to null)."""
+def eval_problems(cfg: Config) -> int | None:
+    """The held-out problems an evaluation has at most: eval.eval_size, or the set's rows (the parquet footer's
+    count, before duplicates are dropped; the synthetic task's); None for a set read through `datasets` (a hub id,
+    a jsonl file) without eval.eval_size."""
+    data = cfg.data
+    if read_by_datasets(data.eval_path):
+        return cfg.eval.eval_size
+    if data.eval_path == "synthetic":
+        rows = data.synthetic_num_eval
+    else:
+        import pyarrow.parquet as pq
+
+        check_parquet_file(data.eval_path, SCHEMA_COLUMNS)  # a DataError naming the file, before it is read
+        with pq.ParquetFile(data.eval_path) as parquet:
+            rows = parquet.metadata.num_rows
+    return min(rows, cfg.eval.eval_size or rows)
+
+
+def _model_args(cfg: Config) -> ModelArgs | None:
+    """The model's architecture, after checking that the model is set: a preset's, or the config.json's of
+    model.hf_path (None for a hub id not fetched yet)."""
     model = cfg.model
     if not model.preset and not model.hf_path:
         raise ConfigError(
@@ -70,26 +110,31 @@ def _model_max_positions(cfg: Config) -> int | None:
             f"--model.hf_path=/ckpt/Qwen2.5-32B), or model.preset to one of {', '.join(PRESETS)}"
         )
     if not model.hf_path:
-        return PRESETS[model.preset].max_position_embeddings
+        return PRESETS[model.preset]
+    if hub_name(model.hf_path):
+        return None  # read once fetched
     config_json = os.path.join(model.hf_path, "config.json")
     if not os.path.isfile(config_json):
+        problem = broken_link(model.hf_path) or "is not a checkpoint directory (no config.json)"
         raise ConfigError(
-            f"model.hf_path = {model.hf_path!r} is not a checkpoint directory (no config.json): "
-            "set model.hf_path to a Qwen2.5 checkpoint directory"
+            f"model.hf_path = {model.hf_path!r} {problem}: set model.hf_path to a Qwen2.5 checkpoint directory"
         )
     from model.hf_adapter import read_hf_config
 
     # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
-    return read_hf_config(model.hf_path).max_position_embeddings
+    return read_hf_config(model.hf_path)
 
 
 def _check_tokenizer_dir(cfg: Config) -> None:
     """model.tokenizer_path, when set, is a directory; the tokenizer's folder (it, else model.hf_path) holds
     tokenizer.json."""
     model = cfg.model
+    if hub_name(model.tokenizer_path or model.hf_path):
+        return  # checked once fetched
     if model.tokenizer_path and not os.path.isdir(model.tokenizer_path):
+        problem = broken_link(model.tokenizer_path) or "is not a directory"
         raise ConfigError(
-            f"model.tokenizer_path = {model.tokenizer_path!r} is not a directory: set it to the "
+            f"model.tokenizer_path = {model.tokenizer_path!r} {problem}: set it to the "
             "folder holding tokenizer.json, or leave it empty"
         )
     tokenizer_key = "model.tokenizer_path" if model.tokenizer_path else "model.hf_path"
@@ -118,8 +163,8 @@ def _check_data_paths(cfg: Config) -> None:
             raise ConfigError(
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )
-        if path != "synthetic" and not os.path.isfile(path):
-            problem = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        if path != "synthetic" and not os.path.isfile(path) and not hub_name(path, splits=True):
+            problem = "is a directory, not a file" if os.path.isdir(path) else broken_link(path) or "does not exist"
             raise ConfigError(
                 f"data.{key} = {path!r} {problem}: set data.{key} to a parquet file in the "
                 f"{what} schema, or to 'synthetic'"

@@ -523,8 +523,9 @@ def main(cfg: Config) -> int:
     """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
     node's host memory (naming it and the shortfall)."""
     from errors import ConfigError
+    from preflight.hub_inputs import cached_model
 
-    reh = cfg.rehearse
+    reh, cfg = cfg.rehearse, cached_model(cfg)  # a hub id's checkpoint when cached, else rehearse.preset
     if not (cfg.model.hf_path or cfg.model.preset or reh.preset):
         raise ConfigError(
             "the rehearsal needs an architecture: set model.hf_path, model.preset or rehearse.preset "

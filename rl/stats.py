@@ -16,14 +16,16 @@ from observe.records import SAME, Count, Mean, Sum, logged
 class ClipStats:
     """Eq. 10 over a call's valid tokens: the shares clipped (the clipped term the larger), dual-clipped (A < 0)
     and clipped at the upper bound (A > 0), the mean pi_old probability of the last (DAPO Fig. 3: the upper clip
-    caps tokens the old policy gave a low probability), mean old_logp - logp (clamped), the largest ratio, and
-    the valid tokens and the rows that have one."""
+    caps tokens the old policy gave a low probability), mean old_logp - logp (clamped), the share of the
+    responses' first tokens clipped at the upper bound (where a response chooses its approach), the largest ratio,
+    and the valid tokens and the rows that have one."""
 
     pg_clipfrac: Mean = logged("pg_clipfrac", Mean)
     pg_clipfrac_lower: Mean = logged("pg_clipfrac_lower", Mean)
     pg_clipfrac_upper: Mean = logged("pg_clipfrac_upper", Mean)
     clipped_upper_prob: Mean = logged("token_prob/clipped_upper_mean", Mean)
     ppo_kl: Mean = logged("ppo_kl", Mean)
+    first_token_upper: Mean = logged("pg_clipfrac_upper/first_token", Mean)
     ratio_max: float = 0.0  # not logged: of this call only, as the two counts below
     num_tokens: int = 0
     num_nonempty_seqs: int = 0
@@ -60,6 +62,7 @@ class ClipStats:
         upper_prob = torch.where(upper, old_logp.exp(), 0.0).sum() / num_upper.clamp(min=1).to(dtype)
         stats.clipped_upper_prob.add(float(upper_prob) * upper_share * n, upper_share * n)
         stats.ppo_kl.add(float(torch.where(valid, -log_ratio, 0.0).sum() / denom) * n, n)
+        stats.first_token_upper.add(float(upper[..., :1].sum()), float(valid[..., :1].sum()))
         stats.ratio_max = float(torch.where(valid, ratio, 0.0).max()) if valid.numel() else 0.0
         stats.num_tokens, stats.num_nonempty_seqs = int(num_tokens), int(valid.any(dim=-1).sum())
         return stats

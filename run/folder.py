@@ -2,7 +2,9 @@
 
     <job.run_dir>/<job.name>/
         config.json        the resolved configuration of the first launch (what --dry-run prints);
-                           config.launch-<n>.json for a later launch whose configuration differs
+                           config.launch-<n>.json for a later launch whose configuration differs; each written
+                           once its launch is accepted (`accept_launch`): a refused launch writes neither, and
+                           removes the folder when it created it
         finished.json      written when the run completed (final eval, export, plot): rerunning prints the
                            held-out result and does nothing else
         metrics.jsonl      one JSON line of metrics per step
@@ -53,7 +55,8 @@ def prepare_run_folder(
     fresh: bool = False,
     lock: FolderLock | None = None,
 ) -> str:
-    """Create the run folder, prove it is writable and has room, and snapshot the configuration.
+    """Create the run folder, prove it is writable and has room, and check the configuration snapshot of an
+    earlier launch is readable (this launch's is written by `accept_launch`).
 
     lock: the run's lock on the folder (run/lock.py), taken before anything else: a folder another
     live run holds is refused (RunFolderError naming the holder), also with --fresh.
@@ -65,10 +68,13 @@ def prepare_run_folder(
     path = run_folder_path(run_dir, name)
     if not is_main:
         return path
-    existed = os.path.lexists(path)
+    made = _first_missing(path)  # the folder, or the highest of its parents, that this launch creates
+    if made is not None:
+        _made_for_a_launch[path] = made
     _lock(lock, path)  # first: a folder another run holds is neither moved aside nor used
-    if fresh and existed:
+    if fresh and made is None:
         _move_aside(path)
+        _made_for_a_launch[path] = path
     earlier = earlier_checkpoints(path)
     if not resume and earlier:
         raise RunFolderError(
@@ -80,8 +86,44 @@ def prepare_run_folder(
     _make_writable_folder(path)
     _lock(lock, path)  # the new folder, when --fresh moved the earlier one (and its lock file) aside
     _check_room(path, min_free_bytes)
-    _snapshot_config(path, config_dict)
+    _changed_config(path, config_dict)  # a damaged snapshot is refused now; the snapshot is written on `accept_launch`
     return path
+
+
+# Run folders this process created for a launch that is not accepted yet (`accept_launch`): what a refused launch
+# leaves of them is removed (`discard_refused_launch`), never a folder an earlier launch made.
+_made_for_a_launch: dict[str, str] = {}  # run folder -> the highest folder its launch created (itself or a parent)
+
+
+def accept_launch(path: str, config_dict: dict) -> None:
+    """The launch is accepted (its inputs loaded, its checkpoint resumed): its configuration snapshot is written
+    (config.json, or config.launch-<n>.json when a resume's differs), and the folder is the run's to keep."""
+    _made_for_a_launch.pop(path, None)
+    _snapshot_config(path, config_dict)
+
+
+def discard_refused_launch(path: str) -> None:
+    """A launch refused before `accept_launch` (bad input: a NaN checkpoint, an unusable data row): the run folder
+    it created, with all this launch wrote in it, is removed, and so are the parents it created while they are
+    empty; call while holding its lock. A folder that existed before the launch is left as it was."""
+    made = _made_for_a_launch.pop(path, None)
+    if made is None:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    while path != made and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        try:
+            os.rmdir(path)  # only while empty: another run may have made its folder there meanwhile
+        except OSError:
+            return
+
+
+def _first_missing(path: str) -> str | None:
+    """The highest folder of `path` (itself or a parent) that does not exist; None when `path` exists."""
+    missing = None
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing, path = path, os.path.dirname(path)
+    return missing
 
 
 def _move_aside(path: str) -> None:
@@ -146,14 +188,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _snapshot_config(path: str, config_dict: dict) -> None:
-    """config.json holds the first launch's configuration. A later launch (a resume) with a different one
-    writes config.launch-<n>.json and names the changed keys: a resumed optimizer keeps its checkpointed
-    learning rates and state whatever the new file says."""
+def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | None:
+    """(config.json's settings, the keys `config_dict` changes) of the folder's first launch; None when there was
+    none. A damaged config.json is refused."""
     first = os.path.join(path, "config.json")
     if not os.path.isfile(first):
-        write_atomically(first, json.dumps(config_dict, indent=2))
-        return
+        return None
     try:
         with open(first, encoding="utf-8") as f:
             previous = _flatten(json.load(f))
@@ -163,7 +203,19 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
             "it, or move it aside and this launch saves its own"
         ) from None
     current = _flatten(config_dict)
-    changed = sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
+    return previous, sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
+
+
+def _snapshot_config(path: str, config_dict: dict) -> None:
+    """config.json holds the first launch's configuration. A later launch (a resume) with a different one
+    writes config.launch-<n>.json and names the changed keys: a resumed optimizer keeps its checkpointed
+    learning rates and state whatever the new file says."""
+    earlier = _changed_config(path, config_dict)
+    if earlier is None:
+        write_atomically(os.path.join(path, "config.json"), json.dumps(config_dict, indent=2))
+        return
+    previous, changed = earlier
+    current = _flatten(config_dict)
     if not changed:
         return
     n = 2

@@ -1,6 +1,8 @@
 """The built-in synthetic tasks by name, as the [data] section names them: their difficulty levels (tables
 the configuration reads without importing the tasks), how many distinct problems a level's split holds, and
-the rows of a split, in the DAPO-Math-17k schema (tasks/arithmetic.py, tasks/chain.py).
+the rows of a split, in the DAPO-Math-17k schema (tasks/arithmetic.py, tasks/chain.py; the mechanism probes'
+tasks/coin.py,
+tasks/fork.py, tasks/scan.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ DAPO_PROMPT_TEMPLATE = (
 ARITHMETIC_LEVELS = {1: ("+", 10), 2: ("+", 100), 3: ("+-", 100), 4: ("+-*", 100), 5: ("+-*", 1000)}
 # chain: (fewest terms, most terms, operands drawn from [1, limit)) per level
 CHAIN_LEVELS = {1: (2, 3, 10), 2: (2, 5, 30), 3: (2, 6, 100)}
-TASKS: dict[str, dict[int, tuple[Any, ...]]] = {"arithmetic": ARITHMETIC_LEVELS, "chain": CHAIN_LEVELS}
+# coin: (free digits per worked solution, their decay, draws numbered from [0, draws)) per level
+COIN_LEVELS = {1: (12, 0.5, 100_000)}
+# fork: (share of the fork's problems, the rest asked in words; share of the fork's solutions that go exactly;
+# operands from [low, high)) per level
+FORK_LEVELS = {1: (0.5, 0.03, (10, 80))}
+# scan: (two-digit numbers per problem, one of them even; share of short worked solutions) per level
+SCAN_LEVELS = {1: (10, 0.25)}
+TASKS: dict[str, dict[int, tuple[Any, ...]]] = {
+    "arithmetic": ARITHMETIC_LEVELS,
+    "chain": CHAIN_LEVELS,
+    "coin": COIN_LEVELS,
+    "fork": FORK_LEVELS,
+    "scan": SCAN_LEVELS,
+}
 
 
 def problem_limit(task: str, difficulty: int, split: str, eval_share: float = 0.2) -> int:
@@ -34,6 +49,15 @@ def problem_limit(task: str, difficulty: int, split: str, eval_share: float = 0.
     if task == "chain":
         fewest, most, limit = CHAIN_LEVELS[difficulty]
         total = sum((limit - 1) ** k for k in range(fewest, most + 1))  # ordered chains
+    elif task == "coin":
+        total = COIN_LEVELS[difficulty][2]
+    elif task == "fork":  # the held-out split asks the fork's problems only; training draws both wordings
+        fork_share, _, (low, high) = FORK_LEVELS[difficulty]
+        pairs = (high - low) ** 2
+        total = pairs if split == "eval" else int(min(pairs / fork_share, pairs / (1 - fork_share)))
+    elif task == "scan":  # the even number's position, its value (45 even), the others' (45 odd each)
+        k = SCAN_LEVELS[difficulty][0]
+        total = k * 45**k
     else:
         operators, limit = ARITHMETIC_LEVELS[difficulty]
         total = len(operators) * limit * limit

@@ -103,12 +103,17 @@ def test_the_regime_is_what_the_task_config_header_states(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, args, message):
+    assert_refused(run_cli, ["--run-dir", str(tmp_path), *args], message, capsys)
+    assert not os.listdir(tmp_path)  # refused before any work
+
+
+def assert_refused(command, argv: list[str], message: str, capsys) -> None:
+    """`command(argv)` exits with code 2 after one line on stderr that holds `message`."""
     with pytest.raises(SystemExit) as info:
-        run_cli(["--run-dir", str(tmp_path), *args])
+        command(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
-    assert not os.listdir(tmp_path)  # refused before any work
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_a_report_of_a_folder_with_no_ladder_is_one_line_and_exit_code_2(tmp_path, capsys):

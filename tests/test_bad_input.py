@@ -5,6 +5,7 @@ keeps its traceback."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import torch
 import eval as eval_command
 import train
 from data.prompts import DataError, read_parquet_rows
+from errors import CheckpointError
 from model.tokenizer import IM_END, render_chat, train_bpe_tokenizer
 from tasks.arithmetic import synthetic_arithmetic_rows
 
@@ -99,6 +101,27 @@ def _truncate(folder):
     path.write_bytes(data[: len(data) // 2])
 
 
+def _write_checksums(folder):
+    import hashlib
+
+    files = sorted(p for p in os.listdir(folder) if p != "SHA256SUMS")
+    lines = [f"{hashlib.sha256((folder / p).read_bytes()).hexdigest()}  {p}\n" for p in files]
+    (folder / "SHA256SUMS").write_text("".join(lines))
+
+
+def _changed_under_its_checksums(folder):
+    _write_checksums(folder)
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last weight: still a readable file of finite weights
+    path.write_bytes(bytes(data))
+
+
+def _listed_but_missing(folder):
+    _write_checksums(folder)
+    (folder / "generation_config.json").unlink()
+
+
 # kind: (damage, the message after "checkpoint error: ", where {ckpt} is the damaged folder)
 DAMAGE = {
     "no-hidden-size": (
@@ -131,6 +154,14 @@ DAMAGE = {
         "{ckpt}/model.safetensors holds NaN or inf in model.layers.1.mlp.down_proj.weight: a policy with "
         "non-finite weights can be neither trained nor evaluated",
     ),
+    "changed-under-its-checksums": (
+        _changed_under_its_checksums,
+        "{ckpt}/model.safetensors does not match its SHA-256 in {ckpt}/SHA256SUMS (",
+    ),
+    "listed-in-checksums-but-missing": (
+        _listed_but_missing,
+        "{ckpt}/generation_config.json is listed in {ckpt}/SHA256SUMS but missing",
+    ),
     "misshaped-tensor": (
         _misshape,
         "checkpoint {ckpt} does not match the model: wrong shapes (1): model.norm.weight is (32,) but the "
@@ -155,10 +186,29 @@ def _one_line(capsys) -> str:
     return err
 
 
-def test_the_undamaged_checkpoint_is_accepted(hf_checkpoint):
-    from model.hf import load_hf
+def test_the_undamaged_checkpoint_is_accepted(hf_checkpoint, tmp_path):
+    import shutil
+
+    from model.hf import check_checksums, load_hf
 
     assert load_hf(str(hf_checkpoint)).args.hidden_size == 64  # the damage below is what each test refuses
+    listed = tmp_path / "listed"
+    shutil.copytree(hf_checkpoint, listed)
+    _write_checksums(listed)
+    check_checksums(str(listed))  # its own SHA256SUMS: accepted
+
+
+@pytest.mark.parametrize("line", ["not a checksum line", "0" * 64 + "  ../model.safetensors", "0" * 63 + "  x"])
+def test_a_checksums_file_that_does_not_read_as_sha256sum_output_is_one_named_error(hf_checkpoint, tmp_path, line):
+    import shutil
+
+    from model.hf import check_checksums
+
+    folder = tmp_path / "odd"
+    shutil.copytree(hf_checkpoint, folder)
+    (folder / "SHA256SUMS").write_text(line + "\n")
+    with pytest.raises(CheckpointError, match=r"SHA256SUMS, line 1, is not '<sha256>  <file name>' of a file"):
+        check_checksums(str(folder))
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
@@ -169,6 +219,7 @@ def test_train_refuses_a_damaged_hf_checkpoint_in_one_line(kind, hf_checkpoint, 
         train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
     assert info.value.code == 2
     assert _one_line(capsys).startswith(f"checkpoint error: {message}")
+    assert not (tmp_path / "runs").exists()  # the run folder this refused launch made is gone, its parent too
 
 
 @pytest.mark.parametrize("kind", DAMAGE)
@@ -216,6 +267,68 @@ def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_in_both_commands(
     )
 
 
+# ------------------------------------------------------------------------------------------ sizes no machine holds
+
+
+def _run_limited(*args):
+    """`_run` with 4 GB of address space: a size that is not refused fails fast instead of filling the machine."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit
+    )
+
+
+# 1e12 sequences (or blocks of 16) x 512 bytes a token (k and v of 2 layers x 2 KV heads x 16 in float32); a train
+# sequence holds 256 + 8 tokens (17 blocks), an eval.py one 64 + 8 (5 blocks). 1e12 samples x 4 problems x 12 bytes
+# x 264 (train) or 72 (eval.py) tokens.
+ENGINE = "the torch engine's KV cache cannot fit this machine: "
+SAMPLES = "an evaluation's samples cannot fit this machine: eval.k = 1,000,000,000,000 samples of each of "
+TOO_LARGE = {
+    "max_batch_size": (
+        "--rollout.max_batch_size=1000000000000",
+        ENGINE + "rollout.max_batch_size = 1,000,000,000,000 sequences of up to 264 tokens take 139,264,000.0 GB",
+        ENGINE + "rollout.max_batch_size = 1,000,000,000,000 sequences of up to 72 tokens take 40,960,000.0 GB",
+    ),
+    "kv_cache_blocks": pytest.param(
+        "--rollout.kv_cache_blocks=1000000000000",
+        ENGINE + "rollout.kv_cache_blocks = 1,000,000,000,000 blocks of 16 positions take 8,192,000.0 GB",
+        ENGINE + "rollout.kv_cache_blocks = 1,000,000,000,000 blocks of 16 positions take 8,192,000.0 GB",
+        marks=pytest.mark.slow,
+    ),
+    "eval.k": (
+        "--eval.k=1000000000000",
+        SAMPLES + "4 problems held at once, of up to 264 tokens, take at least 12,672,000.0 GB on this node",
+        SAMPLES + "1 problem held at once, of up to 72 tokens, take at least 864,000.0 GB on this node",
+    ),
+}
+
+
+@pytest.mark.parametrize("flag, train_line, eval_line", TOO_LARGE.values(), ids=TOO_LARGE)
+def test_a_size_no_machine_holds_is_refused_in_one_line_before_any_work(
+    flag, train_line, eval_line, hf_checkpoint, tmp_path
+):
+    evaluation = ["--data.eval_path=synthetic", "--data.synthetic_num_eval=4", "--eval.at_end=true"]
+    proc = _run_limited(
+        "train.py", "--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}",
+        f"--job.run_dir={tmp_path / 'runs'}", *SMALL, *evaluation, "--training.sft_warmup_steps=10", flag,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"configuration error: {train_line}")
+    assert re.search(r"more than (its|the) [\d,]+\.\d GB of (this node's )?memory", proc.stderr), proc.stderr
+    assert not (tmp_path / "runs").exists()  # before the run folder, the warm-up, anything
+    proc = _run_limited(
+        "eval.py", "--model", str(hf_checkpoint), "--data", "synthetic", "--data.synthetic_num_eval=4",
+        "--eval.max_response_length=8", "--metrics.progress=false", flag,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"eval.py: configuration error: {eval_line}")
+
+
 # ------------------------------------------------------------------------------------------ bugs keep tracebacks
 
 
@@ -247,6 +360,66 @@ def test_a_toml_file_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path,
     with pytest.raises(SystemExit) as info:
         eval_command.run_cli(["--config", str(path), "--model", "x"])
     assert info.value.code == 2 and _one_line(capsys) == f"eval.py: {expected}"
+
+
+def test_a_toml_file_with_a_utf8_byte_order_mark_reads_as_the_same_file_without_it(tmp_path):
+    from config import load_config
+
+    demo = os.path.join(ROOT, "configs/demo_cpu.toml")
+    text = f'base = "{demo}"\n[job]\nname = "caf\u00e9"\n'
+    (tmp_path / "plain.toml").write_text(text, encoding="utf-8")
+    (tmp_path / "bom.toml").write_text(text, encoding="utf-8-sig")  # as Windows editors save UTF-8
+    assert (tmp_path / "bom.toml").read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_config(str(tmp_path / "bom.toml")) == load_config(str(tmp_path / "plain.toml"))
+    assert load_config(str(tmp_path / "bom.toml")).job.name == "caf\u00e9"
+
+
+def test_a_symbolic_link_loop_or_a_dangling_link_is_named_as_such(tmp_path, hf_checkpoint, capsys):
+    loop, dangling = tmp_path / "loop", tmp_path / "dangling.parquet"
+    loop.symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(loop)
+    dangling.symlink_to(tmp_path / "moved-away.parquet")
+    bases = tmp_path / "with-base.toml"
+    bases.write_text('base = "loop"\n')
+    model = ["--model.preset=", f"--model.hf_path={hf_checkpoint}", f"--job.run_dir={tmp_path / 'runs'}", *SMALL]
+    refused = {
+        ("--config", str(loop), "--dry-run"): f"configuration error: config file {loop} is a symbolic link loop",
+        ("--config", str(bases), "--dry-run"): (
+            f"configuration error: {bases}: base file 'loop' is a symbolic link loop (looked for {loop})"
+        ),
+        (*model, f"--data.train_path={loop}"): (
+            f"configuration error: data.train_path = '{loop}' is a symbolic link loop: set data.train_path to a "
+            "parquet file in the DAPO-Math-17k schema, or to 'synthetic'"
+        ),
+        (*model, f"--data.train_path={dangling}"): (
+            f"configuration error: data.train_path = '{dangling}' is a symbolic link to {tmp_path}/moved-away.parquet, "
+            "which does not exist: set data.train_path to a parquet file in the DAPO-Math-17k schema, or to 'synthetic'"
+        ),
+        (*model, f"--model.hf_path={loop}"): (
+            f"configuration error: model.hf_path = '{loop}' is a symbolic link loop: set model.hf_path to a Qwen2.5 "
+            "checkpoint directory"
+        ),
+        (*model, f"--model.tokenizer_path={loop}"): (
+            f"configuration error: model.tokenizer_path = '{loop}' is a symbolic link loop: set it to the folder "
+            "holding tokenizer.json, or leave it empty"
+        ),
+    }
+    for argv, line in refused.items():
+        with pytest.raises(SystemExit) as info:
+            train.run_cli(list(argv))
+        assert info.value.code == 2 and _one_line(capsys) == line
+    checkpoint = ("--model", str(hf_checkpoint))
+    refused = {
+        ("--config", str(loop), *checkpoint): f"configuration error: config file {loop} is a symbolic link loop",
+        ("--model", str(loop)): f"configuration error: --model {loop} is a symbolic link loop; pass an HF "
+        "checkpoint directory or a run folder",
+        (*checkpoint, "--data", str(loop)): f"data error: data file {loop} is a symbolic link loop",
+    }
+    for argv, line in refused.items():
+        with pytest.raises(SystemExit) as info:
+            eval_command.run_cli(list(argv))
+        assert info.value.code == 2 and _one_line(capsys) == f"eval.py: {line}"
+    assert not (tmp_path / "runs").exists()
 
 
 def _prompt_file_with_undecodable_content(path, rows: int, bad_row: int):

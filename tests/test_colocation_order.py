@@ -22,12 +22,13 @@ from tests.test_train_e2e import overrides
 from trainer.build import build_policy_and_engine
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEMO_SCRATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_scratch.toml")  # no base policy
 
 
 def test_the_engine_starts_when_the_policy_holds_only_its_shards(monkeypatch):
     """8 ranks (fake process group): at engine start every parameter is an FSDP shard on the device,
     1/8 of the full tensor; nothing full-size was left on the device for the engine to size around."""
-    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.dp_shard=-1"])
+    cfg = load_config(DEMO_SCRATCH, ["model.preset=tiny", "parallelism.dp_shard=-1"])
     seen = {}
 
     def start_beside(spec, policy, dist_env):
@@ -50,9 +51,7 @@ def test_the_engine_starts_when_the_policy_holds_only_its_shards(monkeypatch):
 def _sharded_values(rank, world_size, layout):
     from parallel.dist_env import init_distributed
 
-    cfg = load_config(
-        os.path.join(CONFIGS, "demo_cpu.toml"), ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout
-    )
+    cfg = load_config(DEMO_SCRATCH, ["model.preset=tiny", "parallelism.param_dtype=float32"] + layout)
     dist_env = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp)
     policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed)
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in policy.named_parameters()}

@@ -13,8 +13,9 @@ import config
 from config import Config, ConfigError, config_to_dict, load_config, parse_cli, validate
 from config.loader import coerce
 from data.prompts import DataError
+from model.args import get_preset
 from preflight.checks import check_runnable
-from preflight.limits import check_rollout_batch_fits
+from preflight.limits import check_rollout_batch_fits, check_torch_engine_fits
 from preflight.machine import Machine
 from tasks.arithmetic import synthetic_arithmetic_rows
 from tests.parquet_rows import write_parquet_rows
@@ -169,7 +170,7 @@ def test_parse_cli_defaults_to_the_demo_config():
     cfg, args = parse_cli([])
     root = os.path.dirname(os.path.dirname(config.__file__))
     assert os.path.samefile(args.config, os.path.join(root, "configs", "demo_cpu.toml"))
-    assert args.dry_run is False and cfg.model.preset == "demo"
+    assert args.dry_run is False and cfg.model.hf_path == "bases/demo"
 
 
 def test_parse_cli_errors():
@@ -484,6 +485,30 @@ def test_a_rollout_batch_no_machine_holds_is_refused_with_its_figure():
     check_rollout_batch_fits(load_config(os.path.join(ROOT, "configs", "dapo_32b.toml")), memory_bytes=10**12)
     with pytest.raises(ConfigError, match=r"one step's samples cannot fit this machine"):  # and at run start
         check_runnable(load_config(None, ["training.train_batch_size=10000000000000", "model.preset=tiny"]), ONE_GPU)
+
+
+def test_the_torch_engines_kv_cache_is_sized_against_its_gpus_memory_on_a_gpu(monkeypatch):
+    import torch
+
+    class H100:
+        total_memory = 80 * 10**9
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
+    sizes = ["model.preset=qwen2.5-7b", "rollout.dtype=bfloat16", "data.max_prompt_length=1024"]
+    # 7B: k and v of 28 layers x 4 KV heads x 128 in bfloat16 = 57,344 bytes a token; 1024 + 20480 tokens a
+    # sequence = 1344 blocks of 16.
+    check_torch_engine_fits(load_config(None, [*sizes, "rollout.max_batch_size=64"]), get_preset("qwen2.5-7b"), 21504)
+    cfg = load_config(None, [*sizes, "rollout.max_batch_size=128"])  # 128 x 21504 x 57344 = 157.8 GB
+    with pytest.raises(ConfigError) as refused:
+        check_torch_engine_fits(cfg, get_preset("qwen2.5-7b"), 21504)
+    assert str(refused.value) == (
+        "the torch engine's KV cache cannot fit this machine: rollout.max_batch_size = 128 sequences of up to 21504 "
+        "tokens take 157.8 GB (57,344 bytes a token: k and v of 28 layers x 4 KV heads x 128 in bfloat16), more "
+        "than the 80.0 GB of its GPU; lower rollout.max_batch_size"
+    )
+    check_torch_engine_fits(load_config(None, [*sizes, "rollout.engine=sglang"]), get_preset("qwen2.5-7b"), 21504)
 
 
 def test_eval_path_is_only_required_when_the_run_evaluates(tmp_path):

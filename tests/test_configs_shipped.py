@@ -11,7 +11,8 @@ import pytest
 
 from config import Config, ConfigError, config_to_dict, load_config, parse_cli
 from model.args import PRESETS, num_params
-from model.hf_adapter import hf_config_from_args
+from model.hf import CHECKSUMS, check_checksums
+from model.hf_adapter import hf_config_from_args, read_hf_config
 from preflight.checks import check_runnable
 from preflight.machine import Machine
 from rollout.sglang_engine import SGLANG_VERSION
@@ -53,6 +54,7 @@ def differences(a: Config, b: Config) -> set[str]:
 
 def test_every_expected_config_is_shipped():
     expected = {"configs/dapo_32b.toml", "configs/dapo_7b.toml", "configs/demo_cpu.toml"}
+    expected |= {f"configs/{name}" for name in ONE_GPU_RECIPES}
     expected |= {f"configs/ablation/{name}.toml" for name in ABLATION}
     assert expected <= set(CONFIGS)
 
@@ -172,16 +174,33 @@ def test_ablation_rows_are_the_recipe_apart_from_the_table_1_switches():
 
 def test_demo_is_runnable_small_and_has_every_technique_on():
     cfg = load("demo_cpu.toml")
-    check_runnable(cfg, Machine())  # no paths to fill in: preset model, synthetic data; a CPU runs it as it is
-    assert cfg.model.preset == "demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
+    check_runnable(cfg, Machine())  # no paths to fill in: the shipped base, synthetic data; a CPU runs it as it is
+    assert cfg.model.hf_path == "bases/demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
     assert cfg.rollout.engine == "torch" and cfg.model.dtype == cfg.parallelism.param_dtype == "float32"
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp) == (1, -1, 1)
-    assert cfg.training.sft_warmup_steps > 0
+    assert cfg.training.sft_warmup_steps == 0  # the base policy is the warm-up's result (configs/bases/demo_cpu.toml)
     alg = cfg.algorithm
     assert alg.clip_high > alg.clip_low and alg.loss_agg == "token-mean"
     assert alg.overlong_filter and alg.overlong_penalty and alg.dynamic_sampling
     # Small enough for the 10-minute CPU budget (measured by bench/demo_learning.py).
     assert cfg.training.train_batch_size * cfg.rollout.n <= 512 and cfg.rollout.max_response_length <= 48
+
+
+@pytest.mark.parametrize("name, user", [("demo", "demo_cpu.toml"), ("chain", "ablation_cpu.toml")])
+def test_a_shipped_base_is_what_its_recipe_makes_and_what_its_run_starts_from(name, user):
+    folder = os.path.join(ROOT, "bases", name)
+    check_checksums(folder)  # every file as SHA256SUMS lists it (not a Git LFS pointer, not changed)
+    with open(os.path.join(folder, CHECKSUMS)) as f:
+        listed = {line.split()[1] for line in f if line.strip()}
+    assert listed == set(os.listdir(folder)) - {CHECKSUMS}  # and nothing beside them that it does not list
+    recipe, run = load(f"bases/{name}_cpu.toml"), load(user)
+    assert run.model.hf_path == f"bases/{name}" and run.training.sft_warmup_steps == 0
+    # The recipe is the run's own configuration from the preset's random weights with the warm-up on and no DAPO
+    # step (what it writes is the base: its held-out accuracy at step 0, then the HF export).
+    changed = {"job.name", "job.seed", "model.preset", "model.hf_path", "training.steps", "training.sft_warmup_steps"}
+    assert differences(run, recipe) <= changed | {"eval.at_end", "metrics.plot"}
+    assert (recipe.model.hf_path, recipe.training.steps, recipe.training.sft_warmup_steps) == ("", 0, 600)
+    assert read_hf_config(folder) == PRESETS[recipe.model.preset]
 
 
 def test_dapo_32b_memory_budget_arithmetic():
@@ -234,3 +253,72 @@ def test_the_documented_torchrun_command_gives_the_graceful_stop_time_to_checkpo
     for line in launches:
         given = re.search(r"--shutdown-timeout[= ](\d+)", line)
         assert given is not None and int(given.group(1)) >= 1800, line
+
+
+# ------------------------------------------------------------------------------------------ one GPU
+
+ONE_GPU = Machine(cuda_devices=1, cuda_capability=(8, 9), sglang_version=SGLANG_VERSION)
+ONE_GPU_RECIPES = ("dapo_1.5b.toml", "dapo_1.5b_24gb.toml")
+
+
+def test_the_one_gpu_recipes_are_the_papers_algorithm_on_hub_inputs_within_the_models_positions():
+    recipe, cfg, small = load("dapo_32b.toml"), load("dapo_1.5b.toml"), load("dapo_1.5b_24gb.toml")
+    assert cfg.model.hf_path == "Qwen/Qwen2.5-Math-1.5B" and not cfg.model.preset
+    assert (cfg.data.train_path, cfg.data.eval_path) == (
+        "BytedTsinghua-SIA/DAPO-Math-17k",
+        "BytedTsinghua-SIA/AIME-2024",
+    )
+    assert {k for k in differences(recipe, cfg) if k.startswith(("algorithm.", "optimizer."))} == {
+        "algorithm.overlong_buffer"
+    }
+    assert cfg.engine_max_seq_len == PRESETS[cfg.rehearse.preset].max_position_embeddings == 4096
+    assert differences(cfg, small) == {
+        "job.name",
+        "rollout.mem_fraction_static",
+        "training.micro_batch_tokens",
+        "parallelism.cpu_offload",
+        "parallelism.activation_checkpoint",
+        "rehearse.gpu_memory_gb",
+        "rehearse.host_memory_gb",
+    }
+    for one in (cfg, small):
+        check_runnable(one, ONE_GPU)  # the hub ids pass as names here: train.py fetches, then checks them
+        # Without SGLang the start-up check names the switch to the torch engine.
+        with pytest.raises(ConfigError, match=r"to run it here, add: --rollout\.engine=torch\n"):
+            check_runnable(one, Machine(cuda_devices=1, cuda_capability=(8, 9)))
+
+
+def test_dapo_1_5b_memory_budget_arithmetic():
+    """The numbers in the one-GPU recipes' budget comments, recomputed from the Qwen2.5-Math-1.5B preset."""
+    cfg, small, args = load("dapo_1.5b.toml"), load("dapo_1.5b_24gb.toml"), PRESETS["qwen2.5-math-1.5b"]
+    p = num_params(args)
+    assert round(p / GB, 2) == 1.54
+    assert (round(4 * p / GB, 1), round(8 * p / GB, 1), round(2 * p / GB, 1)) == (6.2, 12.3, 3.1)
+    assert 24 * GB < 16 * p < 80 * GB  # fp32 parameters, gradients and AdamW: only the larger card holds them
+    assert small.parallelism.cpu_offload and not cfg.parallelism.cpu_offload
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
+    assert kv_per_token == 28 * 1024
+    seq = cfg.engine_max_seq_len
+    assert (round(384 * seq * kv_per_token / GB, 1), round(128 * seq * kv_per_token / GB, 1)) == (45.1, 15.0)
+    assert int(504_100 / seq) == 123  # the 24 GB card's KV pool in full samples
+    assert cfg.prompts_per_round * cfg.rollout.n == 3072 and cfg.training.train_batch_size // 16 == 4
+    assert cfg.training.micro_batch_tokens == 4 * seq and small.training.micro_batch_tokens == 2 * seq
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, largest_gb, host_gb", [("dapo_1.5b.toml", 68.3, 17.8), ("dapo_1.5b_24gb.toml", 20.2, 44.4)]
+)
+def test_the_one_gpu_recipes_fit_as_their_headers_say(name, largest_gb, host_gb, tmp_path, monkeypatch, capsys):
+    """The rehearsal of each (about a minute of CPU each), with an empty hub cache: the preset's shapes."""
+    from huggingface_hub import constants
+
+    import train
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert train.main(["--config", os.path.join(ROOT, "configs", name), "--rehearse"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["fits"] and result["world_size"] == 1 and result["host"]["ranks_per_node"] == 1
+    assert round(max(p["total_gb"] for p in result["rehearsal"]["phases"]), 1) == largest_gb
+    assert round(result["host"]["peak_node_gb"], 1) == host_gb
+    assert round(result["disk_gb"]["total"], 1) == 64.8

@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.toml"), recursive=True)
 )
-GPU_CONFIGS = [c for c in CONFIGS if not c.endswith("_cpu.toml")]  # demo_cpu, ablation_cpu: CPU recipes
+# CPU recipes: demo_cpu, ablation_cpu and the mechanism probes (configs/probes/, bench/mechanisms.py)
+GPU_CONFIGS = [c for c in CONFIGS if not c.endswith("_cpu.toml") and not c.startswith("configs/probes/")]
 
 CPU = Machine()  # no CUDA, one process, a C++ compiler
 TWO_CPU_PROCESSES = Machine(world_size=2, local_world_size=2)

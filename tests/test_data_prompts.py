@@ -39,6 +39,29 @@ def test_deduplicates_and_counts_skipped_rows():
     assert "row 3" in stats.first_problem and "ground_truth" in stats.first_problem
 
 
+def test_duplicates_whose_ground_truth_scores_otherwise_keep_the_first_and_are_counted_and_named(caplog):
+    rows = [
+        _row("a", "5"),
+        _row("a", "5"),  # a plain repeat
+        _row("a", 5),  # the same answer as an int: scored alike
+        _row("b", ["7", "seven"]),
+        _row("a", "6"),  # another answer
+        _row("b", ("seven", "7")),  # the same accepted answers in another order
+        _row("a", ["5", "6"]),  # 6 is accepted too: another ground truth
+        _row("b", "7"),  # "seven" no longer accepted
+    ]
+    with caplog.at_level("INFO", logger="data.prompts"):
+        examples, stats = rows_to_examples(rows, CharTokenizer(), max_prompt_length=10, source_name="set.parquet")
+    assert [(e.messages[0]["content"], e.ground_truth) for e in examples] == [("a", "5"), ("b", ("7", "seven"))]
+    assert (stats.duplicates, stats.conflicting) == (6, 3)
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and record.getMessage() == (
+        "set.parquet: 8 rows -> 2 prompts (6 duplicates dropped (3 of them with another ground truth than the "
+        "first, which is kept: row 4 answers '6' where row 0 answers '5'), 0 rows skipped, 0 left-truncated, "
+        "0 dropped as too long)"
+    )
+
+
 def test_a_role_the_chat_template_does_not_know_skips_the_row_and_names_it():
     odd = _row("b")
     odd["prompt"] = [{"role": "human", "content": "b"}]

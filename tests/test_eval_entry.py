@@ -434,6 +434,99 @@ def test_a_report_that_cannot_be_written_is_one_line_and_a_read_only_folder_is_f
     )
 
 
+def _eval_to(checkpoint, target, monkeypatch):
+    """eval.py --json `target`: (exit code, whether the evaluation ran)."""
+    evaluated = []
+    real_evaluate = eval_command.evaluate
+    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
+    argv = ["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(target), "--metrics.progress=false"]
+    try:
+        eval_command.run_cli(argv)
+    except SystemExit as stopped:
+        return stopped.code, bool(evaluated)
+    return 0, bool(evaluated)
+
+
+@pytest.mark.parametrize("kind", ["a directory", "a symbolic link to one", "a symbolic link loop"])
+def test_a_json_target_that_cannot_be_a_file_is_one_line_before_the_evaluation(
+    kind, checkpoint, tmp_path, monkeypatch, capsys, one_thread
+):
+    (tmp_path / "folder").mkdir()
+    target = {"a directory": tmp_path / "folder", "a symbolic link to one": tmp_path / "to-folder"}.get(kind)
+    if kind == "a symbolic link to one":
+        target.symlink_to(tmp_path / "folder")
+    if kind == "a symbolic link loop":
+        target = tmp_path / "loop-a"
+        target.symlink_to(tmp_path / "loop-b")
+        (tmp_path / "loop-b").symlink_to(target)
+    before = sorted(os.listdir(tmp_path))
+    assert _eval_to(checkpoint, target, monkeypatch) == (2, False)
+    problem = "is a symbolic link loop" if kind == "a symbolic link loop" else "is a directory"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith(f"eval.py: configuration error: --json {target} {problem}; pass the path of a file for the report")
+    )
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "to-no-file-yet"])
+def test_a_json_target_that_is_a_symbolic_link_is_written_through_and_stays_a_link(
+    dangling, checkpoint, tmp_path, monkeypatch, capsys, one_thread
+):
+    (tmp_path / "reports").mkdir()
+    file, link = tmp_path / "reports" / "r.json", tmp_path / "latest.json"
+    link.symlink_to(os.path.join("reports", "r.json"))  # relative, as `ln -s` makes it
+    if not dangling:
+        file.write_text("an older report\n")
+    assert _eval_to(checkpoint, link, monkeypatch) == (0, True)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert link.is_symlink() and os.readlink(link) == os.path.join("reports", "r.json")
+    assert json.loads(file.read_text()) == printed and os.listdir(tmp_path / "reports") == ["r.json"]
+
+
+def test_a_json_target_that_is_a_pipe_is_written_in_place(checkpoint, tmp_path, monkeypatch, capsys, one_thread):
+    read_end, write_end = os.pipe()  # what `--json >(jq .)` hands eval.py: /dev/fd/N, a pipe's write end
+    try:
+        assert _eval_to(checkpoint, f"/dev/fd/{write_end}", monkeypatch) == (0, True)
+        os.close(write_end)
+        with os.fdopen(read_end) as pipe:
+            written = pipe.read()
+    finally:
+        for fd in (read_end, write_end):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads(written) == printed and written.count("\n") > 10  # indented, as a report file
+    assert not os.path.exists(f"/dev/fd/{write_end}.probe") and os.listdir(tmp_path) == []
+
+
+def test_json_to_dev_stdout_redirected_to_a_file_follows_the_table(checkpoint, tmp_path):
+    # /dev/stdout as it is made (a link to /proc/self/fd/1), in a folder of the test's own: a command that replaced
+    # the link with a file must not replace the machine's.
+    out, stdout_link = tmp_path / "out.txt", tmp_path / "stdout"
+    stdout_link.symlink_to("/proc/self/fd/1")
+    with open(out, "w") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "eval.py", "--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", stdout_link],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text.startswith("source ")  # the table is still there: the file was appended to, not replaced
+    table, line, indented = text.partition("\n{")[0], "{" + text.split("\n{", 2)[1], "{" + text.split("\n{", 2)[2]
+    assert json.loads(line) == json.loads(indented) and "synthetic" in table
+    assert os.readlink(stdout_link) == "/proc/self/fd/1"
+
+
 def test_cli_subprocess(checkpoint, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(

@@ -21,6 +21,7 @@ from tests.engines import generate
 from tests.test_tokenizer import CONVERSATIONS, _qwen_style_dir
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEMO_SCRATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_scratch.toml")  # no base policy
 MAX_NEW = 24
 
 # Run by a separate interpreter, outside the repository: nothing of the project is importable there.
@@ -84,7 +85,7 @@ def _argv(run_dir, **extra):
         "metrics.progress": False,
     }
     values.update(extra)
-    return ["--config", os.path.join(CONFIGS, "demo_cpu.toml")] + [f"--{k}={v}" for k, v in values.items()]
+    return ["--config", DEMO_SCRATCH] + [f"--{k}={v}" for k, v in values.items()]
 
 
 @pytest.fixture(scope="module")

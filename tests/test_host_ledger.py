@@ -21,6 +21,7 @@ from tests.host_memory import peak, reset_peak, return_freed_memory_at_once
 from tests.qwen2_checkpoint import write_qwen2_checkpoint
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEMO_SCRATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_scratch.toml")  # no base policy
 MiB = 1 << 20
 
 # 197M parameters (788 MB in fp32): on 4 ranks every phase holds 190 MB to 1 GB of tensors, so the module
@@ -80,7 +81,7 @@ def job_config(path: str, world_size: int, **extra):
         "rehearse.gpu_memory_gb": 80.0,
     }
     values.update(extra)
-    return load_config(os.path.join(CONFIGS, "demo_cpu.toml"), [f"{k}={v}" for k, v in values.items()])
+    return load_config(DEMO_SCRATCH, [f"{k}={v}" for k, v in values.items()])
 
 
 class ResidentLedger(MemoryLedger):
@@ -173,7 +174,7 @@ def test_pinned_blocks_are_powers_of_two():
 
 
 def _rehearsal(capsys, argv):
-    code = train.main(["--config", os.path.join(CONFIGS, "demo_cpu.toml"), "--rehearse", *argv])
+    code = train.main(["--config", DEMO_SCRATCH, "--rehearse", *argv])
     out, err = capsys.readouterr()
     return code, json.loads(out.strip().splitlines()[-1]), out, err
 

@@ -14,6 +14,7 @@ from preflight.rehearsal import rehearse, run_phases
 from tests.dist_utils import run_ranks
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+DEMO_SCRATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_scratch.toml")  # no base policy
 
 
 def small_config(world_size, **extra):
@@ -34,7 +35,7 @@ def small_config(world_size, **extra):
         "rehearse.context_gb": 0.0,
     }
     values.update(extra)
-    return load_config(os.path.join(CONFIGS, "demo_cpu.toml"), [f"{k}={v}" for k, v in values.items()])
+    return load_config(DEMO_SCRATCH, [f"{k}={v}" for k, v in values.items()])
 
 
 def _measured(rank, world_size, cfg):
@@ -83,7 +84,7 @@ def test_the_ledger_matches_the_measured_peak_of_every_phase(world_size):
 def test_a_phase_that_does_not_fit_exits_2_naming_it_and_the_shortfall(capsys):
     cfg_args = [
         "--config",
-        os.path.join(CONFIGS, "demo_cpu.toml"),
+        DEMO_SCRATCH,
         "--rehearse",
         "--model.preset=demo",
         "--rollout.engine=torch",
@@ -104,7 +105,7 @@ def test_a_phase_that_does_not_fit_exits_2_naming_it_and_the_shortfall(capsys):
 def test_every_phase_is_in_the_table_and_fits_with_enough_memory(capsys):
     argv = [
         "--config",
-        os.path.join(CONFIGS, "demo_cpu.toml"),
+        DEMO_SCRATCH,
         "--rehearse",
         "--model.preset=demo",
         "--rollout.engine=torch",
@@ -151,7 +152,7 @@ def test_an_engine_without_room_for_its_kv_pool_fails_at_engine_start(capsys):
     """SGLang's rule (preflight/sglang_memory.py): the KV pool is sized from the memory free at engine start."""
     argv = [
         "--config",
-        os.path.join(CONFIGS, "demo_cpu.toml"),
+        DEMO_SCRATCH,
         "--rehearse",
         "--model.preset=demo",
         "--rollout.engine=sglang",

@@ -66,6 +66,9 @@ def test_hand_computed_metrics():
     assert metrics.ppo_kl.result() == pytest.approx(-math.log(1.5 * 0.5 * 0.7 * 20) / 6)
     assert metrics.ratio_max == pytest.approx(20.0)
     assert metrics.num_tokens == 6 and metrics.num_nonempty_seqs == 3
+    # The responses' first tokens (column 0): r 1.5 with A > 0 is clipped at the upper bound; r 0.7 (A < 0) at the
+    # lower one, r 1 not at all.
+    assert metrics.first_token_upper.result() == pytest.approx(1 / 3)
 
 
 def test_hand_computed_gradient():
@@ -87,6 +90,7 @@ def test_dual_clip_and_clip_higher_switches():
     assert loss.item() == pytest.approx((18.32 + 0.08) / 6)
     _, metrics = policy_loss(*hand_example(), clip_high=0.6)  # r 1.5 is inside [0.8, 1.6]: nothing up-clipped
     assert metrics.pg_clipfrac_upper.result() == 0 and math.isnan(metrics.clipped_upper_prob.result())  # none: no mean
+    assert metrics.first_token_upper.result() == 0
 
 
 def test_token_weights_multiply_the_per_token_loss():

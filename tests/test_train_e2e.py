@@ -24,6 +24,7 @@ from trainer.update import ROLLOUT_LOGP_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
+DEMO_SCRATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_scratch.toml")  # no base policy
 
 
 def overrides(run_dir, steps=2, **extra):
@@ -59,7 +60,7 @@ def overrides(run_dir, steps=2, **extra):
         "metrics.plot": False,
     }
     values.update(extra)
-    return ["--config", os.path.join(CONFIGS, "demo_cpu.toml")] + [f"--{k}={v}" for k, v in values.items()]
+    return ["--config", DEMO_SCRATCH] + [f"--{k}={v}" for k, v in values.items()]
 
 
 def read_rows(run_dir):

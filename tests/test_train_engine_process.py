@@ -24,7 +24,7 @@ from rollout.engine import EngineDied
 from tests.dist_utils import run_ranks
 from tests.strict_engine_train import use_strict_model
 from tests.test_rollout_sglang_process import children, engine_children
-from tests.test_train_e2e import CONFIGS, overrides, read_rows
+from tests.test_train_e2e import DEMO_SCRATCH, overrides, read_rows
 from trainer.build import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def hf_dir(tmp_path_factory):
     """The demo preset as an HF checkpoint (what SGLang loads) with the synthetic task's tokenizer."""
     path = tmp_path_factory.mktemp("hf")
-    cfg = load_config(os.path.join(CONFIGS, "demo_cpu.toml"), ["data.synthetic_num_train=64"])
+    cfg = load_config(DEMO_SCRATCH, ["data.synthetic_num_train=64"])
     build_tokenizer(cfg.model, cfg.data, str(path), is_main=True, barrier=lambda: None)
     save_hf(build_model(get_preset("demo"), seed=0), str(path / "hf"))
     return str(path)

@@ -22,7 +22,7 @@ import trainer.update
 from checkpoint.files import file_record
 from checkpoint.manager import CheckpointManager
 from rollout.torch_engine import TorchEngine
-from run.folder import RunFolderError, prepare_run_folder
+from run.folder import RunFolderError, accept_launch, discard_refused_launch, prepare_run_folder
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
 
@@ -306,6 +306,16 @@ def test_rerun_of_a_finished_run_prints_its_result_and_does_nothing_else(
     assert _folder_state(tmp_path) == files
 
 
+def test_a_run_of_no_dapo_step_does_not_call_its_evaluation_after_dapo(tmp_path, caplog, signal_handlers):
+    with caplog.at_level("INFO", logger="train"):
+        assert train.main(overrides(str(tmp_path), steps=0, **{"eval.at_end": True})) == 0
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("held-out accuracy")]
+    [row] = read_rows(str(tmp_path))
+    assert (
+        line == f"held-out accuracy with no DAPO step (training.steps = 0): {100 * row['eval/avg_at_k']:.1f}% (avg@4)"
+    )
+
+
 def test_fresh_moves_the_earlier_run_aside_and_starts_over(tmp_path, monkeypatch, caplog, signal_handlers):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     argv = overrides(str(tmp_path), steps=1, **{"eval.at_start": True})
@@ -471,15 +481,41 @@ def test_a_stop_seen_on_another_rank_does_not_make_this_ranks_first_signal_the_s
         stop._handle(signal.SIGTERM, None)  # its second one exits at once
 
 
+def _launch(run_dir, config):
+    """A launch's run folder, then its acceptance (train.py: once its inputs loaded and its checkpoint resumed)."""
+    accept_launch(prepare_run_folder(run_dir, "run", config), config)
+
+
 def test_a_changed_configuration_on_resume_is_kept_beside_the_first_and_named(tmp_path, caplog):
-    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
-    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
+    _launch(str(tmp_path), {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
+    _launch(str(tmp_path), {"optimizer": {"lr": 0.001}, "job": {"seed": 0}})
     assert sorted(os.listdir(tmp_path / "run")) == ["config.json"]
+    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.5}, "job": {"seed": 0}})
+    assert sorted(os.listdir(tmp_path / "run")) == ["config.json"]  # not accepted (yet): nothing written
     with caplog.at_level("WARNING", logger="train"):
-        prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.5}, "job": {"seed": 0}})
+        _launch(str(tmp_path), {"optimizer": {"lr": 0.5}, "job": {"seed": 0}})
     assert "optimizer.lr: 0.001 -> 0.5" in caplog.text and "config.launch-2.json" in caplog.text
     assert json.loads((tmp_path / "run" / "config.json").read_text())["optimizer"]["lr"] == 0.001
     assert json.loads((tmp_path / "run" / "config.launch-2.json").read_text())["optimizer"]["lr"] == 0.5
+
+
+def test_a_refused_launch_removes_the_folders_it_made_and_nothing_an_earlier_launch_wrote(tmp_path):
+    runs = tmp_path / "runs"
+    discard_refused_launch(prepare_run_folder(str(runs), "first", {"a": 1}))  # made runs/ and runs/first/
+    assert os.listdir(tmp_path) == []
+    path = prepare_run_folder(str(runs), "first", {"a": 1})
+    (runs / "other").mkdir()  # another run's folder, made meanwhile beside it
+    discard_refused_launch(path)
+    assert os.listdir(runs) == ["other"]  # the parent is not empty: kept
+    _launch(str(runs), {"a": 1})  # an accepted launch
+    (runs / "run" / "metrics.jsonl").write_text("{}\n")
+    discard_refused_launch(prepare_run_folder(str(runs), "run", {"a": 2}))  # a resume, refused
+    assert sorted(os.listdir(runs / "run")) == ["config.json", "metrics.jsonl"]  # as the earlier launch left it
+    before = sorted(os.listdir(runs))
+    path = prepare_run_folder(str(runs), "run", {"a": 2}, fresh=True)  # --fresh: the earlier folder moved aside
+    discard_refused_launch(path)  # only the new folder goes; the earlier run stays where --fresh moved it
+    assert sorted(os.listdir(runs)) == sorted(["other", "run.old-1"]) and "run" in before
+    assert sorted(os.listdir(runs / "run.old-1")) == ["config.json", "metrics.jsonl"]
 
 
 @pytest.mark.parametrize("damage", ['{"optimizer": {"lr": 0.0', "[1, 2]", b"\xff\xfe{}"])
@@ -493,7 +529,7 @@ def test_a_damaged_configuration_snapshot_is_named_in_one_line(tmp_path, damage)
     assert str(refused.value).startswith(f"{config}, the configuration this run started with, is damaged (")
     assert str(refused.value).endswith("): restore it, or move it aside and this launch saves its own")
     os.rename(config, tmp_path / "aside.json")  # as the message says: the next launch saves its own
-    prepare_run_folder(str(tmp_path), "run", {"optimizer": {"lr": 0.001}})
+    _launch(str(tmp_path), {"optimizer": {"lr": 0.001}})
     assert json.loads(config.read_text()) == {"optimizer": {"lr": 0.001}}
 
 

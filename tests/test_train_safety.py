@@ -84,6 +84,7 @@ def test_resuming_with_another_model_preset_is_one_line_naming_both_shapes(tmp_p
     assert exited.value.code == 2 and len(err) == 1, err
     assert "holds model.embed_tokens.weight with shape [512, 128], this run's model has [256, 64]" in err[0]
     assert "written for another model" in err[0] and "--fresh" in err[0]
+    assert not list((tmp_path / "run").glob("config.launch-*"))  # a refused launch leaves no snapshot
 
 
 # ---- two runs, one folder -----------------------------------------------------------------------------------
@@ -304,7 +305,78 @@ def test_a_sigterm_to_a_finished_run_says_so_and_exits_0(tmp_path):
     assert "this run finished at step 1" in result.stderr
 
 
+# train.py (planted reward) that sends itself a SIGTERM as it logs each line named on its command line, and one
+# more as the interpreter tears the finished process down (atexit): every moment after training and its final
+# evaluation, when a launcher's SIGTERM must not make a finished job look unfinished.
+_SIGTERM_AT_LINES = """
+import atexit, logging, os, signal, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import rl.reward, train
+from planted_train import planted_score
+
+class SigtermAt(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith({lines!r}):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+logging.getLogger().addHandler(SigtermAt())
+atexit.register(os.kill, os.getpid(), signal.SIGTERM)
+rl.reward.compute_score = planted_score
+train.run_cli(sys.argv[1:])
+"""
+
+
+def test_a_sigterm_after_the_final_evaluation_or_the_panel_or_in_the_teardown_still_exits_0(tmp_path):
+    lines = ("held-out accuracy after DAPO", "monitoring panel")
+    code = _SIGTERM_AT_LINES.format(root=ROOT, tests=os.path.join(ROOT, "tests"), lines=lines)
+    settings = {"eval.at_end": True, "metrics.plot": True, "checkpoint.export_hf": True}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *overrides(str(tmp_path), steps=1, **settings)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("SIGTERM received")]
+    assert (
+        said
+        == ["SIGTERM received: training is done; the run ends as planned (checkpoint, HF export, plot), exit 0"] * 2
+    )
+    assert "Traceback" not in result.stderr and "stopped by" not in result.stderr
+    run = tmp_path / "run"
+    assert json.loads((run / "finished.json").read_text()) == {"step": 1}
+    assert (run / "hf" / "config.json").exists() and (run / "plots" / "panel.png").exists()
+
+
 # ---- every write of a run: a full disk or a read-only folder ------------------------------------------------
+
+
+def test_a_file_size_limit_in_the_hf_export_is_one_line_exit_2_and_removes_the_export(tmp_path):
+    import resource
+
+    def one_mb_files():  # as `ulimit -f 1024`, or a FAT volume's 4 GB at scale; the write then fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    # No checkpoint (its optimizer state would meet the limit first); the demo policy's export is 3.5 MB.
+    settings = {"checkpoint.enabled": False, "checkpoint.export_hf": True}
+    result = subprocess.run(
+        PLANTED_TRAIN + overrides(str(tmp_path), steps=1, **settings),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=one_mb_files,
+    )
+    run = tmp_path / "run"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {run / 'hf'}: File too large; a file-size limit (ulimit -f) or the file system (FAT32: "
+        "4 GB a file) caps it: raise the limit or write to another file system, then run the same command again"
+    )
+    assert not (run / "hf").exists() and not (run / "finished.json").exists()
 
 
 def _disk_full_at(monkeypatch, name: str, error: int = errno.ENOSPC) -> None:

@@ -199,6 +199,8 @@ def test_mini_batches_and_epochs_step_from_the_moved_weights_against_the_step_st
     assert 0 <= stats["pg_clipfrac_upper"] <= stats["pg_clipfrac"]
     prob = stats["token_prob/clipped_upper_mean"]
     assert (0 < prob <= 1) if stats["pg_clipfrac_upper"] > 0 else math.isnan(prob)
+    first = stats["pg_clipfrac_upper/first_token"]  # a share of the first tokens; none clipped when no token was
+    assert 0 <= first <= 1 and (stats["pg_clipfrac_upper"] > 0 or first == 0)
     for (weights, grads), part in zip(updates, [groups[:2], groups[2:], groups[:2], groups[2:]]):
         model = copy.deepcopy(start)
         with torch.no_grad():

@@ -25,7 +25,7 @@ from parallel.device_memory import return_cached_memory
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
-from run.folder import prepare_run_folder, run_folder_path
+from run.folder import discard_refused_launch, prepare_run_folder, run_folder_path
 from run.guard import GuardedEngine
 from run.lock import FolderLock
 from tasks.catalog import DAPO_PROMPT_TEMPLATE
@@ -71,6 +71,7 @@ def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
         parts = _build(cfg, dist, fresh, lock)
     except BaseException:
         if lock is not None:
+            discard_refused_launch(lock.folder)  # the folder, when this launch made it
             lock.release()
         raise
     parts.lock = lock

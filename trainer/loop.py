@@ -31,6 +31,7 @@ from run.phase_runner import Checkpointed, PhaseRunner
 from run.signals import GracefulStop
 from trainer.build import Components
 from trainer.observers import display_for
+from trainer.rollout_dump import rollout_dump
 from trainer.state import LoopPosition, TrainState
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
 from trainer.types import RolloutGroup
@@ -127,6 +128,7 @@ class Trainer(StepPhases):
         self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
         self.display = display_for(cfg.metrics, self.dist)
+        self.dump = rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
     def generate(self, step: int) -> list[RolloutGroup]:
@@ -135,6 +137,7 @@ class Trainer(StepPhases):
         with self.engine.failures_agreed(f"step {step}, rollout"):
             groups, filtered = self.parts.rollout.collect(step)
             on_shortfall(filtered, step, self.cfg.algorithm)
+        self.dump(step, groups)  # metrics.rollout_dump
         return groups
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
@@ -259,12 +262,14 @@ class Trainer(StepPhases):
     def finish(self) -> None:
         """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
-        if cfg.eval.at_end and p.eval_set:
-            scores = self.final_evaluation(step)
-            log.info("held-out accuracy after DAPO: %.1f%% (avg@%d)", 100 * scores["eval/avg_at_k"], self.eval_params.n)
+        scores = self.final_evaluation(step) if cfg.eval.at_end and p.eval_set else None
+        self.stop.only_the_end_left()  # a signal from here on stops nothing; one during the evaluation still does
+        if scores is not None:
+            label = "after DAPO" if step else "with no DAPO step (training.steps = 0)"
+            log.info("held-out accuracy %s: %.1f%% (avg@%d)", label, 100 * scores["eval/avg_at_k"], self.eval_params.n)
+        self.runner.stop_if_requested()
         if cfg.checkpoint.enabled:
             self.runner.save()  # no-op when the last step's interval checkpoint exists
-        self.runner.stop_if_requested(save=False)
         if cfg.checkpoint.export_hf:
             export_hf(p.policy, f"{p.run_path}/hf")
             if self.dist.is_main:
