@@ -2,6 +2,7 @@
 update uses, written once per completed step also when a run resumes."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from rollout.engine import Completion
 from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
 from trainer.rollout_dump import dump_path, read_dump, sample_lines
-from trainer.scoring import RewardSettings, score_groups
+from trainer.scoring import score_groups
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,11 @@ def test_a_line_per_sample_with_the_updates_advantage(tokenizer):
         ids = tokenizer.encode(text) + [stop] * (i != 2)
         completions.append(Completion(0, i, ids, [-0.25] * len(ids), "length" if i == 2 else "stop"))
     example = PromptExample(prompt_ids=[5, 6], ground_truth="42", data_source="t", messages=[], index=17)
-    settings = RewardSettings(max_response_length=64, overlong_penalty=False)
-    groups = score_groups([example], completions, 4, tokenizer, settings, set(tokenizer.stop_ids), step=3)
+    cfg = SimpleNamespace(  # what score_groups reads of a Config
+        algorithm=SimpleNamespace(strict_box=False, overlong_penalty=False),
+        rollout=SimpleNamespace(max_response_length=64),
+    )
+    groups = score_groups([example], completions, tokenizer, cfg, step=3)
     lines = list(sample_lines(3, groups, tokenizer, eps=1e-6, norm_by_std=True))
     assert [line["response"] for line in lines] == texts
     assert [line["acc"] for line in lines] == [True, False, False, True]

@@ -76,23 +76,37 @@ def test_control_groups_in_a_fake_world():
 
 
 class _SlowEngine:
-    """Answers every sample "1" (correct) after `delay` seconds."""
+    """Answers every sample "1" (correct) after `delay` seconds, producing a token on every poll meanwhile (so
+    the guard's progress rule never calls it hung)."""
 
     group = None
 
     def __init__(self, delay):
-        self.delay = delay
+        self.delay, self.pending, self.since = delay, None, 0.0
 
     def resume_memory(self):
         pass
 
-    def generate(self, prompts, params):
+    def submit(self, prompts, params):
         import time
 
-        from rollout.engine import Completion
+        self.pending, self.since = (len(prompts), params.n), time.monotonic()
 
-        time.sleep(self.delay)
-        return [Completion(p, s, [1], [-0.5], "stop") for p in range(len(prompts)) for s in range(params.n)]
+    def poll(self):
+        import time
+
+        from rollout.engine import Completion, Polled
+
+        if self.pending is None:
+            return Polled([], 0, True)
+        if time.monotonic() - self.since < self.delay:
+            time.sleep(0.2)
+            return Polled([], 1, False)
+        prompts, n = self.pending
+        self.pending = None
+        return Polled(
+            [Completion(p, s, [1], [-0.5], "stop") for p in range(prompts) for s in range(n)], prompts * n, True
+        )
 
 
 class _AnswerTokenizer:
@@ -106,12 +120,13 @@ def _late_eval_worker(rank, world, store_path, run_path):
     from evaluation.held_out import run_held_out_eval
     from parallel.dist_env import init_distributed
     from rollout.engine import SamplingParams
+    from run.guard import GuardedEngine
 
     # As above: the default group's timeout is shorter than one engine's evaluation (NCCL: 10 minutes).
     _default_group_shorter_than(SLOW, rank, world, store_path)
     env = init_distributed(1, -1, 1)
     problems = [PromptExample([k], "1", "t", []) for k in range(2)]
-    engine = _SlowEngine(SLOW if rank == 1 else 0.0)  # rank 1's engine evaluates for longer
+    engine = GuardedEngine(_SlowEngine(SLOW if rank == 1 else 0.0), env)  # rank 1's engine evaluates for longer
     metrics = run_held_out_eval(
         engine, problems, _AnswerTokenizer(), SamplingParams(max_new_tokens=2, n=2), env, run_path, 0
     )
