@@ -181,6 +181,9 @@ class AlgorithmConfig:
     clip_low: float = _fraction(0.2, ": the lower clip bound is 1 - clip_low")  # eps_low of Eq. 10
     clip_high: float = above(0.28, 0, ": the upper clip bound is 1 + clip_high")  # eps_high of Eq. 10 (clip-higher)
     clip_c: float = above(10.0, 1, ": the dual-clip bound must lie above the clip range")  # dual clip c (A < 0)
+    # dapo: Eq. 10; gspo: one clipped ratio per response (paper: clip_low 3e-4, clip_high 4e-4); cispo: REINFORCE
+    # with the clipped ratio as a constant weight (paper: no lower bound, e.g. clip_low 0.999). Neither uses clip_c
+    policy_loss: Literal["dapo", "gspo", "cispo"] = "dapo"  # the per-token policy loss: DAPO's, GSPO's or CISPO's
     loss_agg: LossAgg = "token-mean"  # loss aggregation; token-mean is DAPO's token-level loss (Sec. 3.3)
     overlong_filter: bool = False  # give truncated samples loss mask 0 (Sec. 3.4)
     overlong_penalty: bool = True  # add the soft overlong punishment of Eq. 13 to the reward

@@ -32,15 +32,21 @@ def require_int(name: str, value: object, kind: str = "an int") -> int:
 
 
 def loss_inputs(
-    logp: torch.Tensor, others: dict[str, torch.Tensor | None], agg: str, modes: Sequence[str], clips: Clips
+    logp: torch.Tensor,
+    others: dict[str, torch.Tensor | None],
+    agg: tuple[str, Sequence[str]],
+    variant: tuple[str, Sequence[str]],
+    clips: Clips,
 ) -> None:
-    """policy_loss: logp [B, T], and the other per-token tensors of its shape; `agg` one of `modes`; Eq. 10's
-    constants (clip_low, clip_high, clip_c): 0 <= eps_low < 1, eps_high >= 0, the dual clip c > 1 (or None)."""
+    """policy_loss: logp [B, T], and the other per-token tensors of its shape; `agg` and `variant` each one of its
+    known values; Eq. 10's constants (clip_low, clip_high, clip_c): 0 <= eps_low < 1, eps_high >= 0, the dual
+    clip c > 1 (or None)."""
     require(logp.dim() == 2, f"policy_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
     for name, tensor in others.items():
         if tensor is not None and tensor.shape != logp.shape:
             raise ValueError(f"policy_loss: {name} has shape {tuple(tensor.shape)}, logp has {tuple(logp.shape)}")
-    require(agg in modes, f"policy_loss: unknown agg {agg!r}; choose one of {tuple(modes)}")
+    for name, (value, known) in {"agg": agg, "variant": variant}.items():
+        require(value in known, f"policy_loss: unknown {name} {value!r}; choose one of {tuple(known)}")
     clip_low, clip_high, clip_c = clips
     require(0 <= clip_low < 1, f"policy_loss: clip_low must be in [0, 1), got {clip_low}")
     require(clip_high >= 0, f"policy_loss: clip_high must be >= 0, got {clip_high}")

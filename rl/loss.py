@@ -20,6 +20,9 @@ already. Across ranks, all-reduce the gradients with SUM; a reduction that avera
 (the DDP / FSDP2 default) must be undone by multiplying the loss by W (or, in FSDP2, by setting the
 gradient divide factor to 1).
 
+algorithm.policy_loss swaps Eq. 10 for GSPO's sequence-level ratio (`gspo_token_loss`) or CISPO's clipped
+importance weight (`cispo_token_loss`); every aggregation and the global counts apply to them alike.
+
 Table 1's other aggregations (the GRPO baseline's per-sample mean and its variants) are in
 rl/loss_modes.py; `policy_loss`, the one entry, computes any of them in one checked call. Without global
 counts, token-mean and the three seq-* modes equal verl's `agg_loss` with dp_size = 1, except where every token is
@@ -35,6 +38,7 @@ from rl.loss_modes import AGG_MODES, Count, Normalisers, aggregate, count
 from rl.stats import ClipStats
 
 LOG_RATIO_CLAMP = 20.0
+POLICY_LOSSES = ("dapo", "gspo", "cispo")  # Eq. 10, GSPO's sequence-level ratio, CISPO's clipped weight
 
 
 def clipped_token_loss(
@@ -55,13 +59,7 @@ def clipped_token_loss(
     l = min(l, -A c)   when A < 0 (clip_c = c; None: no dual clip)
     l = w l            with the constant token_weights w, when given
     """
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    # Zero masked positions before exp(): padding may hold garbage (inf, NaN), and a NaN there would
-    # reach the gradient even though the position is masked out later.
-    logp = torch.where(valid, logp.to(dtype), 0.0)
-    old_logp = torch.where(valid, old_logp.detach().to(dtype), 0.0)
-    advantages = torch.where(valid, advantages.detach().to(dtype), 0.0)
-
+    logp, old_logp, advantages = _masked(valid, logp, old_logp, advantages)
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -69,10 +67,83 @@ def clipped_token_loss(
     per_token = torch.maximum(unclipped, clipped)
     if clip_c is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_c), per_token)
-    if token_weights is not None:
-        per_token = per_token * torch.where(valid, token_weights.detach().to(dtype), 0.0)
     stats = ClipStats.of(valid, advantages, old_logp, log_ratio, ratio, unclipped, clipped, clip_c)
-    return torch.where(valid, per_token, 0.0), stats
+    return _weighted(per_token, valid, token_weights), stats
+
+
+def gspo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ClipStats]:
+    """GSPO (arXiv 2507.18071, Sec. 4, in its GSPO-token form): Eq. 10 with one ratio per response, its tokens'
+    geometric mean, carried to each token so that the gradient flows through the token's own log-prob:
+
+        s_i = exp(sum_t (logp - old_logp) / |o_i|)        over the valid tokens of row i (one response)
+        log s_{i,t} = log pi_t - sg[log pi_t] + sg[log s_i]              (value: s_i)
+        l = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_low, 1 + eps_high)),   times token_weights w
+
+    No dual clip. The paper averages the token means of each sequence (agg = seq-mean-token-mean) and uses
+    eps_low = 3e-4, eps_high = 4e-4; here the run's agg and eps apply. log s_i is clamped to +-20 (value only).
+    """
+    logp, old_logp, advantages = _masked(valid, logp, old_logp, advantages)
+    log_ratio = logp - old_logp
+    seq_log_ratio = log_ratio.detach().sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = torch.clamp(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(logp - logp.detach() + seq_log_ratio)  # sg[...] added last: its value stays exact
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    log_ratio = torch.clamp(log_ratio.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    stats = ClipStats.of(valid, advantages, old_logp, log_ratio, ratio.detach(), unclipped, clipped, None)
+    return _weighted(torch.maximum(unclipped, clipped), valid, token_weights), stats
+
+
+def cispo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ClipStats]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4 and 5): REINFORCE with the importance weight clipped and
+    detached, so the clip scales a token's gradient instead of dropping it:
+
+        r = exp(clamp(logp - old_logp, -20, 20)),    l = -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi,   times w
+
+    No dual clip. MiniMax-M1 sets no lower bound (eps_low large; here at most just below 1) and tunes eps_high.
+    """
+    logp, old_logp, advantages = _masked(valid, logp, old_logp, advantages)
+    log_ratio = torch.clamp(logp.detach() - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    lower, upper = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+    stats = ClipStats.shares(valid, old_logp, log_ratio, ratio, lower | upper, upper, torch.zeros_like(valid))
+    return _weighted(-(weight * advantages) * logp, valid, token_weights), stats
+
+
+def _masked(valid: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """logp, old_logp, advantages in float32 at least, the last two detached, 0 where not `valid`."""
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    # Zero masked positions before exp(): padding may hold garbage (inf, NaN), and a NaN there would
+    # reach the gradient even though the position is masked out later.
+    return tuple(
+        torch.where(valid, t.to(dtype) if i == 0 else t.detach().to(dtype), 0.0) for i, t in enumerate(tensors)
+    )
+
+
+def _weighted(per_token: torch.Tensor, valid: torch.Tensor, token_weights: torch.Tensor | None) -> torch.Tensor:
+    """l w with the constant token_weights w (when given), 0 where not `valid`."""
+    if token_weights is not None:
+        per_token = per_token * torch.where(valid, token_weights.detach().to(per_token.dtype), 0.0)
+    return torch.where(valid, per_token, 0.0)
 
 
 def token_mean(per_token: torch.Tensor, valid: torch.Tensor, global_num_tokens: Count | None = None) -> torch.Tensor:
@@ -99,6 +170,7 @@ def policy_loss(
     group_num_tokens: torch.Tensor | None = None,
     global_num_groups: Count | None = None,
     norm_len: float | None = None,
+    variant: str = "dapo",
 ) -> tuple[torch.Tensor, ClipStats]:
     """The policy loss, the one entry training (trainer/losses.py) and tests call: Eq. 10 per token, then Eq. 8
     (or another `agg` mode of AGG_MODES, rl/loss_modes.py), its inputs checked first; all per-token tensors are
@@ -111,16 +183,30 @@ def policy_loss(
     counts of the whole mini-batch (default: this call's): global_num_tokens (token-mean), global_num_seqs
     (rows with a valid token: seq-mean-token-mean, seq-mean-token-sum), group_num_tokens [B] and
     global_num_groups (group-token-mean, which needs the integer group_ids [B]); norm_len: the constant
-    divisor of seq-mean-token-sum-norm (default: T).
+    divisor of seq-mean-token-sum-norm (default: T); variant: one of POLICY_LOSSES, the per-token loss (GSPO and
+    CISPO have no dual clip: clip_c is not used).
 
     Returns (loss, what the clip did: ClipStats).
     """
     named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
-    checks.loss_inputs(logp, named, agg, AGG_MODES, (clip_low, clip_high, clip_c))
+    checks.loss_inputs(logp, named, (agg, AGG_MODES), (variant, POLICY_LOSSES), (clip_low, clip_high, clip_c))
     valid, weights = mask != 0, token_weights
-    per_token, stats = clipped_token_loss(
-        logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, token_weights=weights
-    )
+    if variant == "dapo":
+        per_token, stats = clipped_token_loss(
+            logp,
+            old_logp,
+            advantages,
+            valid,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            clip_c=clip_c,
+            token_weights=weights,
+        )
+    else:
+        token_loss = gspo_token_loss if variant == "gspo" else cispo_token_loss
+        per_token, stats = token_loss(
+            logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, token_weights=weights
+        )
     if agg == "token-mean":
         return token_mean(per_token, valid, global_num_tokens), stats
     norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)

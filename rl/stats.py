@@ -18,7 +18,9 @@ class ClipStats:
     and clipped at the upper bound (A > 0), the mean pi_old probability of the last (DAPO Fig. 3: the upper clip
     caps tokens the old policy gave a low probability), mean old_logp - logp (clamped), the share of the
     responses' first tokens clipped at the upper bound (where a response chooses its approach), the largest ratio,
-    and the valid tokens and the rows that have one."""
+    and the valid tokens and the rows that have one. GSPO's (rl/loss.py) are of the tokens whose sequence ratio
+    the clip binds, its ratio the sequence's; CISPO's of the tokens whose weight was clipped (upper: at 1 + eps_high,
+    whatever A's sign; the lower share is pg_clipfrac - pg_clipfrac_upper). Neither has a dual clip: its share is 0."""
 
     pg_clipfrac: Mean = logged("pg_clipfrac", Mean)
     pg_clipfrac_lower: Mean = logged("pg_clipfrac_lower", Mean)
@@ -43,16 +45,31 @@ class ClipStats:
         clipped: torch.Tensor,
         clip_c: float | None,
     ) -> ClipStats:
-        """The statistics of clipped_token_loss (rl/loss.py) from its intermediate terms: -A r, -A clip(r). Each
-        share is computed in the loss's dtype and weighted by its count."""
-        dtype, stats = ratio.dtype, cls()
-        num_tokens = valid.sum()
-        denom = num_tokens.clamp(min=1).to(dtype)
+        """The statistics of clipped_token_loss (rl/loss.py) from its intermediate terms: -A r, -A clip(r)."""
         clip_binds = clipped > unclipped
         dual_binds = torch.zeros_like(valid)
         if clip_c is not None:  # the dual clip binds where max(-A r, -A clip(r)) > -A c, A < 0
             dual_binds = (advantages < 0) & (torch.maximum(unclipped, clipped) > -advantages * clip_c)
-        upper = clip_binds & (advantages > 0) & valid
+        return cls.shares(valid, old_logp, log_ratio, ratio, clip_binds, clip_binds & (advantages > 0), dual_binds)
+
+    @classmethod
+    @torch.no_grad()
+    def shares(
+        cls,
+        valid: torch.Tensor,
+        old_logp: torch.Tensor,
+        log_ratio: torch.Tensor,
+        ratio: torch.Tensor,
+        clip_binds: torch.Tensor,
+        upper: torch.Tensor,
+        dual_binds: torch.Tensor,
+    ) -> ClipStats:
+        """The statistics from where the clip binds, where it binds at the upper bound and where the dual clip
+        binds. Each share is computed in the loss's dtype and weighted by its count."""
+        dtype, stats = ratio.dtype, cls()
+        num_tokens = valid.sum()
+        denom = num_tokens.clamp(min=1).to(dtype)
+        upper = upper & valid
         num_upper = upper.sum()
         n = float(num_tokens)
         upper_share = float(num_upper.to(dtype) / denom)

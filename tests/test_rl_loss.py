@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.loss import AGG_MODES, policy_loss
+from rl.loss import AGG_MODES, POLICY_LOSSES, policy_loss
 
 # Hand example. Ratios r, advantages A (one per row), mask; eps_low 0.2, eps_high 0.28, c = 10.
 #   row 0, A = +1:  r 1.5 -> max(-1.5, -1.28) = -1.28 (clipped)   r 0.5 -> -0.5   r 1 -> -1
@@ -220,7 +220,7 @@ def _global_counts(mask, group_ids):
     }
 
 
-def _grad_of_chunks(agg, data, chunks, use_global=True, clip_c=3.0):
+def _grad_of_chunks(agg, data, chunks, use_global=True, clip_c=3.0, variant="dapo"):
     """Sum of gradients over row chunks; each chunk is cut to its own padding width."""
     logp, old_logp, advantages, mask, weights, group_ids = data
     counts = _global_counts(mask, group_ids)
@@ -230,6 +230,7 @@ def _grad_of_chunks(agg, data, chunks, use_global=True, clip_c=3.0):
         rows = torch.tensor(rows)
         width = max(int(mask[rows].sum(-1).max()), 1)
         kwargs = {"agg": agg, "token_weights": weights[rows, :width], "norm_len": mask.shape[1], "clip_c": clip_c}
+        kwargs["variant"] = variant
         if agg == "group-token-mean":
             kwargs["group_ids"] = group_ids[rows]
         if use_global:
@@ -248,18 +249,20 @@ MICRO_BATCHES = [[0, 1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11]]
 DP_SHARDS_X_MICRO = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10, 11]]  # rank 0: first two, rank 1: rest
 
 
+@pytest.mark.parametrize("variant", POLICY_LOSSES)
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("split", [MICRO_BATCHES, DP_SHARDS_X_MICRO])
-def test_summed_gradients_with_global_counts_equal_the_one_pass_gradient(agg, split):
+def test_summed_gradients_with_global_counts_equal_the_one_pass_gradient(agg, split, variant):
     data = _random_minibatch(seed=1)
     logp, old_logp, advantages, mask = data[:4]
     _, metrics = policy_loss(logp, old_logp, advantages, mask, clip_c=3.0)
     assert metrics.pg_clipfrac.result() > 0.1 and metrics.pg_clipfrac_lower.result() > 0.01  # every branch is exercised
-    full_grad, full_loss = _grad_of_chunks(agg, data, ONE_PASS)
-    split_grad, split_loss = _grad_of_chunks(agg, data, split)
+    full_grad, full_loss = _grad_of_chunks(agg, data, ONE_PASS, variant=variant)
+    split_grad, split_loss = _grad_of_chunks(agg, data, split, variant=variant)
     assert full_grad.abs().max() > 1e-3  # a non-trivial gradient
-    # float64 sums of at most 108 terms of size < 50 (ratios up to 4.5 x advantages up to ~6): rounding below
-    # 108 x eps64 x 50 = 1.2e-12 on either side, whatever the summation order.
+    # float64 sums of at most 108 terms of size < 50 (ratios up to 4.5 x advantages up to ~6; CISPO's terms: a
+    # weight <= 1.28 x ~6 x |log pi| <= 4.5): rounding below 108 x eps64 x 50 = 1.2e-12 on either side, whatever
+    # the summation order. GSPO's row ratio is a mean over one row, which every split keeps whole.
     assert (split_grad - full_grad).abs().max().item() <= 2.5e-12
     assert split_loss == pytest.approx(full_loss, rel=0, abs=2.5e-12)
 

@@ -19,7 +19,7 @@ from model.args import PRESETS
 from model.qwen2 import build_model
 from rl.advantage import group_advantages
 from rl.filter import ScoredGroup
-from rl.loss import AGG_MODES, policy_loss
+from rl.loss import AGG_MODES, POLICY_LOSSES, policy_loss
 from trainer.observers import TrainWatch, no_display
 from trainer.scoring import Sample
 from trainer.update import TrainPhase
@@ -114,6 +114,8 @@ def _reference_grads(model, old_model, groups, cfg):
     pad = lambda x: F.pad(x, (0, width - len(x)))  # noqa: E731
     with torch.no_grad():
         old = torch.stack([pad(_sample_logp(old_model, s)) for s in samples])
+    if cfg.algorithm.old_logprobs == "rollout":  # pi_old is the engine's: fp32 values, exact in float64
+        old = torch.stack([pad(torch.tensor(s.rollout_logprobs, dtype=torch.float64)) for s in samples])
     new = torch.stack([pad(_sample_logp(model, s)) for s in samples])
     mask, adv, group_ids = torch.zeros(len(samples), width), torch.zeros(len(samples), width), []  # fp32, as packed
     row = 0
@@ -137,6 +139,7 @@ def _reference_grads(model, old_model, groups, cfg):
         agg=alg.loss_agg,
         group_ids=torch.tensor(group_ids),
         norm_len=MAX_RESPONSE,
+        variant=alg.policy_loss,
     )
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -188,11 +191,21 @@ def test_one_update_equals_the_unpacked_loss(agg, overlong_filter):
     _assert_grads_match(updates[0][1], start, start, groups, cfg)
 
 
-def test_mini_batches_and_epochs_step_from_the_moved_weights_against_the_step_start_policy():
-    # Large SGD steps move the policy enough that later updates see ratios outside the clip range.
+@pytest.mark.parametrize("variant", POLICY_LOSSES)
+def test_mini_batches_and_epochs_step_from_the_moved_weights_against_the_step_start_policy(variant):
+    # Large SGD steps move the policy enough that later updates see ratios outside the clip range. GSPO's
+    # per-response ratio needs each response whole in one row of the loss: the packed micro-batches give it that.
     groups = _groups(4)
-    cfg = _config(training__train_batch_size=4, training__mini_batch_size=2, training__ppo_epochs=2)
-    start, updates, stats = _train(groups, cfg, lr=20.0)
+    cfg = _config(
+        training__train_batch_size=4,
+        training__mini_batch_size=2,
+        training__ppo_epochs=2,
+        algorithm__policy_loss=variant,
+    )
+    # CISPO keeps the gradient of the clipped tokens: at lr = 20 its weights grow to ~500 and log-probs to ~-2000,
+    # where the two sides' rounding no longer agrees; at lr = 2 its weights stay near 1 and over half of the
+    # tokens' importance weights are clipped.
+    start, updates, stats = _train(groups, cfg, lr=2.0 if variant == "cispo" else 20.0)
     assert len(updates) == 4 and stats["updates"] == 4 and type(stats["updates"]) is int
     assert stats["pg_clipfrac"] + stats["pg_clipfrac_lower"] > 0  # the clip was exercised
     # The upper clip is a part of pg_clipfrac; the tokens it caps have a pi_old probability (NaN: none capped).
@@ -250,23 +263,36 @@ def test_a_mini_batch_with_every_sample_masked_is_no_update():
 DP_GROUPS = dict(num_groups=4, truncate_second=True, truncate_groups=(3,))  # rank 1 holds the masked group
 
 
+# GSPO and CISPO take pi_old from the samples' rollout log-probs (about -0.5 against the tiny model's ~-5), so that
+# their ratios lie far from 1, where a per-response ratio taken over the wrong tokens would change the gradient.
+DP_RUNS = [(agg, "dapo") for agg in AGG_MODES] + [
+    (agg, variant) for variant in ("gspo", "cispo") for agg in ("token-mean", "seq-mean-token-mean")
+]
+
+
+def _dp_config(agg, variant, **overrides):
+    old_logprobs = "recompute" if variant == "dapo" else "rollout"
+    return _config(
+        algorithm__loss_agg=agg,
+        algorithm__overlong_filter=True,
+        algorithm__policy_loss=variant,
+        algorithm__old_logprobs=old_logprobs,
+        **overrides,
+    )
+
+
 def _dp_rank_grads(rank, world_size):
     groups = _groups(**DP_GROUPS)
     share = groups[rank * 2 : (rank + 1) * 2]
     out = {}
-    for agg in AGG_MODES:
-        cfg = _config(
-            algorithm__loss_agg=agg,
-            algorithm__overlong_filter=True,
-            training__train_batch_size=4,
-            training__mini_batch_size=4,
-        )
+    for agg, variant in DP_RUNS:
+        cfg = _dp_config(agg, variant, training__train_batch_size=4, training__mini_batch_size=4)
         model = build_model(ARGS, seed=0).double()
         optimizer = _RecordingSGD(model.parameters(), lr=0.0)
         TrainPhase(cfg, model, optimizer, _NoSchedule(), GlooRanks(rank, world_size), TrainWatch(no_display)).run(
             1, share
         )
-        out[agg] = optimizer.updates[0][1]
+        out[agg, variant] = optimizer.updates[0][1]
     return out
 
 
@@ -277,10 +303,9 @@ def test_data_parallel_ranks_sum_to_the_one_process_gradient_with_masked_rows():
     ranks = run_ranks(_dp_rank_grads, 2)
     groups = _groups(**DP_GROUPS)
     start = build_model(ARGS, seed=0).double()
-    for agg in AGG_MODES:
-        cfg = _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True)
-        summed = [a + b for a, b in zip(ranks[0][agg], ranks[1][agg])]
-        _assert_grads_match(summed, start, start, groups, cfg)
+    for run in DP_RUNS:
+        summed = [a + b for a, b in zip(ranks[0][run], ranks[1][run])]
+        _assert_grads_match(summed, start, start, groups, _dp_config(*run))
 
 
 def _check_no_update(stats, model, start):

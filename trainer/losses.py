@@ -81,7 +81,8 @@ class DAPOLoss:
 
     With the mini-batch's global count N_tokens (`GlobalCounts`), each micro-batch's loss is its share, so the
     gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py). Table 1's other
-    algorithm.loss_agg modes divide by their own counts (rl/loss_modes.py). The log-probs are at the rollout's
+    algorithm.loss_agg modes divide by their own counts (rl/loss_modes.py); algorithm.policy_loss swaps Eq. 10
+    for GSPO's or CISPO's per-token loss (rl/loss.py). The log-probs are at the rollout's
     temperature (rollout.logprob_temperature); seq-mean-token-sum-norm divides by rollout.max_response_length.
     """
 
@@ -112,6 +113,7 @@ class DAPOLoss:
             group_num_tokens=mb.group_tokens,
             global_num_groups=counts.groups,
             norm_len=self.norm_len,
+            variant=alg.policy_loss,
         )
         with torch.no_grad():
             valid = mb.mask > 0
