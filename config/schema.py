@@ -310,7 +310,7 @@ PARTIAL_ROLLOUT_REMOVED = (
 REMOVED_KEYS = {
     "rollout.min_tokens_per_s": (
         "generation has no throughput deadline any more: an engine is hung when none of its requests produced a "
-        "token for rollout.call_timeout_s (README, GPUs); delete the key"
+        "token for rollout.call_timeout_s (docs/gpu.md); delete the key"
     ),
     "rollout.partial": PARTIAL_ROLLOUT_REMOVED,
     "rollout.partial_max_age": PARTIAL_ROLLOUT_REMOVED,

@@ -21,7 +21,8 @@ steps (torch), and a poll of an engine process that does not answer within call_
 (rollout/engine_process.py).
 
 What the engine itself reports (its exception) is named as an EngineFailure; a collective's failure passes as it
-is (rollout/sglang_engine.py raises a DistError for its group's): it is never retried as if it were the engine's.
+is (rollout/sglang_engine.py raises a DistError for its group's), never named as the engine's own. Nothing is
+retried: every failure stops the run with a checkpoint, and the rerun resumes.
 """
 
 from __future__ import annotations

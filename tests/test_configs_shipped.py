@@ -244,15 +244,19 @@ def test_dapo_7b_memory_budget_arithmetic():
     assert state + 5 * GB + cfg.rollout.mem_fraction_static * hbm < hbm  # rollout phase: ~72 GB of 80
 
 
-def test_the_documented_torchrun_command_gives_the_graceful_stop_time_to_checkpoint():
+def test_every_documented_torchrun_command_gives_the_graceful_stop_time_to_checkpoint():
     """torchrun SIGKILLs its workers 30 s after it forwards a SIGTERM unless --shutdown-timeout says otherwise;
-    the README's launch command gives the stop at the next phase boundary, and its checkpoint, 1800 s."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        launches = [line for line in f if line.startswith("torchrun ") and "train.py" in line]
-    assert launches
-    for line in launches:
+    every launch command the README, docs/ and the recipes' headers show gives the stop at the next phase
+    boundary, and its checkpoint, 1800 s."""
+    pages = ["README.md", *glob.glob("docs/*.md", root_dir=ROOT), *CONFIGS]
+    launches = []
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as f:
+            launches += [(page, line) for line in f if re.match(r"[#\s]*torchrun .*train\.py", line)]
+    assert {"README.md", "docs/gpu.md", "configs/dapo_32b.toml", "configs/dapo_7b.toml"} <= {p for p, _ in launches}
+    for page, line in launches:
         given = re.search(r"--shutdown-timeout[= ](\d+)", line)
-        assert given is not None and int(given.group(1)) >= 1800, line
+        assert given is not None and int(given.group(1)) >= 1800, (page, line)
 
 
 # ------------------------------------------------------------------------------------------ one GPU

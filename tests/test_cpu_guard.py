@@ -253,10 +253,10 @@ def test_the_error_lists_every_override_first_then_each_reason():
     assert "SGLang runs only on CUDA GPUs" in lines[1] and "FlexAttention has no backward pass on CPU" in lines[3]
 
 
-def test_the_readme_shows_the_error_as_it_is():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    shown = readme[readme.index("configuration error: this machine") :].split("\n```")[0]
+def test_the_documentation_shows_the_error_as_it_is():
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
+        page = f.read()
+    shown = page[page.index("configuration error: this machine") :].split("\n```")[0]
     with pytest.raises(ConfigError) as info:
         check_runnable(load_config(os.path.join(ROOT, "configs/dapo_7b.toml")), CPU)
     assert shown == f"configuration error: {info.value}"
