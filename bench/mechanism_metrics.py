@@ -1,5 +1,5 @@
 """The probes' mechanism metrics (bench/mechanisms.py), per step, from what a run writes: its metrics.jsonl and
-the samples each step trained on (rollouts/, observe/rollout_dump.py), read against the task's own rows (their
+the samples each step trained on (rollouts/, trainer/rollout_dump.py), read against the task's own rows (their
 extra_info, regenerated from the run's [data] section). `run_metrics` gives a run's rows: its metrics.jsonl lines
 and one more line per step with the probe's keys.
 

@@ -20,7 +20,7 @@ The probes (bench/RESULTS.md, "What each technique does: the probes", has each d
 A probe is its task config configs/probes/<probe>.toml and its arms configs/probes/<probe>/N_<arm>.toml, each
 arm exactly the [algorithm] keys its file sets (read as bench/ablation.py reads the Table 1 rungs; the first arm
 is the reference the others are compared with). Every probe writes each step's trained samples
-(metrics.rollout_dump, observe/rollout_dump.py); the mechanism metrics are computed from them and from
+(metrics.rollout_dump, trainer/rollout_dump.py); the mechanism metrics are computed from them and from
 metrics.jsonl (bench/mechanism_metrics.py).
 
 Per probe, one supervised warm-up run (<probe>/warm-up/, train.py with training.steps = 0, job.seed 0) makes the

@@ -208,8 +208,9 @@ def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | No
 
 def _snapshot_config(path: str, config_dict: dict) -> None:
     """config.json holds the first launch's configuration. A later launch (a resume) with a different one
-    writes config.launch-<n>.json and names the changed keys: a resumed optimizer keeps its checkpointed
-    learning rates and state whatever the new file says."""
+    writes config.launch-<n>.json and names the changed keys: a resumed run takes this launch's optimizer
+    settings (checkpoint/optimizer_settings.py) and the checkpoint's state (moments, the schedule's position, the
+    data position)."""
     earlier = _changed_config(path, config_dict)
     if earlier is None:
         write_atomically(os.path.join(path, "config.json"), json.dumps(config_dict, indent=2))
@@ -224,8 +225,8 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
     write_atomically(os.path.join(path, f"config.launch-{n}.json"), json.dumps(config_dict, indent=2))
     log.warning(
         "this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
-        "state restored from a checkpoint (optimizer, learning rate schedule, data position) keeps its "
-        "saved values",
+        "the optimizer's settings are this launch's, its moments, the schedule's position and the data position "
+        "the checkpoint's",
         ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in changed),
         n,
     )

@@ -1,4 +1,4 @@
-"""metrics.rollout_dump (observe/rollout_dump.py): each step's trained samples as JSONL, with the advantages the
+"""metrics.rollout_dump (trainer/rollout_dump.py): each step's trained samples as JSONL, with the advantages the
 update uses, written once per completed step also when a run resumes."""
 
 import os
