@@ -45,7 +45,6 @@ from model.chat_template import qwen25_template, render_template, template_from_
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_ROLES = ("system", "user", "assistant")
-CHAT_TEMPLATE_JINJA = qwen25_template(QWEN25_DEFAULT_SYSTEM)
 
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer and Qwen2.5's tokenizer.json): contractions,
 # letter runs with one leading non-letter, single digits, punctuation runs, newlines, other whitespace.

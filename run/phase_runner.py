@@ -14,8 +14,7 @@ not written twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -102,14 +101,3 @@ class PhaseRunner:
             except NonFiniteStateError as refused:
                 raise refused from error
         raise error from cause
-
-    @contextmanager
-    def as_of_now(self) -> Iterator[None]:
-        """Checkpoints taken inside save the phase as it stands at entry (a step abandoned midway is saved as
-        not begun)."""
-        state, step, extra = self.state, self.state.step(), self.state.extra()
-        self.state = Checkpointed(state.model, state.optimizer, state.scheduler, lambda: step, lambda: extra)
-        try:
-            yield
-        finally:
-            self.state = state

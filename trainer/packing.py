@@ -64,10 +64,6 @@ class MicroBatch:
     prompt_segments: torch.Tensor | None = None  # shared prompts only: [G, 2] (start, length) of each prompt
     response_segments: torch.Tensor | None = None  # shared prompts only: [S, 3] (start, length, prompt index)
 
-    @property
-    def num_samples(self) -> int:
-        return len(self.items)
-
     def to(self, device: torch.device | str) -> MicroBatch:
         """Every tensor of the micro-batch on `device` (the items stay where they are)."""
         moved: dict[str, Any] = {
