@@ -83,21 +83,18 @@ class PhaseRunner:
             self.save()
         self.stop_if_requested()
 
-    def stop_if_requested(self, *, save: bool = True, anyone: bool | None = None) -> None:
+    def stop_if_requested(self, *, anyone: bool | None = None) -> None:
         """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective, unless the caller
-        already agreed on it: `anyone`), checkpoint (unless not `save`) and raise StopRequested."""
+        already agreed on it: `anyone`), checkpoint and raise StopRequested."""
         if self.stop is not None and self.stop.requested(self.dist, anyone):
             error = StopRequested(self.stop.signal_name or "a signal", self.state.step(), phase=self.step_name)
-            self.stop_with_checkpoint(error, save=save)
+            self.stop_with_checkpoint(error)
 
-    def stop_with_checkpoint(
-        self, error: BaseException, cause: BaseException | None = None, *, save: bool = True
-    ) -> NoReturn:
-        """Checkpoint the last completed step (unless not `save`), then raise `error`. A policy gone non-finite
-        is not saved: the refusal is then the error (parallel/finite.py)."""
-        if save:
-            try:
-                self.save()
-            except NonFiniteStateError as refused:
-                raise refused from error
+    def stop_with_checkpoint(self, error: BaseException, cause: BaseException | None = None) -> NoReturn:
+        """Checkpoint the last completed step, then raise `error`. A policy gone non-finite is not saved: the
+        refusal is then the error (parallel/finite.py)."""
+        try:
+            self.save()
+        except NonFiniteStateError as refused:
+            raise refused from error
         raise error from cause
