@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -360,21 +360,16 @@ def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
     """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
     data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed (tasks/)."""
     count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    by_name = {
+    task = data.synthetic_task
+    rows: dict[str, Callable[..., list[dict]]] = {
+        "arithmetic": synthetic_arithmetic_rows,
         "chain": synthetic_chain_rows,
         "coin": synthetic_coin_rows,
         "fork": synthetic_fork_rows,
         "scan": synthetic_scan_rows,
     }
-    if data.synthetic_task in by_name:
-        return by_name[data.synthetic_task](count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )
+    prose = {"answer_line_share": data.synthetic_answer_share} if task == "arithmetic" else {}
+    return rows[task](count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed, **prose)
 
 
 def load_split(data: DataConfig, split: str, tokenizer: Tokenizer) -> list[PromptExample]:
