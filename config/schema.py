@@ -263,7 +263,7 @@ class MetricsConfig:
     progress: bool = True  # progress bars on the console (plain lines when not a terminal)
     peak_tflops: float = at_least(0.0, 0)  # per-device peak for "mfu"; 0 = the datasheet bf16 value of a known GPU
     log_every: int = at_least(1, 1)  # steps between console lines (the JSONL gets every step)
-    rollout_dump: bool = False  # each step's trained samples as JSONL in rollouts/ (observe/rollout_dump.py)
+    rollout_dump: bool = False  # each step's trained samples as JSONL in rollouts/ (trainer/rollout_dump.py)
 
 
 @dataclass
