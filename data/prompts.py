@@ -278,17 +278,17 @@ def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left", repeat: int = 1
+    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left"
 ) -> list[PromptExample]:
-    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py); `repeat` > 1 repeats each
-    prompt (avg@k evaluation sets)."""
+    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py), each once (an evaluation
+    takes k samples of a problem with SamplingParams.n = k)."""
     from data.hub import read_by_datasets, read_dataset_rows
 
     rows = (read_dataset_rows if read_by_datasets(path) else read_parquet_rows)(path, SCHEMA_COLUMNS)
     examples, _ = rows_to_examples(
         rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
     )
-    return [e for e in examples for _ in range(repeat)]
+    return examples
 
 
 # ---------------------------------------------------------------------------------------------------
