@@ -8,8 +8,9 @@ from collections import Counter
 import pytest
 
 from config import load_config
+from data.prompts import synthetic_task_rows
 from rl.reward import compute_score
-from tasks.catalog import COIN_LEVELS, FORK_LEVELS, SCAN_LEVELS, problem_limit, synthetic_task_rows
+from tasks.catalog import COIN_LEVELS, FORK_LEVELS, SCAN_LEVELS, problem_limit
 from tasks.coin import coin_solution, digit_weights, synthetic_coin_rows
 from tasks.fork import COMMON, RARE, fork_solution, response_strategy, rounded, synthetic_fork_rows
 from tasks.scan import ScanReading, answered_early, read_scan, scan_solution, synthetic_scan_rows
