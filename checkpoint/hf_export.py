@@ -1,16 +1,11 @@
 """Hugging Face export (config.json + safetensors, `model.hf.save_hf` semantics) from a sharded model.
 
-Two ways, both producing the tensors `save_hf` would write from the unsharded model:
-
-  - "dcp" (default with a process group): every rank writes the shards it holds, under HF names, with
-    DCP's HuggingFaceStorageWriter into `path/sharded/`; then the output files are consolidated from those
-    shards, the files divided among the ranks (each reads the byte ranges it needs from disk). No rank ever
-    gathers the model, or even one full tensor, in memory.
-  - "gather": one parameter at a time is all-gathered (`full_tensor()`) and rank 0 streams it into
-    `save_hf`; peak extra memory is one full tensor. The fallback where DCP's writer cannot be used.
-
-Output files are `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json` (the "dcp" way) or
-`save_hf`'s own naming (the "gather" way); both load with `transformers` and `model.hf.load_hf`.
+With a process group, every rank writes the shards it holds, under HF names, with DCP's
+HuggingFaceStorageWriter into `path/sharded/`; then the output files are consolidated from those shards, the
+files divided among the ranks (each reads the byte ranges it needs from disk). No rank ever gathers the model,
+or even one full tensor, in memory. The tensors are those `save_hf` would write from the unsharded model, in
+`model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`; they load with `transformers` and
+`model.hf.load_hf`. One process alone writes through `save_hf` itself.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from model.hf import DEFAULT_MAX_SHARD_BYTES, exporting, remove_model_files, save_hf
 from model.hf_adapter import iter_hf_tensors, write_hf_config
@@ -67,27 +61,12 @@ def _export_dcp(model: Qwen2, path: str, dtype: torch.dtype | None, max_shard_by
     consolidate_safetensors_files_on_every_rank(sharded, path, mapping)
 
 
-def _export_gather(model: Qwen2, path: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
-    def full_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in _local_tensors(model, dtype):
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()  # a collective: every rank walks the same order
-            yield name, tensor
-
-    if dist.get_rank() == 0:
-        save_hf(full_tensors(), path, args=model.args, max_shard_bytes=max_shard_bytes)
-    else:
-        for _ in full_tensors():
-            pass
-
-
 def export_hf(
     model: Qwen2,
     path: str,
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    method: str = "dcp",
 ) -> None:
     """Write `model` (plain, FSDP- and/or TP-sharded) as a HF Qwen2 checkpoint into `path`; call on every rank.
 
@@ -97,8 +76,6 @@ def export_hf(
     refused before anything is written (NonFiniteStateError). A write that fails for a reason a person can fix
     (a full disk, a read-only folder) is one WriteError on the rank that met it, which removes `path`.
     """
-    if method not in ("dcp", "gather"):
-        raise ValueError(f"export method must be 'dcp' or 'gather', got {method!r}")
     reshard_gathered(model)
     problem = nonfinite_state(model)
     if problem is not None:  # a NaN policy is never exported
@@ -112,11 +89,8 @@ def export_hf(
             remove_model_files(path)
             shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
         dist.barrier()
-        if method == "gather":
-            _export_gather(model, path, dtype, max_shard_bytes)
-        else:
-            _export_dcp(model, path, dtype, max_shard_bytes)
-            if dist.get_rank() == 0:
-                shutil.rmtree(os.path.join(path, "sharded"))
-                write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
+        _export_dcp(model, path, dtype, max_shard_bytes)
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.join(path, "sharded"))
+            write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
         dist.barrier()

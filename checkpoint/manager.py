@@ -193,23 +193,6 @@ def _failure_report(failure: BaseException | None, written: WrittenFiles | None)
     return "other", f"{type(failure).__name__}: {failure}"
 
 
-def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
-    """(the manifest in checkpoint folder `folder`, its files as FileRecords; None) or (None, why it cannot
-    be read)."""
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.isfile(path):
-        return None, f"no {MANIFEST} (an interrupted save)"
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        if any(isinstance(value, int) for value in manifest["files"].values()):
-            return None, f"{MANIFEST} records file sizes only (an older version wrote it): its files cannot be verified"
-        files = {str(name): FileRecord.from_json(value) for name, value in manifest["files"].items()}
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return None, f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
-    return dict(manifest, files=files), None
-
-
 class CheckpointManager:
     """Save and resume (model, optimizer, LR scheduler, train state) under `folder`, keeping the latest `keep`."""
 
@@ -234,7 +217,19 @@ class CheckpointManager:
 
     def manifest(self, step: int) -> tuple[dict | None, str | None]:
         """(checkpoint `step`'s manifest with its files as FileRecords, None) or (None, why it cannot be read)."""
-        return _read_manifest(self.step_path(step))
+        path = os.path.join(self.step_path(step), MANIFEST)
+        if not os.path.isfile(path):
+            return None, f"no {MANIFEST} (an interrupted save)"
+        try:
+            with open(path, encoding="utf-8") as f:
+                manifest = json.load(f)
+            if any(isinstance(value, int) for value in manifest["files"].values()):
+                sizes_only = f"{MANIFEST} records file sizes only (an older version wrote it)"
+                return None, f"{sizes_only}: its files cannot be verified"
+            files = {str(name): FileRecord.from_json(value) for name, value in manifest["files"].items()}
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return None, f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
+        return dict(manifest, files=files), None
 
     def validate(self, step: int, share: tuple[int, int] = (0, 1)) -> str | None:
         """None if checkpoint `step` is intact (its manifest readable, and every file of it, or of the
@@ -243,7 +238,7 @@ class CheckpointManager:
         manifest, problem = self.manifest(step)
         if problem is not None:
             return problem
-        assert manifest is not None  # _read_manifest gives the manifest or the problem
+        assert manifest is not None  # `manifest` gives the manifest or the problem
         names = sorted(manifest["files"])[share[0] :: share[1]]
         return verify(self.step_path(step), {name: manifest["files"][name] for name in names})
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -278,17 +278,17 @@ def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left", repeat: int = 1
+    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left"
 ) -> list[PromptExample]:
-    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py); `repeat` > 1 repeats each
-    prompt (avg@k evaluation sets)."""
+    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py), each once (an evaluation
+    takes k samples of a problem with SamplingParams.n = k)."""
     from data.hub import read_by_datasets, read_dataset_rows
 
     rows = (read_dataset_rows if read_by_datasets(path) else read_parquet_rows)(path, SCHEMA_COLUMNS)
     examples, _ = rows_to_examples(
         rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
     )
-    return [e for e in examples for _ in range(repeat)]
+    return examples
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -360,21 +360,16 @@ def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
     """The rows of one split of the synthetic task a [data] section describes: data.synthetic_task at
     data.synthetic_difficulty, data.synthetic_num_<split> problems from data.seed (tasks/)."""
     count = data.synthetic_num_train if split == "train" else data.synthetic_num_eval
-    by_name = {
+    task = data.synthetic_task
+    rows: dict[str, Callable[..., list[dict]]] = {
+        "arithmetic": synthetic_arithmetic_rows,
         "chain": synthetic_chain_rows,
         "coin": synthetic_coin_rows,
         "fork": synthetic_fork_rows,
         "scan": synthetic_scan_rows,
     }
-    if data.synthetic_task in by_name:
-        return by_name[data.synthetic_task](count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed)
-    return synthetic_arithmetic_rows(
-        count,
-        difficulty=data.synthetic_difficulty,
-        split=split,
-        seed=data.seed,
-        answer_line_share=data.synthetic_answer_share,
-    )
+    prose = {"answer_line_share": data.synthetic_answer_share} if task == "arithmetic" else {}
+    return rows[task](count, difficulty=data.synthetic_difficulty, split=split, seed=data.seed, **prose)
 
 
 def load_split(data: DataConfig, split: str, tokenizer: Tokenizer) -> list[PromptExample]:

@@ -38,7 +38,7 @@ def evaluate(
     """Generate `params.n` (= k) samples for each example, score them, and summarise.
 
     examples: distinct problems (data/prompts.py PromptExample: prompt_ids, ground_truth, data_source);
-        k comes from params.n, so a data set loaded with repeat > 1 is refused.
+        k comes from params.n, so a set that repeats a problem is refused.
     progress: a display advanced by the problems done, with the running accuracy as `acc=` (None: none).
     pass_at: the j of the reported pass@j (each <= k); None or empty: 1 and k.
     prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
@@ -177,7 +177,7 @@ def _refuse_repeats(examples: Sequence) -> None:
         key = (tuple(e.prompt_ids), e.ground_truth)
         if key in seen:
             raise ValueError(
-                f"example {i} repeats example {seen[key]}: evaluate distinct problems (load with "
-                "repeat=1) and set the samples per problem with SamplingParams.n = k"
+                f"example {i} repeats example {seen[key]}: evaluate distinct problems and set the samples per "
+                "problem with SamplingParams.n = k"
             )
         seen[key] = i

@@ -41,11 +41,11 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from errors import CheckpointError
 from model.chat_template import qwen25_template, render_template, template_from_config
+from model.hf_adapter import read_json
 
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CHAT_ROLES = ("system", "user", "assistant")
-CHAT_TEMPLATE_JINJA = qwen25_template(QWEN25_DEFAULT_SYSTEM)
 
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer and Qwen2.5's tokenizer.json): contractions,
 # letter runs with one leading non-letter, single digits, punctuation runs, newlines, other whitespace.
@@ -105,18 +105,6 @@ def _without_offsets(value: Any) -> Any:  # a JSON value, returned as such
     return value
 
 
-def _read_json(path: str) -> dict:
-    """A tokenizer folder's JSON file; one that is not UTF-8 JSON holding an object is a CheckpointError naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid UTF-8 JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
-
-
 class Tokenizer:
     """Text <-> token ids, EOS/pad/BOS ids, and chat formatting (a jinja chat template, or Qwen2.5's built in).
 
@@ -148,7 +136,7 @@ class Tokenizer:
     # -- loading and saving -------------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str, default_system: str | None = QWEN25_DEFAULT_SYSTEM) -> Tokenizer:
+    def from_dir(cls, path: str) -> Tokenizer:
         """Load `tokenizer.json`, and `tokenizer_config.json` / `chat_template.jinja` if present."""
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
@@ -158,7 +146,7 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
             raise CheckpointError(f"{tok_path} is not a readable tokenizer ({exc})") from None
         config_path = os.path.join(path, CONFIG_FILE)
-        config = _read_json(config_path) if os.path.isfile(config_path) else {}
+        config = read_json(config_path) if os.path.isfile(config_path) else {}
         template_path = os.path.join(path, TEMPLATE_FILE)
         template: str | None
         if os.path.isfile(template_path):
@@ -170,7 +158,6 @@ class Tokenizer:
             tokenizer,
             eos_token=_token_content(config.get("eos_token")) or ENDOFTEXT,
             pad_token=_token_content(config.get("pad_token")),
-            default_system=default_system,
             bos_token=_token_content(config.get("bos_token")),
             chat_template=template,
             source_dir=path,
@@ -342,27 +329,20 @@ def _check_messages(messages: object) -> None:
             raise ValueError(f"message {i} content must be text, got {type(m['content']).__name__}")
 
 
-def train_bpe_tokenizer(
-    texts: Iterable[str],
-    vocab_size: int,
-    special_tokens: Sequence[str] = (ENDOFTEXT, IM_START, IM_END),
-    default_system: str | None = QWEN25_DEFAULT_SYSTEM,
-    phrases: Sequence[str] = (),
-) -> Tokenizer:
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, phrases: Sequence[str] = ()) -> Tokenizer:
     """Train a byte-level BPE on `texts` with at most `vocab_size` tokens (special tokens and phrases included).
 
     The pipeline is Qwen2's (`qwen2_pipeline`), so transformers rebuilds the tokenizer exactly: every digit
     is its own piece (numbers are spelled digit by digit, as in Qwen2.5), merges stay within words, and any
-    text round-trips. The special tokens get the first ids (0, 1, 2, ...); the first one is EOS and pad.
+    text round-trips. The special tokens <|endoftext|>, <|im_start|>, <|im_end|> get ids 0, 1, 2; the first is EOS
+    and pad.
 
     phrases: texts that become one token each (added tokens, not special: they decode as text), matched
     wherever they occur before the rest is split. A prompt template repeated verbatim in every example
     then costs a few tokens: the synthetic demo task's prompts shrink about three-fold, and so does the
     cost of every training step.
     """
-    special_tokens, phrases = list(special_tokens), list(phrases)
-    if not special_tokens:
-        raise ValueError("train_bpe_tokenizer needs at least one special token (the first is EOS)")
+    special_tokens, phrases = [ENDOFTEXT, IM_START, IM_END], list(phrases)
     minimum = len(pre_tokenizers.ByteLevel.alphabet()) + len(special_tokens) + len(phrases)
     if vocab_size < minimum:
         raise ValueError(
@@ -379,4 +359,4 @@ def train_bpe_tokenizer(
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # Added after training: added tokens present during training would be renumbered by it.
     tokenizer.add_tokens([AddedToken(p, special=False, normalized=False) for p in phrases])
-    return Tokenizer(tokenizer, eos_token=special_tokens[0], default_system=default_system)
+    return Tokenizer(tokenizer, eos_token=ENDOFTEXT)

@@ -86,15 +86,6 @@ class Progress:
         elif self.clock() - self._last_line >= self.plain_interval:
             self._print_line()
 
-    def set_total(self, total: int | None) -> None:
-        """Change the amount of work (known only once the phase has started, e.g. micro-batches)."""
-        if total is not None and total < 0:
-            raise ValueError(f"Progress total must be >= 0 or None, got {total}")
-        self.total = total
-        if self._bar is not None:
-            self._bar.total = total
-            self._bar.refresh()
-
     def write(self, message: str) -> None:
         """Print a message without breaking the bar (tqdm.write on a terminal)."""
         if not self.enabled:

@@ -13,7 +13,6 @@ gradients alike.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -42,14 +41,11 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-) -> torch.Tensor:
-    """Scale all gradients so their total norm is at most `max_norm`; returns the norm before clipping."""
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale all gradients so their total norm is at most `max_norm`; returns the norm before clipping (a
+    non-finite norm is the caller's to handle: trainer/optimizer.py skips the update)."""
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)
-    if error_if_nonfinite and not math.isfinite(total.item()):
-        raise RuntimeError(f"the total gradient norm of order {norm_type} is {total.item()}; cannot clip")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in parameters:
         if p.grad is None:

@@ -53,7 +53,7 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     from preflight import limits
 
     check_machine(cfg, machine)
-    limits.check_limits(cfg)  # sizes no machine runs
+    limits.check_rollout_batch_fits(cfg, limits.physical_memory())  # sizes no machine runs
     check_inputs(cfg)
 
 

@@ -24,23 +24,14 @@ PARTS = ("params", "grads", "optimizer", "gathered", "activations")
 HOST_PARTS_WHEN_OFFLOADED = ("params", "grads", "optimizer")
 # PyTorch's memory trackers (torch.distributed._tools.mem_tracker / fsdp2_mem_tracker) name their
 # reference types; each maps to one part of the ledger.
-TRACKER_PARTS = {
-    "Sharded Param": "params",
-    "Parameter": "params",
-    "Sharded Grad": "grads",
-    "Gradient": "grads",
-    "OptState": "optimizer",
-    "Optstate": "optimizer",
-    "Unsharded Param": "gathered",
-    "Unsharded Grad": "gathered",
-    "All Gather": "gathered",
-    "Reduce Scatter": "gathered",
-    "Activation": "activations",
-    "Temp": "activations",
-    "Inputs": "activations",
-    "Buffer": "activations",
-    "Other": "activations",
+_REFERENCES = {
+    "params": ("Sharded Param", "Parameter"),
+    "grads": ("Sharded Grad", "Gradient"),
+    "optimizer": ("OptState", "Optstate"),
+    "gathered": ("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+    "activations": ("Activation", "Temp", "Inputs", "Buffer", "Other"),
 }
+TRACKER_PARTS = {reference: part for part, references in _REFERENCES.items() for reference in references}
 
 
 def parts_from_tracker(snapshot: dict) -> dict[str, int]:

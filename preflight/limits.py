@@ -33,10 +33,6 @@ def node_share() -> float:
     return min(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))) / world
 
 
-def check_limits(cfg: Config) -> None:
-    check_rollout_batch_fits(cfg, physical_memory())
-
-
 def check_rollout_batch_fits(cfg: Config, memory_bytes: int) -> None:
     """This node's share of one step's samples, at BYTES_PER_TOKEN a token, fits its `memory_bytes`."""
     tokens = cfg.prompts_per_round * cfg.rollout.n * cfg.engine_max_seq_len * node_share()

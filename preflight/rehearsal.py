@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from config import Config
     from parallel.dist_env import DistEnv
     from preflight.gpu_ledger import PhaseRow
-    from rollout.engine import Polled, SamplingParams
     from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup
 
@@ -149,20 +148,11 @@ class StandInEngine:
     def resume_memory(self) -> None:
         self.released = set()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        raise NotImplementedError("the rehearsal measures the memory generation holds, not its tokens")
-
-    def poll(self) -> Polled:
-        raise NotImplementedError("the rehearsal measures the memory generation holds, not its tokens")
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.released.discard("weights")  # the first bucket maps the weights back
         if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
             flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
             del flat
-
-    def shutdown(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------------------------------- the phases

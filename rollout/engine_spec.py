@@ -49,74 +49,71 @@ class EngineSpec:
     def max_seq_len(self) -> int:
         return self.max_prompt_length + self.max_new_tokens
 
-    def torch_options(self) -> dict[str, Any]:
-        """The torch engine's [rollout] settings."""
+    def torch_engine(self, model: Qwen2, max_seq_len: int) -> Engine:
+        """The torch engine over `model` (where it is, in its dtype) with the [rollout] settings."""
+        from rollout.torch_engine import TorchEngine
+
         ro = self.rollout
-        return {
-            "max_batch_size": ro.max_batch_size,
-            "compile": ro.compile,
-            "cuda_graphs": ro.cuda_graphs,
-            "block_size": ro.block_size,
-            "kv_cache_blocks": ro.kv_cache_blocks or None,  # 0: room for max_batch_size full sequences
-            "flex_decode": ro.flex_decode,
-        }
+        return TorchEngine(
+            model,
+            max_seq_len=max_seq_len,
+            seed=self.seed,
+            max_batch_size=ro.max_batch_size,
+            compile=ro.compile,
+            cuda_graphs=ro.cuda_graphs,
+            block_size=ro.block_size,
+            kv_cache_blocks=ro.kv_cache_blocks or None,  # 0: room for max_batch_size full sequences
+            flex_decode=ro.flex_decode,
+        )
+
+    def sglang_engine(self, model_path: str, **placement: Any) -> Engine:
+        """An SGLang engine over the checkpoint `model_path` with the [rollout] settings; `placement`: its GPUs,
+        group and context."""
+        from rollout.sglang_engine import SGLangEngine
+
+        ro = self.rollout
+        return SGLangEngine(
+            model_path,
+            tp_size=ro.tp_size,
+            mem_fraction_static=ro.mem_fraction_static,
+            dtype=ro.dtype,
+            seed=self.seed,
+            call_timeout_s=ro.call_timeout_s,
+            **placement,
+        )
 
     def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> Engine:
         """The engine of a training run, started after the policy is sharded (the torch engine: its own
         full copy, filled from the shards, every rank taking part in the gathers)."""
         if self.kind == "torch":
             from model.qwen2 import Qwen2
-            from rollout.torch_engine import TorchEngine
             from rollout.weight_sync import sync_weights
 
             with torch.device("meta"):
                 engine_model = Qwen2(policy.args).to(self.dtype)
             engine_model.to_empty(device=dist_env.device)
-            engine = TorchEngine(
-                engine_model,
-                max_seq_len=self.max_seq_len,
-                device=dist_env.device,
-                dtype=self.dtype,
-                seed=self.seed,
-                **self.torch_options(),
-            )
+            engine = self.torch_engine(engine_model, self.max_seq_len)
             sync_weights(policy, engine, bucket_bytes=self.rollout.weight_sync_bucket_mb << 20)
             return engine
-        from rollout.sglang_engine import SGLangEngine, context_length_for
+        from rollout.sglang_engine import context_length_for
 
         group, base_gpu_id = engine_group(self.rollout.tp_size, dist_env)
-        return SGLangEngine(
-            model_path=self.model_path,
-            tp_size=self.rollout.tp_size,
+        return self.sglang_engine(
+            self.model_path,
             base_gpu_id=base_gpu_id,
-            mem_fraction_static=self.rollout.mem_fraction_static,
-            dtype=self.rollout.dtype,
-            seed=self.seed,
             context_length=context_length_for(self.max_prompt_length, self.max_new_tokens),
             group=group,
             device=dist_env.device,
-            call_timeout_s=self.rollout.call_timeout_s,
         )
 
     def start_from_checkpoint(self, model_dir: str, longest_prompt: int, max_new_tokens: int) -> Engine:
         """The engine over an HF checkpoint directory, on the GPU when there is one (eval.py). It never holds
         more context than the longest prompt plus `max_new_tokens`, nor more than the model's."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        ro = self.rollout
         if self.kind == "sglang":
-            from rollout.sglang_engine import SGLangEngine
-
-            return SGLangEngine(
-                model_dir,
-                tp_size=ro.tp_size,
-                mem_fraction_static=ro.mem_fraction_static,
-                dtype=ro.dtype,
-                seed=self.seed,
-                call_timeout_s=ro.call_timeout_s,
-            )
+            return self.sglang_engine(model_dir)
         from model.hf import load_hf
-        from rollout.torch_engine import TorchEngine
 
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         model = load_hf(model_dir, dtype=self.dtype, device=device)
         max_seq_len = min(model.args.max_position_embeddings, longest_prompt + max_new_tokens)
         if max_seq_len < longest_prompt + max_new_tokens:
@@ -126,7 +123,7 @@ class EngineSpec:
                 f"end with finish reason 'length'",
                 file=sys.stderr,
             )
-        return TorchEngine(model, max_seq_len=max_seq_len, device=device, seed=self.seed, **self.torch_options())
+        return self.torch_engine(model, max_seq_len)
 
 
 def engine_group(tp_size: int, dist_env: DistEnv) -> tuple[Any, int]:

@@ -97,14 +97,13 @@ def sync_weights(
     *,
     bucket_bytes: int = 1 << 30,
     dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
 ) -> int:
     """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
 
     dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it). Required with
     `engine=None`: such a rank must gather in the dtype the ranks with an engine cast to.
-    device: where shards are gathered and the engine reads them; default `engine.device` (both engines
-    expose it; None leaves each shard where it is).
+    Shards are gathered where the engine reads them: `engine.device` (both engines expose it; None leaves each
+    shard where it is).
     Call on every trainer rank (see the module docstring).
     """
     if dtype is None:
@@ -114,8 +113,7 @@ def sync_weights(
                 "every rank casts before gathering, and the gathers must move the same bytes"
             )
         dtype = getattr(engine, "dtype", None)
-    if device is None:
-        device = getattr(engine, "device", None)
+    device = getattr(engine, "device", None)
     sent = 0
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
         if engine is not None:

@@ -14,8 +14,7 @@ not written twice.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -84,32 +83,18 @@ class PhaseRunner:
             self.save()
         self.stop_if_requested()
 
-    def stop_if_requested(self, *, save: bool = True, anyone: bool | None = None) -> None:
+    def stop_if_requested(self, *, anyone: bool | None = None) -> None:
         """At a phase boundary: after a first SIGTERM / SIGINT on any rank (a collective, unless the caller
-        already agreed on it: `anyone`), checkpoint (unless not `save`) and raise StopRequested."""
+        already agreed on it: `anyone`), checkpoint and raise StopRequested."""
         if self.stop is not None and self.stop.requested(self.dist, anyone):
             error = StopRequested(self.stop.signal_name or "a signal", self.state.step(), phase=self.step_name)
-            self.stop_with_checkpoint(error, save=save)
+            self.stop_with_checkpoint(error)
 
-    def stop_with_checkpoint(
-        self, error: BaseException, cause: BaseException | None = None, *, save: bool = True
-    ) -> NoReturn:
-        """Checkpoint the last completed step (unless not `save`), then raise `error`. A policy gone non-finite
-        is not saved: the refusal is then the error (parallel/finite.py)."""
-        if save:
-            try:
-                self.save()
-            except NonFiniteStateError as refused:
-                raise refused from error
-        raise error from cause
-
-    @contextmanager
-    def as_of_now(self) -> Iterator[None]:
-        """Checkpoints taken inside save the phase as it stands at entry (a step abandoned midway is saved as
-        not begun)."""
-        state, step, extra = self.state, self.state.step(), self.state.extra()
-        self.state = Checkpointed(state.model, state.optimizer, state.scheduler, lambda: step, lambda: extra)
+    def stop_with_checkpoint(self, error: BaseException, cause: BaseException | None = None) -> NoReturn:
+        """Checkpoint the last completed step, then raise `error`. A policy gone non-finite is not saved: the
+        refusal is then the error (parallel/finite.py)."""
         try:
-            yield
-        finally:
-            self.state = state
+            self.save()
+        except NonFiniteStateError as refused:
+            raise refused from error
+        raise error from cause

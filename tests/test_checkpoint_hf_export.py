@@ -1,8 +1,7 @@
 """HF export from an FSDP 2 x TP 2 sharded model equals the single-process `save_hf` output, tensor for tensor.
 
-Both export ways (DCP's HF writer with per-rank shards consolidated on disk, and one-tensor-at-a-time
-gathering) are checked, for an untied and a tied model, in fp32 and cast to bf16; the exported folder
-also loads back with `model.hf.load_hf`.
+DCP's HF writer with per-rank shards consolidated on disk is checked for an untied and a tied model, in fp32
+and cast to bf16; the exported folder also loads back with `model.hf.load_hf`.
 """
 
 from __future__ import annotations
@@ -39,10 +38,9 @@ def _export_worker(rank, world_size, root):
     for preset in ("tiny", "tiny-tied"):
         model = build_model(PRESETS[preset], seed=3)
         parallelize_qwen2(model, mesh, dims, param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for method in ("dcp", "gather"):
-            # Small files so the export spans several of them.
-            export_hf(model, os.path.join(root, f"{preset}-{method}"), method=method, max_shard_bytes=64 * 1024)
-        export_hf(model, os.path.join(root, f"{preset}-dcp-bf16"), dtype=torch.bfloat16, method="dcp")
+        # Small files so the export spans several of them.
+        export_hf(model, os.path.join(root, f"{preset}-dcp"), max_shard_bytes=64 * 1024)
+        export_hf(model, os.path.join(root, f"{preset}-dcp-bf16"), dtype=torch.bfloat16)
     return None
 
 
@@ -53,7 +51,7 @@ def test_export_from_2x2_sharded_model_equals_single_process(tmp_path):
         single = build_model(PRESETS[preset], seed=3)
         save_hf(single, str(tmp_path / f"{preset}-single"))
         expected = _read_all(str(tmp_path / f"{preset}-single"))
-        for variant in ("dcp", "gather", "dcp-bf16"):
+        for variant in ("dcp", "dcp-bf16"):
             folder = str(tmp_path / f"{preset}-{variant}")
             got = _read_all(folder)
             assert got.keys() == expected.keys(), (variant, sorted(got.keys() ^ expected.keys()))

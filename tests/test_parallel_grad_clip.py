@@ -93,6 +93,3 @@ def test_single_process_plain_tensors():
     rtol = 3 * cascade_sum_rtol(flat.numel(), torch.float32)  # as above: two norms, and the clipping's scale
     assert clip_grad_norm_(params, 0.5).item() == pytest.approx(flat.norm().item(), rel=rtol)
     assert torch.cat([p.grad.flatten() for p in params]).norm().item() == pytest.approx(0.5, rel=rtol)
-    with pytest.raises(RuntimeError, match="non-finite|inf|nan"):
-        params[0].grad[0, 0] = float("nan")
-        clip_grad_norm_(params, 1.0, error_if_nonfinite=True)

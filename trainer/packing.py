@@ -64,10 +64,6 @@ class MicroBatch:
     prompt_segments: torch.Tensor | None = None  # shared prompts only: [G, 2] (start, length) of each prompt
     response_segments: torch.Tensor | None = None  # shared prompts only: [S, 3] (start, length, prompt index)
 
-    @property
-    def num_samples(self) -> int:
-        return len(self.items)
-
     def to(self, device: torch.device | str) -> MicroBatch:
         """Every tensor of the micro-batch on `device` (the items stay where they are)."""
         moved: dict[str, Any] = {
@@ -136,38 +132,11 @@ def pack(items: list[PackItem], pad_to_multiple: int = 1, share_prompts: bool = 
 
     pad_to_multiple: pad the row to a multiple of this many tokens (sequence parallelism shards the row
     over the tensor-parallel ranks); the padding is a document of its own and predicts nothing.
-    share_prompts: consecutive samples of one group share one copy of their prompt (see the module docstring).
+    share_prompts: consecutive samples of one group share one copy of their prompt (see the module docstring):
+    [prompt | response_1 | ... | response_k] per run of `prompt_runs`; otherwise every sample is a run of its own.
     """
     if not items:
         raise ValueError("cannot pack an empty list of samples")
-    if share_prompts:
-        return _pack_shared(items, pad_to_multiple)
-    tokens: list[int] = []
-    positions: list[int] = []
-    docs: list[int] = []
-    predict: list[int] = []
-    targets: list[int] = []
-    for s, it in enumerate(items):
-        if not it.prompt_ids:
-            raise ValueError(f"sample {s} has an empty prompt: its first response token has no predictor")
-        seq = list(it.prompt_ids) + list(it.response_ids)
-        start = len(tokens)
-        tokens.extend(seq)
-        positions.extend(range(len(seq)))
-        docs.extend([s] * len(seq))
-        n = len(it.response_ids)
-        first = start + len(it.prompt_ids) - 1
-        predict.extend(range(first, first + n))
-        targets.extend(it.response_ids)
-    padding = -len(tokens) % pad_to_multiple
-    tokens.extend([0] * padding)
-    positions.extend(range(padding))
-    docs.extend([len(items)] * padding)
-    return _micro_batch(items, tokens, positions, docs, predict, targets)
-
-
-def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
-    """`pack` with one copy of each run's prompt: [prompt | response_1 | ... | response_k] per run."""
     tokens: list[int] = []
     positions: list[int] = []
     docs: list[int] = []
@@ -175,7 +144,7 @@ def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
     targets: list[int] = []
     prompt_segments: list[tuple[int, int]] = []
     response_segments: list[tuple[int, int, int]] = []
-    for r, run in enumerate(prompt_runs(items)):
+    for r, run in enumerate(prompt_runs(items) if share_prompts else [[s] for s in range(len(items))]):
         prompt = list(items[run[0]].prompt_ids)
         if not prompt:
             raise ValueError(f"sample {run[0]} has an empty prompt: its first response token has no predictor")
@@ -200,8 +169,9 @@ def _pack_shared(items: list[PackItem], pad_to_multiple: int) -> MicroBatch:
     tokens.extend([0] * padding)
     positions.extend(range(padding))
     mb = _micro_batch(items, tokens, positions, docs, predict, targets)
-    mb.prompt_segments = torch.tensor(prompt_segments, dtype=torch.long)
-    mb.response_segments = torch.tensor(response_segments, dtype=torch.long).reshape(-1, 3)
+    if share_prompts:
+        mb.prompt_segments = torch.tensor(prompt_segments, dtype=torch.long)
+        mb.response_segments = torch.tensor(response_segments, dtype=torch.long).reshape(-1, 3)
     return mb
 
 
