@@ -81,7 +81,7 @@ def gspo_token_loss(
     clip_high: float,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ClipStats]:
-    """GSPO (arXiv 2507.18071, Sec. 4, in its GSPO-token form): Eq. 10 with one ratio per response, its tokens'
+    """GSPO (arXiv 2507.18071, in its GSPO-token form): Eq. 10 with one ratio per response, its tokens'
     geometric mean, carried to each token so that the gradient flows through the token's own log-prob:
 
         s_i = exp(sum_t (logp - old_logp) / |o_i|)        over the valid tokens of row i (one response)
@@ -113,7 +113,7 @@ def cispo_token_loss(
     clip_high: float,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ClipStats]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4 and 5): REINFORCE with the importance weight clipped and
+    """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE with the importance weight clipped and
     detached, so the clip scales a token's gradient instead of dropping it:
 
         r = exp(clamp(logp - old_logp, -20, 20)),    l = -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi,   times w
