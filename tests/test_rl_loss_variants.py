@@ -3,11 +3,11 @@ formulas, values and gradients, on awkward rows: fully masked, one token long, r
 both sides, advantages of both signs, token weights; their clip statistics; and the configuration switch.
 
 The references are written from the papers, token by token in Python loops:
-- GSPO, arXiv 2507.18071 Sec. 4: the sequence objective min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
+- GSPO, arXiv 2507.18071: the sequence objective min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
   s_i = (pi(o_i) / pi_old(o_i))^(1 / |o_i|), averaged over the group's sequences; and its GSPO-token form with
   s_{i,t} = sg[s_i] pi_t / sg[pi_t], whose value is s_i and whose gradient at one advantage per sequence equals
   the sequence objective's (the paper's claim, checked below).
-- CISPO, arXiv 2506.13585 (MiniMax-M1) Eq. 4 and 5: sum_{i,t} sg(clip(r_{i,t}, 1 - eps_low, 1 + eps_high)) A_{i,t}
+- CISPO, arXiv 2506.13585 (MiniMax-M1): sum_{i,t} sg(clip(r_{i,t}, 1 - eps_low, 1 + eps_high)) A_{i,t}
   log pi_{i,t} / sum_i |o_i|.
 verl's compute_policy_loss_gspo and compute_policy_loss_cispo (verl/trainer/ppo/core_algos.py) compute the same
 per-token terms; the references here do not follow their code.
@@ -96,7 +96,7 @@ def cispo_token_losses(logp, old_logp, advantages, mask, eps_low, eps_high, weig
 
 
 def aggregate(losses, agg):
-    """token-mean (Eq. 4 of MiniMax-M1: over all the tokens) or seq-mean-token-mean, over the valid tokens."""
+    """token-mean (MiniMax-M1: over all the tokens) or seq-mean-token-mean, over the valid tokens."""
     if agg == "token-mean":
         return sum(losses.values()) / len(losses)
     rows = {}
@@ -142,7 +142,7 @@ def test_each_variant_equals_its_papers_formula(variant, agg, with_weights, clip
 
 @pytest.mark.parametrize("clips", [(0.2, 0.28), (3e-4, 4e-4)])
 def test_gspo_with_the_sequence_mean_is_the_papers_sequence_objective(clips):
-    # One advantage per response: GSPO-token's loss and gradient are the sequence objective's (paper, Sec. 4).
+    # One advantage per response: GSPO-token's loss and gradient are the sequence objective's (the paper).
     logp, old_logp, advantages, mask, _ = awkward_batch()
     ours, _ = policy_loss(
         logp, old_logp, advantages, mask, clip_low=clips[0], clip_high=clips[1], agg="seq-mean-token-mean",
