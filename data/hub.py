@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from data.prompt_row import check_columns
 from errors import DataError
 from model.hub import HubName, fetch_snapshot, hub_name
 
@@ -58,12 +59,7 @@ def read_dataset_rows(source: str, required_columns: tuple[str, ...] = ()) -> li
     columns = sets[split].column_names or (list(rows[0]) if rows else [])
     if not rows:
         raise DataError(f"{source}: the split {split!r} has no rows (columns: {', '.join(columns) or 'none'})")
-    missing = [c for c in required_columns if c not in columns]
-    if missing:
-        raise DataError(
-            f"{source}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
-            f"a prompt set needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema"
-        )
+    check_columns(source, columns, required_columns, "prompt set")
     return rows
 
 

@@ -24,9 +24,10 @@ a reason (the load summary counts the rows per reason); nothing is converted sil
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from errors import DataError
 from model.tokenizer import CHAT_ROLES
 from rl.math_normalize import normalize_final_answer
 from rl.reward import GroundTruth
@@ -143,3 +144,14 @@ def read_row(row: Mapping[str, object], messages: list[dict[str, str]] | None = 
     if solution is not None:
         solution = _text(solution, "extra_info.solution")
     return PromptRow(messages, ground_truth, data_source, solution)
+
+
+def check_columns(source: str, columns: Sequence[str], required: Sequence[str], what: str) -> None:
+    """A DataError naming the columns of `required` (the DAPO-Math-17k schema's) that `source`, a `what` ("prompt
+    file", "prompt set") with `columns`, lacks."""
+    missing = [c for c in required if c not in columns]
+    if missing:
+        raise DataError(
+            f"{source}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
+            f"a {what} needs the columns {', '.join(required)} of the DAPO-Math-17k schema"
+        )

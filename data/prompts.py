@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from data.prompt_row import RowSkipped, read_messages, read_row
+from data.prompt_row import RowSkipped, check_columns, read_messages, read_row
 from errors import DataError, broken_link
 from rl.math_normalize import normalize_final_answer
 from rl.reward import GroundTruth
@@ -222,12 +222,7 @@ def check_parquet_file(path: str, required_columns: tuple[str, ...] = ()) -> Non
         raise DataError(f"{path}: cannot be read as parquet ({exc})") from exc
     if num_rows == 0:
         raise DataError(f"{path}: the parquet file has no rows (columns: {', '.join(columns) or 'none'})")
-    missing = [c for c in required_columns if c not in columns]
-    if missing:
-        raise DataError(
-            f"{path}: no column {', '.join(repr(c) for c in missing)} (it has {', '.join(columns)}); "
-            f"a prompt file needs the columns {', '.join(required_columns)} of the DAPO-Math-17k schema"
-        )
+    check_columns(path, columns, required_columns, "prompt file")
 
 
 def read_parquet_rows(path: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
