@@ -246,7 +246,6 @@ class ParallelismConfig:
     compile: bool = False  # torch.compile each transformer block
     activation_checkpoint: Literal["none", "full", "selective"] = "none"  # recompute activations in backward
     ac_every_k_blocks: int = at_least(0, 0)  # "selective": 0 = per-operator policy, k >= 1 = every k-th block in full
-    float8: bool = False  # float8 linear layers through torchao (CUDA only)
 
 
 @dataclass

@@ -6,8 +6,7 @@ logprob.py               vocabulary-parallel token log-prob / entropy (no gather
 fsdp.py                  FSDP2 units, mixed precision, gradient SUM over dp ranks
 activation_checkpoint.py none / full / selective (per op or every k-th block), in place
 compile.py               torch.compile per block, in place
-float8.py                torchao float8 linears (CUDA only)
-parallelize.py           parallelize_qwen2: TP -> float8 -> AC -> compile -> FSDP
+parallelize.py           parallelize_qwen2: TP -> AC -> compile -> FSDP
 grad_clip.py             grad-norm clipping across FSDP/TP DTensor meshes
 plain_names.py           parameter names without torch.compile / checkpoint_wrapper components
 

@@ -1,13 +1,12 @@
-"""Apply every parallelism to a Qwen2 model, in the one order that composes: TP -> float8 -> AC -> compile -> FSDP.
+"""Apply every parallelism to a Qwen2 model, in the one order that composes: TP -> AC -> compile -> FSDP.
 
 Why this order:
   1. Tensor parallelism first: it replaces parameters by DTensors sharded over the tp mesh and installs the
      input/output redistribution hooks that every later step must see as part of the module.
-  2. Float8 swaps nn.Linear modules for float8 ones, which must happen before anything wraps their forward.
-  3. Activation checkpointing wraps each block's forward, so that compile traces the checkpointed region
+  2. Activation checkpointing wraps each block's forward, so that compile traces the checkpointed region
      (and can apply its own recompute decisions inside it).
-  4. Compile per block, after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs.
-  5. FSDP last: it shards whatever parameters exist (the TP DTensors become 2-D, dp x tp) and groups them
+  3. Compile per block, after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs.
+  4. FSDP last: it shards whatever parameters exist (the TP DTensors become 2-D, dp x tp) and groups them
      into units; its hooks must wrap the final form of each block.
 """
 
@@ -21,7 +20,6 @@ from model.hf_adapter import to_dtype
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.dims import ParallelDims
-from parallel.float8 import apply_float8
 from parallel.fsdp import apply_fsdp
 from parallel.tensor_parallel import apply_tp
 
@@ -47,7 +45,7 @@ def parallelize_qwen2(
     are `dims`', the rest are the switches read here. Its fields may also be passed as keyword arguments
     (`compile=True`, `param_dtype=torch.float32` or `"float32"`, ...), which leave the section unchanged.
     FSDP wraps the model when there is data parallelism or mixed precision (param_dtype != the model's
-    dtype). Without a mesh (single process, no process group), only float8, AC and compile apply.
+    dtype). Without a mesh (single process, no process group), only AC and compile apply.
     """
     config = _with_overrides(parallelism, overrides)
     param_dtype, reduce_dtype = to_dtype(config.param_dtype), to_dtype(config.reduce_dtype)
@@ -65,8 +63,6 @@ def parallelize_qwen2(
 
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh())
-    if config.float8:
-        apply_float8(model, tp_enabled=dims.tp_enabled)
     # ac_every_k_blocks 0 is the per-operator policy of selective AC, k >= 1 every k-th block in full.
     apply_ac(model, config.activation_checkpoint, selective=config.ac_every_k_blocks or "op")
     if config.compile:

@@ -216,7 +216,7 @@ def _fix_engine(fixer: _Fixer, machine: Machine) -> None:
 
 
 def _fix_precision(fixer: _Fixer, machine: Machine) -> None:
-    """Mixed precision, CPU offload and float8: what FSDP and the tensor cores of this machine allow."""
+    """Mixed precision and CPU offload: what FSDP allows on this machine."""
     value, fix = fixer.value, fixer.fix
     cuda = machine.cuda_devices > 0
     # Mixed precision (param_dtype differs from model.dtype) is FSDP's; on a CPU only torchrun's several
@@ -237,15 +237,6 @@ def _fix_precision(fixer: _Fixer, machine: Machine) -> None:
             False,
             "offloading moves GPU state to host memory: on a CPU it is there "
             "already, and FSDP refuses the option on a CPU mesh",
-        )
-    # Float8 matmuls need float8 tensor cores (compute capability >= 8.9: Ada, Hopper).
-    if value("parallelism.float8") and (machine.cuda_capability or (0, 0)) < (8, 9):
-        capability = machine.cuda_capability
-        has = f"compute capability {capability[0]}.{capability[1]}" if cuda and capability else "no CUDA GPU"
-        fix(
-            "parallelism.float8",
-            False,
-            f"float8 training needs a CUDA GPU of compute capability >= 8.9; this machine has {has}",
         )
 
 

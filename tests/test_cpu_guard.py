@@ -128,10 +128,6 @@ def test_the_cpu_demo_runs_on_a_cpu_as_it_is():
         # FlexAttention: no backward on a CPU.
         (["model.attention_backend=flex"], CPU, {"model.attention_backend": "sdpa"}),
         (["model.attention_backend=flex"], H100_NODE, {}),
-        # Float8 matmuls: CUDA with compute capability >= 8.9 only.
-        (["parallelism.float8=true"], CPU, {"parallelism.float8": False}),
-        (["parallelism.float8=true"], A100, {"parallelism.float8": False}),
-        (["parallelism.float8=true"], H100_NODE, {}),
         # torch.compile on a CPU builds C++ kernels; CUDA graphs are only captured on CUDA, so a CPU ignores them.
         (
             ["parallelism.compile=true", "rollout.compile=true"],
@@ -209,7 +205,6 @@ EDGES = [
     [],
     [
         "model.attention_backend=flex",
-        "parallelism.float8=true",
         "parallelism.tp=4",
         "parallelism.dp_replicate=2",
         "training.mini_batch_size=3",
