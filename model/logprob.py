@@ -31,11 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------------
-# Per-chunk math (shared with the vocabulary-parallel version)
-# ---------------------------------------------------------------------------------------------------
-
-
 # Tokens per chunk. At vocab 151936 one fp32 [256, V] buffer is 148 MiB; bench/logprob_memory.py measured
 # 7% of the naive peak memory at 256 tokens per chunk (13% at 1024) and no loss of speed.
 DEFAULT_CHUNK = 256
@@ -115,11 +110,6 @@ def _chunk_grad_logits(
     return grad
 
 
-# ---------------------------------------------------------------------------------------------------
-# Autograd function
-# ---------------------------------------------------------------------------------------------------
-
-
 Reduce = Callable[[torch.Tensor], object]  # an in-place all-reduce over the vocabulary slices' group
 
 
@@ -145,9 +135,26 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         reduce_sum: Reduce | None = None,
         reduce_grad_hidden: Reduce | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logp, lse, entropy = chunked_forward(
-            hidden, weight, targets, temperature, chunk_size, with_entropy, reduce_max, reduce_sum
-        )
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            row_max = logits.amax(-1)
+            if reduce_max is not None:
+                reduce_max(row_max)
+            sum_exp, sum_exp_z, target_z = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
+            del logits
+            if reduce_sum is not None:  # one collective for the two or three sums
+                sums = torch.stack([sum_exp, target_z] if sum_exp_z is None else [sum_exp, target_z, sum_exp_z])
+                reduce_sum(sums)
+                sum_exp, target_z, sum_exp_z = sums[0], sums[1], (sums[2] if with_entropy else None)
+            lp, ent, ls = _finish_stats(row_max, sum_exp, sum_exp_z, target_z)
+            logp[start:end], lse[start:end] = lp, ls
+            if ent is not None:  # with_entropy
+                entropy[start:end] = ent
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if entropy_grad else None)
         ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
         ctx.reduce_grad_hidden = reduce_grad_hidden
@@ -158,109 +165,39 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Gradients are materialised (zeros for unused outputs), so grad_logp is always a tensor.
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        grad_hidden, grad_weight = chunked_backward(
-            hidden,
-            weight,
-            targets,
-            lse,
-            grad_logp,
-            entropy if ctx.entropy_grad else None,
-            grad_entropy if ctx.entropy_grad else None,
-            ctx.temperature,
-            ctx.chunk_size,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors  # entropy: None unless entropy_grad
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_weight else None
         )
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:end]
+            logits = _chunk_logits(h, weight, temperature)
+            grad_z = _chunk_grad_logits(
+                logits,
+                targets[start:end],
+                lse[start:end],
+                grad_logp[start:end],
+                entropy[start:end] if ctx.entropy_grad else None,
+                grad_entropy[start:end] if ctx.entropy_grad else None,
+            )
+            del logits
+            if temperature != 1.0:
+                grad_z.mul_(1.0 / temperature)  # z = (h W^T) / T
+            if grad_weight is not None:  # need_weight
+                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+            if grad_hidden is not None:  # need_hidden
+                torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
+            del grad_z
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         if grad_hidden is not None and ctx.reduce_grad_hidden is not None:
             ctx.reduce_grad_hidden(grad_hidden)
         return (grad_hidden, grad_weight) + (None,) * 8
-
-
-def chunked_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    chunk_size: int,
-    with_entropy: bool,
-    reduce_max: Reduce | None = None,
-    reduce_sum: Reduce | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp [N], lse [N], entropy [N] or empty) of `hidden` [N, H] against `weight` [V', H], chunk by chunk;
-    `reduce_max` all-reduces the row max and `reduce_sum` the stacked sums over the vocabulary slices."""
-    n = hidden.shape[0]
-    logp = torch.empty(n, dtype=_stats_dtype(hidden.dtype), device=hidden.device)
-    lse = torch.empty_like(logp)
-    entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        logits = _chunk_logits(hidden[start:end], weight, temperature)
-        row_max = logits.amax(-1)
-        if reduce_max is not None:
-            reduce_max(row_max)
-        sum_exp, sum_exp_z, target_z = _chunk_stats(logits, targets[start:end], row_max, with_entropy)
-        del logits
-        if reduce_sum is not None:  # one collective for the two or three sums
-            sums = torch.stack([sum_exp, target_z] if sum_exp_z is None else [sum_exp, target_z, sum_exp_z])
-            reduce_sum(sums)
-            sum_exp, target_z, sum_exp_z = sums[0], sums[1], (sums[2] if with_entropy else None)
-        lp, ent, ls = _finish_stats(row_max, sum_exp, sum_exp_z, target_z)
-        logp[start:end], lse[start:end] = lp, ls
-        if ent is not None:  # with_entropy
-            entropy[start:end] = ent
-    return logp, lse, entropy
-
-
-def chunked_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    grad_logp: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
-    temperature: float,
-    chunk_size: int,
-    need_hidden: bool,
-    need_weight: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of the chunked log-probs (and entropy, when `entropy` is given) with respect to `hidden`
-    and `weight`, recomputing each chunk's logits."""
-    assert (entropy is None) == (grad_entropy is None), "entropy and grad_entropy come together"
-    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-    # fp32 accumulator across chunks, cast once at the end (a bf16 running sum would lose precision).
-    grad_weight = (
-        torch.zeros(weight.shape, dtype=_stats_dtype(weight.dtype), device=weight.device) if need_weight else None
-    )
-    for start in range(0, hidden.shape[0], chunk_size):
-        end = min(start + chunk_size, hidden.shape[0])
-        h = hidden[start:end]
-        logits = _chunk_logits(h, weight, temperature)
-        grad_z = _chunk_grad_logits(
-            logits,
-            targets[start:end],
-            lse[start:end],
-            grad_logp[start:end],
-            entropy[start:end] if entropy is not None else None,
-            grad_entropy[start:end] if grad_entropy is not None else None,
-        )
-        del logits
-        if temperature != 1.0:
-            grad_z.mul_(1.0 / temperature)  # z = (h W^T) / T
-        if grad_weight is not None:  # need_weight
-            grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
-        if grad_hidden is not None:  # need_hidden
-            torch.mm(grad_z.to(weight.dtype), weight, out=grad_hidden[start:end])
-        del grad_z
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight
-
-
-# ---------------------------------------------------------------------------------------------------
-# Public functions
-# ---------------------------------------------------------------------------------------------------
 
 
 def check_logprob_inputs(
