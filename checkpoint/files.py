@@ -156,25 +156,17 @@ def file_record(path: str) -> FileRecord:
     return FileRecord(size, digest.hexdigest())
 
 
-def check_file(root: str, name: str, expected: FileRecord) -> str | None:
-    """None if `root/name` matches `expected`, else what is wrong with it."""
-    path = os.path.join(root, name)
-    if not os.path.isfile(path):
-        return f"file {name} is missing"
-    size = os.path.getsize(path)
-    if size != expected.size:
-        return f"file {name} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
-    if file_record(path).digest != expected.digest:
-        return f"file {name} does not match its content hash (its bytes changed after it was written)"
-    return None
-
-
 def verify(root: str, expected: dict[str, FileRecord]) -> str | None:
     """None if every file in `expected` reads back as recorded, else the first problem (names sorted)."""
     for name in sorted(expected):
-        problem = check_file(root, name, expected[name])
-        if problem is not None:
-            return problem
+        path, record = os.path.join(root, name), expected[name]
+        if not os.path.isfile(path):
+            return f"file {name} is missing"
+        size = os.path.getsize(path)
+        if size != record.size:
+            return f"file {name} has {size} bytes, the manifest says {record.size} (truncated or overwritten)"
+        if file_record(path).digest != record.digest:
+            return f"file {name} does not match its content hash (its bytes changed after it was written)"
     return None
 
 
