@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -134,21 +135,16 @@ def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        legacy = np.random.get_state(legacy=True)
-        assert isinstance(legacy, tuple)  # the global MT19937 generator's legacy state is a 5-tuple
-        algorithm, keys, pos, has_gauss, cached_gaussian = legacy
-        state["numpy"] = (
-            algorithm,
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached_gaussian),
-        )
-    except ImportError:
-        pass
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # the global MT19937 generator's legacy state is a 5-tuple
+    algorithm, keys, pos, has_gauss, cached_gaussian = legacy
+    state["numpy"] = (
+        algorithm,
+        torch.from_numpy(keys.astype(np.int64)),
+        int(pos),
+        int(has_gauss),
+        float(cached_gaussian),
+    )
     return state
 
 
@@ -158,8 +154,6 @@ def _set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
-        import numpy as np
-
         algorithm, keys, pos, has_gauss, cached_gaussian = state["numpy"]
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
 
@@ -201,8 +195,6 @@ class CheckpointManager:
             raise ValueError(f"keep must be >= 0 (0 keeps every checkpoint), got {keep}")
         self.folder = folder
         self.keep = keep
-
-    # ---- discovery and verification -----------------------------------------------------------------
 
     def step_path(self, step: int) -> str:
         """The folder of checkpoint `step` (it may not exist)."""
@@ -258,8 +250,6 @@ class CheckpointManager:
         if not steps:
             return "no earlier checkpoint exists in it"
         return f"the previous checkpoint (step {steps[-1]}, {self.step_path(steps[-1])}) is intact"
-
-    # ---- save ---------------------------------------------------------------------------------------
 
     def save(
         self,
@@ -391,8 +381,6 @@ class CheckpointManager:
         for name in os.listdir(self.folder):  # folders of interrupted saves
             if name.endswith(".tmp") and name != f"step-{keep_step:08d}.tmp":
                 shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
-
-    # ---- load ---------------------------------------------------------------------------------------
 
     @staticmethod
     def _rank_files(path: str, rank: int) -> tuple[str, str]:
