@@ -10,7 +10,8 @@ is done: an engine spans the GPUs of several trainer ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,15 +32,11 @@ def return_cached_memory(dist_env: DistEnv) -> None:
         observer()
 
 
-class observe_cache_returns:
-    """Context manager: call `fn()` after every return_cached_memory inside it."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn = fn
-
-    def __enter__(self) -> observe_cache_returns:
-        _observers.append(self.fn)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _observers.remove(self.fn)
+@contextlib.contextmanager
+def observe_cache_returns(fn: Callable[[], object]) -> Iterator[None]:
+    """Call `fn()` after every return_cached_memory inside the block."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.remove(fn)
