@@ -130,11 +130,13 @@ def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
     if spec.ylabel:
         ax.set_ylabel(spec.ylabel)
     ax.grid(True, alpha=0.3)
-    drawn: list[tuple[Line2D, str, float, float]] = []  # (line, label, latest step, latest value)
+    drawn: list[tuple[Line2D, float, float]] = []  # (line, latest step, latest value)
+    missing: list[str] = []
     twin = None
     for i, series in enumerate(spec.series):
         steps, values = series_points(rows, series.key)
         if not steps:
+            missing.append(series.key)
             continue
         target = ax
         if series.secondary:
@@ -147,8 +149,7 @@ def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
         (line,) = target.plot(
             steps, values, series.style, marker=marker, markersize=3.5, color=color, linewidth=1.6, label=series.label
         )
-        drawn.append((line, series.label, steps[-1], values[-1]))
-    missing = [s.key for s in spec.series if not series_points(rows, s.key)[0]]
+        drawn.append((line, steps[-1], values[-1]))
     if not drawn:
         note = "not in metrics.jsonl:\n" + "\n".join(missing)
         ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=10, color="gray")
@@ -158,7 +159,7 @@ def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
         return False
     if spec.markers:
         # Sparse points: print the latest value, the number people look for.
-        _, _, x, y = drawn[0]
+        _, x, y = drawn[0]
         ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=9)
     if spec.unit_interval:
         ax.set_ylim(-0.02, 1.02)
@@ -169,7 +170,7 @@ def _draw_panel(ax: Axes, spec: PanelSpec, rows: list[dict]) -> bool:
             low, high = ax.get_ylim()
             ax.set_ylim(low, high + 0.35 * (high - low))
             loc = "upper left"
-        ax.legend([d[0] for d in drawn], [d[1] for d in drawn], fontsize=8, loc=loc, framealpha=0.9)
+        ax.legend(handles=[d[0] for d in drawn], fontsize=8, loc=loc, framealpha=0.9)
     if len(spec.series) == 1:
         ax.set_ylabel(ax.get_ylabel() or spec.series[0].key, fontsize=9)
     return True

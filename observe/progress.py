@@ -51,27 +51,17 @@ class Progress:
             raise ValueError(f"Progress total must be >= 0 or None, got {total}")
         if plain_interval <= 0:
             raise ValueError(f"plain_interval must be > 0 seconds, got {plain_interval}")
-        self.total, self.desc, self.unit = total, desc, unit
-        self.enabled = enabled
+        self.total, self.desc, self.unit, self.enabled, self.leave = total, desc, unit, enabled, leave
         self.file = file if file is not None else sys.stderr
-        self.leave = leave
-        self.plain_interval = plain_interval
-        self.clock = clock
-        self.n = 0
+        self.plain_interval, self.clock = plain_interval, clock
+        self.n, self.lines_printed, self.closed = 0, 0, False
         self.postfix: dict[str, object] = {}
-        self.closed = False
-        self.lines_printed = 0
         self._bar = None
         self._start = self._last_line = clock()
         if enabled and _is_terminal(self.file):
             self._bar = tqdm(
                 total=total, desc=desc, unit=unit, file=self.file, leave=leave, dynamic_ncols=True, mininterval=0.5
             )
-
-    @property
-    def plain(self) -> bool:
-        """True when progress is shown as plain lines (enabled, output not a terminal)."""
-        return self.enabled and self._bar is None
 
     def update(self, n: int = 1, **postfix: object) -> None:
         """Record `n` more units done; keyword arguments are shown after the counts (key=value)."""
@@ -85,15 +75,6 @@ class Progress:
             self._bar.update(n)
         elif self.clock() - self._last_line >= self.plain_interval:
             self._print_line()
-
-    def write(self, message: str) -> None:
-        """Print a message without breaking the bar (tqdm.write on a terminal)."""
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.write(message, file=self.file)
-        else:
-            print(message, file=self.file, flush=True)
 
     def close(self) -> None:
         if not self.enabled or self.closed:
