@@ -260,9 +260,8 @@ def earlier_checkpoints(path: str) -> list[str]:
 
 def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None:
     """What to print when run folder `run_dir/name` holds a run that finished at `steps` or later: that it is
-    done, then its held-out accuracy before DAPO (step 0) and after (the last evaluation), read from its
-    eval reports. None when the run is not finished (a rerun resumes it)."""
-    path = os.path.abspath(os.path.join(run_dir, name))
+    done, and its held-out accuracy before DAPO and after, from its eval reports. None: not finished."""
+    path = run_folder_path(run_dir, name)
     step = finished_at(path)
     if step is None or step < steps:
         return None

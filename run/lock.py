@@ -42,10 +42,6 @@ class FolderLock:
         self.path = os.path.join(self.folder, LOCK_FILE)
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def acquire(self) -> None:
         """Lock the folder now at `folder` (raises FolderBusyError naming the holder). Called again after the
         folder was moved away and another created in its place, it locks the new one, then lets the old go."""
