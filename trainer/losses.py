@@ -40,14 +40,11 @@ def micro_batch_logprobs(
         hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim).to_local()
     selected = hidden[0, mb.predict_positions]
     weight = model.output_weight()
-    if isinstance(weight, DTensor):  # vocabulary-sharded head under tensor parallelism
-        logp, entropy = vocab_parallel_token_logprobs(
-            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-        )
-    else:
-        logp, entropy = token_logprobs(
-            selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
-        )
+    # A DTensor weight: the vocabulary-sharded head under tensor parallelism.
+    logprobs = vocab_parallel_token_logprobs if isinstance(weight, DTensor) else token_logprobs
+    logp, entropy = logprobs(
+        selected, weight, mb.targets, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )
     return mb.grid(logp), (mb.grid(entropy) if entropy is not None else None)
 
 

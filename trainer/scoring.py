@@ -35,21 +35,18 @@ def score_groups(
     """One RolloutGroup per prompt from its n completions (grouped by prompt, as the engine's generate returns
     them). The rule reward of each (algorithm.strict_box: boxed answers only), plus, with
     algorithm.overlong_penalty, Eq. 13 with L_max = rollout.max_response_length, L_cache = algorithm.overlong_buffer."""
-    n, algorithm, max_response_length = (
-        len(completions) // max(len(examples), 1),
-        cfg.algorithm,
-        cfg.rollout.max_response_length,
-    )
+    n, alg, stop_ids = len(completions) // max(len(examples), 1), cfg.algorithm, tokenizer.stop_ids
     groups = []
     for p, example in enumerate(examples):
         samples = []
         for c in completions[p * n : (p + 1) * n]:
-            stop_ids, strict_box = tokenizer.stop_ids, algorithm.strict_box
-            result = rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
+            result = rule_score(
+                tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=alg.strict_box
+            )
             score = result["score"]
-            if algorithm.overlong_penalty:
-                length, buffer, factor = len(c.token_ids), algorithm.overlong_buffer, algorithm.overlong_penalty_factor
-                score += overlong_penalty(length, max_response_length, buffer, factor)
+            if alg.overlong_penalty:
+                length, l_max = len(c.token_ids), cfg.rollout.max_response_length
+                score += overlong_penalty(length, l_max, alg.overlong_buffer, alg.overlong_penalty_factor)
             acc, pred = bool(result["acc"]), result["pred"]
             samples.append(
                 Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason, acc, score, pred, step)

@@ -207,6 +207,10 @@ def training_mfu(
     return total / (seconds * dist_env.world_size * peak * 1e12)
 
 
+# The console line's metrics, in its order.
+CONSOLE_KEYS = "reward/mean acc/mean groups/kept_share response_length/mean entropy pg_clipfrac time/step".split()
+
+
 class MetricsWriter:
     """metrics.jsonl (+ TensorBoard) through observe.MetricsLogger, a console line per step, the plot."""
 
@@ -218,17 +222,8 @@ class MetricsWriter:
     def write(self, step: int, row: dict) -> None:
         self.logger.log(step, row)
         if self.rank == 0 and "reward/mean" in row and step % self.log_every == 0:
-            log.info(
-                "step %d | reward %.3f | acc %.3f | kept %.2f | len %.1f | entropy %.3f | clip %.3f | %.1fs",
-                step,
-                row["reward/mean"],
-                row["acc/mean"],
-                row["groups/kept_share"],
-                row["response_length/mean"],
-                row["entropy"],
-                row["pg_clipfrac"],
-                row["time/step"],
-            )
+            line = "step %d | reward %.3f | acc %.3f | kept %.2f | len %.1f | entropy %.3f | clip %.3f | %.1fs"
+            log.info(line, step, *(row[key] for key in CONSOLE_KEYS))
 
     def close(self, plot: bool = False) -> None:
         self.logger.close()

@@ -54,19 +54,18 @@ def pack_items_for_groups(
         weights = torch.ones(len(samples), 1)
         if overlong_filter:
             weights = overlong_filter_mask(weights, [s.finish_reason for s in samples])
-        items = []
-        for sample, advantage, weight in zip(samples, advantages.tolist(), weights[:, 0].tolist()):
-            items.append(
-                PackItem(
-                    sample.example.prompt_ids,
-                    sample.response_ids,
-                    advantage,
-                    weight,
-                    sample.rollout_logprobs,
-                    group_id=group_offset + g,
-                    stale=sample.step < step,
-                )
+        items = [
+            PackItem(
+                sample.example.prompt_ids,
+                sample.response_ids,
+                advantage,
+                weight,
+                sample.rollout_logprobs,
+                group_id=group_offset + g,
+                stale=sample.step < step,
             )
+            for sample, advantage, weight in zip(samples, advantages.tolist(), weights[:, 0].tolist())
+        ]
         tokens = sum(len(it.response_ids) for it in items if it.loss_weight > 0)
         for it in items:
             it.group_num_tokens = tokens

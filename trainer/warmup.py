@@ -81,14 +81,13 @@ class SFTWarmup:
     def checkpointed(self) -> Checkpointed:
         """What the warm-up's checkpoints hold: the model, its own AdamW and schedule, the steps done and
         `state_dict`."""
-        return Checkpointed(self.model, self.optimizer, self.schedule, lambda: self.done, self.plain)
+        return Checkpointed(
+            self.model, self.optimizer, self.schedule, lambda: self.done, lambda: {"warmup": self.state_dict()}
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What the model, optimizer and schedule do not hold: the step count and the batch sampler's RNG."""
         return {"done": self.done, "rng": self.rng.getstate()}
-
-    def plain(self) -> dict[str, Any]:
-        return {"warmup": self.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = state["done"]
