@@ -35,39 +35,16 @@ def evaluate(
     pass_at: Sequence[int] | None = None,
     prompts_per_call: int | None = None,
 ) -> dict[str, Any]:
-    """Generate `params.n` (= k) samples for each example, score them, and summarise.
+    """Generate `params.n` (= k) samples for each of `examples` (distinct problems: a repeat is refused), score
+    them, and summarise (evaluation/report.py).
 
-    examples: distinct problems (data/prompts.py PromptExample: prompt_ids, ground_truth, data_source);
-        k comes from params.n, so a set that repeats a problem is refused.
-    progress: a display advanced by the problems done, with the running accuracy as `acc=` (None: none).
-    pass_at: the j of the reported pass@j (each <= k); None or empty: 1 and k.
-    prompts_per_call: problems per `engine.generate` call (None: all in one call, which keeps the
-        engine's batch fullest; smaller calls give the progress display finer steps).
-
-    Returns {"k", "overall": {...}, "by_source": {source: {...}}, "sampling": {...}, "time_s"}; the
-    rows hold num_problems, num_samples, avg@k, pass@j, maj@k, response_length/mean (tokens, stop
-    token included) and truncated_share (samples that hit max_new_tokens).
+    progress: advanced by the problems done, with the running accuracy as `acc=`. pass_at: the j of the reported
+    pass@j (None or empty: 1 and k). prompts_per_call: problems per `engine.generate` call (None: all in one
+    call, which keeps the engine's batch fullest; smaller calls give the progress display finer steps).
     """
     examples = list(examples)
     ks = checked_pass_ks(params, examples, pass_at, prompts_per_call)
     start = time.perf_counter()
-    results = problem_results(
-        engine, examples, tokenizer, params, strict_box=strict_box, progress=progress, prompts_per_call=prompts_per_call
-    )
-    return make_report(results, ks, params, strict_box, time.perf_counter() - start)
-
-
-def problem_results(
-    engine: Generator,
-    examples: Sequence[PromptExample],
-    tokenizer: Tokenizer,
-    params: SamplingParams,
-    *,
-    strict_box: bool,
-    progress: Progress | None,
-    prompts_per_call: int | None,
-) -> list[ProblemResult]:
-    """evaluate's generation and scoring of the examples, one ProblemResult each."""
     k, chunk, results = params.n, prompts_per_call or max(len(examples), 1), list[ProblemResult]()
     for begin in range(0, len(examples), chunk):
         batch = examples[begin : begin + chunk]
@@ -78,7 +55,7 @@ def problem_results(
         results += done
         if progress is not None:
             progress.update(len(batch), acc=sum(r.num_correct for r in done) / (k * len(done)))
-    return results
+    return make_report(results, ks, params, strict_box, time.perf_counter() - start)
 
 
 def checked_pass_ks(
