@@ -71,13 +71,10 @@ class WriteError(UserError):
 
 # What a person can fix, and how: a full disk or quota, a read-only file system, a folder they may not write to;
 # a file larger than its file system (FAT32: 4 GB) or a file-size limit (`ulimit -f`) allows.
-_ROOM = "make room or make its folder writable"
 WRITE_ERROR_FIXES = {
-    errno.ENOSPC: _ROOM,
-    errno.EDQUOT: _ROOM,
-    errno.EROFS: _ROOM,
-    errno.EACCES: _ROOM,
-    errno.EPERM: _ROOM,
+    **dict.fromkeys(
+        (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM), "make room or make its folder writable"
+    ),
     errno.EFBIG: "a file-size limit (ulimit -f) or the file system (FAT32: 4 GB a file) caps it: raise the limit "
     "or write to another file system",
 }
