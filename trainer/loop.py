@@ -190,10 +190,7 @@ class Trainer(StepPhases):
             discard_reports_after(p.run_path, self.state.step)
         # Rows past the checkpoint are redone; so is the step-0 evaluation when the run restarts at step 0.
         self.metrics = MetricsWriter(
-            p.run_path,
-            self.cfg.metrics,
-            rank=self.dist.rank,
-            resumed_step=self.state.step if self.state.step > 0 else -1,
+            p.run_path, self.cfg.metrics, rank=self.dist.rank, resumed_step=self.state.step or -1
         )
         # A first SIGTERM / SIGINT asks for a checkpoint at the next phase boundary, from here to the end.
         self.stop.install()

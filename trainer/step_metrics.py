@@ -152,14 +152,10 @@ class StepRecord:
     def row(self) -> dict[str, float | None]:
         t = self.times
         line: dict[str, float | None] = {**row(self.rollout, self.train), "time/train": t.train}
-        if self.mfu is not None:
-            line["mfu"] = self.mfu
-        if t.sync is not None:
-            line["time/sync"] = t.sync
-        if t.step is not None:
-            line["time/step"] = t.step
-            if t.sync is not None:  # a complete step
-                line["tokens_per_s"] = self.train.train_tokens.result() / max(t.step, 1e-9)
+        optional = {"mfu": self.mfu, "time/sync": t.sync, "time/step": t.step}
+        line.update({key: value for key, value in optional.items() if value is not None})
+        if t.step is not None and t.sync is not None:  # a complete step
+            line["tokens_per_s"] = self.train.train_tokens.result() / max(t.step, 1e-9)
         line.update(self.eval)
         if t.eval is not None:
             line["time/eval"] = t.eval
