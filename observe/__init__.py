@@ -4,8 +4,3 @@ metrics_log.py  one JSONL line of metrics per step (run_dir/metrics.jsonl), opti
 progress.py     progress display for long phases (tqdm on a terminal, plain lines in log files)
 plot.py         the DAPO paper's monitoring panel as one PNG (run_dir/plots/panel.png)
 """
-
-from observe.metrics_log import MetricsLogger, read_metrics
-from observe.progress import Progress
-
-__all__ = ["MetricsLogger", "Progress", "read_metrics"]
