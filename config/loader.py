@@ -190,7 +190,6 @@ class _Schema:
     """The sections of a root dataclass and their keys' types, for lookups and "did you mean" hints."""
 
     def __init__(self, root: type[DataclassInstance]) -> None:
-        self.root = root
         self.removed: dict[str, str] = getattr(root, "removed_keys", {})
         self.sections = sections(root)
         self.types = field_types(root)

@@ -286,11 +286,6 @@ def load_prompts(
     return examples
 
 
-# ---------------------------------------------------------------------------------------------------
-# Sampling prompts for training: shuffled epochs, sharded across data-parallel ranks, resumable.
-# ---------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class PromptSampler:
     """Yields batches of prompts, reshuffled each epoch with a seeded generator.
