@@ -50,12 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check_runnable(cfg)
 
-    dist = init_distributed(
-        cfg.parallelism.dp_replicate,
-        cfg.parallelism.dp_shard,
-        cfg.parallelism.tp,
-        control_timeout_s=cfg.rollout.round_timeout_s,
-    )
+    par = cfg.parallelism
+    dist = init_distributed(par.dp_replicate, par.dp_shard, par.tp, control_timeout_s=cfg.rollout.round_timeout_s)
     trainer, finished, finished_signals = None, False, NothingToStop()
     try:
         torch.manual_seed(cfg.job.seed)
