@@ -7,7 +7,6 @@ arXiv 2503.14476 Sec. 4.1 and verl's script). A section's `rules()` yields its c
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -85,10 +84,6 @@ class JobConfig:
     seed: int = at_least(0, 0)  # seed for model initialisation and sampling
     # 0: torch's default (1 under torchrun), or with parallelism.cpu_offload the node's cores / its processes
     cpu_threads: int = at_least(0, 0, " (0 = automatic)")  # intra-op threads of each process (parallel/cpu_threads.py)
-
-    @property
-    def run_path(self) -> str:
-        return os.path.join(self.run_dir, self.name)
 
 
 @dataclass
