@@ -66,11 +66,6 @@ def sections(root: type[DataclassInstance]) -> dict[str, type]:
     return found
 
 
-def field_types(root: type[DataclassInstance]) -> dict[str, dict[str, TypeForm]]:
-    """{section: {key: annotation}}."""
-    return {name: typing.get_type_hints(cls) for name, cls in sections(root).items()}
-
-
 # ---------------------------------------------------------------------------------------- types
 
 
@@ -192,7 +187,7 @@ class _Schema:
     def __init__(self, root: type[DataclassInstance]) -> None:
         self.removed: dict[str, str] = getattr(root, "removed_keys", {})
         self.sections = sections(root)
-        self.types = field_types(root)
+        self.types = {name: typing.get_type_hints(cls) for name, cls in self.sections.items()}  # {section: {key: type}}
 
     def unknown(self, section: str, key: str | None, source: str) -> ConfigError:
         """The error for an unknown section (key None) or key, with the closest valid name."""
