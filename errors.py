@@ -29,14 +29,12 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import IO
 
-EXIT_BAD_INPUT = 2
-
 
 class UserError(Exception):
     """Bad input, reported as one line `<kind>: <message>` and exit code 2, before any work is lost."""
 
     kind = "error"
-    exit_code = EXIT_BAD_INPUT
+    exit_code = 2
 
     def line(self) -> str:
         return f"{self.kind}: {self}"
