@@ -37,7 +37,6 @@ class MetricsLogger:
         """resume_after: a run resumed after this step drops what it logged for later steps, in the JSONL
         (`truncate_after`) and in TensorBoard (events from step resume_after + 1 on are purged); -1
         drops everything."""
-        self.run_dir = run_dir
         self.path = os.path.join(run_dir, self.FILENAME)
         self.active = rank == 0
         self._file: FileIO | None = None
