@@ -162,7 +162,6 @@ class RolloutConfig:
     max_batch_size: int = at_least(512, 1)  # most sequences the torch engine decodes at once
     block_size: int = at_least(16, 1)  # torch engine: token positions per paged KV-cache block
     kv_cache_blocks: int = at_least(0, 0)  # torch engine KV memory in blocks; 0 = max_batch_size full sequences
-    flex_decode: bool = False  # torch engine on CUDA: FlexAttention decode over the KV blocks (not yet run on a GPU)
 
     @property
     def logprob_temperature(self) -> float:

@@ -63,7 +63,6 @@ class EngineSpec:
             cuda_graphs=ro.cuda_graphs,
             block_size=ro.block_size,
             kv_cache_blocks=ro.kv_cache_blocks or None,  # 0: room for max_batch_size full sequences
-            flex_decode=ro.flex_decode,
         )
 
     def sglang_engine(self, model_path: str, **placement: Any) -> Engine:

@@ -1,4 +1,4 @@
-"""A paged KV cache and the two attention contexts that read and write it (CPU, and CUDA without flex).
+"""A paged KV cache and the two attention contexts that read and write it (CPU and CUDA).
 
 The model calls `context.attend(layer_id, q, k, v)` with q [B, H, T, D] and k, v [B, H_kv, T, D] after
 RoPE (model/qwen2.py). The contexts below store k, v in the cache and attend, so the engine reuses the

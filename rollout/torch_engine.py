@@ -26,8 +26,7 @@ With `compile=True` the decode step runs under torch.compile: with dynamic shape
 block-table width vary between steps), and on CUDA with static shapes (max_batch_size rows; the block
 table width rounded up to a multiple of 1/8 of a full-length sequence's blocks) under
 mode="reduce-overhead", so each of at most 8 shapes is compiled and captured as a CUDA graph once (8 is
-torch.compile's default recompile limit). `flex_decode=True` on CUDA attends with FlexAttention over
-the block pool instead of gathering the blocks (rollout/paged_flex.py).
+torch.compile's default recompile limit).
 This engine is not tensor-parallel: every rank that runs it holds a full copy of the model.
 """
 
@@ -49,7 +48,6 @@ from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
 
 if TYPE_CHECKING:
     from model.qwen2 import Qwen2
-    from rollout.paged_flex import FlexDecodeContext
 
 # The decode step: (tokens [B], positions [B], block tables [B, W], per-layer k and v caches) -> logits [B, V].
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
@@ -67,7 +65,6 @@ class TorchEngine:
     device / dtype: move the model there once at construction (default: where it already is).
     compile: compile the decode step with torch.compile.
     cuda_graphs: with compile on CUDA, replay the decode step as CUDA graphs (mode "reduce-overhead").
-    flex_decode: on CUDA, decode attention with FlexAttention over the block pool (rollout/paged_flex.py).
     seed: seeds rounds whose SamplingParams.seed is None (round k uses seed + k).
     max_prefill_tokens: padded tokens per prefill forward (bounds prefill activation memory).
     poll_steps: scheduler steps (prefills and one decode step) a `poll` runs at most.
@@ -87,7 +84,6 @@ class TorchEngine:
         cuda_graphs: bool = True,
         block_size: int = 16,
         kv_cache_blocks: int | None = None,
-        flex_decode: bool = False,
         poll_steps: int = 16,
     ) -> None:
         args = _checked_model_args(model, max_batch_size, max_seq_len, max_prefill_tokens, block_size)
@@ -121,7 +117,6 @@ class TorchEngine:
         self._width_bucket = -(-self.blocks_per_seq // 8)
         # DecodeContext's reused gather buffers: eager CPU only (see kv_cache.py)
         self._gather_out = _empty_gather_buffers(self.dtype) if not compile and self.device.type == "cpu" else None
-        self._decode_context = _decode_context_class(flex_decode, self.device)
         self._decode = self._decode_step(compile, cuda_graphs)
         self.resume_memory()
 
@@ -204,11 +199,7 @@ class TorchEngine:
     ) -> torch.Tensor:
         """tokens, positions [B], block_tables [B, W] -> next-token logits [B, V] (fp32), k/v written."""
         assert self.model is not None  # submit refuses a shut-down engine
-        context: DecodeContext | FlexDecodeContext
-        if self._gather_out is None:
-            context = self._decode_context(k_cache, v_cache, positions, block_tables)
-        else:  # eager CPU, so the plain DecodeContext (FlexDecodeContext is CUDA's)
-            context = DecodeContext(k_cache, v_cache, positions, block_tables, self._gather_out)
+        context = DecodeContext(k_cache, v_cache, positions, block_tables, self._gather_out)
         hidden = self.model(tokens.unsqueeze(1), positions.unsqueeze(1), context=context, return_hidden=True)
         return self._logits(hidden[:, 0])
 
@@ -393,13 +384,3 @@ def _checked_kv_cache_blocks(
 def _empty_gather_buffers(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty k and v buffers for DecodeContext to gather the blocks into; it grows them as needed."""
     return torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
-
-
-def _decode_context_class(flex_decode: bool, device: torch.device) -> type[DecodeContext] | type[FlexDecodeContext]:
-    """The decode attention: FlexAttention over the block pool with flex_decode on CUDA, else the blocks
-    gathered (rollout/kv_cache.py)."""
-    if flex_decode and device.type == "cuda":
-        from rollout.paged_flex import FlexDecodeContext
-
-        return FlexDecodeContext
-    return DecodeContext
