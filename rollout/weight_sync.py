@@ -1,29 +1,21 @@
 """Trainer -> engine weight sync after an optimizer step, one bucket at a time.
 
     for each trainer parameter, in registration order (embedding, layers 0..N-1, norm, head):
-        local = shard.to(device)              # an offloaded (CPU) shard goes to the GPU first
-        local = local.to(engine dtype)        # cast before gathering: fewer bytes on the wire
+        local = shard.to(engine dtype)        # cast before gathering: fewer bytes on the wire
+        local = local.to(engine device)       # an offloaded (CPU) shard goes to the GPU
         full  = local.full_tensor()           # all-gather of a DTensor (FSDP, TP or both); plain tensors as is
         bucket += (HF name, full)
         if bucket holds >= bucket_bytes: engine.update_weights(bucket); drop bucket
     engine.update_weights(last bucket)
 
-`device` is the engine's (engine.device by default). With parallelism.cpu_offload the shards live on the
-CPU: gathering them there would run an NCCL collective on CPU tensors, and SGLang would be handed a CPU
-tensor where it opens a CUDA IPC handle. Moving each shard first costs one shard of GPU memory at a time.
+With parallelism.cpu_offload the shards live on the CPU: gathering them there would run an NCCL collective on
+CPU tensors, and SGLang would be handed a CPU tensor where it opens a CUDA IPC handle. Peak extra memory is one
+bucket of full tensors (a single tensor larger than `bucket_bytes` forms a bucket of its own).
 
-Peak extra memory is one bucket of full tensors (a single tensor larger than `bucket_bytes` forms a
-bucket of its own). The engine copies each bucket into its existing weights (no re-allocation).
-
-Who calls it: every rank of the trainer, because gathering a DTensor is a collective that all ranks of
-its mesh must enter, in the same order (the loop order is the module's, identical on every rank).
-Where the engine lives: pass `engine=None` and the engines' `dtype` on ranks that hold no engine; they
-still take part in the gathers, which must move the same bytes on every rank. With the torch engine every rank
-holds its own full copy, so every rank passes its engine.
-With SGLang, every rank of an engine's TP group passes its `SGLangEngine` handle, whose
-`update_weights` gathers the ranks' buckets to the engine's leader.
-In a run the engine is the guarded one (run/guard.py): the ranks agree after every bucket, so a failed update
-on any rank stops every rank at the same bucket, none of them left in a gather the others never enter.
+Every rank of the trainer calls it, because gathering a DTensor is a collective that all ranks of its mesh must
+enter in the same order; with SGLang each rank passes its `SGLangEngine` handle, which gathers the ranks'
+buckets to the engine's leader. In a run the engine is the guarded one (run/guard.py): the ranks agree after
+every bucket, so a failed update on any rank stops every rank at the same bucket.
 """
 
 from __future__ import annotations
@@ -91,33 +83,16 @@ class WeightReceiver(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
-def sync_weights(
-    trainer_model: nn.Module,
-    engine: WeightReceiver | None,
-    *,
-    bucket_bytes: int = 1 << 30,
-    dtype: torch.dtype | None = None,
-) -> int:
-    """Push every trainer parameter into `engine` (or only gather, if `engine` is None); returns bytes sent.
+def sync_weights(trainer_model: nn.Module, engine: WeightReceiver, *, bucket_bytes: int = 1 << 30) -> int:
+    """Push every trainer parameter into `engine`; returns the bytes sent. Call on every trainer rank.
 
-    dtype: the engine's weight dtype; default `engine.dtype` (both engines expose it). Required with
-    `engine=None`: such a rank must gather in the dtype the ranks with an engine cast to.
-    Shards are gathered where the engine reads them: `engine.device` (both engines expose it; None leaves each
-    shard where it is).
-    Call on every trainer rank (see the module docstring).
+    The shards are cast to `engine.dtype` and gathered on `engine.device` (both engines expose them; without
+    them each shard keeps its dtype and stays where it is).
     """
-    if dtype is None:
-        if engine is None:
-            raise ValueError(
-                "sync_weights on a rank without an engine needs dtype=<the engines' weight dtype>: "
-                "every rank casts before gathering, and the gathers must move the same bytes"
-            )
-        dtype = getattr(engine, "dtype", None)
-    device = getattr(engine, "device", None)
+    dtype, device = getattr(engine, "dtype", None), getattr(engine, "device", None)
     sent = 0
     for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
-        if engine is not None:
-            engine.update_weights(bucket)
+        engine.update_weights(bucket)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket
     return sent

@@ -87,15 +87,9 @@ def test_shards_move_to_the_engine_device_before_gathering():
     assert {(t.device, t.dtype) for b in buckets for _, t in b} == {(torch.device("meta"), torch.bfloat16)}
 
 
-def test_gather_only_ranks_and_bad_bucket_size():
-    trainer = _distinct_model(5)
-    total = sum(p.numel() * 4 for p in trainer.parameters())
-    assert sync_weights(trainer, None, dtype=torch.float32) == total
-    assert sync_weights(trainer, None, dtype=torch.bfloat16) == total // 2
-    with pytest.raises(ValueError, match="without an engine needs dtype="):
-        sync_weights(trainer, None)
+def test_bad_bucket_size():
     with pytest.raises(ValueError, match="bucket_bytes"):
-        next(iter_weight_buckets(trainer, bucket_bytes=0))
+        next(iter_weight_buckets(_distinct_model(5), bucket_bytes=0))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,18 +160,6 @@ def _spawn(world, kinds):
     assert run_ranks(_sharded_sync_worker, world, kinds) == [synced] * world
 
 
-def _engine_on_one_rank_worker(rank, world):
-    reference = _distinct_model(7)
-    trainer = _shard(copy.deepcopy(reference), "fsdp", world)
-    if rank == 0:
-        engine = TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32, dtype=torch.bfloat16)
-        sync_weights(trainer, engine, bucket_bytes=30_000)
-        _assert_engine_holds(engine, reference, torch.bfloat16)
-    else:  # gathers in the engine's dtype without holding an engine
-        sync_weights(trainer, None, bucket_bytes=30_000, dtype=torch.bfloat16)
-    return rank
-
-
 class _FailsAtFirstBucket(_Recorder):
     def update_weights(self, named_tensors):
         raise RuntimeError("the engine refused the bucket")
@@ -236,11 +218,6 @@ def _after_no_grad_forward_worker(rank, world, folder):
 @pytest.mark.multiprocess
 def test_sync_and_checkpoint_after_a_no_grad_forward_read_the_fp32_master_weights(tmp_path):
     assert run_ranks(_after_no_grad_forward_worker, 2, str(tmp_path / "ckpt")) == [0, 1]
-
-
-@pytest.mark.multiprocess
-def test_rank_without_an_engine_gathers_in_the_engine_dtype():
-    assert run_ranks(_engine_on_one_rank_worker, 2) == [0, 1]
 
 
 @pytest.mark.multiprocess
