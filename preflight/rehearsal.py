@@ -35,7 +35,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -58,10 +58,6 @@ if TYPE_CHECKING:
     from preflight.gpu_ledger import PhaseRow
     from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup
-
-T = TypeVar("T")
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class RehearsalError(Exception):
@@ -96,7 +92,7 @@ def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: 
         plan = plan_engine_memory(
             args,
             tp_size=ro.tp_size,
-            dtype_bytes=DTYPE_BYTES[ro.dtype],
+            dtype_bytes=spec.dtype.itemsize,
             gpu_total_bytes=gpu_bytes,
             gpu_free_bytes_at_start=max(free_bytes, 0),
             mem_fraction_static=ro.mem_fraction_static,
@@ -120,7 +116,7 @@ def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: 
 def torch_engine_share(spec: EngineSpec, args: ModelArgs) -> EngineShare:
     """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
     max_batch_size slots x the longest sequence that it frees while the trainer runs."""
-    nbytes, seq, batch = DTYPE_BYTES[spec.rollout.dtype], spec.max_seq_len, spec.rollout.max_batch_size
+    nbytes, seq, batch = spec.dtype.itemsize, spec.max_seq_len, spec.rollout.max_batch_size
     kv = 2 * args.num_layers * batch * args.num_kv_heads * seq * args.head_dim * nbytes
     logits = batch * args.vocab_size * 4  # one decode step's fp32 logits
     return EngineShare(
@@ -265,7 +261,9 @@ class _Phases(StepPhases):
                 f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
                 f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)"
             )
-        _restart(self.build_tracker)  # what follows the engine's start is a phase of its own
+        # What follows the engine's start is a phase of its own: a new peak (a tracker measures since it was entered).
+        self.build_tracker.__exit__(None, None, None)
+        self.build_tracker.__enter__()
         return engine
 
     def build(self, fill: bool) -> None:
@@ -355,12 +353,6 @@ class _Phases(StepPhases):
 
     def after_step(self, step: int, record: StepRecord) -> None:
         pass
-
-
-def _restart(tracker: MemTracker) -> None:
-    """Start a new peak on a tracker that is running (it measures the peak since it was entered)."""
-    tracker.__exit__(None, None, None)
-    tracker.__enter__()
 
 
 # ---------------------------------------------------------------------------------------- the command

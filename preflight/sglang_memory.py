@@ -143,15 +143,13 @@ def prefill_cuda_graph_sizes(max_tokens: int) -> list[int]:
     return [size for lo, hi, step in steps for size in range(lo, hi + 1, step) if size <= max_tokens]
 
 
-def cuda_graph_bytes(gpu_total_bytes: int, tp_size: int, max_bs: int | None = None, prefill_graphs: bool = True) -> int:
+def cuda_graph_bytes(gpu_total_bytes: int, tp_size: int, prefill_graphs: bool = True) -> int:
     """Estimate of the captured graphs' memory, SGLang's own reserve for them (srt/arg_groups/memory_hook.py
     reserve_for_graph_mb, non-MLA model): 2 MiB per batch slot of the largest decode graph, plus 8 MiB per
     captured prefill size when prefill graphs are on (the default on CUDA; prefill_cuda_graph_sizes), e.g.
     256 x 2 + 58 x 8 = 976 MiB on an 80 GB GPU at TP < 4."""
-    if max_bs is None:
-        max_bs = decode_cuda_graph_max_bs(gpu_total_bytes, tp_size)
     prefill = len(prefill_cuda_graph_sizes(chunked_prefill_size(gpu_total_bytes))) if prefill_graphs else 0
-    return (max_bs * 2 + prefill * 8) * MIB
+    return (decode_cuda_graph_max_bs(gpu_total_bytes, tp_size) * 2 + prefill * 8) * MIB
 
 
 def max_running_requests(kv_tokens: int, context_length: int, requested: int | None = None) -> int:
@@ -171,11 +169,8 @@ def plan_engine_memory(
     gpu_free_bytes_at_start: int,
     mem_fraction_static: float,
     context_length: int | None = None,
-    kv_dtype_bytes: int | None = None,
     page_size: int = 1,
     disable_cuda_graph: bool = False,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests_cap: int | None = None,
     untagged_bytes: int = DEFAULT_UNTAGGED_BYTES,
 ) -> EngineMemoryPlan:
     """The engine's memory per GPU, by SGLang 0.5.21's rule (module docstring).
@@ -191,11 +186,11 @@ def plan_engine_memory(
     context_length = context_length or args.max_position_embeddings
     weights = weight_bytes_per_rank(args, tp_size, dtype_bytes)
     rest = _kv_budget_bytes(weights, gpu_free_bytes_at_start, untagged_bytes, mem_fraction_static)
-    cell = kv_cell_bytes(args, tp_size, kv_dtype_bytes or dtype_bytes)
+    cell = kv_cell_bytes(args, tp_size, dtype_bytes)
     tokens = _kv_pool_tokens(rest, cell, page_size)
-    requests = max_running_requests(tokens, context_length, max_running_requests_cap)
+    requests = max_running_requests(tokens, context_length)
     req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
-    graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size, cuda_graph_max_bs)
+    graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size)
     return EngineMemoryPlan(
         weights=weights,
         kv_cache=tokens * cell + req_to_token,

@@ -178,8 +178,9 @@ class EngineProcess:
         while not self._conn.poll(max(0.0, min(POLL_S, end - time.monotonic()))):
             if not self.process.is_alive() and not self._conn.poll(0):
                 self._died(what)
-            if time.monotonic() >= end:
-                self.kill_hung(what, f"no answer within its deadline of {deadline_s:,.0f} s")
+            if time.monotonic() >= end:  # hung: its processes are killed first, then it is ended as a dead one
+                self._end_group()
+                self._died(what, f"no answer within its deadline of {deadline_s:,.0f} s: hung, its processes killed")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError):
@@ -187,11 +188,6 @@ class EngineProcess:
         if status == "error":
             raise EngineCallError(value)
         return value
-
-    def kill_hung(self, what: str, why: str) -> NoReturn:
-        """A hung engine (`why`: the deadline it missed) is ended like a dead one: EngineDied."""
-        self._end_group()
-        self._died(what, f"{why}: hung, its processes killed")
 
     def _died(self, what: str, how: str | None = None) -> NoReturn:
         self.process.join(timeout=10)

@@ -34,14 +34,12 @@ class PagedKVCache:
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.num_blocks = num_blocks
-        self.block_size = block_size
         self.scratch_block = num_blocks
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """k and v of one token position in every layer."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 class PrefillContext:

@@ -120,7 +120,6 @@ class SchedulerStats:
     peak_running: int = 0
     saturated_steps: int = 0  # decode steps with sequences still waiting: the cache or batch is the limit
     saturated_running_sum: int = 0
-    prefills: int = 0
     preemptions: int = 0
 
     @property
@@ -171,7 +170,6 @@ class Scheduler:
                 f"the KV cache ({self.blocks.num_blocks} blocks) cannot admit a sequence of "
                 f"{self.waiting[0].num_tokens} tokens with nothing running"
             )
-        self.stats.prefills += bool(groups)
         return groups
 
     def _admissible_group(self, first: Sequence, num_tokens: int) -> list[Sequence]:

@@ -106,11 +106,6 @@ def _collective(name: str, *args: Any, **kwargs: Any) -> None:
         raise dist.DistError(f"{name} over the engine group: {exc}") from exc
 
 
-def _why(exc: BaseException) -> str:
-    """An error's message; the engine process's errors already name their type."""
-    return str(exc) if isinstance(exc, EngineCallError) else describe(exc)
-
-
 def check_sglang_version(installed: str | None = None) -> None:
     """Refuse any sglang other than SGLANG_VERSION, with the reason and the fix."""
     if installed is None:
@@ -315,22 +310,23 @@ class SGLangEngine:
 
     # -- protocol ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check(what: str, result: object) -> None:
-        """SGLang's update calls return (success, message); flush_cache a FlushCacheReqOutput(success, message),
-        success False when requests are pending (srt/managers/scheduler.py Scheduler.flush_cache) or another
-        flush is under way (srt/managers/scheduler_components/flush_wrapper.py SchedulerFlushWrapper.handle)."""
+    def _checked_call(self, method: str, **kwargs: object) -> None:
+        """`_call`, refused unless it succeeded. SGLang's update calls return (success, message); flush_cache a
+        FlushCacheReqOutput(success, message), success False when requests are pending (srt/managers/scheduler.py
+        Scheduler.flush_cache) or another flush is under way (srt/managers/scheduler_components/flush_wrapper.py
+        SchedulerFlushWrapper.handle)."""
+        result = self._call(method, **kwargs)
         if isinstance(result, (tuple, list)) and not result[0]:
-            raise RuntimeError(f"{what}: {result[1]}")
+            raise RuntimeError(f"{method}: {result[1]}")
         if getattr(result, "success", True) is False:
-            raise RuntimeError(f"{what} refused: {getattr(result, 'message', '') or 'the engine was not idle'}")
+            raise RuntimeError(f"{method} refused: {getattr(result, 'message', '') or 'the engine was not idle'}")
 
     def _end_session(self) -> None:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
-            self._check("end_weight_update", self._call("end_weight_update"))
+            self._checked_call("end_weight_update")
             self._session_open = False
-            self._check("flush_cache", self._call("flush_cache"))  # prefixes cached with the old weights
+            self._checked_call("flush_cache")  # prefixes cached with the old weights
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send one bucket of (HF name, full tensor); validated whole before anything is sent. Every rank of the
@@ -367,16 +363,13 @@ class SGLangEngine:
                     self._call("resume_memory_occupation", ["weights"])
                     self._released.discard("weights")
                 if not self._session_open:
-                    self._check("begin_weight_update", self._call("begin_weight_update"))
+                    self._checked_call("begin_weight_update")
                     self._session_open = True
-                self._check(
+                self._checked_call(
                     "update_weights_from_tensor",
-                    self._call(
-                        "update_weights_from_tensor",
-                        named_tensors=per_rank,
-                        load_format="flattened_bucket",
-                        flush_cache=False,
-                    ),
+                    named_tensors=per_rank,
+                    load_format="flattened_bucket",
+                    flush_cache=False,
                 )
                 self._pushed.update(name for name, _ in bucket)
             return [None] * len(rank_payloads)
@@ -476,7 +469,8 @@ class SGLangEngine:
             except Exception as e:
                 if self.group is None:
                     raise
-                results = [("error", _why(e))] * len(gathered)
+                why = str(e) if isinstance(e, EngineCallError) else describe(e)  # the first already names its type
+                results = [("error", why)] * len(gathered)
             parts = [(status, value, self._state()) for status, value in results]
         status, value, state = self._scatter(parts)
         self._adopt(state)
