@@ -54,10 +54,6 @@ class PhaseRow:
     note: str = ""
 
     @property
-    def host(self) -> int:
-        return sum(self.host_parts.values())
-
-    @property
     def trainer_peak(self) -> int:
         return sum(self.trainer.values())
 

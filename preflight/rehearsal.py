@@ -248,7 +248,7 @@ class _Phases(StepPhases):
         now, host = self.built("current", policy)
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
         spec = EngineSpec.from_config(cfg)
-        if spec.kind == "sglang":
+        if spec.rollout.engine == "sglang":
             share = sglang_share(spec, self.args, ledger.gpu_bytes, free)
         else:
             share = torch_engine_share(spec, self.args)

@@ -55,10 +55,10 @@ DEFAULT_UNTAGGED_BYTES = 1 * GIB
 class EngineMemoryPlan:
     """Bytes one GPU gives to the engine, by SGLang memory tag (see the module docstring)."""
 
-    weights: int  # bytes per GPU: this TP rank's weight shard
-    kv_cache: int  # bytes per GPU: the KV pool (token_to_kv and req_to_token, both tagged kv_cache)
-    cuda_graph: int  # bytes per GPU held by captured CUDA graphs (estimate, see cuda_graph_bytes)
-    other: int  # bytes per GPU no memory tag releases (estimate: CUDA context, communicators)
+    weights: int  # this TP rank's weight shard
+    kv_cache: int  # the KV pool (token_to_kv and req_to_token, both tagged kv_cache)
+    cuda_graph: int  # held by captured CUDA graphs (estimate, see cuda_graph_bytes)
+    other: int  # no memory tag releases it (estimate: CUDA context, communicators)
     kv_tokens: int  # tokens the KV pool holds
     cuda_graph_releasable: bool = False  # SGLANG_MEMORY_SAVER_CUDA_GRAPH (module docstring): off by default
 
@@ -109,29 +109,18 @@ def kv_cell_bytes(args: ModelArgs, tp_size: int, kv_dtype_bytes: int) -> int:
 
 
 def decode_cuda_graph_max_bs(gpu_total_bytes: int, tp_size: int) -> int:
-    """SGLang's default largest decode CUDA-graph batch by GPU size (srt/arg_groups/memory_hook.py
-    handle_gpu_memory_settings)."""
-    mib = gpu_total_bytes / MIB
-    if mib < 20 * 1024:
-        return 8
-    if mib < 35 * 1024:
-        return 48 if tp_size < 4 else 160
-    if mib < 60 * 1024:
-        return 32 if tp_size < 4 else 160
-    if mib < 160 * 1024:
-        return 256 if tp_size < 4 else 512
+    """SGLang's default largest decode CUDA-graph batch (srt/arg_groups/memory_hook.py handle_gpu_memory_settings)."""
+    for below_gib, below_tp4, from_tp4 in ((20, 8, 8), (35, 48, 160), (60, 32, 160), (160, 256, 512)):
+        if gpu_total_bytes < below_gib * GIB:
+            return below_tp4 if tp_size < 4 else from_tp4
     return 512
 
 
 def chunked_prefill_size(gpu_total_bytes: int) -> int:
     """SGLang's default chunked_prefill_size by GPU size (handle_gpu_memory_settings), in tokens."""
-    mib = gpu_total_bytes / MIB
-    if mib < 20 * 1024:
-        return 2048
-    if mib < 60 * 1024:
-        return 4096
-    if mib < 160 * 1024:
-        return 8192
+    for below_gib, tokens in ((20, 2048), (60, 4096), (160, 8192)):
+        if gpu_total_bytes < below_gib * GIB:
+            return tokens
     return 16384
 
 

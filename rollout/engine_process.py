@@ -36,6 +36,7 @@ asks the engine to shut down, waits, then SIGKILLs the engine's process group.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.util
@@ -108,10 +109,8 @@ def serve(conn: Connection, target: Callable[..., object], kwargs: dict, parent_
             result = ("error", describe(exc))
         _ignore_terminal_signals()  # SGLang's first request installs its own SIGTERM handler
         if method == "shutdown":
-            try:
+            with contextlib.suppress(OSError):
                 _reply(conn, *result)
-            except OSError:
-                pass
             return
         _reply(conn, *result)
 
@@ -206,10 +205,8 @@ class EngineProcess:
     def _end_group(self) -> None:
         """SIGKILL what is left of the engine's process group (SGLang's own processes)."""
         if self.group is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.group, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             self.group = None
         self.process.join(timeout=10)
 
@@ -220,12 +217,10 @@ class EngineProcess:
 
     def _shutdown(self, timeout_s: float = 60.0) -> None:
         if self.dead is None and self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError, EOFError):
                 self._conn.send(("shutdown", (), {}))
                 if self._conn.poll(timeout_s):
                     self._conn.recv()
-            except (OSError, EOFError):
-                pass
             self.process.join(timeout=timeout_s)
         self.dead = self.dead or f"{self.name} was shut down"
         self._end_group()

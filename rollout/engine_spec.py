@@ -38,10 +38,6 @@ class EngineSpec:
         return cls(cfg.rollout, cfg.data.max_prompt_length, cfg.engine_max_new_tokens, cfg.job.seed, cfg.model.hf_path)
 
     @property
-    def kind(self) -> str:
-        return self.rollout.engine
-
-    @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.rollout.dtype]
 
@@ -84,7 +80,7 @@ class EngineSpec:
     def start_beside(self, policy: Qwen2, dist_env: DistEnv) -> Engine:
         """The engine of a training run, started after the policy is sharded (the torch engine: its own
         full copy, filled from the shards, every rank taking part in the gathers)."""
-        if self.kind == "torch":
+        if self.rollout.engine == "torch":
             from model.qwen2 import Qwen2
             from rollout.weight_sync import sync_weights
 
@@ -108,7 +104,7 @@ class EngineSpec:
     def start_from_checkpoint(self, model_dir: str, longest_prompt: int, max_new_tokens: int) -> Engine:
         """The engine over an HF checkpoint directory, on the GPU when there is one (eval.py). It never holds
         more context than the longest prompt plus `max_new_tokens`, nor more than the model's."""
-        if self.kind == "sglang":
+        if self.rollout.engine == "sglang":
             return self.sglang_engine(model_dir)
         from model.hf import load_hf
 

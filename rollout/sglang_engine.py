@@ -175,7 +175,6 @@ class SGLangEngine:
         device: torch.device | str | None = None,
         call_timeout_s: float = 600.0,
         poll_s: float = 1.0,
-        **engine_kwargs: object,  # more sglang.Engine server arguments
     ) -> None:
         dtype = to_dtype(dtype)  # config files name dtypes as strings
         if tp_size < 1:
@@ -208,7 +207,6 @@ class SGLangEngine:
             dtype=dtype_name(dtype),
             random_seed=seed,
             context_length=self.context_length,
-            **engine_kwargs,
         )
 
         def start() -> None:
