@@ -171,7 +171,14 @@ def plan_engine_memory(
         takes its baseline.
     Raises EngineMemoryError where SGLang refuses to start.
     """
-    _check_plan_inputs(tp_size, dtype_bytes, gpu_total_bytes, gpu_free_bytes_at_start, mem_fraction_static, page_size)
+    if not 0.0 < mem_fraction_static < 1.0:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+    if gpu_free_bytes_at_start > gpu_total_bytes:
+        raise ValueError(
+            f"gpu_free_bytes_at_start ({gpu_free_bytes_at_start}) exceeds gpu_total_bytes ({gpu_total_bytes})"
+        )
+    if page_size < 1 or tp_size < 1 or dtype_bytes < 1:
+        raise ValueError("page_size, tp_size and dtype_bytes must be >= 1")
     context_length = context_length or args.max_position_embeddings
     weights = weight_bytes_per_rank(args, tp_size, dtype_bytes)
     rest = _kv_budget_bytes(weights, gpu_free_bytes_at_start, untagged_bytes, mem_fraction_static)
@@ -187,25 +194,6 @@ def plan_engine_memory(
         other=untagged_bytes,
         kv_tokens=tokens,
     )
-
-
-def _check_plan_inputs(
-    tp_size: int,
-    dtype_bytes: int,
-    gpu_total_bytes: int,
-    gpu_free_bytes_at_start: int,
-    mem_fraction_static: float,
-    page_size: int,
-) -> None:
-    """Refuse settings no GPU or SGLang engine can have (a ValueError naming the setting)."""
-    if not 0.0 < mem_fraction_static < 1.0:
-        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
-    if gpu_free_bytes_at_start > gpu_total_bytes:
-        raise ValueError(
-            f"gpu_free_bytes_at_start ({gpu_free_bytes_at_start}) exceeds gpu_total_bytes ({gpu_total_bytes})"
-        )
-    if page_size < 1 or tp_size < 1 or dtype_bytes < 1:
-        raise ValueError("page_size, tp_size and dtype_bytes must be >= 1")
 
 
 def _kv_budget_bytes(

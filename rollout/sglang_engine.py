@@ -137,15 +137,6 @@ def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
     return max_prompt_length + max_new_tokens - 1 + PROMPT_MARGIN
 
 
-def _leader_of(group: dist.ProcessGroup | None, tp_size: int) -> tuple[int | None, bool]:
-    """(the global rank of the group's leader, whether this rank is it); without a group this rank leads."""
-    if group is None:
-        return None, True
-    if dist.get_world_size(group) != tp_size:
-        raise ValueError(f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})")
-    return dist.get_global_rank(group, 0), dist.get_rank(group) == 0
-
-
 class SGLangEngine:
     """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
 
@@ -187,7 +178,12 @@ class SGLangEngine:
         self.call_timeout_s = call_timeout_s  # each call's deadline (module doc)
         self.group = group
         self.device = torch.device(device) if device is not None else None
-        self._leader, self.is_leader = _leader_of(group, tp_size)
+        if group is not None and dist.get_world_size(group) != tp_size:
+            raise ValueError(
+                f"group has {dist.get_world_size(group)} ranks; it needs one per SGLang TP rank ({tp_size})"
+            )
+        self._leader = None if group is None else dist.get_global_rank(group, 0)  # the leader's global rank
+        self.is_leader = group is None or dist.get_rank(group) == 0  # without a group this rank leads
         # Protocol state, kept identical on every rank of the group; only the leader holds the engine.
         self._engine: EngineProcess | None = None
         self._released: set[str] = set()

@@ -50,13 +50,12 @@ def sglang_sampling_params(params: SamplingParams, max_new_tokens: int | None = 
 
 
 def completions_from_sglang(
-    outputs: list[dict[str, Any]] | dict[str, Any],  # SGLang's output dicts: JSON-like values
+    outputs: list[dict[str, Any]],  # SGLang's output dicts: JSON-like values
     num_prompts: int,
     n: int,
 ) -> list[Completion]:
-    """Translate SGLang's output dicts (prompt-major, n per prompt) into Completions; see module doc."""
-    if isinstance(outputs, dict):
-        outputs = [outputs]
+    """SGLang's output dicts (prompt-major, n per prompt) as Completions: token ids and log-probs from
+    meta_info["output_token_logprobs"], checked against `output_ids`, and the finish reason's type."""
     if len(outputs) != num_prompts * n:
         raise ValueError(f"SGLang returned {len(outputs)} outputs for {num_prompts} prompts x {n} samples")
     completions = []
