@@ -72,10 +72,6 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative, got {self.stop_token_ids}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 @dataclass
 class Completion:

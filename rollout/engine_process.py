@@ -157,10 +157,6 @@ class EngineProcess:
             self.close(timeout_s=10)
             raise
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
     def call(self, method: str, *args: object, deadline_s: float, **kwargs: object) -> Any:
         """engine.method(*args, **kwargs) in the child; its result, or EngineCallError / EngineDied (also when
         no answer came within deadline_s). (Any: whatever that method returns, unpickled from the pipe.)"""
@@ -198,7 +194,7 @@ class EngineProcess:
             if code < 0
             else f"exit code {code}"
         )
-        self.dead = f"{self.name} process (pid {self.pid}) ended during {what} ({how})"
+        self.dead = f"{self.name} process (pid {self.process.pid}) ended during {what} ({how})"
         self._end_group()
         raise EngineDied(self.dead)
 

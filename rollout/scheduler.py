@@ -56,9 +56,6 @@ class Sequence:
         """Where the next decode input (the last token) goes."""
         return self.num_tokens - 1
 
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.token_ids
-
     def append(self, token: int, logprob: float, stop: frozenset[int]) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)

@@ -90,8 +90,7 @@ RELEASED_TAGS = ("kv_cache", "weights")
 
 
 def start_sglang(**server_args: object) -> sglang.Engine:
-    """The engine process's target in production: `sglang.Engine(**server_args)` of the pinned release."""
-    check_sglang_version()
+    """The engine process's target in production: `sglang.Engine(**server_args)` (`_launch` checks the release)."""
     import sglang
 
     return sglang.Engine(**server_args)

@@ -207,7 +207,7 @@ class TorchEngine:
         """Prefill each group's token list once into its sequences' blocks; returns the last-position
         logits per sequence [sum of group sizes, V], in group order."""
         assert self.model is not None and self._cache is not None  # submit checks both
-        rows = [group[0].all_tokens() for group in groups]
+        rows = [group[0].prompt + group[0].token_ids for group in groups]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
         for i, r in enumerate(rows):

@@ -66,7 +66,8 @@ def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
     before = children()
     engine = engine_class()(checkpoint, dtype=torch.float32)
     process = engine._engine
-    assert process.pid in children() and os.getsid(process.pid) == process.pid != os.getsid(0)
+    pid = process.process.pid
+    assert pid in children() and os.getsid(pid) == pid != os.getsid(0)
     out = generate(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=2, n=2))
     assert [c.token_ids for c in out] == [chain(3, 2)[0]] * 2
     engine.release_memory()
@@ -91,7 +92,7 @@ def test_a_scheduler_crash_ends_only_the_engine_process(checkpoint, phase):
     the call raises EngineDied naming it, every later call raises at once, and no process is left."""
     before = children()
     engine = engine_class(crash={phase: 1})(checkpoint, dtype=torch.float32)
-    pid = engine._engine.pid
+    pid = engine._engine.process.pid
     trainer = build_model(ARGS, seed=5)
     steps = {
         "generate": lambda: generate(engine, [[1, 2]], SamplingParams(max_new_tokens=2)),
@@ -113,7 +114,7 @@ def test_a_killed_engine_process_and_a_sigquit_are_engine_deaths(checkpoint, tmp
     before = children()
     announce = str(tmp_path / "calls")
     engine = engine_class(delay={"async_generate": 30.0}, announce=announce)(checkpoint, dtype=torch.float32)
-    pid = engine._engine.pid
+    pid = engine._engine.process.pid
     started = time.monotonic()
     killer = subprocess.Popen(
         [sys.executable, "-c", _KILL_WHEN_ANNOUNCED, announce, "async_generate", str(pid), str(int(signal.SIGKILL))]
@@ -125,7 +126,7 @@ def test_a_killed_engine_process_and_a_sigquit_are_engine_deaths(checkpoint, tmp
     engine.shutdown()
     # SIGQUIT is SGLang's own "a child failed" signal: its handler kills the engine's process tree.
     engine = engine_class()(checkpoint, dtype=torch.float32)
-    os.kill(engine._engine.pid, signal.SIGQUIT)
+    os.kill(engine._engine.process.pid, signal.SIGQUIT)
     with pytest.raises(EngineDied, match="killed by SIGKILL"):
         generate(engine, [[1]], SamplingParams(max_new_tokens=1))
     engine.shutdown()
@@ -160,7 +161,7 @@ if __name__ == "__main__":
     engine = Engine({checkpoint!r}, dtype=torch.float32)
     GuardedEngine(engine).generate([[1]], SamplingParams(max_new_tokens=1))  # SGLang installs its SIGTERM handler now
     os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground process group
-    os.kill(engine._engine.pid, signal.SIGTERM)  # a launcher signalling every process of the job
+    os.kill(engine._engine.process.pid, signal.SIGTERM)  # a launcher signalling every process of the job
     out = GuardedEngine(engine).generate([[1, 2]], SamplingParams(max_new_tokens=1))
     engine.shutdown()
     print(seen, out[0].token_ids, engine._engine is None)
