@@ -10,12 +10,14 @@
 
 With parallelism.cpu_offload the shards live on the CPU: gathering them there would run an NCCL collective on
 CPU tensors, and SGLang would be handed a CPU tensor where it opens a CUDA IPC handle. Peak extra memory is one
-bucket of full tensors (a single tensor larger than `bucket_bytes` forms a bucket of its own).
+bucket of full tensors (a single tensor larger than `bucket_bytes` forms a bucket of its own); the engine copies
+each bucket into its existing weights (no re-allocation).
 
 Every rank of the trainer calls it, because gathering a DTensor is a collective that all ranks of its mesh must
-enter in the same order; with SGLang each rank passes its `SGLangEngine` handle, which gathers the ranks'
-buckets to the engine's leader. In a run the engine is the guarded one (run/guard.py): the ranks agree after
-every bucket, so a failed update on any rank stops every rank at the same bucket.
+enter in the same order (the module's parameter order, the same on every rank); with SGLang each rank passes
+its `SGLangEngine` handle, which gathers the ranks' buckets to the engine's leader. In a run the engine is the
+guarded one (run/guard.py): the ranks agree after every bucket, so a failed update on any rank stops every rank
+at the same bucket.
 """
 
 from __future__ import annotations
