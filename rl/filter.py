@@ -105,7 +105,6 @@ class DynamicBatchBuilder(Generic[Payload]):
         self._last_step: int | None = None
         self._kept: list[tuple[int, ScoredGroup[Payload]]] = []  # (step generated, group) of this step, oldest first
         self._rounds, self._from_carry, self._stale = 0, 0, 0
-        self._stats = FilterStats()
 
     # -- step lifecycle ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 takes them only where they are exact, and carried-over samples are always recomputed."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -16,11 +17,11 @@ from rl.filter import ScoredGroup
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
 from tests.engines import generate
+from trainer.mismatch import ROLLOUT_LOGP_TOLERANCE
 from trainer.observers import TrainWatch, no_display
 from trainer.packing import pack_micro_batches
 from trainer.scoring import Sample
 from trainer.update import (
-    ROLLOUT_LOGP_TOLERANCE,
     TrainPhase,
     fill_old_logprobs,
     old_logprob_source,
@@ -218,3 +219,24 @@ def test_padding_rows_need_no_old_log_probs():
 
     assert not needs_recompute(empty_micro_batch(), "rollout")
     assert needs_recompute(empty_micro_batch(), "recompute")
+
+
+def test_the_update_warns_when_the_engines_pi_old_strays_from_the_trainers(caplog):
+    """TrainWatch.finish: where the engine's log-probs served as pi_old (the configured setting given), a gap
+    above ROLLOUT_LOGP_TOLERANCE is one warning naming the step and the fix; none at the tolerance or when the
+    trainer recomputed pi_old (no setting)."""
+    watch = TrainWatch(no_display)
+    for gap, setting, warned in [(0.5, "auto", True), (ROLLOUT_LOGP_TOLERANCE, "auto", False), (0.5, None, False)]:
+        caplog.clear()
+        watch.start(7, [], epochs=1).mismatch.max_abs_logp.add(gap)
+        with caplog.at_level(logging.WARNING):
+            watch.finish(setting)
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == (
+            [
+                "step 7: the engine's log-probs differ from the trainer's by up to 0.5, yet serve as pi_old "
+                "(algorithm.old_logprobs = 'auto'); set it to 'recompute'"
+            ]
+            if warned
+            else []
+        )

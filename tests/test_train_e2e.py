@@ -20,7 +20,7 @@ from model.qwen2 import build_model
 from tests.dist_utils import run_ranks
 from tests.planted_train import planted_score
 from tests.test_checkpoint_integrity import garbage_rank_json
-from trainer.update import ROLLOUT_LOGP_TOLERANCE
+from trainer.mismatch import ROLLOUT_LOGP_TOLERANCE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

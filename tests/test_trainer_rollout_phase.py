@@ -17,8 +17,7 @@ from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure
 from run.guard import GuardedEngine
 from run.signals import StopRequested
-from trainer.loop import on_shortfall
-from trainer.observers import RolloutWatch, no_display
+from trainer.observers import RolloutWatch, no_display, on_shortfall
 from trainer.rollout_phase import RolloutPhase
 
 
@@ -73,7 +72,7 @@ def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, d
     )
     guarded = GuardedEngine(engine, SingleProcess(), runner)
     watch = RolloutWatch(guarded, builder, display)
-    groups, _ = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect(step)
+    groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect(step)
     return groups, row(watch.metrics)
 
 
@@ -147,16 +146,15 @@ def test_a_short_batch_is_trained_on_with_one_line_or_stops_the_run(caplog):
     builder.start_step(3)
     _, filtered = builder.finish()  # no round ran: all 4 missing
     filtered.rounds.add(2)
-    algorithm = Config().algorithm
     with caplog.at_level(logging.WARNING, logger="train"):
-        on_shortfall(filtered, 3, dataclasses.replace(algorithm, max_num_gen_batches=2))
+        on_shortfall(filtered, 3, "fill", 2)
     (line,) = [r.getMessage() for r in caplog.records]
     assert (
         line
         == "dynamic sampling kept 0 of 4 groups at step 3 after 2 of 2 generation rounds; training on the smaller batch"
     )
     with pytest.raises(RuntimeError, match=r"kept 0 of 4 groups .* \(on_shortfall 'raise'\): allow more rounds"):
-        on_shortfall(filtered, 3, dataclasses.replace(algorithm, on_shortfall="raise"))
+        on_shortfall(filtered, 3, "raise", 2)
 
 
 def _engine_groups(rank, world_size):

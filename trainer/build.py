@@ -115,7 +115,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    watch = RolloutWatch(engine, builder, display)
+    watch = RolloutWatch(engine, builder, display, alg.on_shortfall)
     rollout = RolloutPhase(cfg, engine, sampler, builder, tokenizer, dist.dp_rank, watch)
     update = TrainPhase(cfg, policy, optimizer, scheduler, dist, TrainWatch(display))
     return Components(

@@ -38,26 +38,10 @@ from trainer.types import RolloutGroup
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
 if TYPE_CHECKING:
-    from config.schema import AlgorithmConfig
     from model.qwen2 import Qwen2
     from parallel.dist_env import DistEnv
-    from rl.stats import FilterStats
 
 log = logging.getLogger("train")
-
-
-def on_shortfall(filtered: FilterStats, step: int, algorithm: AlgorithmConfig) -> None:
-    """A batch dynamic sampling left short after its last round: trained on with one line (on_shortfall "fill"),
-    or the run stopped (on_shortfall "raise")."""
-    short = int(filtered.shortfall.result())
-    if short:
-        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
-        rounds, most = filtered.rounds.result(), algorithm.max_num_gen_batches
-        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {most}"
-        message += " generation rounds"
-        if algorithm.on_shortfall == "raise":
-            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-        log.warning("%s; training on the smaller batch", message)
 
 
 class StepPhases:
@@ -132,25 +116,29 @@ class Trainer(StepPhases):
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
     def generate(self, step: int) -> list[RolloutGroup]:
-        """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring) is agreed
-        on by every rank, and a short batch is trained on or stops the run (algorithm.on_shortfall)."""
+        """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring, or a short
+        batch under algorithm.on_shortfall = "raise") is agreed on by every rank."""
         with self.engine.failures_agreed(f"step {step}, rollout"):
-            groups, filtered = self.parts.rollout.collect(step)
-            on_shortfall(filtered, step, self.cfg.algorithm)
+            groups = self.parts.rollout.collect(step)
         self.dump(step, groups)  # metrics.rollout_dump
         return groups
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""
         times.lap()  # the rollout phase's time is in its metrics
-        record = StepRecord(self.parts.rollout.watch.metrics, self.parts.update.run(step, groups), times)
+        trained = self.parts.update.run(step, groups)
         times.train = times.lap()
-        self.state.step, self.unlogged = step, (step, record)
-        self.position = self.parts.sampler.state_dict(), self.parts.builder.state_dict()
-        record.reduce(self.dist)  # one all-reduce per kind
+        self.state.step, self.position = step, (self.parts.sampler.state_dict(), self.parts.builder.state_dict())
+        return self.step_record(step, groups, StepRecord(self.parts.rollout.watch.metrics, trained, times))
+
+    def step_record(self, step: int, groups: list[RolloutGroup], record: StepRecord) -> StepRecord:
+        """The record of a completed step over every rank (one all-reduce per kind), with its MFU, kept as the
+        row to write should the run stop before `after_step` writes it; the run's token count advanced."""
+        self.unlogged = step, record
+        record.reduce(self.dist)
         self.state.tokens += int(record.train.train_tokens.result())
         cfg = self.cfg
-        args = (self.parts.policy.args, groups, times.train, self.dist)
+        args = (self.parts.policy.args, groups, record.times.train, self.dist)
         record.mfu = training_mfu(*args, ppo_epochs=cfg.training.ppo_epochs, metrics=cfg.metrics)
         return record
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ROLLOUT_LOGP_TOLERANCE = 1e-3  # largest engine/trainer log-prob gap at which the engine's may serve as pi_old
+
 
 @dataclass
 class MismatchMetrics:
@@ -53,7 +55,7 @@ class MismatchProbe:
         fresh = mb.mask * ~mb.stale.unsqueeze(1)
         _add(self.metrics, mismatch_metrics(trainer_logp, mb.rollout_logp, fresh))
 
-    def warn_if_above(self, tolerance: float, step: int, setting: str) -> None:
+    def warn_if_above(self, step: int, setting: str, tolerance: float = ROLLOUT_LOGP_TOLERANCE) -> None:
         """Where the engine's log-probs serve as pi_old: warn when they differ from the trainer's by more."""
         worst = self.metrics.max_abs_logp.result()
         if worst > tolerance:

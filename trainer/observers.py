@@ -2,16 +2,18 @@
 their observer at a few points and never hold a record or a display themselves.
 
     RolloutWatch    the rollout phase (lines 3-8): every group scored, the batch dynamic sampling hands out, the
-                    time spent generating and scoring; a display of the kept groups (and the engine's tokens)
+                    time spent generating and scoring; a display of the kept groups (and the engine's tokens);
+                    a batch left short after the last round trained on with a warning or the run stopped
     TrainWatch      the update (lines 9-12): each loss pass, each optimizer update, the engine/trainer log-prob
                     mismatch (trainer/mismatch.py); a display of the micro-batches
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from observe.progress import Progress
 from trainer.mismatch import MismatchProbe
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup, Sample
 
+log = logging.getLogger("train")
+
 Display = Callable[[int | None, str, str], Progress]  # (total, description, unit) -> a progress display
 
 
@@ -36,17 +40,39 @@ def no_display(total: int | None, desc: str, unit: str) -> Progress:
     return Progress(enabled=False)
 
 
-class RolloutWatch:
-    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring)."""
+def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "raise"], max_rounds: int) -> None:
+    """A batch dynamic sampling left short after its last round: trained on with one line (on_shortfall "fill"),
+    or the run stopped (on_shortfall "raise")."""
+    short = int(filtered.shortfall.result())
+    if short:
+        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
+        rounds = filtered.rounds.result()
+        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
+        message += " generation rounds"
+        if policy == "raise":
+            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
+        log.warning("%s; training on the smaller batch", message)
 
-    def __init__(self, engine: GuardedEngine, builder: DynamicBatchBuilder[list[Sample]], display: Display):
-        self.engine, self.builder, self.display = engine, builder, display
+
+class RolloutWatch:
+    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
+    algorithm.on_shortfall."""
+
+    def __init__(
+        self,
+        engine: GuardedEngine,
+        builder: DynamicBatchBuilder[list[Sample]],
+        display: Display,
+        shortfall: Literal["fill", "raise"] = "fill",
+    ):
+        self.engine, self.builder, self.display, self.shortfall = engine, builder, display, shortfall
+        self.step = 0
         self.metrics, self.bar = RolloutMetrics(), Progress(enabled=False)
         self.tokens, self.started, self.engine_s = 0, 0.0, 0.0
         engine.on_poll = self.polled
 
     def start(self, step: int) -> None:
-        self.metrics, self.tokens = RolloutMetrics(), 0
+        self.metrics, self.tokens, self.step = RolloutMetrics(), 0, step
         self.started, self.engine_s = time.perf_counter(), self.engine.seconds
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 
@@ -61,26 +87,28 @@ class RolloutWatch:
         kept = min(self.builder.num_kept, self.builder.train_batch_size)
         self.bar.update(kept - self.bar.n, rounds=self.builder.rounds)
 
-    def batch(self, finished: tuple[list[RolloutGroup], FilterStats]) -> tuple[list[RolloutGroup], FilterStats]:
-        """The batch dynamic sampling handed out, counted with what the filter did and the phase's times."""
+    def batch(self, finished: tuple[list[RolloutGroup], FilterStats]) -> list[RolloutGroup]:
+        """The batch dynamic sampling handed out, counted with what the filter did and the phase's times; a
+        short one warned about or refused (`on_shortfall`)."""
         self.metrics.add_batch(finished)
         generate_s = self.engine.seconds - self.engine_s
         self.metrics.generate_s.add(generate_s)
         self.metrics.score_s.add(time.perf_counter() - self.started - generate_s)  # scoring and filtering
         self.bar.close()
-        return finished
+        on_shortfall(finished[1], self.step, self.shortfall, self.builder.max_rounds)
+        return finished[0]
 
 
 class TrainWatch:
     """The update's metrics (`start` makes the step's) and display (module docstring)."""
 
     def __init__(self, display: Display):
-        self.display, self.bar = display, Progress(enabled=False)
+        self.display, self.bar, self.step = display, Progress(enabled=False), 0
         self.metrics = TrainMetrics()
         self.probe = MismatchProbe(self.metrics.mismatch, [])
 
     def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int) -> TrainMetrics:
-        self.metrics = TrainMetrics()
+        self.metrics, self.step = TrainMetrics(), step
         self.probe = MismatchProbe(self.metrics.mismatch, mini_batches[0] if mini_batches else [])
         # The valid tokens trained on, once whatever ppo_epochs: overlong-filtered samples and padding have none.
         self.metrics.train_tokens.add(float(sum(int((mb.mask > 0).sum()) for mbs in mini_batches for mb in mbs)))
@@ -103,8 +131,12 @@ class TrainWatch:
     def update(self, loss: float, grad_norm: float | None) -> None:
         self.metrics.add_update(loss, grad_norm)
 
-    def finish(self) -> TrainMetrics:
+    def finish(self, pi_old_setting: str | None = None) -> TrainMetrics:
+        """The step's metrics; where the engine's log-probs served as pi_old (`pi_old_setting`: the configured
+        algorithm.old_logprobs), a warning when they strayed from the trainer's (trainer/mismatch.py)."""
         self.bar.close()
+        if pi_old_setting is not None:
+            self.probe.warn_if_above(self.step, pi_old_setting)
         return self.metrics
 
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from data.prompts import PromptSampler
     from model.tokenizer import Tokenizer
-    from rl.filter import DynamicBatchBuilder, FilterStats
+    from rl.filter import DynamicBatchBuilder
     from run.guard import GuardedEngine
     from trainer.observers import RolloutWatch
     from trainer.types import RolloutGroup, Sample
@@ -61,9 +61,9 @@ class RolloutPhase:
         self.dp_rank, self.watch = dp_rank, watch
         self.params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
 
-    def collect(self, step: int) -> tuple[list[RolloutGroup], FilterStats]:
+    def collect(self, step: int) -> list[RolloutGroup]:
         """Generation rounds until every rank's batch holds its train_batch_size groups, at most
-        max_num_gen_batches rounds: the batch dynamic sampling hands out (surplus carried over) and its stats."""
+        max_num_gen_batches rounds: the batch dynamic sampling hands out (surplus carried over)."""
         builder, cfg = self.builder, self.cfg
         self.watch.start(step)
         builder.start_step(step)  # carried-over groups come first

@@ -73,7 +73,6 @@ def pack_items_for_groups(
     return out
 
 
-ROLLOUT_LOGP_TOLERANCE = 1e-3  # largest engine/trainer log-prob gap at which the engine's may serve as pi_old
 PADDING_GROUP = -1  # group id of the rows that only keep ranks in step
 
 
@@ -203,9 +202,7 @@ class TrainPhase:
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
             # up warm-up either; the schedule's position is checkpointed with it.
             self.scheduler.step()
-        if self.old_logprobs == "rollout":
-            self.watch.probe.warn_if_above(ROLLOUT_LOGP_TOLERANCE, step, self.algorithm.old_logprobs)
-        return self.watch.finish()
+        return self.watch.finish(self.algorithm.old_logprobs if self.old_logprobs == "rollout" else None)
 
     def fill_old_logprobs(self, mini_batches: list[list[MicroBatch]]) -> None:
         """pi_old of every micro-batch (recomputed, or the engine's where exact); the recomputed ones are
