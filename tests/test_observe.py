@@ -283,15 +283,15 @@ def test_panels_have_titles_step_axes_and_missing_metrics_say_so():
     rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3, "pg_clipfrac": 0.01}]
     fig = build_figure(rows)
     axes = [ax for ax in fig.axes if ax.get_title()]
-    assert [ax.get_title() for ax in axes] == [spec.title for spec in PANELS]
+    assert [ax.get_title() for ax in axes] == [title for title, _, _ in PANELS]
     assert {ax.get_xlabel() for ax in axes} == {"step"}
     by_title = {ax.get_title(): ax for ax in axes}
-    entropy_texts = [t.get_text() for t in by_title["Entropy"].texts]
+    entropy_texts = [t.get_text() for t in by_title["Entropy (nats)"].texts]
     assert entropy_texts == ["not in metrics.jsonl:\nentropy"]
     assert not by_title["Reward (score)"].texts
     (line,) = by_title["Reward (score)"].get_lines()
     assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == [0.1, 0.3]
-    assert len(by_title["Clip fractions"].get_lines()) == 1  # pg_clipfrac_lower is absent: not drawn
+    assert len(by_title["Clip fractions (share of tokens)"].get_lines()) == 1  # pg_clipfrac_lower is absent: not drawn
 
 
 def test_series_skip_nulls_and_keep_the_last_value_of_a_relogged_step():
