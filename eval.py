@@ -15,7 +15,7 @@ The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face
 id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
 (a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
-report to a file, through a symbolic link, or into a pipe (`--json >(jq .)`; `ReportTarget`). The command
+report to a file, through a symbolic link, or into a pipe (`--json >(jq .)`; `write_report_to`). The command
 prints a table (one row per data source, then the overall row) followed by one JSON line with the full report.
 The evaluation itself is evaluation/evaluate.py.
 """
@@ -26,8 +26,6 @@ import argparse
 import json
 import logging
 import os
-import re
-import stat
 import sys
 from typing import Any
 
@@ -109,65 +107,31 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-class ReportTarget:
-    """Where `--json PATH` writes the report, checked before the evaluation starts:
-    - a file, a symbolic link to one or a path not there yet: its folder is proven writable now, and the report
-      replaces the file whole at the end (errors.py write_atomically); through a link, the file it points to,
-      never the link itself;
-    - a pipe, a terminal, a device or an open file descriptor (`>(jq .)`, /dev/fd/N, /dev/stdout): opened now
-      (for appending, so a descriptor's file keeps what is in it) and written in place at the end;
-    - a directory or a symbolic-link loop: refused in one line."""
-
-    def __init__(self, path: str):
-        self.path, self.stream = path, None
-        mode = _mode(path)
-        if mode is not None and stat.S_ISDIR(mode):
-            raise ConfigError(
-                f"--json {path} is a directory; pass the path of a file for the report, e.g. "
-                f"{os.path.join(path, 'report.json')}"
-            )
-        if (mode is not None and not stat.S_ISREG(mode)) or _names_a_descriptor(path):
-            with writing(path):
-                self.stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held until the report is in)
-            return
-        self.file = os.path.realpath(path)  # through a symbolic link: the file it points to
-        with writing(self.file):
-            os.makedirs(os.path.dirname(self.file), exist_ok=True)
-            open(f"{self.file}.probe", "w").close()
-            os.remove(f"{self.file}.probe")
-
-    def write(self, report: dict) -> None:
-        if self.stream is None:
-            write_report(report, self.file)
-            return
-        sys.stdout.flush()  # what was printed comes first where the target is this process's own output
-        with writing(self.path), self.stream:
-            self.stream.write(report_text(report))
-
-
-def _mode(path: str) -> int | None:
-    """The st_mode of what `path` names, links followed (None: nothing there yet); a symbolic-link loop, or a path
-    through a file or a folder that may not be searched, is a ConfigError."""
+def check_report_target(path: str) -> None:
+    """`--json PATH`, tried before the evaluation: the file is opened for appending (its folder made), and one
+    made by the try is removed again. A directory, a symbolic-link loop or a folder that cannot be written is
+    one line now, not after the evaluation."""
     try:
-        return os.stat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        problem = broken_link(path) or f"cannot be reached ({exc.strerror})"
-        raise ConfigError(f"--json {path} {problem}; pass the path of a file for the report") from None
+        with writing(path):
+            os.makedirs(os.path.dirname(os.path.realpath(path)), exist_ok=True)
+            existed = os.path.exists(path)
+            open(path, "a").close()
+            if not existed:
+                os.remove(os.path.realpath(path))  # through a symbolic link: the file it points to
+    except OSError as exc:  # what `writing` does not make a WriteError: a directory, a symbolic-link loop
+        raise ConfigError(f"--json {path}: {exc.strerror}; pass the path of a file for the report") from None
 
 
-def _names_a_descriptor(path: str) -> bool:
-    """Whether `path` reaches, through its symbolic links, an entry of a /proc/PID/fd folder (/dev/fd/N,
-    /dev/stdout): an open descriptor, whose file must be written in place, not replaced by another."""
-    for _ in range(40):  # the kernel's own limit on links followed
-        folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-        if re.fullmatch(r"/proc/[^/]+/fd", folder):
-            return True
-        if not os.path.islink(path):
-            return False
-        path = os.path.join(os.path.dirname(os.path.abspath(path)), os.readlink(path))
-    return False
+def write_report_to(path: str, report: dict) -> None:
+    """The report at `--json PATH`: a regular file (or a path not there yet) is replaced whole, through a
+    symbolic link the file it points to (errors.py write_atomically); a pipe, a terminal or this process's own
+    output (`>(jq .)`, /dev/stdout) is appended to, after what was printed."""
+    if not os.path.exists(path) or (os.path.isfile(path) and not os.path.samestat(os.stat(path), os.fstat(1))):
+        write_report(report, os.path.realpath(path))
+        return
+    sys.stdout.flush()
+    with writing(path), open(path, "a", encoding="utf-8") as f:
+        f.write(report_text(report))
 
 
 def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
@@ -195,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
     check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
-    target = ReportTarget(args.json) if args.json else None  # refused before the evaluation, not after it
+    if args.json:
+        check_report_target(args.json)  # refused before the evaluation, not after it
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
@@ -221,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["data"] = cfg.data.eval_path
     print(format_table(report))
     print(json.dumps(report))
-    if target is not None:
-        target.write(report)
+    if args.json:
+        write_report_to(args.json, report)
     return report
 
 

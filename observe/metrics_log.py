@@ -99,7 +99,9 @@ class MetricsLogger:
             raise RuntimeError(f"MetricsLogger for {self.path} is closed")
         rows = read_metrics(self.path)
         kept = [row for row in rows if row["step"] <= step]
-        if len(kept) != len(rows) or not _ends_with_newline(self.path):
+        with open(self.path, "rb") as f:
+            text = f.read()
+        if len(kept) != len(rows) or text and not text.endswith(b"\n"):
             # Rewritten also when a killed run left a partial last line: the next line would be glued to it.
             self._file.close()
             write_atomically(self.path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept))
@@ -123,15 +125,6 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return True
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
 
 
 def _number(key: str, value: object) -> float | int | None:

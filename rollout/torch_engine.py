@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from model.args import ModelArgs
 from model.hf_adapter import from_hf_name, to_hf_name
@@ -209,10 +210,7 @@ class TorchEngine:
         assert self.model is not None and self._cache is not None  # submit checks both
         rows = [group[0].prompt + group[0].token_ids for group in groups]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        tokens = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        tokens = tokens.to(self.device)
+        tokens = pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True).to(self.device)
         positions = torch.arange(tokens.shape[1], device=self.device).expand(len(rows), -1)
         writes = [self._prefill_writes(i, group) for i, group in enumerate(groups)]
         src_row, src_pos, dst_block, dst_offset = (torch.cat(parts).to(self.device) for parts in zip(*writes))

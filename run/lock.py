@@ -96,10 +96,9 @@ class FolderLock:
 
 def _same_file(fd: int, path: str) -> bool:
     try:
-        here, there = os.fstat(fd), os.stat(path)
+        return os.path.samestat(os.fstat(fd), os.stat(path))
     except OSError:
         return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _write_holder(fd: int) -> None:

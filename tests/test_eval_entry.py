@@ -461,12 +461,12 @@ def test_a_json_target_that_cannot_be_a_file_is_one_line_before_the_evaluation(
         (tmp_path / "loop-b").symlink_to(target)
     before = sorted(os.listdir(tmp_path))
     assert _eval_to(checkpoint, target, monkeypatch) == (2, False)
-    problem = "is a symbolic link loop" if kind == "a symbolic link loop" else "is a directory"
+    problem = "Too many levels of symbolic links" if kind == "a symbolic link loop" else "Is a directory"
     assert (
         capsys.readouterr()
         .err.strip()
         .splitlines()[-1]
-        .startswith(f"eval.py: configuration error: --json {target} {problem}; pass the path of a file for the report")
+        .startswith(f"eval.py: configuration error: --json {target}: {problem}; pass the path of a file for the report")
     )
     assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
 
