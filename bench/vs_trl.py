@@ -209,9 +209,6 @@ def trl_worker(policy: str, out: str, steps: int, micro_samples: int) -> None:
 def _trl_prompts(policy: str):
     """(the HF tokenizer TRL uses, the prompt rows of its data set): our training prompts as text that
     re-encodes to our prompt ids."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
     from config import load_config
     from model.tokenizer import Tokenizer
     from trainer.build import load_datasets
@@ -222,13 +219,7 @@ def _trl_prompts(policy: str):
         ["model.preset=", f"model.hf_path={policy}", f"data.max_prompt_length={MAX_PROMPT}"],
     )
     train_set, _ = load_datasets(cfg.data, ours, eval_size=cfg.eval.eval_size)
-    # The tokenizers object itself: AutoTokenizer rebuilds this BPE (merges across words) with a different
-    # pre-tokenization in transformers 5.24 and would give TRL other prompt tokens than ours.
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=RawTokenizer.from_file(os.path.join(policy, "tokenizer.json")),
-        eos_token=ours.eos_token,
-        pad_token=ours.pad_token,
-    )
+    tokenizer = ours.hf  # the transformers tokenizer our prompts were encoded with
     rows = [{"prompt": ours.decode(e.prompt_ids), "ground_truth": e.ground_truth} for e in train_set]
     for e, row in list(zip(train_set, rows))[:32]:  # TRL tokenizes the text: it must give our prompt tokens
         if tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] != e.prompt_ids:

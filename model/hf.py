@@ -450,7 +450,7 @@ def exporting(path: str) -> Iterator[None]:
 def complete_hf_export(path: str, tokenizer: Tokenizer, model_source: str | None = None) -> None:
     """Add to the checkpoint in `path` (config.json + weights) what makes it generate as training did.
 
-    - the tokenizer's files (`tokenizer.save`: a loaded tokenizer's files unchanged, with its chat template);
+    - the tokenizer's files (`tokenizer.save`: transformers' save_pretrained, with the chat template it renders);
     - config.json: bos_token_id = tokenizer.bos_id, eos_token_id = tokenizer.eos_id (Qwen2.5's convention);
     - generation_config.json: eos_token_id = tokenizer.stop_ids, the ids the policy ends a turn with (a
       list, as Qwen2.5's releases write it), with bos_token_id and pad_token_id. No sampling settings: a

@@ -15,10 +15,19 @@ import re
 from dataclasses import dataclass
 
 from errors import ConfigError
-from model.tokenizer import EXTRA_TEMPLATES_DIR, TOKENIZER_FILES
 
-# What the loader, the engines and the export read of a checkpoint: weights, configs and the tokenizer.
-TOKENIZER_PATTERNS = [*TOKENIZER_FILES, f"{EXTRA_TEMPLATES_DIR}/*"]
+# What the loader, the engines and the export read of a checkpoint: weights, configs and the tokenizer (the
+# files a Hugging Face tokenizer directory may hold, and the named chat templates beside the default one).
+TOKENIZER_PATTERNS = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "additional_chat_templates/*",
+]
 MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json"]
 MODEL_PATTERNS += TOKENIZER_PATTERNS
 

@@ -1,6 +1,7 @@
 """The run folder's hf/ export, used from outside the project: transformers' Auto classes alone, in a fresh
 process, must see the prompts training saw, generate greedily what the project's engine generates, and
-stop at the same token; a checkpoint brought in with --model.hf_path keeps its own tokenizer files."""
+stop at the same token; a checkpoint brought in with --model.hf_path keeps its own tokenizer and generation
+settings."""
 
 import json
 import os
@@ -123,8 +124,8 @@ def test_transformers_alone_generates_what_the_engine_generates(demo_run, tmp_pa
             assert len(theirs["new"]) == MAX_NEW
 
 
-def test_a_checkpoints_own_tokenizer_files_are_carried_unchanged(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def test_a_checkpoints_own_tokenizer_and_generation_settings_are_carried(tmp_path):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     source = tmp_path / "source"
     _qwen_style_dir(source, chat_templates.QWEN25)
@@ -146,10 +147,7 @@ def test_a_checkpoints_own_tokenizer_files_are_carried_unchanged(tmp_path):
     (source / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": [2, 0], "pad_token_id": 0, "repetition_penalty": 1.05}, indent=1)
     )
-    carried = {
-        name: (source / name).read_bytes()
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-    }
+    generation_config = (source / "generation_config.json").read_bytes()
 
     argv = _argv(
         str(tmp_path / "runs"),
@@ -165,8 +163,14 @@ def test_a_checkpoints_own_tokenizer_files_are_carried_unchanged(tmp_path):
     )
     assert train.main(argv) == 0
     export = tmp_path / "runs" / "run" / "hf"
-    for name, content in carried.items():
-        assert (export / name).read_bytes() == content, name
-    assert not (export / "chat_template.jinja").exists()  # the source's template is the one in its config
+    assert (export / "generation_config.json").read_bytes() == generation_config
+    # transformers alone loads the export's tokenizer as the source's: the same ids, the same rendered prompts.
+    theirs, exported = AutoTokenizer.from_pretrained(str(source)), AutoTokenizer.from_pretrained(str(export))
+    assert exported.get_chat_template() == chat_templates.QWEN25
+    assert (exported.eos_token, exported.pad_token, exported.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    for messages in CONVERSATIONS:
+        text = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert exported.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
+        assert exported.encode(text) == theirs.encode(text)
     exported_config = json.loads((export / "config.json").read_text())
     assert (exported_config["bos_token_id"], exported_config["eos_token_id"]) == (0, 2)

@@ -176,16 +176,7 @@ def build_tokenizer(
             phrases = [QWEN25_DEFAULT_SYSTEM, *DAPO_PROMPT_TEMPLATE.split("{problem}")]
             train_bpe_tokenizer(texts, vocab, phrases=phrases).save(path)
         barrier()
-    tokenizer = Tokenizer.from_dir(path)
-    mismatch = tokenizer.transformers_mismatch() if is_main else None  # one rank reads the whole vocabulary
-    if mismatch:
-        log.warning(
-            "the tokenizer in %s is not what transformers 5 rebuilds for a Qwen2 checkpoint (%s): "
-            "transformers' AutoTokenizer will encode the exported policy's prompts differently",
-            path,
-            mismatch,
-        )
-    return tokenizer
+    return Tokenizer.from_dir(path)
 
 
 def load_datasets(
