@@ -38,6 +38,7 @@ from model.hf_adapter import (
     from_hf_name,
     hf_shapes,
     is_model_file,
+    is_our_name,
     named_tensors,
     read_hf_config,
     read_json,
@@ -302,47 +303,6 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class _ArrivalCheck:
-    """Checks the (our name, tensor) pairs given to `save_hf` against the HF shapes `want` as they arrive,
-    collecting every mismatch, so that one CheckpointError reports them all at the end."""
-
-    def __init__(self, want: dict[str, torch.Size]) -> None:
-        self.want = want
-        self.seen: set[str] = set()
-        self.unexpected: list[str] = []
-        self.misshaped: list[tuple[str, torch.Size, torch.Size]] = []
-        self.duplicated: list[str] = []
-
-    def accept(self, name: str, tensor: torch.Tensor) -> str | None:
-        """The tensor's HF name if it is one the model needs, seen for the first time, of the right shape;
-        else None (and the mismatch is recorded)."""
-        try:
-            hf_name = to_hf_name(name)
-        except KeyError:
-            self.unexpected.append(name)
-            return None
-        if hf_name not in self.want:
-            self.unexpected.append(name)
-            return None
-        if hf_name in self.seen:
-            self.duplicated.append(name)
-            return None
-        self.seen.add(hf_name)
-        if tuple(tensor.shape) != tuple(self.want[hf_name]):
-            self.misshaped.append((name, tensor.shape, self.want[hf_name]))
-            return None
-        return hf_name
-
-    def raise_on_mismatch(self, where: str) -> None:
-        """One CheckpointError naming every missing, unexpected, mis-shaped and repeated tensor, if any."""
-        missing = [from_hf_name(n) for n in self.want.keys() - self.seen]
-        if missing or self.unexpected or self.misshaped or self.duplicated:
-            report = _mismatch_report(where, missing, self.unexpected, self.misshaped)
-            if self.duplicated:
-                report += f"\n  given more than once: {sorted(self.duplicated)}"
-            raise CheckpointError(report)
-
-
 class _ShardWriter:
     """Collects tensors into shards of at most `max_shard_bytes` (a larger tensor gets a shard of its own)
     and writes each full shard to a temporary safetensors file in `path`; `written` lists (temporary file,
@@ -410,16 +370,28 @@ def save_hf(
         args = model_or_state_dict.args
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    check = _ArrivalCheck(hf_shapes(args))
+    want = hf_shapes(args)
+    given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
+    unexpected, repeated = [], []
 
     os.makedirs(path, exist_ok=True)
     shards = _ShardWriter(path, max_shard_bytes, save_file)
     try:
         for name, tensor in named_tensors(model_or_state_dict):
-            hf_name = check.accept(name, tensor)
-            if hf_name is not None:
-                shards.add(hf_name, _plain_cpu(name, tensor))
-        check.raise_on_mismatch(f"tensors given to save_hf for {path}")
+            hf_name = to_hf_name(name) if is_our_name(name) else None
+            if hf_name not in want:
+                unexpected.append(name)
+            elif hf_name in given:
+                repeated.append(name)
+            else:
+                given[hf_name] = tensor.shape
+                if tensor.shape == want[hf_name]:
+                    shards.add(hf_name, _plain_cpu(name, tensor))
+        missing = [from_hf_name(n) for n in want.keys() - given.keys()]
+        misshaped = [(from_hf_name(n), shape, want[n]) for n, shape in given.items() if shape != want[n]]
+        if missing or unexpected or misshaped or repeated:
+            report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
+            raise CheckpointError(report + (f"\n  given more than once: {sorted(repeated)}" if repeated else ""))
         shards.flush()
     except BaseException:
         shards.remove_temporary()
