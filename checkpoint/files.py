@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import io
 import os
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
 HASH_NAME = "xxh3_128"
-_READ_CHUNK = 8 << 20
 _WRITE_BUFFER = 1 << 20
 # A full disk (or quota): the save can never succeed there until space is freed.
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -146,14 +146,9 @@ def write_file(path: str, data: bytes, written: WrittenFiles) -> None:
 
 def file_record(path: str) -> FileRecord:
     """The size and hash of the file at `path`, read from the start."""
-    digest, size = xxhash.xxh3_128(), 0
-    buffer = bytearray(_READ_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(buffer):
-            digest.update(view[:count])
-            size += count
-    return FileRecord(size, digest.hexdigest())
+        digest = hashlib.file_digest(f, xxhash.xxh3_128)
+        return FileRecord(f.tell(), digest.hexdigest())
 
 
 def verify(root: str, expected: dict[str, FileRecord]) -> str | None:
