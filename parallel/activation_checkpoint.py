@@ -65,11 +65,8 @@ def _checkpoint_forward(block: nn.Module, context_fn: ContextFn | None = None) -
         # preserve_rng_state=False: the blocks draw no random numbers (no dropout), so the RNG
         # bookkeeping would be pure overhead. Without a context_fn, checkpoint's default is left out: dynamo
         # (torch 2.13) cannot trace a checkpoint given its default noop_context_fn explicitly.
-        if context_fn is None:
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        return checkpoint(
-            original, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
-        )
+        extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
     block.forward = forward
 
