@@ -163,13 +163,6 @@ def checkpoint_layout(path: str, args: ModelArgs) -> CheckpointLayout:
     return CheckpointLayout({n: owner[n] for n in want}, owner["lm_head.weight"] if tied_head else None)
 
 
-def tied_head_differs_error(path: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
-        "lm_head.weight that differs from model.embed_tokens.weight"
-    )
-
-
 def nonfinite_weights_error(file: str, name: str) -> CheckpointError:
     return CheckpointError(
         f"{file} holds NaN or inf in {name}: a policy with non-finite weights can be neither trained nor "
@@ -241,7 +234,10 @@ def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
             _read(embed_file, "model.embed_tokens.weight", region),
         )
         if not same:
-            raise tied_head_differs_error(path)
+            raise CheckpointError(
+                f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
+                "lm_head.weight that differs from model.embed_tokens.weight"
+            )
 
 
 @torch.no_grad()
