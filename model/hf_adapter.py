@@ -127,12 +127,8 @@ def named_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, param.detach()
     elif isinstance(source, Mapping):
         yield from source.items()
-    elif isinstance(source, Iterable):
-        yield from source
     else:
-        raise TypeError(
-            f"expected a module, a state dict or an iterable of (name, tensor), got {type(source).__name__}"
-        )
+        yield from source
 
 
 def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
