@@ -301,20 +301,17 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     `--section.key=value` or `--section.key value`."""
     plain: list[str] = []
     overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    items = iter(argv)
+    for arg in items:
         name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
         if "." not in name:
             plain.append(arg)
         elif "=" in arg:
             overrides.append(arg[2:])
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            overrides.append(f"{name}={argv[i + 1]}")
-            i += 1
-        else:
+        elif (value := next(items, "--")).startswith("--"):
             raise ConfigError(f"{arg} (command line) needs a value: {arg}=VALUE or {arg} VALUE")
-        i += 1
+        else:
+            overrides.append(f"{name}={value}")
     return plain, overrides
 
 
