@@ -102,10 +102,8 @@ class _HashingFile(io.FileIO):
             self._written.records[self._written.name(self.name)] = FileRecord(self._size, self._hash.hexdigest())
 
 
-@contextlib.contextmanager
-def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> Iterator[io.BufferedWriter[_HashingFile]]:
-    with io.BufferedWriter(_HashingFile(path, written), buffer_size=_WRITE_BUFFER) as stream:
-        yield stream
+def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> io.BufferedWriter[_HashingFile]:
+    return io.BufferedWriter(_HashingFile(path, written), buffer_size=_WRITE_BUFFER)
 
 
 class HashingFileSystem(FileSystem):
@@ -117,11 +115,8 @@ class HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with _hashing_stream(path, self.written) as stream:
+        opened = _hashing_stream(path, self.written) if "w" in mode else super().create_stream(path, mode)
+        with opened as stream:
             yield stream
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
