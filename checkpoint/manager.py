@@ -137,14 +137,8 @@ def _rng_state() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state()
     legacy = np.random.get_state(legacy=True)
     assert isinstance(legacy, tuple)  # the global MT19937 generator's legacy state is a 5-tuple
-    algorithm, keys, pos, has_gauss, cached_gaussian = legacy
-    state["numpy"] = (
-        algorithm,
-        torch.from_numpy(keys.astype(np.int64)),
-        int(pos),
-        int(has_gauss),
-        float(cached_gaussian),
-    )
+    algorithm, keys, *position = legacy  # position: pos, has_gauss, cached_gaussian, Python numbers already
+    state["numpy"] = (algorithm, torch.from_numpy(keys.astype(np.int64)), *position)
     return state
 
 
