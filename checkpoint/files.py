@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import io
 import os
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
 HASH_NAME = "xxh3_128"
-_READ_CHUNK = 8 << 20
 _WRITE_BUFFER = 1 << 20
 # A full disk (or quota): the save can never succeed there until space is freed.
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -102,10 +102,8 @@ class _HashingFile(io.FileIO):
             self._written.records[self._written.name(self.name)] = FileRecord(self._size, self._hash.hexdigest())
 
 
-@contextlib.contextmanager
-def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> Iterator[io.BufferedWriter[_HashingFile]]:
-    with io.BufferedWriter(_HashingFile(path, written), buffer_size=_WRITE_BUFFER) as stream:
-        yield stream
+def _hashing_stream(path: str | os.PathLike, written: WrittenFiles) -> io.BufferedWriter[_HashingFile]:
+    return io.BufferedWriter(_HashingFile(path, written), buffer_size=_WRITE_BUFFER)
 
 
 class HashingFileSystem(FileSystem):
@@ -117,11 +115,8 @@ class HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with _hashing_stream(path, self.written) as stream:
+        opened = _hashing_stream(path, self.written) if "w" in mode else super().create_stream(path, mode)
+        with opened as stream:
             yield stream
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -146,14 +141,9 @@ def write_file(path: str, data: bytes, written: WrittenFiles) -> None:
 
 def file_record(path: str) -> FileRecord:
     """The size and hash of the file at `path`, read from the start."""
-    digest, size = xxhash.xxh3_128(), 0
-    buffer = bytearray(_READ_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(buffer):
-            digest.update(view[:count])
-            size += count
-    return FileRecord(size, digest.hexdigest())
+        digest = hashlib.file_digest(f, xxhash.xxh3_128)
+        return FileRecord(f.tell(), digest.hexdigest())
 
 
 def verify(root: str, expected: dict[str, FileRecord]) -> str | None:

@@ -38,14 +38,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from model.hf import CheckpointLayout, checkpoint_layout, open_safetensors, tied_head_differs_error
-from model.hf_adapter import to_hf_name
+from model.hf import Region, fill_from_hf
 from parallel.plain_names import plain_named_parameters
 
 if TYPE_CHECKING:
     from model.qwen2 import Qwen2
-
-Region = tuple[slice, ...]
 
 
 def local_region(param: torch.Tensor) -> Region:
@@ -56,34 +53,6 @@ def local_region(param: torch.Tensor) -> Region:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _read(file: str, name: str, region: Region) -> torch.Tensor:
-    """The region of one stored tensor, as a view of the mapped file (the file stays mapped while it lives)."""
-    with open_safetensors(file) as f:
-        return f.get_slice(name)[region]
-
-
-def _fill(local: torch.Tensor, part: torch.Tensor) -> None:
-    if local.device.type != "cpu":
-        part = part.to(local.device)  # in the stored dtype: the cast then runs on the device, not in host memory
-    local.copy_(part)
-
-
-def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
-    """The stored head equals the embedding: compared on every rank, half a tensor at a time."""
-    embed_file, head_file = layout.files["model.embed_tokens.weight"], layout.tied_head_file
-    assert head_file is not None  # called for a tied checkpoint that stores a head
-    step = max(1, -(-rows // 2))
-    for start in range(0, rows, step):
-        region = (slice(start, min(start + step, rows)),)
-        same = torch.equal(
-            _read(head_file, "lm_head.weight", region),
-            _read(embed_file, "model.embed_tokens.weight", region),
-        )
-        if not same:
-            raise tied_head_differs_error(path)
-
-
-@torch.no_grad()
 def load_hf_shards(model: Qwen2, path: str) -> None:
     """Fill `model`'s allocated parameters (after `to_empty`) from the HF checkpoint directory `path`; each
     rank reads only its own regions. Call on every rank; no collective is run.
@@ -91,22 +60,11 @@ def load_hf_shards(model: Qwen2, path: str) -> None:
     The checkpoint is checked against `model.args` first (a `CheckpointError` lists every mismatch); the
     values are exactly `model.hf.load_hf(path, dtype)`'s, each cast from the stored dtype by the copy.
     """
-    layout = checkpoint_layout(path, model.args)
-    if layout.tied_head_file:
-        _check_tied_head(path, layout, model.args.vocab_size)
-    for name, param in plain_named_parameters(model):
-        hf_name = to_hf_name(name)
-        local = param.to_local() if isinstance(param, DTensor) else param
-        region = local_region(param)
-        if local.numel() == 0:
-            continue  # an uneven shard that holds no rows
-        part = _read(layout.files[hf_name], hf_name, region)
-        if part.shape != local.shape:
-            raise AssertionError(
-                f"{name}: region {region} gives {tuple(part.shape)}, the shard is {tuple(local.shape)}"
-            )
-        _fill(local, part)
-        del part  # the file's mapping goes with the last view of it
+    parts = (
+        (name, param.to_local() if isinstance(param, DTensor) else param, local_region(param))
+        for name, param in plain_named_parameters(model)
+    )
+    fill_from_hf(model, path, parts)
 
 
 def load_transient_bytes(model: Qwen2, stored_dtype: torch.dtype, *, shards_on_device: bool) -> int:

@@ -137,14 +137,8 @@ def _rng_state() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state()
     legacy = np.random.get_state(legacy=True)
     assert isinstance(legacy, tuple)  # the global MT19937 generator's legacy state is a 5-tuple
-    algorithm, keys, pos, has_gauss, cached_gaussian = legacy
-    state["numpy"] = (
-        algorithm,
-        torch.from_numpy(keys.astype(np.int64)),
-        int(pos),
-        int(has_gauss),
-        float(cached_gaussian),
-    )
+    algorithm, keys, *position = legacy  # position: pos, has_gauss, cached_gaussian, Python numbers already
+    state["numpy"] = (algorithm, torch.from_numpy(keys.astype(np.int64)), *position)
     return state
 
 
@@ -207,32 +201,24 @@ class CheckpointManager:
         steps = [int(m.group(1)) for m in map(_STEP_DIR.match, os.listdir(self.folder)) if m]
         return sorted(steps)
 
-    def manifest(self, step: int) -> tuple[dict | None, str | None]:
-        """(checkpoint `step`'s manifest with its files as FileRecords, None) or (None, why it cannot be read)."""
-        path = os.path.join(self.step_path(step), MANIFEST)
-        if not os.path.isfile(path):
-            return None, f"no {MANIFEST} (an interrupted save)"
-        try:
-            with open(path, encoding="utf-8") as f:
-                manifest = json.load(f)
-            if any(isinstance(value, int) for value in manifest["files"].values()):
-                sizes_only = f"{MANIFEST} records file sizes only (an older version wrote it)"
-                return None, f"{sizes_only}: its files cannot be verified"
-            files = {str(name): FileRecord.from_json(value) for name, value in manifest["files"].items()}
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return None, f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
-        return dict(manifest, files=files), None
-
     def validate(self, step: int, share: tuple[int, int] = (0, 1)) -> str | None:
         """None if checkpoint `step` is intact (its manifest readable, and every file of it, or of the
         `share` = (k, n) that is every n-th file from the k-th, with the size and content hash recorded),
         else why not."""
-        manifest, problem = self.manifest(step)
-        if problem is not None:
-            return problem
-        assert manifest is not None  # `manifest` gives the manifest or the problem
-        names = sorted(manifest["files"])[share[0] :: share[1]]
-        return verify(self.step_path(step), {name: manifest["files"][name] for name in names})
+        path = os.path.join(self.step_path(step), MANIFEST)
+        if not os.path.isfile(path):
+            return f"no {MANIFEST} (an interrupted save)"
+        try:
+            with open(path, encoding="utf-8") as f:
+                records = json.load(f)["files"]
+            if any(isinstance(value, int) for value in records.values()):
+                sizes_only = f"{MANIFEST} records file sizes only (an older version wrote it)"
+                return f"{sizes_only}: its files cannot be verified"
+            files = {str(name): FileRecord.from_json(value) for name, value in records.items()}
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"unreadable {MANIFEST}: {type(e).__name__}: {e}"
+        names = sorted(files)[share[0] :: share[1]]
+        return verify(self.step_path(step), {name: files[name] for name in names})
 
     def _verdicts(self) -> Iterator[tuple[int, str | None]]:
         """(step, why its files are damaged or None) of each checkpoint, newest first. Every rank checks its share

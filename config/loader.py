@@ -103,15 +103,12 @@ def _type_name(tp: TypeForm) -> str:
 def _check_value(value: Any, tp: TypeForm) -> Any:
     """Return a TOML-native `value` as type `tp` (ints widen to float); raise _Mismatch otherwise."""
     origin, args = _origin(tp), typing.get_args(tp)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if (tp is bool and isinstance(value, bool)) or (tp is int and number and isinstance(value, int)):
+    if tp in (bool, int, str) and type(value) is tp:  # type(): a bool is not an int here
         return value
-    if tp is float and number:
+    if tp is float and type(value) in (int, float):
         if not math.isfinite(value):
             raise _Mismatch("a finite number")
         return float(value)
-    if tp is str and isinstance(value, str):
-        return value
     if origin is Literal:
         if isinstance(value, str) and value in args:  # every Literal here is a set of strings
             return value
@@ -301,20 +298,17 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     `--section.key=value` or `--section.key value`."""
     plain: list[str] = []
     overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    items = iter(argv)
+    for arg in items:
         name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
         if "." not in name:
             plain.append(arg)
         elif "=" in arg:
             overrides.append(arg[2:])
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            overrides.append(f"{name}={argv[i + 1]}")
-            i += 1
-        else:
+        elif (value := next(items, "--")).startswith("--"):
             raise ConfigError(f"{arg} (command line) needs a value: {arg}=VALUE or {arg} VALUE")
-        i += 1
+        else:
+            overrides.append(f"{name}={value}")
     return plain, overrides
 
 

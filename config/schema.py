@@ -33,14 +33,6 @@ def _top_k(default: int) -> int:
     return bounded(default, lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1")
 
 
-def _folder_name(default: str) -> str:
-    return bounded(
-        default,
-        lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
-        "must be a non-empty folder name without path separators",
-    )
-
-
 def _preset(default: str) -> str:
     return bounded(default, lambda v: not v or v in PRESETS, f"unknown preset; known presets: {', '.join(PRESETS)}")
 
@@ -79,7 +71,11 @@ NO_KL = "must be 0: DAPO removes the KL penalty (Sec. 2.3) and this trainer keep
 
 @dataclass
 class JobConfig:
-    name: str = _folder_name("dapo")  # run name; the run's folder is run_dir/name
+    name: str = bounded(  # run name; the run's folder is run_dir/name
+        "dapo",
+        lambda v: bool(v) and not set(v) & {"/", "\\"} and v not in (".", ".."),
+        "must be a non-empty folder name without path separators",
+    )
     run_dir: str = bounded("runs", bool, "must not be empty")  # root folder holding one folder per run
     seed: int = at_least(0, 0)  # seed for model initialisation and sampling
     # 0: torch's default (1 under torchrun), or with parallelism.cpu_offload the node's cores / its processes

@@ -6,8 +6,8 @@ Names, shapes, dtypes, config.json and file names come from the adapter, model/h
 files, config.json's BOS/EOS ids, and a generation_config.json that stops at the ids the policy ends its
 turns with.
 
-Loading builds the model on the meta device and assigns each tensor read from the safetensors files
-as the parameter itself, so the weights are allocated once. Saving streams tensors into shards of at
+Loading builds the model on the meta device, allocates it once and copies each tensor read from the
+safetensors files into its parameter. Saving streams tensors into shards of at
 most `max_shard_bytes`, so a sharded trainer can hand over one gathered tensor at a time.
 """
 
@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from model.hf_adapter import (
     from_hf_name,
     hf_shapes,
     is_model_file,
+    is_our_name,
     named_tensors,
     read_hf_config,
     read_json,
@@ -162,13 +163,6 @@ def checkpoint_layout(path: str, args: ModelArgs) -> CheckpointLayout:
     return CheckpointLayout({n: owner[n] for n in want}, owner["lm_head.weight"] if tied_head else None)
 
 
-def tied_head_differs_error(path: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
-        "lm_head.weight that differs from model.embed_tokens.weight"
-    )
-
-
 def nonfinite_weights_error(file: str, name: str) -> CheckpointError:
     return CheckpointError(
         f"{file} holds NaN or inf in {name}: a policy with non-finite weights can be neither trained nor "
@@ -219,35 +213,71 @@ def check_checksums(path: str) -> None:
             )
 
 
+Region = tuple[slice, ...]  # the part of a full tensor that one parameter (or one rank's shard of it) holds
+
+
+def _read(file: str, name: str, region: Region) -> torch.Tensor:
+    """The region of one stored tensor, as a view of the mapped file (the file stays mapped while it lives)."""
+    with open_safetensors(file) as f:
+        return f.get_slice(name)[region]
+
+
+def _check_tied_head(path: str, layout: CheckpointLayout, rows: int) -> None:
+    """The stored head equals the embedding: compared half a tensor at a time."""
+    embed_file, head_file = layout.files["model.embed_tokens.weight"], layout.tied_head_file
+    assert head_file is not None  # called for a tied checkpoint that stores a head
+    step = max(1, -(-rows // 2))
+    for start in range(0, rows, step):
+        region = (slice(start, min(start + step, rows)),)
+        same = torch.equal(
+            _read(head_file, "lm_head.weight", region),
+            _read(embed_file, "model.embed_tokens.weight", region),
+        )
+        if not same:
+            raise CheckpointError(
+                f"checkpoint {path} is tied (tie_word_embeddings=true) but stores an "
+                "lm_head.weight that differs from model.embed_tokens.weight"
+            )
+
+
+@torch.no_grad()
+def fill_from_hf(model: Qwen2, path: str, parts: Iterable[tuple[str, torch.Tensor, Region]]) -> None:
+    """Fill allocated tensors of `model` from the HF checkpoint directory `path`: for each (our name, tensor,
+    region) of `parts`, the tensor becomes that region of the stored tensor, cast from the stored dtype by the
+    copy (checkpoint/hf_load.py gives each rank's shards and their regions).
+
+    The checkpoint is checked against `model.args` first (`checkpoint_layout`). A tied checkpoint's stored
+    `lm_head.weight` is accepted only if it equals the embedding, and then dropped.
+    """
+    layout = checkpoint_layout(path, model.args)
+    if layout.tied_head_file:
+        _check_tied_head(path, layout, model.args.vocab_size)
+    for name, local, region in parts:
+        if local.numel() == 0:
+            continue  # an uneven shard that holds no rows
+        hf_name = to_hf_name(name)
+        part = _read(layout.files[hf_name], hf_name, region)
+        if part.shape != local.shape:
+            raise AssertionError(
+                f"{name}: region {region} gives {tuple(part.shape)}, the shard is {tuple(local.shape)}"
+            )
+        if local.device.type != "cpu":
+            part = part.to(local.device)  # in the stored dtype: the cast then runs on the device, not in host memory
+        local.copy_(part)
+        del part  # the file's mapping goes with the last view of it
+
+
 def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen2:
     """Our Qwen2 from a HF checkpoint directory: config.json + model.safetensors, or shards + index.
 
-    The checkpoint is checked first (`checkpoint_layout`). A tied checkpoint's stored `lm_head.weight` is
-    accepted only if it equals the embedding, and then dropped. A sharded model reads only its own rows
-    instead (checkpoint/hf_load.py).
+    The module is built on the meta device and allocated once on `device` in `dtype`, uninitialised; then
+    `fill_from_hf` reads each tensor whole into it. A sharded model reads only its own rows instead
+    (checkpoint/hf_load.py).
     """
-    args = read_hf_config(path)
     with torch.device("meta"):
-        model = Qwen2(args)
-    layout = checkpoint_layout(path, args)
-
-    device = torch.device(device)
-    state: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for name, file in layout.files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with open_safetensors(file, str(device)) as f:
-            for name in names:
-                state[from_hf_name(name)] = f.get_tensor(name).to(dtype)
-    if layout.tied_head_file:
-        with open_safetensors(layout.tied_head_file, str(device)) as f:
-            head = f.get_tensor("lm_head.weight").to(dtype)
-        if not torch.equal(head, state["embed_tokens.weight"]):
-            raise tied_head_differs_error(path)
-        del head
-    # assign=True makes the loaded tensors the parameters themselves: no second copy is allocated.
-    model.load_state_dict(state, strict=True, assign=True)
+        model = Qwen2(read_hf_config(path)).to(dtype)
+    model.to_empty(device=device)
+    fill_from_hf(model, path, ((n, p, tuple(slice(0, k) for k in p.shape)) for n, p in model.named_parameters()))
     return model
 
 
@@ -257,8 +287,6 @@ def load_hf(path: str, dtype: torch.dtype = torch.float32, device: str | torch.d
 
 
 def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
     tensor = tensor.detach()
     if type(tensor) is not torch.Tensor and not isinstance(tensor, nn.Parameter):
         raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}; gather it to a full plain tensor before saving")
@@ -267,47 +295,6 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.storage_offset() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
-
-
-class _ArrivalCheck:
-    """Checks the (our name, tensor) pairs given to `save_hf` against the HF shapes `want` as they arrive,
-    collecting every mismatch, so that one CheckpointError reports them all at the end."""
-
-    def __init__(self, want: dict[str, torch.Size]) -> None:
-        self.want = want
-        self.seen: set[str] = set()
-        self.unexpected: list[str] = []
-        self.misshaped: list[tuple[str, torch.Size, torch.Size]] = []
-        self.duplicated: list[str] = []
-
-    def accept(self, name: str, tensor: torch.Tensor) -> str | None:
-        """The tensor's HF name if it is one the model needs, seen for the first time, of the right shape;
-        else None (and the mismatch is recorded)."""
-        try:
-            hf_name = to_hf_name(name)
-        except KeyError:
-            self.unexpected.append(name)
-            return None
-        if hf_name not in self.want:
-            self.unexpected.append(name)
-            return None
-        if hf_name in self.seen:
-            self.duplicated.append(name)
-            return None
-        self.seen.add(hf_name)
-        if tuple(tensor.shape) != tuple(self.want[hf_name]):
-            self.misshaped.append((name, tensor.shape, self.want[hf_name]))
-            return None
-        return hf_name
-
-    def raise_on_mismatch(self, where: str) -> None:
-        """One CheckpointError naming every missing, unexpected, mis-shaped and repeated tensor, if any."""
-        missing = [from_hf_name(n) for n in self.want.keys() - self.seen]
-        if missing or self.unexpected or self.misshaped or self.duplicated:
-            report = _mismatch_report(where, missing, self.unexpected, self.misshaped)
-            if self.duplicated:
-                report += f"\n  given more than once: {sorted(self.duplicated)}"
-            raise CheckpointError(report)
 
 
 class _ShardWriter:
@@ -375,18 +362,28 @@ def save_hf(
         if not isinstance(model_or_state_dict, Qwen2):
             raise ValueError("save_hf needs `args` when given a state dict or an iterator of tensors")
         args = model_or_state_dict.args
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    check = _ArrivalCheck(hf_shapes(args))
+    want = hf_shapes(args)
+    given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
+    unexpected, repeated = [], []
 
     os.makedirs(path, exist_ok=True)
     shards = _ShardWriter(path, max_shard_bytes, save_file)
     try:
         for name, tensor in named_tensors(model_or_state_dict):
-            hf_name = check.accept(name, tensor)
-            if hf_name is not None:
-                shards.add(hf_name, _plain_cpu(name, tensor))
-        check.raise_on_mismatch(f"tensors given to save_hf for {path}")
+            hf_name = to_hf_name(name) if is_our_name(name) else None
+            if hf_name not in want:
+                unexpected.append(name)
+            elif hf_name in given:
+                repeated.append(name)
+            else:
+                given[hf_name] = tensor.shape
+                if tensor.shape == want[hf_name]:
+                    shards.add(hf_name, _plain_cpu(name, tensor))
+        missing = [from_hf_name(n) for n in want.keys() - given.keys()]
+        misshaped = [(from_hf_name(n), shape, want[n]) for n, shape in given.items() if shape != want[n]]
+        if missing or unexpected or misshaped or repeated:
+            report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
+            raise CheckpointError(report + (f"\n  given more than once: {sorted(repeated)}" if repeated else ""))
         shards.flush()
     except BaseException:
         shards.remove_temporary()

@@ -5,7 +5,7 @@ Everything that crosses the HF boundary goes through here: loading and saving (m
 from shards (checkpoint/hf_export.py), the weight sync to an engine (rollout/weight_sync.py) and both
 engines' receiving side. Our parameter names are HF's without the `model.` prefix of the decoder body
 (`layers.{i}.mlp.up_proj.weight` is `model.layers.{i}.mlp.up_proj.weight`; `lm_head.weight` keeps its name);
-`_KEY_TABLE` below is the only place that mapping is written down. Tied models (0.5B-3B) have no
+`_OUR_NAMES` below is the only place those names are written down. Tied models (0.5B-3B) have no
 `lm_head.weight`: the output projection is the embedding matrix. Names are those of the plain module;
 wrappers that add path components (torch.compile's `_orig_mod.`) are removed by whoever adds them
 (parallel/plain_names.py), so an unknown name here is an error.
@@ -60,50 +60,46 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 # Names and shapes
 # ---------------------------------------------------------------------------------------------------
 
-# (our name, HF name); `{i}` stands for a layer index.
-_KEY_TABLE: tuple[tuple[str, str], ...] = (
-    ("embed_tokens.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.q_proj.bias"),
-    ("layers.{i}.self_attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.self_attn.k_proj.bias", "model.layers.{i}.self_attn.k_proj.bias"),
-    ("layers.{i}.self_attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.self_attn.v_proj.bias", "model.layers.{i}.self_attn.v_proj.bias"),
-    ("layers.{i}.self_attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.post_attention_layernorm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
+# Our parameter names; `{i}` stands for a layer index. HF's are the same with the decoder body's `model.` prefix,
+# but for `lm_head.weight`.
+_OUR_NAMES = (
+    "embed_tokens.weight",
+    "layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.q_proj.bias",
+    "layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.k_proj.bias",
+    "layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.v_proj.bias",
+    "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.input_layernorm.weight",
+    "layers.{i}.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
 )
+_OUR_NAME = re.compile("|".join(re.escape(name).replace(re.escape("{i}"), r"\d+") for name in _OUR_NAMES))
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + r"\Z")
-
-
-_OURS_TO_HF = [(_pattern(ours), hf) for ours, hf in _KEY_TABLE]
-_HF_TO_OURS = [(_pattern(hf), ours) for ours, hf in _KEY_TABLE]
-
-
-def _translate(name: str, table: Iterable[tuple[re.Pattern[str], str]], direction: str) -> str:
-    for pattern, template in table:
-        match = pattern.match(name)
-        if match:
-            return template.replace("{i}", match.group("i")) if "i" in pattern.groupindex else template
-    raise KeyError(f"no {direction} mapping for parameter name {name!r}")
+def is_our_name(name: str) -> bool:
+    """Whether `name` is a parameter name of our Qwen2 (of any size)."""
+    return _OUR_NAME.fullmatch(name) is not None
 
 
 def to_hf_name(name: str) -> str:
     """Our parameter name -> HF Qwen2ForCausalLM's; KeyError for any other name."""
-    return _translate(name, _OURS_TO_HF, "Qwen2 -> HF")
+    if not is_our_name(name):
+        raise KeyError(f"no Qwen2 -> HF mapping for parameter name {name!r}")
+    return name if name == "lm_head.weight" else f"model.{name}"
 
 
 def from_hf_name(hf_name: str) -> str:
     """HF Qwen2ForCausalLM's parameter name -> ours; KeyError for any other name."""
-    return _translate(hf_name, _HF_TO_OURS, "HF -> Qwen2")
+    name = hf_name if hf_name == "lm_head.weight" else hf_name.removeprefix("model.")
+    if not is_our_name(name) or to_hf_name(name) != hf_name:
+        raise KeyError(f"no HF -> Qwen2 mapping for parameter name {hf_name!r}")
+    return name
 
 
 @functools.lru_cache(maxsize=8)
@@ -131,12 +127,8 @@ def named_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, param.detach()
     elif isinstance(source, Mapping):
         yield from source.items()
-    elif isinstance(source, Iterable):
-        yield from source
     else:
-        raise TypeError(
-            f"expected a module, a state dict or an iterable of (name, tensor), got {type(source).__name__}"
-        )
+        yield from source
 
 
 def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:

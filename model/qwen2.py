@@ -260,9 +260,7 @@ class Qwen2(nn.Module):
 
         N(0, init_std) weights, zero biases, unit norms.
         """
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()

@@ -65,11 +65,8 @@ def _checkpoint_forward(block: nn.Module, context_fn: ContextFn | None = None) -
         # preserve_rng_state=False: the blocks draw no random numbers (no dropout), so the RNG
         # bookkeeping would be pure overhead. Without a context_fn, checkpoint's default is left out: dynamo
         # (torch 2.13) cannot trace a checkpoint given its default noop_context_fn explicitly.
-        if context_fn is None:
-            return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-        return checkpoint(
-            original, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
-        )
+        extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
 
     block.forward = forward
 
@@ -84,22 +81,13 @@ def apply_ac(model: Qwen2, mode: str = "none", *, selective: str | int = "op") -
         raise ValueError(f"activation checkpointing mode must be one of {AC_MODES}, got {mode!r}")
     if mode == "none":
         return model
-    every = None
-    if mode == "selective" and selective != "op":
-        try:
-            every = int(selective)
-        except (TypeError, ValueError):
-            every = 0
-        if every < 1:
-            raise ValueError(
-                f"selective activation checkpointing takes 'op' or a positive block interval, got {selective!r}"
-            )
+    every = 1 if mode == "full" or selective == "op" else int(selective) if str(selective).isdigit() else 0
+    if every < 1:
+        raise ValueError(
+            f"selective activation checkpointing takes 'op' or a positive block interval, got {selective!r}"
+        )
+    context_fn = _selective_context if mode == "selective" and selective == "op" else None
     for layer_id, block in model.layers.items():
-        if mode == "full":
-            _checkpoint_forward(block)
-        elif every is not None:
-            if int(layer_id) % every == 0:
-                _checkpoint_forward(block)
-        else:
-            _checkpoint_forward(block, context_fn=_selective_context)
+        if int(layer_id) % every == 0:
+            _checkpoint_forward(block, context_fn)
     return model

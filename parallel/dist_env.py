@@ -134,11 +134,8 @@ def init_distributed(
             else:
                 dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         dims.build_mesh(device.type)
-    control: dist.ProcessGroup | None = None
-    if world_size > 1:
-        group = new_control_group(None, control_timeout_s)
-        assert isinstance(group, dist.ProcessGroup)  # every rank is a member of a group over every rank
-        control = group
+    control = new_control_group(None, control_timeout_s) if world_size > 1 else None
+    assert not isinstance(control, int)  # every rank is a member of a group over every rank
     return DistEnv(rank, world_size, local_rank, device, dims, control, control_timeout_s)
 
 

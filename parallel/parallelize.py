@@ -13,7 +13,6 @@ Why this order:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from model.hf_adapter import to_dtype
@@ -47,7 +46,11 @@ def parallelize_qwen2(
     FSDP wraps the model when there is data parallelism or mixed precision (param_dtype != the model's
     dtype). Without a mesh (single process, no process group), only AC and compile apply.
     """
-    config = _with_overrides(parallelism, overrides)
+    if parallelism is None:
+        from config.schema import ParallelismConfig  # the defaults only; no import of config otherwise
+
+        parallelism = ParallelismConfig()
+    config = dataclasses.replace(parallelism, **overrides)  # a copy: the section itself stays unchanged
     param_dtype, reduce_dtype = to_dtype(config.param_dtype), to_dtype(config.reduce_dtype)
     needs_mesh = dims.tp_enabled or dims.fsdp_enabled
     if (mesh is not None and mesh is not dims.world_mesh) or (needs_mesh and mesh is None):
@@ -77,16 +80,3 @@ def parallelize_qwen2(
             cpu_offload=config.cpu_offload,
         )
     return model
-
-
-def _with_overrides(parallelism: ParallelismConfig | None, overrides: Mapping[str, Any]) -> ParallelismConfig:
-    """A copy of the section (or of its defaults) with the keyword overrides of `parallelize_qwen2`."""
-    if parallelism is None:
-        from config.schema import ParallelismConfig  # the defaults only; no import of config otherwise
-
-        parallelism = ParallelismConfig()
-    names = {f.name for f in dataclasses.fields(parallelism)}
-    for key in overrides:
-        if key not in names:
-            raise TypeError(f"parallelize_qwen2 got an unknown option {key!r}")
-    return dataclasses.replace(parallelism, **overrides)

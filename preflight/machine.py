@@ -58,10 +58,8 @@ class Fix:
 
 
 def _cxx_compiler_found() -> bool:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-    except ImportError:  # an inductor without this helper: let torch.compile report it
-        return True
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
     try:
         get_cpp_compiler()
     except Exception:  # inductor's InvalidCxxCompiler: none of its candidates answers `--version`

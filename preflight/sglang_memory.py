@@ -181,9 +181,25 @@ def plan_engine_memory(
         raise ValueError("page_size, tp_size and dtype_bytes must be >= 1")
     context_length = context_length or args.max_position_embeddings
     weights = weight_bytes_per_rank(args, tp_size, dtype_bytes)
-    rest = _kv_budget_bytes(weights, gpu_free_bytes_at_start, untagged_bytes, mem_fraction_static)
+    pre = gpu_free_bytes_at_start - untagged_bytes  # the free memory at SGLang's baseline
+    rest = (pre - weights) - pre * (1.0 - mem_fraction_static)
+    if rest <= 0:
+        minimum = 1.0 - (pre - weights) / pre if pre > 0 else 1.0
+        raise EngineMemoryError(
+            f"SGLang would refuse to start: the weights ({weights / GIB:.2f} GiB per GPU) leave no memory for "
+            f"the KV cache when {gpu_free_bytes_at_start / GIB:.2f} GiB are free at engine start under "
+            f"mem_fraction_static={mem_fraction_static} (it needs > {minimum:.3f}); free trainer memory before "
+            "the engine starts, or raise rollout.mem_fraction_static "
+            "(sglang srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes)"
+        )
     cell = kv_cell_bytes(args, tp_size, dtype_bytes)
-    tokens = _kv_pool_tokens(rest, cell, page_size)
+    tokens = int(rest) // cell // page_size * page_size
+    if tokens <= 0:
+        raise EngineMemoryError(
+            f"SGLang would refuse to start: {rest / GIB:.3f} GiB for the KV cache hold no page of {page_size} "
+            f"tokens ({cell} bytes each); raise rollout.mem_fraction_static "
+            "(sglang srt/model_executor/pool_configurator.py MemoryPoolConfig.__post_init__: Not enough memory)"
+        )
     requests = max_running_requests(tokens, context_length)
     req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
     graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size)
@@ -194,36 +210,3 @@ def plan_engine_memory(
         other=untagged_bytes,
         kv_tokens=tokens,
     )
-
-
-def _kv_budget_bytes(
-    weights: int, gpu_free_bytes_at_start: int, untagged_bytes: int, mem_fraction_static: float
-) -> float:
-    """rest = (pre - weights) - pre * (1 - mem_fraction_static), pre = the free memory at SGLang's baseline
-    (module docstring); an EngineMemoryError where rest <= 0, as SGLang refuses to start then."""
-    pre = gpu_free_bytes_at_start - untagged_bytes
-    slack = pre * (1.0 - mem_fraction_static)
-    rest = (pre - weights) - slack
-    if rest <= 0:
-        minimum = 1.0 - (pre - weights) / pre if pre > 0 else 1.0
-        raise EngineMemoryError(
-            f"SGLang would refuse to start: the weights ({weights / GIB:.2f} GiB per GPU) leave no memory for "
-            f"the KV cache when {gpu_free_bytes_at_start / GIB:.2f} GiB are free at engine start under "
-            f"mem_fraction_static={mem_fraction_static} (it needs > {minimum:.3f}); free trainer memory before "
-            "the engine starts, or raise rollout.mem_fraction_static "
-            "(sglang srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes)"
-        )
-    return rest
-
-
-def _kv_pool_tokens(rest: float, cell: int, page_size: int) -> int:
-    """tokens = rest // cell_size // page_size * page_size (module docstring); an EngineMemoryError where
-    that is no page, as SGLang refuses to start then."""
-    tokens = int(rest) // cell // page_size * page_size
-    if tokens <= 0:
-        raise EngineMemoryError(
-            f"SGLang would refuse to start: {rest / GIB:.3f} GiB for the KV cache hold no page of {page_size} "
-            f"tokens ({cell} bytes each); raise rollout.mem_fraction_static "
-            "(sglang srt/model_executor/pool_configurator.py MemoryPoolConfig.__post_init__: Not enough memory)"
-        )
-    return tokens

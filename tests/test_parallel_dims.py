@@ -56,7 +56,7 @@ def test_single_process_parallelize_applies_ac_only_and_rejects_unknown_options(
     model = build_model(PRESETS["tiny"], seed=0)
     parallelize_qwen2(model, None, ParallelDims(world_size=1), activation_checkpoint="full", param_dtype=torch.float32)
     assert all(getattr(b.forward, "__wrapped__", None) is not None for b in model.layers.values())
-    with pytest.raises(TypeError, match="unknown option 'compiled'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'compiled'"):
         parallelize_qwen2(model, None, ParallelDims(world_size=1), compiled=True)
     # bf16 compute on fp32 weights is FSDP's mixed precision: without a process group it is refused up front.
     fresh = build_model(PRESETS["tiny"], seed=0)
