@@ -111,7 +111,9 @@ def test_each_rank_holds_its_shards_and_one_tensor_while_loading(checkpoint, wor
             f"{r['shards'] / MiB:.1f} MiB, the largest tensor {largest / MiB:.1f} MiB, the build "
             f"{r['build'] / MiB:.1f} MiB, slack {SLACK / MiB:.0f} MiB"
         )
-        assert r["peak"] >= r["shards"]  # the shards were written: the measurement sees them
+        # The shards were written: the measurement sees them. Within SLACK: pages the allocator kept from memory
+        # freed before the reset are reused without raising the high-water mark (seen: 0.5-1 MB of 107 MB).
+        assert r["peak"] >= r["shards"] - SLACK
 
 
 def _largest_file(path: str) -> str:
