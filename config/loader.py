@@ -182,7 +182,6 @@ class _Schema:
     """The sections of a root dataclass and their keys' types, for lookups and "did you mean" hints."""
 
     def __init__(self, root: type[DataclassInstance]) -> None:
-        self.removed: dict[str, str] = getattr(root, "removed_keys", {})
         self.sections = sections(root)
         self.types = {name: typing.get_type_hints(cls) for name, cls in self.sections.items()}  # {section: {key: type}}
 
@@ -197,10 +196,6 @@ class _Schema:
             hint = f"; did you mean '{guess[0]}' (under [{guess[0].split('.')[0]}])?" if guess else ""
             return ConfigError(
                 f"unknown top-level key '{key}' ({source}): only 'base' and [section] tables are allowed{hint}"
-            )
-        if f"{section}.{key}" in self.removed:
-            return ConfigError(
-                f"'{section}.{key}' ({source}) is no longer a setting: {self.removed[f'{section}.{key}']}"
             )
         # A key of another section first (`lr` under [training]), then the closest spelling in this section.
         guess = [f"{s}.{key}" for s in self.sections if key in self.types[s]] or [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 from config.loader import Rule, above, at_least, bounded
 from model.args import PRESETS
@@ -291,25 +291,8 @@ class RehearseConfig:
     gpus_per_node: int = at_least(8, 1)  # ranks per node (torchrun --nproc_per_node); a node holds min(this, world)
 
 
-PARTIAL_ROLLOUT_REMOVED = (
-    "partial rollout was removed: on the chain task it saved 1.04x CPU time per rollout phase and cost 1.3 to 1.9 "
-    "held-out points (bench/RESULTS.md); delete the key"
-)
-# Keys earlier releases read, and why they are gone: a file that still sets one is refused with this reason.
-REMOVED_KEYS = {
-    "rollout.min_tokens_per_s": (
-        "generation has no throughput deadline any more: an engine is hung when none of its requests produced a "
-        "token for rollout.call_timeout_s (docs/gpu.md); delete the key"
-    ),
-    "rollout.partial": PARTIAL_ROLLOUT_REMOVED,
-    "rollout.partial_max_age": PARTIAL_ROLLOUT_REMOVED,
-    "rollout.partial_mask_older": PARTIAL_ROLLOUT_REMOVED,
-}
-
-
 @dataclass
 class Config:
-    removed_keys: ClassVar[dict[str, str]] = REMOVED_KEYS  # named by the loader's error for an unknown key
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

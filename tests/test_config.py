@@ -216,17 +216,6 @@ def test_key_in_the_wrong_section_points_to_the_right_one(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("key", ["rollout.partial", "rollout.partial_max_age", "rollout.partial_mask_older"])
-def test_a_removed_key_is_refused_with_why_it_was_removed(tmp_path, key):
-    section, name = key.split(".")
-    reason = r"is no longer a setting: partial rollout was removed: .*held-out points .*; delete the key"
-    with pytest.raises(ConfigError, match=rf"^'{re.escape(key)}' \(command line\) {reason}"):
-        load_config(None, [f"{key}=1"])
-    path = write(tmp_path / "old.toml", f"[{section}]\n{name} = 1\n")
-    with pytest.raises(ConfigError, match=rf"^'{re.escape(key)}' \({re.escape(path)}\) {reason}"):
-        load_config(path)
-
-
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     with pytest.raises(
         ConfigError, match=r"unknown key 'job\.zzz' \(command line\); valid keys of \[job\]: name, run_dir, seed"
