@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.evaluate_at_start()
             for step in range(trainer.state.step + 1, cfg.training.steps + 1):
                 trainer.step(step)  # Algorithm 1
-            trainer.finish()  # held-out accuracy, last checkpoint, HF export, plot
+            trainer.finish()  # held-out accuracy, last checkpoint, HF export
             finished_signals.take_over(trainer.stop)  # while the engine shuts down, and to the process's end
         finished = True
         return 0

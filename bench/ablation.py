@@ -174,7 +174,7 @@ def warm_up_job(base: list[str], seed: int, folder: str, prefix: str = "", evalu
         "--training.steps=0",
         f"--eval.at_start={str(evaluate).lower()}",
     ]
-    command += ["--eval.at_end=false", "--metrics.plot=false", "--checkpoint.export_hf=true"]
+    command += ["--eval.at_end=false", "--checkpoint.export_hf=true"]
     return Job(seed, None, os.path.join(folder, WARM_UP), 0, command, prefix=prefix)
 
 

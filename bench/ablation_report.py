@@ -25,10 +25,19 @@ import statistics
 from dataclasses import dataclass, field
 
 from observe.metrics_log import MetricsLogger, read_metrics
-from observe.plot import series_points
 
 HELD_OUT = "eval/avg_at_k"
 _PAPER = re.compile(r"avg@32 = (\d+)")
+
+
+def series_points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one key, sorted by step; a re-logged step keeps its last value; nulls skipped."""
+    by_step: dict[int, float | None] = {}
+    for row in rows:
+        if key in row:
+            by_step[row["step"]] = row[key]
+    points = sorted((s, float(v)) for s, v in by_step.items() if isinstance(v, (int, float)) and math.isfinite(v))
+    return [s for s, _ in points], [v for _, v in points]
 
 
 @dataclass

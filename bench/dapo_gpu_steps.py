@@ -65,7 +65,6 @@ def main(argv=None):
         "eval.interval": 0,
         "checkpoint.enabled": False,
         "checkpoint.export_hf": False,
-        "metrics.plot": False,
     }
     argv = ["--config", "configs/demo_cpu.toml"] + [f"--{k}={v}" for k, v in overrides.items()]
     train.main(argv)

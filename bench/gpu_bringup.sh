@@ -28,7 +28,7 @@ RUN=(--config configs/demo_cpu.toml --job.run_dir="$OUT/runs" --job.name=gpu --m
      --algorithm.overlong_filter=false --training.steps=3 --training.train_batch_size=32
      --training.mini_batch_size=8 --training.micro_batch_tokens=16384 --training.sft_warmup_steps=0
      --parallelism.param_dtype=bfloat16 --parallelism.compile=true --eval.at_start=false --eval.at_end=false
-     --eval.interval=0 --checkpoint.enabled=false --checkpoint.export_hf=false --metrics.plot=false
+     --eval.interval=0 --checkpoint.enabled=false --checkpoint.export_hf=false
      --metrics.progress=false)
 
 echo "== 1. three DAPO steps (0.5B, torch engine, bf16, compile, FlexAttention)"

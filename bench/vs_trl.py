@@ -76,7 +76,6 @@ def prepare_policy(workdir: str, sft_steps: int) -> str:
         "--eval.at_start=false",
         "--eval.at_end=false",
         "--metrics.progress=false",
-        "--metrics.plot=false",
         "--checkpoint.enabled=false",
         f"--job.run_dir={run_dir}",
     ]
@@ -122,7 +121,6 @@ def our_overrides(policy: str, run_dir: str, steps: int, micro_samples: int) -> 
         "--checkpoint.enabled=false",
         "--checkpoint.export_hf=false",
         "--metrics.progress=false",
-        "--metrics.plot=false",
         f"--job.run_dir={run_dir}",
         "--job.name=ours",
     ]

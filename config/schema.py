@@ -251,7 +251,6 @@ class CheckpointConfig:
 @dataclass
 class MetricsConfig:
     tensorboard: bool = False  # also write TensorBoard event files
-    plot: bool = True  # draw the monitoring panel (PNG) at the end of the run
     progress: bool = True  # progress bars on the console (plain lines when not a terminal)
     peak_tflops: float = at_least(0.0, 0)  # per-device peak for "mfu"; 0 = the datasheet bf16 value of a known GPU
     log_every: int = at_least(1, 1)  # steps between console lines (the JSONL gets every step)

@@ -2,5 +2,4 @@
 
 metrics_log.py  one JSONL line of metrics per step (run_dir/metrics.jsonl), optional TensorBoard
 progress.py     progress display for long phases (tqdm on a terminal, plain lines in log files)
-plot.py         the DAPO paper's monitoring panel as one PNG (run_dir/plots/panel.png)
 """

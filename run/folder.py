@@ -5,7 +5,7 @@
                            config.launch-<n>.json for a later launch whose configuration differs; each written
                            once its launch is accepted (`accept_launch`): a refused launch writes neither, and
                            removes the folder when it created it
-        finished.json      written when the run completed (final eval, export, plot): rerunning prints the
+        finished.json      written when the run completed (final eval, export): rerunning prints the
                            held-out result and does nothing else
         metrics.jsonl      one JSON line of metrics per step
         tensorboard/       event files (metrics.tensorboard = true)
@@ -13,7 +13,6 @@
         checkpoints/warm-up/  checkpoints of the supervised warm-up, removed once step-00000000/ holds its end
         hf/                the final policy as an HF checkpoint (+ tokenizer)
         tokenizer/         the tokenizer the run trained (synthetic task without a tokenizer path)
-        plots/panel.png    the monitoring panel drawn from metrics.jsonl
         eval/step_<N>.json one report per held-out evaluation
         .lock              held by the run's main process while it runs: a second run on the folder is refused
                            (run/lock.py)
@@ -236,7 +235,7 @@ FINISHED = "finished.json"
 
 
 def mark_finished(path: str, step: int) -> None:
-    """Record that the run completed step `step` with its final evaluation, export and plot."""
+    """Record that the run completed step `step` with its final evaluation and export."""
     write_atomically(os.path.join(path, FINISHED), json.dumps({"step": step}))
 
 
@@ -266,7 +265,7 @@ def finished_run_report(run_dir: str, name: str, steps: int) -> list[str] | None
     if step is None or step < steps:
         return None
     lines = [
-        f"run folder {path}: this run finished at step {step} (metrics, checkpoint, HF export and plot are "
+        f"run folder {path}: this run finished at step {step} (metrics, checkpoint and HF export are "
         f"in it); nothing to do. To start over, run the same command with --fresh (the folder is moved aside)"
     ]
     reports = {}

@@ -2,7 +2,7 @@
 (during a generation: its next poll, run/guard.py; it then writes a checkpoint and exits non-zero); a second
 signal exits at once. The rollout engine's process ignores both (rollout/engine_process.py): the trainer shuts it
 down on its way out. Once training and its final evaluation are done, a signal stops nothing: the rest of the
-run's end (its last checkpoint, HF export, plot) is short next to a phase, and a run that exits 0 is not requeued
+run's end (its last checkpoint, HF export) is short next to a phase, and a run that exits 0 is not requeued
 by its launcher. A finished run answers both with a line and exits 0, until its process is gone. `exit_with_codes`
 gives an entry point's failures the exit codes a shell expects."""
 
@@ -72,9 +72,7 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.ending:
-            log.info(
-                "%s received: training is done; the run ends as planned (checkpoint, HF export, plot), exit 0", name
-            )
+            log.info("%s received: training is done; the run ends as planned (checkpoint, HF export), exit 0", name)
             return
         # Only this process's own second signal exits at once: a stop first seen on another rank (launchers
         # do not deliver to every rank at the same instant) must not turn this rank's first one into it.

@@ -23,6 +23,7 @@ from bench.ablation_report import (
     markdown_difference,
     markdown_table,
     paired_difference,
+    series_points,
     t_quantile,
 )
 from config import config_to_dict, load_config
@@ -141,7 +142,6 @@ TINY = [
     "--eval.k=2",
     "--eval.interval=2",
     "--checkpoint.interval=1",
-    "--metrics.plot=false",
     "--checkpoint.export_hf=false",
 ]
 
@@ -359,3 +359,15 @@ def test_the_sweep_row_and_the_rule_that_picks_the_ladders_lr():
     sweep = [{**row, "lr": lr, "late_mean": late} for lr, late in (("1e-5", 0.36), ("3e-5", 0.345), ("5e-5", 0.33))]
     assert chosen_lr(sweep) == "3e-5"
     assert "| 3e-5 | 5.50 (0.10) | 0.270 -> 0.220 | 20.0 | 30.0 | 40.0 | 34.5 |" in markdown(sweep, 0.15)
+
+
+def test_series_skip_nulls_and_keep_the_last_value_of_a_relogged_step():
+    rows = [
+        {"step": 1, "x": 1.0},
+        {"step": 2, "x": None},
+        {"step": 3, "x": 3.0},
+        {"step": 3, "x": 30.0},
+        {"step": 4, "y": 1.0},
+    ]
+    assert series_points(rows, "x") == ([1, 3], [1.0, 30.0])
+    assert series_points(rows, "z") == ([], [])

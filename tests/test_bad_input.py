@@ -41,7 +41,6 @@ SMALL = [
     "--eval.at_start=false",
     "--eval.at_end=false",
     "--data.eval_path=",
-    "--metrics.plot=false",
     "--metrics.progress=false",
 ]
 

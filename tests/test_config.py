@@ -89,7 +89,7 @@ def test_overrides_convert_by_field_type_and_win_over_the_file(tmp_path):
             "training.steps=7",  # int, beats the file
             "--algorithm.overlong_filter=true",  # a leading -- is accepted here too
             "checkpoint.resume=0",  # bool from 0/1
-            "metrics.plot=FALSE",
+            "metrics.tensorboard=FALSE",
             "optimizer.betas=0.8,0.9",  # tuple from a comma list
             "optimizer.lr=3e-5",  # float
             "parallelism.dp_shard=-1",  # negative int
@@ -101,7 +101,7 @@ def test_overrides_convert_by_field_type_and_win_over_the_file(tmp_path):
         ],
     )
     assert cfg.training.steps == 9 and cfg.algorithm.clip_high == 0.3
-    assert cfg.algorithm.overlong_filter is True and cfg.checkpoint.resume is False and cfg.metrics.plot is False
+    assert cfg.algorithm.overlong_filter is True and cfg.checkpoint.resume is False and cfg.metrics.tensorboard is False
     assert cfg.optimizer.betas == (0.8, 0.9) and cfg.optimizer.lr == 3e-5
     assert cfg.parallelism.dp_shard == -1 and cfg.rollout.engine == "sglang"
     assert cfg.eval.eval_size == 10 and cfg.model.hf_path == "" and cfg.job.name == "123"

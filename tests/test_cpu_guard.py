@@ -58,7 +58,6 @@ SMALL = [
     "eval.at_start=false",
     "eval.at_end=false",
     "data.eval_path=",
-    "metrics.plot=false",
     "metrics.tensorboard=false",
     "job.cpu_threads=1",
 ]

@@ -82,7 +82,6 @@ def _argv(run_dir, **extra):
         "eval.at_end": False,
         "eval.interval": 0,
         "checkpoint.enabled": False,
-        "metrics.plot": False,
         "metrics.progress": False,
     }
     values.update(extra)

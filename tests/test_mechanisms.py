@@ -195,7 +195,6 @@ def test_a_tiny_rare_strategy_probe_runs_its_warm_up_check_and_arms(tmp_path):
         "--eval.k=1",
         "--eval.interval=1",
         "--checkpoint.export_hf=false",
-        "--metrics.plot=false",
     ]
     command = [sys.executable, os.path.join(ROOT, "bench", "mechanisms.py"), "--probe", "rare_strategy", "--quick"]
     done = subprocess.run(

@@ -1,22 +1,16 @@
-"""Metrics JSONL + TensorBoard logging, the progress display's plain-line mode, and the monitoring panel PNG."""
+"""Metrics JSONL + TensorBoard logging and the progress display's plain-line mode."""
 
 import io
 import json
 import math
 import os
-import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from observe.metrics_log import MetricsLogger, read_metrics
-from observe.plot import DPI, FIGSIZE, PANELS, build_figure, plot_run, series_points
 from observe.progress import Progress
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _lines(path):
@@ -234,95 +228,3 @@ def test_progress_refuses_bad_arguments():
         Progress(total=-1)
     with pytest.raises(ValueError, match="plain_interval"):
         Progress(total=1, plain_interval=0)
-
-
-# ------------------------------------------------------------------------------------------ plot
-
-
-def _synthetic_run(run_dir, steps=30, skip=("token_prob/mean",)):
-    with MetricsLogger(str(run_dir)) as log:
-        for step in range(1, steps + 1):
-            metrics = {
-                "response_length/mean": 20 + step,
-                "response_length/max": 40 + 2 * step,
-                "response_length/clip_ratio": 0.01 * (step % 5),
-                "reward/mean": -1 + step / steps,
-                "acc/mean": step / steps,
-                "kept/acc/mean": 0.5,
-                "kept/reward/mean": 0.1,
-                "entropy": 1.0 / step,
-                "token_prob/mean": 0.8,
-                "pg_clipfrac": 0.001 * step,
-                "pg_clipfrac_lower": 0.0,
-                "groups/kept_share": 0.6,
-                "groups/all_correct_share": 0.1,
-                "groups/all_wrong_share": 0.3,
-                "grad_norm": float("nan") if step == 4 else 1.0,
-            }
-            if step % 10 == 0:
-                metrics["eval/avg_at_k"] = step / 100
-            log.log(step, {k: v for k, v in metrics.items() if k not in skip})
-
-
-def _png_size(path):
-    with open(path, "rb") as f:
-        head = f.read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
-    return struct.unpack(">II", head[16:24])
-
-
-def test_plot_run_writes_a_png_of_the_expected_size(tmp_path):
-    _synthetic_run(tmp_path)
-    path = plot_run(str(tmp_path))
-    assert path == str(tmp_path / "plots" / "panel.png")
-    assert _png_size(path) == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
-    assert os.listdir(tmp_path / "plots") == ["panel.png"]  # no temporary file left
-
-
-def test_panels_have_titles_step_axes_and_missing_metrics_say_so():
-    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3, "pg_clipfrac": 0.01}]
-    fig = build_figure(rows)
-    axes = [ax for ax in fig.axes if ax.get_title()]
-    assert [ax.get_title() for ax in axes] == [title for title, _, _ in PANELS]
-    assert {ax.get_xlabel() for ax in axes} == {"step"}
-    by_title = {ax.get_title(): ax for ax in axes}
-    entropy_texts = [t.get_text() for t in by_title["Entropy (nats)"].texts]
-    assert entropy_texts == ["not in metrics.jsonl:\nentropy"]
-    assert not by_title["Reward (score)"].texts
-    (line,) = by_title["Reward (score)"].get_lines()
-    assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == [0.1, 0.3]
-    assert len(by_title["Clip fractions (share of tokens)"].get_lines()) == 1  # pg_clipfrac_lower is absent: not drawn
-
-
-def test_series_skip_nulls_and_keep_the_last_value_of_a_relogged_step():
-    rows = [
-        {"step": 1, "x": 1.0},
-        {"step": 2, "x": None},
-        {"step": 3, "x": 3.0},
-        {"step": 3, "x": 30.0},
-        {"step": 4, "y": 1.0},
-    ]
-    assert series_points(rows, "x") == ([1, 3], [1.0, 30.0])
-    assert series_points(rows, "z") == ([], [])
-
-
-def test_plot_command_line(tmp_path):
-    _synthetic_run(tmp_path, steps=5, skip=())
-    proc = subprocess.run(
-        [sys.executable, "-m", "observe.plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(tmp_path / "p.png")
-    assert _png_size(tmp_path / "p.png") == (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
-    missing = subprocess.run(
-        [sys.executable, "-m", "observe.plot", str(tmp_path / "nothing")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert missing.returncode == 2 and "no metrics file" in missing.stderr and "Traceback" not in missing.stderr

@@ -57,7 +57,6 @@ def overrides(run_dir, steps=2, **extra):
         "checkpoint.interval": 1,
         "checkpoint.keep_latest_k": 3,
         "checkpoint.resume": True,
-        "metrics.plot": False,
     }
     values.update(extra)
     return ["--config", DEMO_SCRATCH] + [f"--{k}={v}" for k, v in values.items()]

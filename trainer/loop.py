@@ -245,7 +245,7 @@ class Trainer(StepPhases):
             self.runner.stop_with_checkpoint(error)
 
     def finish(self) -> None:
-        """Held-out accuracy, the last checkpoint, the HF export, the plot; the run marked finished."""
+        """Held-out accuracy, the last checkpoint, the HF export; the run marked finished."""
         cfg, p, step = self.cfg, self.parts, self.state.step
         scores = self.final_evaluation(step) if cfg.eval.at_end and p.eval_set else None
         self.stop.only_the_end_left()  # a signal from here on stops nothing; one during the evaluation still does
@@ -260,7 +260,7 @@ class Trainer(StepPhases):
             if self.dist.is_main:
                 complete_hf_export(f"{p.run_path}/hf", p.tokenizer, model_source=cfg.model.hf_path or None)
         assert self.metrics is not None
-        self.metrics.close(plot=cfg.metrics.plot)
+        self.metrics.close()
         if self.dist.is_main:
             mark_finished(p.run_path, step)
 

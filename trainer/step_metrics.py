@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
-from observe.plot import plot_run
 from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, add, logged, over_ranks, row
 from rl.stats import ClipStats, FilterStats
 from trainer.mismatch import MismatchMetrics
@@ -208,10 +207,11 @@ CONSOLE_KEYS = "reward/mean acc/mean groups/kept_share response_length/mean entr
 
 
 class MetricsWriter:
-    """metrics.jsonl (+ TensorBoard) through observe.MetricsLogger, a console line per step, the plot."""
+    """metrics.jsonl (+ TensorBoard) through observe.MetricsLogger, and a console line per step."""
 
     def __init__(self, run_path: str, metrics: MetricsConfig, *, rank: int, resumed_step: int = 0):
         self.run_path, self.log_every, self.rank = run_path, max(metrics.log_every, 1), rank
+        self.tensorboard = metrics.tensorboard
         # Lines (and TensorBoard events) past the resumed checkpoint belong to steps that will be run again.
         self.logger = MetricsLogger(run_path, tensorboard=metrics.tensorboard, rank=rank, resume_after=resumed_step)
 
@@ -221,8 +221,7 @@ class MetricsWriter:
             line = "step %d | reward %.3f | acc %.3f | kept %.2f | len %.1f | entropy %.3f | clip %.3f | %.1fs"
             log.info(line, step, *(row[key] for key in CONSOLE_KEYS))
 
-    def close(self, plot: bool = False) -> None:
+    def close(self) -> None:
         self.logger.close()
-        if plot and self.rank == 0:
-            path = plot_run(self.run_path)
-            log.info("monitoring panel: %s", path)
+        if self.rank == 0 and self.tensorboard:
+            log.info("curves: tensorboard --logdir %s/tensorboard", self.run_path)
