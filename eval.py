@@ -1,6 +1,6 @@
 """Evaluate a policy: k samples per problem, scored as training scores them, reported as avg@k / pass@k / maj@k.
 
-    python eval.py --model DIR [--data PATH|synthetic] [--config FILE] [--json OUT] [--section.key=value ...]
+    python eval.py --model DIR [--data PATH|synthetic] [--config FILE] [--section.key=value ...]
     python eval.py --config configs/dapo_32b.toml --model runs/dapo-32b --data aime_2024.parquet
 
 The settings are train.py's: the same TOML file (default configs/demo_cpu.toml) and the same
@@ -14,9 +14,9 @@ to 20480 tokens).
 The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face checkpoint directory, a hub
 id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
 (a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
-model.tokenizer_path (default: the checkpoint's, else the run folder's). `--json OUT` also writes the
-report to a file, through a symbolic link, or into a pipe (`--json >(jq .)`; `write_report_to`). The command
-prints a table (one row per data source, then the overall row) followed by one JSON line with the full report.
+model.tokenizer_path (default: the checkpoint's, else the run folder's). The command prints a table (one row
+per data source, then the overall row) followed by one JSON line with the full report, so the report as a file is
+`python eval.py ... | tail -n 1 > report.json` (indented: `| tail -n 1 | jq .`).
 The evaluation itself is evaluation/evaluate.py.
 """
 
@@ -30,9 +30,9 @@ import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, broken_link, report, writing
+from errors import ConfigError, broken_link, report
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
-from evaluation.report import format_table, report_text, write_report
+from evaluation.report import format_table
 from model.hf import check_checksums, check_finite_weights
 from model.hf_adapter import read_hf_config
 from observe.progress import Progress
@@ -59,7 +59,6 @@ def parse_cli(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace
     parser.add_argument("--model", help="model.hf_path: an HF checkpoint directory or hub id, or a run folder")
     parser.add_argument("--data", help="data.eval_path: a parquet / jsonl file or hub id, or 'synthetic'")
     parser.add_argument("--tokenizer", help="model.tokenizer_path (default: the checkpoint's)")
-    parser.add_argument("--json", help="also write the report to this file")
     return parse_config_args(parser, argv, _short_flags)
 
 
@@ -107,33 +106,6 @@ def resolve_tokenizer(explicit: str, model_dir: str, model_arg: str) -> str:
     )
 
 
-def check_report_target(path: str) -> None:
-    """`--json PATH`, tried before the evaluation: the file is opened for appending (its folder made), and one
-    made by the try is removed again. A directory, a symbolic-link loop or a folder that cannot be written is
-    one line now, not after the evaluation."""
-    try:
-        with writing(path):
-            os.makedirs(os.path.dirname(os.path.realpath(path)), exist_ok=True)
-            existed = os.path.exists(path)
-            open(path, "a").close()
-            if not existed:
-                os.remove(os.path.realpath(path))  # through a symbolic link: the file it points to
-    except OSError as exc:  # what `writing` does not make a WriteError: a directory, a symbolic-link loop
-        raise ConfigError(f"--json {path}: {exc.strerror}; pass the path of a file for the report") from None
-
-
-def write_report_to(path: str, report: dict) -> None:
-    """The report at `--json PATH`: a regular file (or a path not there yet) is replaced whole, through a
-    symbolic link the file it points to (errors.py write_atomically); a pipe, a terminal or this process's own
-    output (`>(jq .)`, /dev/stdout) is appended to, after what was printed."""
-    if not os.path.exists(path) or (os.path.isfile(path) and not os.path.samestat(os.stat(path), os.fstat(1))):
-        write_report(report, os.path.realpath(path))
-        return
-    sys.stdout.flush()
-    with writing(path), open(path, "a", encoding="utf-8") as f:
-        f.write(report_text(report))
-
-
 def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
     """Before any work: the torch engine's KV cache and the samples of one generate call (`per_call` problems;
     None: all) fit this machine (preflight/limits.py)."""
@@ -149,7 +121,7 @@ def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from model.tokenizer import Tokenizer
 
-    cfg, args = parse_cli(argv)
+    cfg, _ = parse_cli(argv)
     # Data-loading counts (duplicates, truncated prompts) go to stderr; a no-op where logging is set up.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     cfg = fetch_hub_inputs(cfg, EVAL_INPUTS)  # hub ids: into the hub cache, then read from there
@@ -159,8 +131,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
     check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
-    if args.json:
-        check_report_target(args.json)  # refused before the evaluation, not after it
     tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
@@ -186,16 +156,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["data"] = cfg.data.eval_path
     print(format_table(report))
     print(json.dumps(report))
-    if args.json:
-        write_report_to(args.json, report)
     return report
 
 
 def run_cli(argv: list[str] | None = None) -> None:
     """`main` with the exits a shell expects, as train.py's (errors.py): bad input (a configuration problem,
-    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint; a report that
-    cannot be written) is one line and exit code 2; Ctrl-C one line and 130; anything else is a failure and
-    keeps its traceback."""
+    including a missing checkpoint or tokenizer; an unusable data file; a damaged checkpoint) is one line and
+    exit code 2; Ctrl-C one line and 130; anything else is a failure and keeps its traceback."""
     try:
         main(argv)
     except KeyboardInterrupt:

@@ -72,14 +72,9 @@ def flat_metrics(report: dict, prefix: str = "eval/") -> dict[str, float]:
     return out
 
 
-def report_text(report: dict) -> str:
-    """The report as a file holds it: indented JSON."""
-    return json.dumps(report, indent=2) + "\n"
-
-
 def write_report(report: dict, path: str) -> None:
     """Write the report as indented JSON (folders created; replaced atomically; errors.py write_atomically)."""
-    write_atomically(path, report_text(report))
+    write_atomically(path, json.dumps(report, indent=2) + "\n")
 
 
 def read_report(path: str) -> dict | None:

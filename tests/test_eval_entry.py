@@ -302,8 +302,7 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
 LONG_PROMPTS = ["--data.max_prompt_length=1024", "--training.micro_batch_tokens=2048"]
 
 
-def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys, one_thread):
-    out = tmp_path / "report.json"
+def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, capsys, one_thread):
     argv = [
         "--model",
         str(checkpoint),
@@ -313,8 +312,6 @@ def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys,
         "--eval.k=2",
         "--eval.top_p=0.7",
         "--eval.max_response_length=6",
-        "--json",
-        str(out),
         "--metrics.progress=false",
         "--rollout.max_batch_size=4",
         "--eval.pass_at=2",
@@ -325,7 +322,7 @@ def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, tmp_path, capsys,
     assert printed[0].split()[:3] == ["source", "problems", "avg@2"]
     assert printed[2].split()[:2] == ["synthetic_arithmetic_l2", "4"]
     assert printed[-2].split()[:2] == ["overall", "4"]
-    assert json.loads(printed[-1]) == report == json.loads(out.read_text())
+    assert json.loads(printed[-1]) == report  # the last line is the whole report: `| tail -n 1 > report.json`
     assert report["model"] == str(checkpoint / "hf")
     assert report["overall"]["num_problems"] == 4 and report["overall"]["num_samples"] == 2
     assert 1 <= report["overall"]["response_length/mean"] <= 6
@@ -390,144 +387,14 @@ def test_ctrl_c_is_one_line_and_exit_130(checkpoint, tmp_path, monkeypatch, caps
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eval_command, "evaluate", interrupted)
-    report = tmp_path / "r.json"
     with pytest.raises(SystemExit) as stopped:
-        eval_command.run_cli(["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(report)])
-    assert stopped.value.code == 130 and not report.exists()
-    assert capsys.readouterr().err.strip() == "eval.py: interrupted (Ctrl-C); no report was written"
+        eval_command.run_cli(["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS])
+    printed = capsys.readouterr()
+    assert stopped.value.code == 130 and printed.out == ""  # no table, no report line
+    assert printed.err.strip() == "eval.py: interrupted (Ctrl-C); no report was written"
 
 
-def test_a_report_that_cannot_be_written_is_one_line_and_a_read_only_folder_is_found_first(
-    checkpoint, tmp_path, monkeypatch, capsys, one_thread
-):
-    import errno
-
-    import errors
-
-    def refused(errno_):
-        def open_(file, mode="r", *args, **kwargs):
-            raise OSError(errno_, os.strerror(errno_), str(file))
-
-        return open_
-
-    report = tmp_path / "out" / "r.json"
-    argv = ["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(report), "--metrics.progress=false"]
-    evaluated = []
-    real_evaluate = eval_command.evaluate
-    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
-    monkeypatch.setattr(eval_command, "open", refused(errno.EROFS), raising=False)
-    with pytest.raises(SystemExit) as stopped:
-        eval_command.run_cli(argv)
-    assert stopped.value.code == 2 and evaluated == []  # before the evaluation
-    assert capsys.readouterr().err.strip() == (
-        f"eval.py: error: cannot write {report}: Read-only file system; make room or make its folder writable, "
-        "then run the same command again"
-    )
-    monkeypatch.undo()
-    monkeypatch.setattr(errors, "open", refused(errno.ENOSPC), raising=False)  # the disk fills during the evaluation
-    with pytest.raises(SystemExit) as stopped:
-        eval_command.run_cli(argv)
-    assert stopped.value.code == 2 and os.listdir(report.parent) == []  # no report, no half of one
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"eval.py: error: cannot write {report}: No space left on device; make room or make its folder writable, "
-        "then run the same command again"
-    )
-
-
-def _eval_to(checkpoint, target, monkeypatch):
-    """eval.py --json `target`: (exit code, whether the evaluation ran)."""
-    evaluated = []
-    real_evaluate = eval_command.evaluate
-    monkeypatch.setattr(eval_command, "evaluate", lambda *a, **k: evaluated.append(1) or real_evaluate(*a, **k))
-    argv = ["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", str(target), "--metrics.progress=false"]
-    try:
-        eval_command.run_cli(argv)
-    except SystemExit as stopped:
-        return stopped.code, bool(evaluated)
-    return 0, bool(evaluated)
-
-
-@pytest.mark.parametrize("kind", ["a directory", "a symbolic link to one", "a symbolic link loop"])
-def test_a_json_target_that_cannot_be_a_file_is_one_line_before_the_evaluation(
-    kind, checkpoint, tmp_path, monkeypatch, capsys, one_thread
-):
-    (tmp_path / "folder").mkdir()
-    target = {"a directory": tmp_path / "folder", "a symbolic link to one": tmp_path / "to-folder"}.get(kind)
-    if kind == "a symbolic link to one":
-        target.symlink_to(tmp_path / "folder")
-    if kind == "a symbolic link loop":
-        target = tmp_path / "loop-a"
-        target.symlink_to(tmp_path / "loop-b")
-        (tmp_path / "loop-b").symlink_to(target)
-    before = sorted(os.listdir(tmp_path))
-    assert _eval_to(checkpoint, target, monkeypatch) == (2, False)
-    problem = "Too many levels of symbolic links" if kind == "a symbolic link loop" else "Is a directory"
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .splitlines()[-1]
-        .startswith(f"eval.py: configuration error: --json {target}: {problem}; pass the path of a file for the report")
-    )
-    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []
-
-
-@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "to-no-file-yet"])
-def test_a_json_target_that_is_a_symbolic_link_is_written_through_and_stays_a_link(
-    dangling, checkpoint, tmp_path, monkeypatch, capsys, one_thread
-):
-    (tmp_path / "reports").mkdir()
-    file, link = tmp_path / "reports" / "r.json", tmp_path / "latest.json"
-    link.symlink_to(os.path.join("reports", "r.json"))  # relative, as `ln -s` makes it
-    if not dangling:
-        file.write_text("an older report\n")
-    assert _eval_to(checkpoint, link, monkeypatch) == (0, True)
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert link.is_symlink() and os.readlink(link) == os.path.join("reports", "r.json")
-    assert json.loads(file.read_text()) == printed and os.listdir(tmp_path / "reports") == ["r.json"]
-
-
-def test_a_json_target_that_is_a_pipe_is_written_in_place(checkpoint, tmp_path, monkeypatch, capsys, one_thread):
-    read_end, write_end = os.pipe()  # what `--json >(jq .)` hands eval.py: /dev/fd/N, a pipe's write end
-    try:
-        assert _eval_to(checkpoint, f"/dev/fd/{write_end}", monkeypatch) == (0, True)
-        os.close(write_end)
-        with os.fdopen(read_end) as pipe:
-            written = pipe.read()
-    finally:
-        for fd in (read_end, write_end):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert json.loads(written) == printed and written.count("\n") > 10  # indented, as a report file
-    assert not os.path.exists(f"/dev/fd/{write_end}.probe") and os.listdir(tmp_path) == []
-
-
-def test_json_to_dev_stdout_redirected_to_a_file_follows_the_table(checkpoint, tmp_path):
-    # /dev/stdout as it is made (a link to /proc/self/fd/1), in a folder of the test's own: a command that replaced
-    # the link with a file must not replace the machine's.
-    out, stdout_link = tmp_path / "out.txt", tmp_path / "stdout"
-    stdout_link.symlink_to("/proc/self/fd/1")
-    with open(out, "w") as stdout:
-        proc = subprocess.run(
-            [sys.executable, "eval.py", "--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS, "--json", stdout_link],
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-            stdout=stdout,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    assert proc.returncode == 0, proc.stderr
-    text = out.read_text()
-    assert text.startswith("source ")  # the table is still there: the file was appended to, not replaced
-    table, line, indented = text.partition("\n{")[0], "{" + text.split("\n{", 2)[1], "{" + text.split("\n{", 2)[2]
-    assert json.loads(line) == json.loads(indented) and "synthetic" in table
-    assert os.readlink(stdout_link) == "/proc/self/fd/1"
-
-
-def test_cli_subprocess(checkpoint, tmp_path):
+def test_cli_subprocess(checkpoint):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [
@@ -541,8 +408,6 @@ def test_cli_subprocess(checkpoint, tmp_path):
             "2",
             "--eval.k=2",
             "--eval.max_response_length=4",
-            "--json",
-            str(tmp_path / "r.json"),
             *LONG_PROMPTS,
         ],
         cwd=ROOT,
@@ -552,8 +417,11 @@ def test_cli_subprocess(checkpoint, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == json.loads((tmp_path / "r.json").read_text())
+    table, last = proc.stdout.strip().rsplit("\n", 1)  # what `| tail -n 1 > report.json` keeps: the whole report
+    report = json.loads(last)
+    assert report["model"] == str(checkpoint / "hf") and report["data"] == "synthetic"
+    assert report["overall"]["num_problems"] == 2 and report["sampling"]["n"] == 2
+    assert table.startswith("source ") and table.splitlines()[-1].split()[:2] == ["overall", "2"]
     assert "eval: 2/2 problems" in proc.stderr  # the progress display, as plain lines (stderr is a pipe)
 
 
@@ -565,6 +433,19 @@ def test_script_exits_with_one_line_on_bad_input(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert str(tmp_path / "missing") in err and "hf/config.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_is_an_unknown_argument(tmp_path, monkeypatch, capsys):
+    # The report is the last line printed (`| tail -n 1 > report.json`); a --json flag is refused as any unknown
+    # one, by argparse: its usage, one error line, exit 2, before anything runs.
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--model", str(tmp_path), "--json", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(os.path.join(ROOT, "eval.py"), run_name="__main__")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and not out.exists()
+    assert err[0].startswith("usage: eval.py") and "Traceback" not in "\n".join(err)
+    assert [line for line in err if "error" in line] == [f"eval.py: error: unrecognized arguments: --json {out}"]
 
 
 def test_params_from_config_follow_the_eval_section():
@@ -591,8 +472,8 @@ def test_eval_and_train_read_one_configuration(tmp_path):
 
     demo = os.path.join(ROOT, "configs", "demo_cpu.toml")
     overrides = ["--eval.k=2", "--rollout.max_batch_size", "256", "--data.synthetic_num_eval=7"]
-    cfg, args = eval_command.parse_cli(["--config", demo, *overrides, "--json", "out.json"])
-    assert cfg == config.parse_cli(["--config", demo, *overrides])[0] and args.json == "out.json"
+    cfg, _ = eval_command.parse_cli(["--config", demo, *overrides])
+    assert cfg == config.parse_cli(["--config", demo, *overrides])[0]
     assert eval_command.parse_cli([])[0] == config.load_config(config.DEFAULT_CONFIG)  # the same default file
     assert eval_command.parse_cli([])[0].rollout.max_batch_size == 512  # the recipe's, not a second default
     # The short flags set one key each (--model also clears the recipe's random-init preset).
