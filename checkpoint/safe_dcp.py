@@ -121,21 +121,21 @@ class TensorsOnlyLoadPlanner(DefaultLoadPlanner):
         )
 
 
-def _flat_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
-    """DCP's flat keys ("model.layers.0.norm.weight") of a nested state dict, with each tensor's full shape."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for key, value in state.items():
+def flatten(nested: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves under dotted keys ("model.layers.0.norm.weight"): DCP's flat keys of a state dict."""
+    flat = {}
+    for key, value in nested.items():
         if isinstance(value, dict):
-            shapes.update(_flat_shapes(value, f"{prefix}{key}."))
-        elif isinstance(value, torch.Tensor):
-            shapes[f"{prefix}{key}"] = tuple(value.shape)  # a DTensor's shape is the full one
-    return shapes
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _check_layout(index: Metadata, state_dict: dict, checkpoint_id: str) -> None:
-    """The checkpoint's model tensors are the ones `state_dict` expects, with the same shapes: a checkpoint of
-    another model (preset, checkpoint) is named as such instead of failing deep inside the load."""
-    wanted = _flat_shapes(state_dict)
+    """The checkpoint's model tensors are the ones `state_dict` expects, with the same (a DTensor's: full) shapes: a
+    checkpoint of another model (preset, checkpoint) is named as such instead of failing deep inside the load."""
+    wanted = {key: tuple(t.shape) for key, t in flatten(state_dict).items() if isinstance(t, torch.Tensor)}
     stored = {key: tuple(item.size) for key, item in index.state_dict_metadata.items() if hasattr(item, "size")}
     advice = (
         "it was written for another model. Resume with the model the run started with (model.preset or "

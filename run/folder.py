@@ -31,6 +31,7 @@ import re
 import shutil
 
 from checkpoint.manager import CheckpointManager
+from checkpoint.safe_dcp import flatten
 from errors import RunFolderError, write_atomically
 from evaluation.report import read_report
 from run.lock import FolderBusyError, FolderLock
@@ -177,16 +178,6 @@ def _lock(lock: FolderLock | None, path: str) -> None:
         raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | None:
     """(config.json's settings, the keys `config_dict` changes) of the folder's first launch; None when there was
     none. A damaged config.json is refused."""
@@ -195,13 +186,13 @@ def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | No
         return None
     try:
         with open(first, encoding="utf-8") as f:
-            previous = _flatten(json.load(f))
+            previous = flatten(json.load(f))
     except (OSError, ValueError, AttributeError) as exc:  # not JSON, not UTF-8, not an object
         raise RunFolderError(
             f"{first}, the configuration this run started with, is damaged ({type(exc).__name__}: {exc}): restore "
             "it, or move it aside and this launch saves its own"
         ) from None
-    current = _flatten(config_dict)
+    current = flatten(config_dict)
     return previous, sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
 
 
@@ -215,7 +206,7 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
         write_atomically(os.path.join(path, "config.json"), json.dumps(config_dict, indent=2))
         return
     previous, changed = earlier
-    current = _flatten(config_dict)
+    current = flatten(config_dict)
     if not changed:
         return
     n = 2
