@@ -105,14 +105,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(value: _T) -> _T:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _all_gather(value: _T) -> list[_T]:
     """`value` of every rank, in rank order."""
     if not dist.is_initialized():
@@ -223,7 +215,7 @@ class CheckpointManager:
     def _verdicts(self) -> Iterator[tuple[int, str | None]]:
         """(step, why its files are damaged or None) of each checkpoint, newest first. Every rank checks its share
         of each checkpoint's files; collective (every rank must take the same number of verdicts)."""
-        for step in reversed(_broadcast(self.complete_steps())):
+        for step in reversed(_all_gather(self.complete_steps())[0]):  # rank 0's listing
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
             yield step, next((p for p in problems if p is not None), None)
 
@@ -299,7 +291,7 @@ class CheckpointManager:
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 failure = exc
         report = _failure_report(failure, written)
-        reports = [(_broadcast(report), result)] if main_only else _all_gather((report, result))
+        reports = _all_gather((report, result))
         first = next((r for r, _ in reports if r is not None), None)
         if first is None:
             return [r for _, r in reports]
