@@ -116,7 +116,7 @@ def _all_gather(value: _T) -> list[_T]:
 
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
-    """DCP warns that it "assumes" single-process mode even when told so (no_dist=True); that is intended here."""
+    """Without a process group DCP warns that it "assumes" single-process mode; that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
@@ -324,7 +324,7 @@ class CheckpointManager:
         """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are written
         and fsynced; returns their records."""
         with _single_process_quiet():
-            dcp.save(tensors, storage_writer=hashing_writer(tmp, written), no_dist=not dist.is_initialized())
+            dcp.save(tensors, storage_writer=hashing_writer(tmp, written))
         save_plain(extra, *self._rank_files(tmp, _rank()), written)
         return written.records
 
@@ -437,7 +437,7 @@ class CheckpointManager:
         settings = configured_settings(target, lr_scheduler) if target is not None else {}
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
-            load_tensors(tensors, path, no_dist=not dist.is_initialized())
+            load_tensors(tensors, path)
         if optimizer is None:
             set_model_state_dict(model, tensors["model"])
         else:
