@@ -153,14 +153,6 @@ def _unused_name(path: str) -> str:
     return candidate
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _failure_report(failure: BaseException | None, written: WrittenFiles | None) -> tuple[str, str] | None:
     """What a rank tells the others about its part of a save: None (done), or (kind, detail) with kind
     "no_space", "os" (another OSError) or "other" (a bug)."""
@@ -347,7 +339,11 @@ class CheckpointManager:
             old = _unused_name(final + ".old")
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(self.folder)
+        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself is durable once its folder is fsynced
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._prune(keep_step=step)  # only now: the new checkpoint is written, fsynced and committed
@@ -476,10 +472,13 @@ class CheckpointManager:
         for step, problem in self._verdicts():
             if problem is None:
                 saved = self.load(step, model, optimizer, lr_scheduler)
-                problem = self._loaded_nonfinite(model, optimizer)
+                problem = nonfinite_state(model, optimizer)  # collective (parallel/finite.py)
                 if problem is None:
                     self._set_aside(damaged, step)
                     return saved
+                if optimizer is not None:  # dropped: an older checkpoint saved before any update must not inherit it
+                    optimizer.state.clear()
+                problem = f"it loads with NaN or inf: {problem}"
             damaged.append((step, problem))
         if damaged:
             newest, problem = damaged[0]
@@ -490,16 +489,6 @@ class CheckpointManager:
                 f"with --fresh (the run folder is moved aside)"
             )
         return None
-
-    @staticmethod
-    def _loaded_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
-        """Why the checkpoint just loaded is damaged although its files match the manifest (NaN or inf in its
-        weights or optimizer state), or None. A damaged one's optimizer state is dropped, so an older checkpoint
-        saved before the first update does not inherit it. Collective (parallel/finite.py)."""
-        problem = nonfinite_state(model, optimizer)
-        if problem is not None and optimizer is not None:
-            optimizer.state.clear()
-        return problem and f"it loads with NaN or inf: {problem}"
 
     def _set_aside(self, damaged: list[tuple[int, str]], intact: int) -> None:
         """Rename the damaged checkpoints newer than `intact` to `step-N.damaged`, one log line each (rank 0)."""
