@@ -419,17 +419,16 @@ class CheckpointManager:
                 "and keeps its current RNG states",
                 stacklevel=2,
             )
-        fresh_optimizer = None
+        target = optimizer  # takes the configured settings, also when it starts fresh
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
                 # Saved before the first update: the optimizer starts fresh.
-                fresh_optimizer, optimizer = optimizer, None
+                optimizer = None
         if optimizer is not None and extra.get("optimizer_param_groups") is None:
             raise CheckpointError(
                 f"{path} has optimizer state but no optimizer_param_groups in its train state; "
                 f"remove that checkpoint folder"
             )
-        target = optimizer or fresh_optimizer
         settings = configured_settings(target, lr_scheduler) if target is not None else {}
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
