@@ -62,15 +62,6 @@ class WrittenFiles:
     def name(self, path: str | os.PathLike) -> str:
         return os.path.relpath(os.path.abspath(path), self.root)
 
-    def failed(self, exc: OSError) -> None:
-        if self.failure is None:
-            self.failure = exc
-
-    def renamed(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        record = self.records.pop(self.name(path), None)
-        if record is not None:
-            self.records[self.name(new_path)] = record
-
 
 class _HashingFile(io.FileIO):
     """A file opened for writing that hashes every byte the operating system accepted."""
@@ -83,7 +74,7 @@ class _HashingFile(io.FileIO):
         try:
             count = super().write(data)
         except OSError as exc:
-            self._written.failed(exc)
+            self._written.failure = self._written.failure or exc  # the first one
             raise
         if count:
             self._hash.update(memoryview(data).cast("B")[:count])
@@ -96,7 +87,7 @@ class _HashingFile(io.FileIO):
         try:
             super().close()  # some file systems (NFS) report a full disk only here
         except OSError as exc:
-            self._written.failed(exc)
+            self._written.failure = self._written.failure or exc  # the first one
             raise
         if self._written.failure is None:
             self._written.records[self._written.name(self.name)] = FileRecord(self._size, self._hash.hexdigest())
@@ -121,7 +112,9 @@ class HashingFileSystem(FileSystem):
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
-        self.written.renamed(path, new_path)
+        record = self.written.records.pop(self.written.name(path), None)
+        if record is not None:
+            self.written.records[self.written.name(new_path)] = record
 
 
 def hashing_writer(path: str, written: WrittenFiles) -> FileSystemWriter:

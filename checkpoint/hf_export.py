@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from model.hf import DEFAULT_MAX_SHARD_BYTES, exporting, remove_model_files, save_hf
+from model.hf import DEFAULT_MAX_SHARD_BYTES, exporting, remove_model_files, save_hf, split_into_shards
 from model.hf_adapter import iter_hf_tensors, write_hf_config
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
@@ -32,33 +32,6 @@ def _local_tensors(model: Qwen2, dtype: torch.dtype | None) -> Iterator[tuple[st
     """(our name, local parameter: a DTensor shard when sharded), cast locally to `dtype`."""
     for name, tensor in plain_named_parameters(model):
         yield name, (tensor if dtype is None else tensor.to(dtype))
-
-
-def _file_index(state: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, int]:
-    """Assign tensors, in model order, to output files 1..n of at most `max_shard_bytes` (full sizes)."""
-    mapping: dict[str, int] = {}
-    index, used = 1, 0
-    for name, tensor in state.items():
-        size = tensor.numel() * tensor.element_size()  # numel of a DTensor is the full tensor's
-        if used and used + size > max_shard_bytes:
-            index, used = index + 1, 0
-        mapping[name] = index
-        used += size
-    return mapping
-
-
-def _export_dcp(model: Qwen2, path: str, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-
-    state = dict(iter_hf_tensors(_local_tensors(model, dtype)))
-    mapping = _file_index(state, max_shard_bytes)
-    sharded = os.path.join(path, "sharded")
-    writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
-    dcp.save(state, storage_writer=writer)
-    dist.barrier()
-    consolidate_safetensors_files_on_every_rank(sharded, path, mapping)
 
 
 def export_hf(
@@ -84,13 +57,24 @@ def export_hf(
         if not dist.is_initialized() or dist.get_world_size() == 1:
             save_hf(_local_tensors(model, dtype), path, args=model.args, max_shard_bytes=max_shard_bytes)
             return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+        sharded = os.path.join(path, "sharded")
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
             remove_model_files(path)
-            shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
+            shutil.rmtree(sharded, ignore_errors=True)
         dist.barrier()
-        _export_dcp(model, path, dtype, max_shard_bytes)
+        state = dict(iter_hf_tensors(_local_tensors(model, dtype)))
+        files = enumerate(split_into_shards(state.items(), max_shard_bytes), 1)  # output files 1..n, as save_hf's
+        mapping = {name: i for i, shard in files for name in shard}
+        writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=mapping, save_distributed=True)
+        dcp.save(state, storage_writer=writer)
+        dist.barrier()
+        consolidate_safetensors_files_on_every_rank(sharded, path, mapping)
         if dist.get_rank() == 0:
-            shutil.rmtree(os.path.join(path, "sharded"))
+            shutil.rmtree(sharded)
             write_hf_config(path, model.args, dtype or next(model.parameters()).dtype)
         dist.barrier()

@@ -105,14 +105,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(value: _T) -> _T:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _all_gather(value: _T) -> list[_T]:
     """`value` of every rank, in rank order."""
     if not dist.is_initialized():
@@ -124,7 +116,7 @@ def _all_gather(value: _T) -> list[_T]:
 
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
-    """DCP warns that it "assumes" single-process mode even when told so (no_dist=True); that is intended here."""
+    """Without a process group DCP warns that it "assumes" single-process mode; that is intended here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
@@ -159,14 +151,6 @@ def _unused_name(path: str) -> str:
         n += 1
         candidate = f"{path}.{n}"
     return candidate
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _failure_report(failure: BaseException | None, written: WrittenFiles | None) -> tuple[str, str] | None:
@@ -223,7 +207,7 @@ class CheckpointManager:
     def _verdicts(self) -> Iterator[tuple[int, str | None]]:
         """(step, why its files are damaged or None) of each checkpoint, newest first. Every rank checks its share
         of each checkpoint's files; collective (every rank must take the same number of verdicts)."""
-        for step in reversed(_broadcast(self.complete_steps())):
+        for step in reversed(_all_gather(self.complete_steps())[0]):  # rank 0's listing
             problems = _all_gather(self.validate(step, (_rank(), _world_size())))
             yield step, next((p for p in problems if p is not None), None)
 
@@ -299,7 +283,7 @@ class CheckpointManager:
             except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
                 failure = exc
         report = _failure_report(failure, written)
-        reports = [(_broadcast(report), result)] if main_only else _all_gather((report, result))
+        reports = _all_gather((report, result))
         first = next((r for r, _ in reports if r is not None), None)
         if first is None:
             return [r for _, r in reports]
@@ -332,7 +316,7 @@ class CheckpointManager:
         """This rank's files (DCP shards, its train state; rank 0 also DCP's index), hashed as they are written
         and fsynced; returns their records."""
         with _single_process_quiet():
-            dcp.save(tensors, storage_writer=hashing_writer(tmp, written), no_dist=not dist.is_initialized())
+            dcp.save(tensors, storage_writer=hashing_writer(tmp, written))
         save_plain(extra, *self._rank_files(tmp, _rank()), written)
         return written.records
 
@@ -355,7 +339,11 @@ class CheckpointManager:
             old = _unused_name(final + ".old")
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(self.folder)
+        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself is durable once its folder is fsynced
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._prune(keep_step=step)  # only now: the new checkpoint is written, fsynced and committed
@@ -431,21 +419,20 @@ class CheckpointManager:
                 "and keeps its current RNG states",
                 stacklevel=2,
             )
-        fresh_optimizer = None
+        target = optimizer  # takes the configured settings, also when it starts fresh
         with open(os.path.join(path, MANIFEST)) as f:
             if not json.load(f).get("optimizer", True):
                 # Saved before the first update: the optimizer starts fresh.
-                fresh_optimizer, optimizer = optimizer, None
+                optimizer = None
         if optimizer is not None and extra.get("optimizer_param_groups") is None:
             raise CheckpointError(
                 f"{path} has optimizer state but no optimizer_param_groups in its train state; "
                 f"remove that checkpoint folder"
             )
-        target = optimizer or fresh_optimizer
         settings = configured_settings(target, lr_scheduler) if target is not None else {}
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
-            load_tensors(tensors, path, no_dist=not dist.is_initialized())
+            load_tensors(tensors, path)
         if optimizer is None:
             set_model_state_dict(model, tensors["model"])
         else:
@@ -484,10 +471,13 @@ class CheckpointManager:
         for step, problem in self._verdicts():
             if problem is None:
                 saved = self.load(step, model, optimizer, lr_scheduler)
-                problem = self._loaded_nonfinite(model, optimizer)
+                problem = nonfinite_state(model, optimizer)  # collective (parallel/finite.py)
                 if problem is None:
                     self._set_aside(damaged, step)
                     return saved
+                if optimizer is not None:  # dropped: an older checkpoint saved before any update must not inherit it
+                    optimizer.state.clear()
+                problem = f"it loads with NaN or inf: {problem}"
             damaged.append((step, problem))
         if damaged:
             newest, problem = damaged[0]
@@ -498,16 +488,6 @@ class CheckpointManager:
                 f"with --fresh (the run folder is moved aside)"
             )
         return None
-
-    @staticmethod
-    def _loaded_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str | None:
-        """Why the checkpoint just loaded is damaged although its files match the manifest (NaN or inf in its
-        weights or optimizer state), or None. A damaged one's optimizer state is dropped, so an older checkpoint
-        saved before the first update does not inherit it. Collective (parallel/finite.py)."""
-        problem = nonfinite_state(model, optimizer)
-        if problem is not None and optimizer is not None:
-            optimizer.state.clear()
-        return problem and f"it loads with NaN or inf: {problem}"
 
     def _set_aside(self, damaged: list[tuple[int, str]], intact: int) -> None:
         """Rename the damaged checkpoints newer than `intact` to `step-N.damaged`, one log line each (rank 0)."""

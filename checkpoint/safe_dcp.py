@@ -156,7 +156,7 @@ def _check_layout(index: Metadata, state_dict: dict, checkpoint_id: str) -> None
         raise CheckpointError(f"{checkpoint_id} {found}: {advice}")
 
 
-def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None:
+def load_tensors(state_dict: dict, checkpoint_id: str) -> None:
     """dcp.load of `state_dict` (tensors only) in place, with the safe reader and planner above.
 
     The index is checked first, so that a refusal is raised as itself: inside dcp.load a failed index read
@@ -172,12 +172,7 @@ def load_tensors(state_dict: dict, checkpoint_id: str, *, no_dist: bool) -> None
         )
     _check_layout(index, state_dict, checkpoint_id)
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(checkpoint_id),
-            planner=TensorsOnlyLoadPlanner(),
-            no_dist=no_dist,
-        )
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(checkpoint_id), planner=TensorsOnlyLoadPlanner())
     except CheckpointException as exc:
         refused = [error for error, _ in exc.failures.values() if isinstance(error, CheckpointError)]
         if refused:

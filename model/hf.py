@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -297,47 +297,22 @@ def _plain_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class _ShardWriter:
-    """Collects tensors into shards of at most `max_shard_bytes` (a larger tensor gets a shard of its own)
-    and writes each full shard to a temporary safetensors file in `path`; `written` lists (temporary file,
-    HF names in it) in order, for `_publish` to rename."""
-
-    def __init__(self, path: str, max_shard_bytes: int, save_file: Callable[..., None]) -> None:
-        self.path, self.max_shard_bytes, self.save_file = path, max_shard_bytes, save_file
-        self.written: list[tuple[str, list[str]]] = []
-        self.shard: dict[str, torch.Tensor] = {}
-        self.shard_bytes, self.total_bytes = 0, 0
-        self.dtype: torch.dtype | None = None  # the first tensor's: config.json's torch_dtype
-
-    def add(self, hf_name: str, tensor: torch.Tensor) -> None:
-        """Add a plain CPU tensor, first writing the current shard if the tensor would overflow it."""
-        self.dtype = self.dtype or tensor.dtype
-        size = tensor.numel() * tensor.element_size()
-        if self.shard and self.shard_bytes + size > self.max_shard_bytes:
-            self.flush()
-        self.shard[hf_name] = tensor
-        self.shard_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        """Write the current shard (if it holds any tensor) to the next temporary file and start a new one."""
-        if self.shard:
-            tmp = os.path.join(self.path, f".tmp-shard-{len(self.written):05d}.safetensors")
-            try:
-                self.save_file(self.shard, tmp, metadata={"format": "pt"})
-            except Exception as exc:  # safetensors names an OS error in its message only: "... (os error 28)"
-                code = re.search(r"\(os error (\d+)\)", str(exc))
-                if code is None:
-                    raise
-                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc
-            self.written.append((tmp, list(self.shard)))
-        self.shard, self.shard_bytes = {}, 0
-
-    def remove_temporary(self) -> None:
-        """Remove the temporary files written so far (a failed save leaves nothing behind)."""
-        for tmp, _ in self.written:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+def split_into_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The (name, tensor) pairs, in order, collected into shards of at most `max_shard_bytes` (a larger tensor
+    gets a shard of its own); each shard is yielded when the next tensor would overflow it, the last at the end."""
+    shard: dict[str, torch.Tensor] = {}
+    used = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()  # numel of a DTensor is the full tensor's
+        if shard and used + size > max_shard_bytes:
+            yield shard
+            shard, used = {}, 0
+        shard[name] = tensor
+        used += size
+    if shard:
+        yield shard
 
 
 def save_hf(
@@ -363,12 +338,12 @@ def save_hf(
             raise ValueError("save_hf needs `args` when given a state dict or an iterator of tensors")
         args = model_or_state_dict.args
     want = hf_shapes(args)
-    given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
-    unexpected, repeated = [], []
 
-    os.makedirs(path, exist_ok=True)
-    shards = _ShardWriter(path, max_shard_bytes, save_file)
-    try:
+    def checked() -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, plain CPU tensor) of each tensor the model needs, as it arrives; at the end, before the last
+        shard is written, a CheckpointError names every mismatch."""
+        given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
+        unexpected, repeated = [], []
         for name, tensor in named_tensors(model_or_state_dict):
             hf_name = to_hf_name(name) if is_our_name(name) else None
             if hf_name not in want:
@@ -378,20 +353,39 @@ def save_hf(
             else:
                 given[hf_name] = tensor.shape
                 if tensor.shape == want[hf_name]:
-                    shards.add(hf_name, _plain_cpu(name, tensor))
+                    yield hf_name, _plain_cpu(name, tensor)
         missing = [from_hf_name(n) for n in want.keys() - given.keys()]
         misshaped = [(from_hf_name(n), shape, want[n]) for n, shape in given.items() if shape != want[n]]
         if missing or unexpected or misshaped or repeated:
             report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
             raise CheckpointError(report + (f"\n  given more than once: {sorted(repeated)}" if repeated else ""))
-        shards.flush()
+
+    os.makedirs(path, exist_ok=True)
+    written: list[tuple[str, list[str]]] = []  # (temporary file, HF names in it), in order, for `_publish`
+    dtype: torch.dtype | None = None  # the first tensor's: config.json's torch_dtype
+    total_bytes = 0
+    try:
+        for shard in split_into_shards(checked(), max_shard_bytes):
+            tmp = os.path.join(path, f".tmp-shard-{len(written):05d}.safetensors")
+            try:
+                save_file(shard, tmp, metadata={"format": "pt"})
+            except Exception as exc:  # safetensors names an OS error in its message only: "... (os error 28)"
+                code = re.search(r"\(os error (\d+)\)", str(exc))
+                if code is None:
+                    raise
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc
+            written.append((tmp, list(shard)))
+            dtype = dtype or next(iter(shard.values())).dtype
+            total_bytes += sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
     except BaseException:
-        shards.remove_temporary()
+        for tmp, _ in written:  # a failed save leaves nothing behind
+            if os.path.exists(tmp):
+                os.remove(tmp)
         raise
 
-    assert shards.dtype is not None  # every tensor of `want` arrived (checked above), so the dtype is known
-    _publish(path, shards.written, shards.total_bytes)
-    write_hf_config(path, args, shards.dtype)
+    assert dtype is not None  # every tensor of `want` arrived (checked above), so the dtype is known
+    _publish(path, written, total_bytes)
+    write_hf_config(path, args, dtype)
 
 
 def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) -> None:

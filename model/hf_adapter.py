@@ -123,12 +123,8 @@ def named_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) pairs from our module (its parameters, detached: not copied), a state dict, or an
     iterable of pairs (how a sharded trainer streams one gathered tensor at a time)."""
     if isinstance(source, nn.Module):
-        for name, param in source.named_parameters():
-            yield name, param.detach()
-    elif isinstance(source, Mapping):
-        yield from source.items()
-    else:
-        yield from source
+        return ((name, param.detach()) for name, param in source.named_parameters())
+    return iter(source.items() if isinstance(source, Mapping) else source)
 
 
 def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
@@ -137,8 +133,7 @@ def iter_hf_tensors(source: TensorSource) -> Iterator[tuple[str, torch.Tensor]]:
     From a module the order is fixed by its structure (embedding, layers 0..N-1, norm, head), so a sender
     and a receiver of the stream agree on it. Tensors are not copied.
     """
-    for name, tensor in named_tensors(source):
-        yield to_hf_name(name), tensor
+    return ((to_hf_name(name), tensor) for name, tensor in named_tensors(source))
 
 
 # ---------------------------------------------------------------------------------------------------
