@@ -187,14 +187,9 @@ class EngineProcess:
     def _died(self, what: str, how: str | None = None) -> NoReturn:
         self.process.join(timeout=10)
         code = self.process.exitcode
-        how = how or (
-            "still running"
-            if code is None
-            else f"killed by {signal.Signals(-code).name}"
-            if code < 0
-            else f"exit code {code}"
-        )
-        self.dead = f"{self.name} process (pid {self.process.pid}) ended during {what} ({how})"
+        if code is not None:
+            how = how or (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+        self.dead = f"{self.name} process (pid {self.process.pid}) ended during {what} ({how or 'still running'})"
         self._end_group()
         raise EngineDied(self.dead)
 
