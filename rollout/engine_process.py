@@ -149,7 +149,7 @@ class EngineProcess:
             child_end.close()  # only the child holds it now: its end closes the pipe
         # Ended before multiprocessing joins its children at exit (a non-daemon child: SGLang's engine starts
         # processes of its own, which a daemon may not), also when the owner never called close().
-        self._finalizer = multiprocessing.util.Finalize(self, self._shutdown, exitpriority=10)
+        self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=10)
         try:
             self.group = self._receive("start", START_TIMEOUT_S)
             self._receive("start", START_TIMEOUT_S)
@@ -187,14 +187,9 @@ class EngineProcess:
     def _died(self, what: str, how: str | None = None) -> NoReturn:
         self.process.join(timeout=10)
         code = self.process.exitcode
-        how = how or (
-            "still running"
-            if code is None
-            else f"killed by {signal.Signals(-code).name}"
-            if code < 0
-            else f"exit code {code}"
-        )
-        self.dead = f"{self.name} process (pid {self.process.pid}) ended during {what} ({how})"
+        if code is not None:
+            how = how or (f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+        self.dead = f"{self.name} process (pid {self.process.pid}) ended during {what} ({how or 'still running'})"
         self._end_group()
         raise EngineDied(self.dead)
 
@@ -209,9 +204,6 @@ class EngineProcess:
     def close(self, timeout_s: float = 60.0) -> None:
         """Shut the engine down (its own shutdown), wait up to timeout_s, then end its process group."""
         self._finalizer.cancel()
-        self._shutdown(timeout_s)
-
-    def _shutdown(self, timeout_s: float = 60.0) -> None:
         if self.dead is None and self.process.is_alive():
             with contextlib.suppress(OSError, EOFError):
                 self._conn.send(("shutdown", (), {}))

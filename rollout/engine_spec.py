@@ -133,9 +133,6 @@ def engine_group(tp_size: int, dist_env: DistEnv) -> tuple[Any, int]:
         return None, 0
     if dist_env.world_size % tp_size:
         raise ValueError(f"rollout.tp_size = {tp_size} does not divide the world size {dist_env.world_size}")
-    mine = None
-    for start in range(0, dist_env.world_size, tp_size):
-        group = new_control_group(list(range(start, start + tp_size)), dist_env.control_timeout_s)
-        if start <= dist_env.rank < start + tp_size:
-            mine = group
-    return mine, dist_env.local_rank - dist_env.local_rank % tp_size
+    starts = range(0, dist_env.world_size, tp_size)
+    groups = [new_control_group(list(range(start, start + tp_size)), dist_env.control_timeout_s) for start in starts]
+    return groups[dist_env.rank // tp_size], dist_env.local_rank - dist_env.local_rank % tp_size

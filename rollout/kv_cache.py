@@ -14,6 +14,8 @@ A block never needs clearing: a sequence only attends to positions it has writte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,7 @@ class PagedKVCache:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
+@dataclass(eq=False)
 class PrefillContext:
     """Token lists right-padded to a common length T, each attending causally to itself.
 
@@ -53,17 +56,11 @@ class PrefillContext:
     m: a prompt's full blocks appear once (shared by its samples), its partial last block once per sample.
     """
 
-    def __init__(
-        self,
-        cache: PagedKVCache,
-        src_row: torch.Tensor,
-        src_pos: torch.Tensor,
-        dst_block: torch.Tensor,
-        dst_offset: torch.Tensor,
-    ) -> None:
-        self.cache = cache
-        self.src_row, self.src_pos = src_row, src_pos
-        self.dst_block, self.dst_offset = dst_block, dst_offset
+    cache: PagedKVCache
+    src_row: torch.Tensor
+    src_pos: torch.Tensor
+    dst_block: torch.Tensor
+    dst_offset: torch.Tensor
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # k[src_row, :, src_pos] is [M, H_kv, D]; the cache's indexed view is [H_kv, M, D].

@@ -191,9 +191,7 @@ class Scheduler:
     def next_decode(self) -> list[Sequence]:
         """Every running sequence, each with a block for its next token; the youngest are preempted
         (blocks freed, back to the front of the waiting queue) while blocks are short."""
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        for seq in self.running:  # the list iterator reads by index: popping the youngest ends it there
             if self.blocks.needs_block(seq):
                 while not self.blocks.num_free and self.running[-1] is not seq:
                     self._preempt(self.running.pop())
@@ -201,7 +199,6 @@ class Scheduler:
                     self._preempt(self.running.pop())
                     break
                 self.blocks.append_block(seq)
-            i += 1
         self.stats.decode_steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         if self.waiting:

@@ -294,12 +294,11 @@ class SGLangEngine:
     def _leader_call(self, what: str, fn: Callable[[], object]) -> None:
         """Run fn on the leader; then every rank adopts the leader's protocol state (what SGLang really
         did, also when fn failed part-way) and a failure there becomes an error on every rank."""
+        self._per_rank(what, lambda: self._refuse_in_flight(what), lambda inputs: [fn(), *[None] * len(inputs)][1:])
 
-        def check() -> None:
-            if self._in_flight:
-                raise RuntimeError(f"{what}() while submitted groups are in flight")
-
-        self._per_rank(what, check, lambda inputs: [fn(), *[None] * len(inputs)][1:])
+    def _refuse_in_flight(self, what: str) -> None:
+        if self._in_flight:
+            raise RuntimeError(f"{what}() while submitted groups are in flight")
 
     # -- protocol ----------------------------------------------------------------------------------
 
@@ -329,8 +328,7 @@ class SGLangEngine:
         keep_alive: list[object] = []  # the flattened bucket behind this rank's CUDA IPC handles
 
         def prepare() -> list[str]:
-            if self._in_flight:
-                raise RuntimeError("update_weights() while submitted groups are in flight")
+            self._refuse_in_flight("update_weights")
             bucket.extend(
                 checked_bucket(named_tensors, {n: (shape, self.dtype) for n, shape in self.weight_shapes.items()})
             )
@@ -412,8 +410,7 @@ class SGLangEngine:
                 raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
             if self._released:
                 raise RuntimeError("the engine's memory is released; call resume_memory() before generating")
-            if self._in_flight:
-                raise RuntimeError("submit() while submitted groups are in flight")
+            self._refuse_in_flight("submit")
             if prompts:
                 validate_prompts(prompts, self.context_length - PROMPT_MARGIN, self.args.vocab_size)
             return [list(map(int, p)) for p in prompts]

@@ -146,7 +146,9 @@ class GroupRunner:
             self.engine.loop.run_until_complete(
                 asyncio.wait(self.tasks.values(), timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
             )
-        finished = self._take_finished()
+        # Each finished group's outputs (a group whose batch raised raises here, failing the call).
+        done = [key for key, task in self.tasks.items() if task.done()]
+        finished = {key: self.tasks.pop(key).result() for key in done}
         counts = {rid: len(state.output_ids) for rid, state in self.engine.tokenizer_manager.rid_to_state.items()}
         ended = {
             o["meta_info"]["id"]: len(o["meta_info"]["output_token_logprobs"]) for g in finished.values() for o in g
@@ -156,11 +158,6 @@ class GroupRunner:
         for rid in ended:
             self.reported.pop(rid, None)
         return finished, tokens
-
-    def _take_finished(self) -> dict[Hashable, list[dict]]:
-        """Each finished group's outputs (a group whose batch raised raises here, failing the call)."""
-        done = [key for key, task in self.tasks.items() if task.done()]
-        return {key: self.tasks.pop(key).result() for key in done}
 
 
 def with_groups(target: Any, **server_args: object) -> GroupRunner:

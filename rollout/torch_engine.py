@@ -89,9 +89,13 @@ class TorchEngine:
     ) -> None:
         args = _checked_model_args(model, max_batch_size, max_seq_len, max_prefill_tokens, block_size)
         self.blocks_per_seq = -(-max_seq_len // block_size)
-        kv_cache_blocks = _checked_kv_cache_blocks(
-            kv_cache_blocks, max_batch_size, max_seq_len, block_size, self.blocks_per_seq
-        )
+        if kv_cache_blocks is None:  # by default max_batch_size full-length sequences' worth
+            kv_cache_blocks = max_batch_size * self.blocks_per_seq
+        if kv_cache_blocks < self.blocks_per_seq:  # at least one full-length sequence's
+            raise ValueError(
+                f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
+                f"tokens; it needs at least {self.blocks_per_seq} blocks of {block_size}"
+            )
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
@@ -126,11 +130,10 @@ class TorchEngine:
         (with cuda_graphs) CUDA graphs by mode "reduce-overhead"; elsewhere dynamic shapes."""
         if not compile:
             return self._decode_logits
-        if self._static_shapes:
-            return torch.compile(
-                self._decode_logits, dynamic=False, mode="reduce-overhead" if cuda_graphs else "default"
-            )
-        return torch.compile(self._decode_logits, dynamic=True)
+        graphs = self._static_shapes and cuda_graphs
+        return torch.compile(
+            self._decode_logits, dynamic=not self._static_shapes, mode="reduce-overhead" if graphs else "default"
+        )
 
     # ---------------------------------------------------------------------------------------------
     # Memory and weights
@@ -280,19 +283,16 @@ class TorchEngine:
         if not prompts:  # a rank without a share of the work still takes part: nothing to do
             return
         validate_prompts(prompts, self.max_seq_len - 1, self.args.vocab_size)
-        self._round = r = self._new_round(params)
-        for p, prompt in enumerate(prompts):
-            budget = min(params.max_new_tokens, self.max_seq_len - len(prompt))
-            r.scheduler.add([Sequence(p, s, list(map(int, prompt)), budget) for s in range(params.n)])
-
-    def _new_round(self, params: SamplingParams) -> _Round:
         seed = params.seed if params.seed is not None else self.seed + self._calls
         self._calls += 1
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self.blocks = BlockManager(self.kv_cache_blocks, self.block_size)
         scheduler = Scheduler(self.blocks, self.max_batch_size, self.max_prefill_tokens)
-        return _Round(scheduler, generator, params, frozenset(params.stop_token_ids))
+        self._round = _Round(scheduler, generator, params, frozenset(params.stop_token_ids))
+        for p, prompt in enumerate(prompts):
+            budget = min(params.max_new_tokens, self.max_seq_len - len(prompt))
+            scheduler.add([Sequence(p, s, list(map(int, prompt)), budget) for s in range(params.n)])
 
     @torch.inference_mode()
     def poll(self) -> Polled:
@@ -362,21 +362,6 @@ def _checked_model_args(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     return args
-
-
-def _checked_kv_cache_blocks(
-    kv_cache_blocks: int | None, max_batch_size: int, max_seq_len: int, block_size: int, blocks_per_seq: int
-) -> int:
-    """The KV pool's blocks: as given (at least one full-length sequence's), or by default max_batch_size
-    full-length sequences' worth."""
-    if kv_cache_blocks is None:
-        kv_cache_blocks = max_batch_size * blocks_per_seq
-    if kv_cache_blocks < blocks_per_seq:
-        raise ValueError(
-            f"kv_cache_blocks = {kv_cache_blocks} cannot hold one sequence of max_seq_len = {max_seq_len} "
-            f"tokens; it needs at least {blocks_per_seq} blocks of {block_size}"
-        )
-    return kv_cache_blocks
 
 
 def _empty_gather_buffers(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,9 +178,9 @@ def _lock(lock: FolderLock | None, path: str) -> None:
         raise RunFolderError(f"run folder {path} is not writable: {exc.strerror or exc}") from exc
 
 
-def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | None:
-    """(config.json's settings, the keys `config_dict` changes) of the folder's first launch; None when there was
-    none. A damaged config.json is refused."""
+def _changed_config(path: str, config_dict: dict) -> dict[str, tuple] | None:
+    """The settings `config_dict` changes from the folder's first launch's config.json, key: (first value, this
+    launch's), in key order; None when there was none. A damaged config.json is refused."""
     first = os.path.join(path, "config.json")
     if not os.path.isfile(first):
         return None
@@ -193,7 +193,8 @@ def _changed_config(path: str, config_dict: dict) -> tuple[dict, list[str]] | No
             "it, or move it aside and this launch saves its own"
         ) from None
     current = flatten(config_dict)
-    return previous, sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
+    keys = sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
+    return {k: (previous.get(k), current.get(k)) for k in keys}
 
 
 def _snapshot_config(path: str, config_dict: dict) -> None:
@@ -201,12 +202,10 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
     writes config.launch-<n>.json and names the changed keys: a resumed run takes this launch's optimizer
     settings (checkpoint/optimizer_settings.py) and the checkpoint's state (moments, the schedule's position, the
     data position)."""
-    earlier = _changed_config(path, config_dict)
-    if earlier is None:
+    changed = _changed_config(path, config_dict)
+    if changed is None:
         write_atomically(os.path.join(path, "config.json"), json.dumps(config_dict, indent=2))
         return
-    previous, changed = earlier
-    current = flatten(config_dict)
     if not changed:
         return
     n = 2
@@ -217,7 +216,7 @@ def _snapshot_config(path: str, config_dict: dict) -> None:
         "this launch's configuration differs from config.json in %s (saved as config.launch-%d.json); "
         "the optimizer's settings are this launch's, its moments, the schedule's position and the data position "
         "the checkpoint's",
-        ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in changed),
+        ", ".join(f"{k}: {first!r} -> {now!r}" for k, (first, now) in changed.items()),
         n,
     )
 

@@ -84,11 +84,37 @@ class GuardedEngine:
         calls it, with its own prompts (possibly none), and polls until every rank's completions are back."""
         start, what = time.perf_counter(), f"generate ({len(prompts)} prompts x {params.n} samples)"
         self.call(what, lambda: self.engine.submit(prompts, params), boundary=True)
-        watch = _ProgressWatch(self.engine, len(prompts), params.n, self.call_timeout_s, self.on_poll)
-        while self.call(what, watch.poll, boundary=True, waiting=True):
+        # This rank's polls: the completions so far, and when the engine last produced a token.
+        completions: list[Completion] = []
+        quiet_since = time.monotonic()
+
+        def poll() -> bool:
+            """One poll; whether this rank still waits. The engine is hung (killed, EngineDied) when it produced no
+            token and finished nothing for call_timeout_s while this rank waited."""
+            nonlocal quiet_since
+            polled = self.engine.poll()
+            completions.extend(polled.completions)
+            now = time.monotonic()
+            if polled.tokens or polled.completions:
+                quiet_since = now
+            if self.on_poll is not None:
+                self.on_poll(polled)
+            waiting = not polled.done
+            if waiting and now - quiet_since > self.call_timeout_s:
+                self.engine.shutdown()
+                raise EngineDied(
+                    f"no request produced a token or finished for {self.call_timeout_s:,.0f} s "
+                    "(rollout.call_timeout_s): hung, its processes killed"
+                )
+            if not waiting:
+                completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+                check_completions(completions, len(prompts), params.n)
+            return waiting
+
+        while self.call(what, poll, boundary=True, waiting=True):
             pass
         self.seconds += time.perf_counter() - start
-        return watch.completions
+        return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         bucket = list(named_tensors)
@@ -143,7 +169,10 @@ class GuardedEngine:
             return flag
         stop = self.runner.stop if self.runner is not None else None
         signal = stop is not None and stop.signal_name is not None
-        worst, signalled, anyone = self.dist.all_reduce([float(_outcome(error)), signal, flag], "max", "world")
+        outcome = (
+            Outcome.OK if error is None else Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED
+        )
+        worst, signalled, anyone = self.dist.all_reduce([float(outcome), signal, flag], "max", "world")
         if worst:
             self._stop(what, Outcome(int(worst)), error)
         if boundary and signalled and self.runner is not None:
@@ -196,40 +225,3 @@ class GuardedEngine:
         except Exception as exc:
             self._raised = exc
             raise
-
-
-def _outcome(error: BaseException | None) -> Outcome:
-    if error is None:
-        return Outcome.OK
-    return Outcome.ENGINE_DIED if isinstance(error, EngineDied) else Outcome.FAILED
-
-
-class _ProgressWatch:
-    """One generation's polls on this rank: the completions so far, and when the engine last produced a token."""
-
-    def __init__(self, engine: Engine, prompts: int, n: int, timeout_s: float, on_poll: Callable | None):
-        self.engine, self.prompts, self.n, self.timeout_s, self.on_poll = engine, prompts, n, timeout_s, on_poll
-        self.completions: list[Completion] = []
-        self.quiet_since = time.monotonic()
-
-    def poll(self) -> bool:
-        """One poll; whether this rank still waits. The engine is hung (killed, EngineDied) when it produced no
-        token and finished nothing for timeout_s while this rank waited."""
-        polled = self.engine.poll()
-        self.completions += polled.completions
-        now = time.monotonic()
-        if polled.tokens or polled.completions:
-            self.quiet_since = now
-        if self.on_poll is not None:
-            self.on_poll(polled)
-        waiting = not polled.done
-        if waiting and now - self.quiet_since > self.timeout_s:
-            self.engine.shutdown()
-            raise EngineDied(
-                f"no request produced a token or finished for {self.timeout_s:,.0f} s (rollout.call_timeout_s): "
-                "hung, its processes killed"
-            )
-        if not waiting:
-            self.completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-            check_completions(self.completions, self.prompts, self.n)
-        return waiting

@@ -78,7 +78,11 @@ class FolderLock:
             raise FolderBusyError(f"run folder {self.folder}: its lock file keeps being replaced by another process")
         self.release()  # the lock of the folder that was here before (moved aside by --fresh)
         self._fd = fd
-        _write_holder(fd)
+        # Who holds it, for the message of a run refused here (_read_holder).
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
 
     def release(self) -> None:
         """Let the folder go (the lock file stays: removing it could let two runs lock two different files)."""
@@ -99,13 +103,6 @@ def _same_file(fd: int, path: str) -> bool:
         return os.path.samestat(os.fstat(fd), os.stat(path))
     except OSError:
         return False
-
-
-def _write_holder(fd: int) -> None:
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
 
 
 def _read_holder(fd: int) -> str:

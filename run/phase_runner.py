@@ -67,8 +67,7 @@ class PhaseRunner:
     def resume(self) -> dict[str, Any] | None:
         """The newest intact checkpoint loaded into the model, optimizer and schedule; its extra state (None:
         nothing to resume)."""
-        s = self.state
-        return self.checkpoints.resume(s.model, s.optimizer, s.scheduler)
+        return self.checkpoints.resume(self.state.model, self.state.optimizer, self.state.scheduler)
 
     def save(self) -> None:
         """A checkpoint of the last completed step (none when it exists already)."""
