@@ -34,7 +34,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +43,9 @@ from model.args import ModelArgs, get_preset, num_params
 from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
+from preflight.sglang_memory import EngineMemoryError, EngineMemoryPlan, plan_engine_memory
 from rollout.engine_spec import EngineSpec
+from rollout.sglang_engine import RELEASED_TAGS, context_length_for
 from trainer.loop import StepPhases
 from trainer.observers import TrainWatch, no_display
 from trainer.step_metrics import RolloutMetrics, StepRecord, StepTimes
@@ -69,24 +71,37 @@ class RehearsalError(Exception):
 # ---------------------------------------------------------------------------------------- the engine
 
 
-@dataclass
-class EngineShare:
-    """What a rollout engine holds on one GPU, by memory tag, and which tags it releases for training."""
+@dataclass(eq=False)
+class StandInEngine:
+    """A rollout engine as the memory it holds on one GPU: its plan, by memory tag (preflight/sglang_memory.py),
+    and the tags it releases for training; the calls train.py makes change which tags it holds."""
 
-    tags: dict[str, int]
-    other: int
+    plan: EngineMemoryPlan
     released_tags: tuple[str, ...]
-    kv_tokens: int
+    dtype: torch.dtype
     note: str = ""
     flattens_buckets: bool = False  # a weight bucket is concatenated on the GPU before it is sent
+    released: set[str] = field(default_factory=set)
+
+    def held(self) -> int:
+        return self.plan.held(self.released)
+
+    def release_memory(self) -> None:
+        self.released = set(self.released_tags)
+
+    def resume_memory(self) -> None:
+        self.released = set()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.released.discard("weights")  # the first bucket maps the weights back
+        if self.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
+            del flat
 
 
-def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
-    """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
+def sglang_stand_in(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> StandInEngine:
+    """SGLang as its per-GPU memory, sized by its rule from the memory free when it starts
     (preflight/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
-    from preflight.sglang_memory import EngineMemoryError, plan_engine_memory
-    from rollout.sglang_engine import RELEASED_TAGS, context_length_for
-
     ro = spec.rollout
     try:
         plan = plan_engine_memory(
@@ -103,52 +118,29 @@ def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: 
             f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
             f"{gpu_bytes / GB:.0f} GB when the engine starts)"
         ) from None
-    return EngineShare(
-        {"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
-        plan.other,
+    return StandInEngine(
+        plan,
         tuple(RELEASED_TAGS),
-        plan.kv_tokens,
+        spec.dtype,
         f"SGLang TP {ro.tp_size}: KV pool {plan.kv_tokens:,} tokens",
         flattens_buckets=True,  # SGLang's FlattenedTensorBucket (rollout/sglang_engine.py)
     )
 
 
-def torch_engine_share(spec: EngineSpec, args: ModelArgs) -> EngineShare:
+def torch_stand_in(spec: EngineSpec, args: ModelArgs) -> StandInEngine:
     """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
     max_batch_size slots x the longest sequence that it frees while the trainer runs."""
     nbytes, seq, batch = spec.dtype.itemsize, spec.max_seq_len, spec.rollout.max_batch_size
     kv = 2 * args.num_layers * batch * args.num_kv_heads * seq * args.head_dim * nbytes
     logits = batch * args.vocab_size * 4  # one decode step's fp32 logits
-    return EngineShare(
-        {"weights": num_params(args) * nbytes, "kv_cache": kv},
-        logits,
+    return StandInEngine(
+        EngineMemoryPlan(
+            weights=num_params(args) * nbytes, kv_cache=kv, cuda_graph=0, other=logits, kv_tokens=batch * seq
+        ),
         ("kv_cache",),
-        batch * seq,
+        spec.dtype,
         f"torch engine: KV cache {batch} x {seq} tokens",
     )
-
-
-class StandInEngine:
-    """The rollout engine as the memory it holds; the calls train.py makes change which tags it holds."""
-
-    def __init__(self, share: EngineShare, dtype: torch.dtype):
-        self.share, self.dtype = share, dtype
-        self.released: set[str] = set()
-
-    def held(self) -> int:
-        return self.share.other + sum(v for k, v in self.share.tags.items() if k not in self.released)
-
-    def release_memory(self) -> None:
-        self.released = set(self.share.released_tags)
-
-    def resume_memory(self) -> None:
-        self.released = set()
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.released.discard("weights")  # the first bucket maps the weights back
-        if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
-            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
-            del flat
 
 
 # ---------------------------------------------------------------------------------------- the phases
@@ -249,15 +241,14 @@ class _Phases(StepPhases):
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
         spec = EngineSpec.from_config(cfg)
         if spec.rollout.engine == "sglang":
-            share = sglang_share(spec, self.args, ledger.gpu_bytes, free)
+            engine = sglang_stand_in(spec, self.args, ledger.gpu_bytes, free)
         else:
-            share = torch_engine_share(spec, self.args)
-        engine = StandInEngine(share, spec.dtype)
-        row = ledger.record("engine start", now, engine.held(), share.note, host=host)
+            engine = torch_stand_in(spec, self.args)
+        row = ledger.record("engine start", now, engine.held(), engine.note, host=host)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-        if share.kv_tokens < longest:
+        if (kv_tokens := engine.plan.kv_tokens) < longest:
             raise RehearsalError(
-                f"phase 'engine start': the engine's KV pool holds {max(share.kv_tokens, 0):,} tokens, fewer than "
+                f"phase 'engine start': the engine's KV pool holds {max(kv_tokens, 0):,} tokens, fewer than "
                 f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
                 f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)"
             )
