@@ -125,15 +125,11 @@ class HostLedger:
             ledger.add(row)
         return ledger
 
-    def add(self, row: PhaseRow) -> HostRow:
+    def add(self, row: PhaseRow) -> None:
         """The host row of a GPU ledger row (rows must come in phase order: the pinned gradient cache
         exists from the first phase that holds gradients on)."""
-        f = self.facts
-        parts = dict.fromkeys(HOST_PARTS, 0)
-        parts["process"] = f.process
-        first = not self.rows
-        if first:
-            parts["load"] = f.load
+        f, first = self.facts, not self.rows
+        parts = dict(dict.fromkeys(HOST_PARTS, 0), process=f.process, load=f.load if first else 0)
         if self.device_is_host:  # every tensor of the trainer, wherever the GPU ledger put it; nothing pinned
             held = {k: row.trainer.get(k, 0) + row.host_parts.get(k, 0) for k in row.trainer.keys() | row.host_parts}
             parts["params"], parts["grads"], parts["optimizer"] = held["params"], held["grads"], held["optimizer"]
@@ -151,9 +147,7 @@ class HostLedger:
         engines = f.engines_per_node * f.engine_per_engine if parts["engine"] else 0
         if row.phase == "rollout":
             engines += f.engines_per_node * f.generate_result
-        host_row = HostRow(row.phase, parts, f.ranks_per_node * sum(parts.values()) + engines)
-        self.rows.append(host_row)
-        return host_row
+        self.rows.append(HostRow(row.phase, parts, f.ranks_per_node * sum(parts.values()) + engines))
 
     def peak(self) -> HostRow:
         return max(self.rows, key=lambda r: r.node)
