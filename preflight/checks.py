@@ -150,16 +150,14 @@ def _check_data_paths(cfg: Config) -> None:
     """data.train_path and (when the run evaluates) data.eval_path are set, and are files or 'synthetic'; a
     real training set needs a tokenizer (only the synthetic task trains its own)."""
     model, data = cfg.model, cfg.data
-    for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
+    for key, what, also in (
+        ("train_path", "DAPO-Math-17k", ""),
+        ("eval_path", "AIME 2024", " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)"),
+    ):
         path = getattr(data, key)
         if not path and key == "eval_path" and not evaluates(cfg):
             continue  # no evaluation configured: no held-out set needed
         if not path:
-            also = (
-                " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)"
-                if key == "eval_path"
-                else ""
-            )
             raise ConfigError(
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )
