@@ -4,19 +4,17 @@ machine can run the settings (the rules are in preflight/machine.py)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from config.schema import Config
 from data.hub import read_by_datasets
 from data.prompts import SCHEMA_COLUMNS, check_parquet_file
 from errors import ConfigError, broken_link
-from model.args import PRESETS
+from model.args import PRESETS, ModelArgs
 from model.hf import check_checksums
+from model.hf_adapter import read_hf_config
 from model.hub import hub_name
-
-if TYPE_CHECKING:
-    from model.args import ModelArgs
-    from preflight.machine import Machine
+from preflight import limits
+from preflight.machine import Machine, machine_fixes, probe_machine
 
 
 def evaluates(cfg: Config) -> bool:
@@ -29,8 +27,6 @@ def check_machine(cfg: Config, machine: Machine | None = None) -> None:
 
     `machine`: a preflight.machine.Machine; None probes this one. The rules are in preflight/machine.py.
     """
-    from preflight.machine import machine_fixes, probe_machine
-
     machine = probe_machine() if machine is None else machine
     fixes, launch = machine_fixes(cfg, machine)
     if not fixes and not launch:
@@ -50,8 +46,6 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     of a recipe differ between the machines it may run on); a step's samples fit this node (preflight/limits.py);
     then `check_inputs`. Configuration problems raise ConfigError.
     """
-    from preflight import limits
-
     check_machine(cfg, machine)
     limits.check_rollout_batch_fits(cfg, limits.physical_memory())  # sizes no machine runs
     check_inputs(cfg)
@@ -63,8 +57,6 @@ def check_inputs(cfg: Config) -> None:
     data.prompts.DataError); the torch engine's KV cache and an evaluation's samples fit (preflight/limits.py: the
     held-out set's size is read from its footer). A hub id (model/hub.py) passes as a name: train.py checks again
     once it is fetched (a data set's rows are checked as they are read)."""
-    from preflight import limits
-
     if os.path.isdir(cfg.model.hf_path):
         check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
     args = _model_args(cfg)
@@ -119,8 +111,6 @@ def _model_args(cfg: Config) -> ModelArgs | None:
         raise ConfigError(
             f"model.hf_path = {model.hf_path!r} {problem}: set model.hf_path to a Qwen2.5 checkpoint directory"
         )
-    from model.hf_adapter import read_hf_config
-
     # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
     return read_hf_config(model.hf_path)
 
