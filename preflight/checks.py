@@ -105,8 +105,7 @@ def _model_args(cfg: Config) -> ModelArgs | None:
         return PRESETS[model.preset]
     if hub_name(model.hf_path):
         return None  # read once fetched
-    config_json = os.path.join(model.hf_path, "config.json")
-    if not os.path.isfile(config_json):
+    if not os.path.isfile(os.path.join(model.hf_path, "config.json")):
         problem = broken_link(model.hf_path) or "is not a checkpoint directory (no config.json)"
         raise ConfigError(
             f"model.hf_path = {model.hf_path!r} {problem}: set model.hf_path to a Qwen2.5 checkpoint directory"
