@@ -4,19 +4,17 @@ machine can run the settings (the rules are in preflight/machine.py)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from config.schema import Config
 from data.hub import read_by_datasets
 from data.prompts import SCHEMA_COLUMNS, check_parquet_file
 from errors import ConfigError, broken_link
-from model.args import PRESETS
+from model.args import PRESETS, ModelArgs
 from model.hf import check_checksums
+from model.hf_adapter import read_hf_config
 from model.hub import hub_name
-
-if TYPE_CHECKING:
-    from model.args import ModelArgs
-    from preflight.machine import Machine
+from preflight import limits
+from preflight.machine import Machine, machine_fixes, probe_machine
 
 
 def evaluates(cfg: Config) -> bool:
@@ -29,8 +27,6 @@ def check_machine(cfg: Config, machine: Machine | None = None) -> None:
 
     `machine`: a preflight.machine.Machine; None probes this one. The rules are in preflight/machine.py.
     """
-    from preflight.machine import machine_fixes, probe_machine
-
     machine = probe_machine() if machine is None else machine
     fixes, launch = machine_fixes(cfg, machine)
     if not fixes and not launch:
@@ -50,8 +46,6 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
     of a recipe differ between the machines it may run on); a step's samples fit this node (preflight/limits.py);
     then `check_inputs`. Configuration problems raise ConfigError.
     """
-    from preflight import limits
-
     check_machine(cfg, machine)
     limits.check_rollout_batch_fits(cfg, limits.physical_memory())  # sizes no machine runs
     check_inputs(cfg)
@@ -63,8 +57,6 @@ def check_inputs(cfg: Config) -> None:
     data.prompts.DataError); the torch engine's KV cache and an evaluation's samples fit (preflight/limits.py: the
     held-out set's size is read from its footer). A hub id (model/hub.py) passes as a name: train.py checks again
     once it is fetched (a data set's rows are checked as they are read)."""
-    from preflight import limits
-
     if os.path.isdir(cfg.model.hf_path):
         check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
     args = _model_args(cfg)
@@ -113,14 +105,11 @@ def _model_args(cfg: Config) -> ModelArgs | None:
         return PRESETS[model.preset]
     if hub_name(model.hf_path):
         return None  # read once fetched
-    config_json = os.path.join(model.hf_path, "config.json")
-    if not os.path.isfile(config_json):
+    if not os.path.isfile(os.path.join(model.hf_path, "config.json")):
         problem = broken_link(model.hf_path) or "is not a checkpoint directory (no config.json)"
         raise ConfigError(
             f"model.hf_path = {model.hf_path!r} {problem}: set model.hf_path to a Qwen2.5 checkpoint directory"
         )
-    from model.hf_adapter import read_hf_config
-
     # A config.json that is not JSON, lacks a size or names another architecture: a CheckpointError naming it.
     return read_hf_config(model.hf_path)
 
@@ -150,16 +139,14 @@ def _check_data_paths(cfg: Config) -> None:
     """data.train_path and (when the run evaluates) data.eval_path are set, and are files or 'synthetic'; a
     real training set needs a tokenizer (only the synthetic task trains its own)."""
     model, data = cfg.model, cfg.data
-    for key, what in (("train_path", "DAPO-Math-17k"), ("eval_path", "AIME 2024")):
+    for key, what, also in (
+        ("train_path", "DAPO-Math-17k", ""),
+        ("eval_path", "AIME 2024", " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)"),
+    ):
         path = getattr(data, key)
         if not path and key == "eval_path" and not evaluates(cfg):
             continue  # no evaluation configured: no held-out set needed
         if not path:
-            also = (
-                " (or turn evaluation off: eval.interval = 0, eval.at_start = eval.at_end = false)"
-                if key == "eval_path"
-                else ""
-            )
             raise ConfigError(
                 f"data.{key} is not set: set data.{key} to a parquet file in the {what} schema, or to 'synthetic'{also}"
             )

@@ -84,12 +84,10 @@ class MemoryLedger:
         host: bytes by part that live in host memory besides `parts` (all on the GPU); default: with
         offload, the parts named in `on_host` of `parts` (parameters, gradients and optimizer state; an
         offloaded optimizer step also runs its temporaries there)."""
+        moved = on_host if self.offload and host is None else ()
+        gpu = {k: (0 if k in moved else int(v)) for k, v in parts.items()}
         if host is None:
-            moved = on_host if self.offload else ()
-            gpu = {k: (0 if k in moved else int(v)) for k, v in parts.items()}
             host = {k: int(v) for k, v in parts.items() if k in moved and v}
-        else:
-            gpu = {k: int(v) for k, v in parts.items()}
         peak = sum(gpu.values())
         row = PhaseRow(
             phase, gpu, dict(host), max(0, self.reserved - peak), self.context_bytes, int(engine_bytes), note

@@ -23,7 +23,7 @@ process that owns `sglang.Engine`), each assumed the size of a process, and in t
 engine call's result that each engine's leader rank unpickles from the engine's process (the first is the
 process's own): SGLang's output dicts and the Completions made of them, RESULT_BYTES_PER_TOKEN per generated
 token (CPython 3.11: a token is an int id twice, a float log-prob, a 3-tuple and list slots; measured with
-tracemalloc in tests/test_host_ledger.py) for the requests a stop returns (`round_requests`) x the longest response.
+tracemalloc in tests/test_host_ledger.py) for the requests a stop returns (host_facts) x the longest response.
 
 Pinned memory (torch 2.13, CUDA): FSDP2 with CPUOffloadPolicy(pin_memory=True) pins every sharded parameter
 (torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam._init_sharded_param and reset_sharded_param:
@@ -125,15 +125,11 @@ class HostLedger:
             ledger.add(row)
         return ledger
 
-    def add(self, row: PhaseRow) -> HostRow:
+    def add(self, row: PhaseRow) -> None:
         """The host row of a GPU ledger row (rows must come in phase order: the pinned gradient cache
         exists from the first phase that holds gradients on)."""
-        f = self.facts
-        parts = dict.fromkeys(HOST_PARTS, 0)
-        parts["process"] = f.process
-        first = not self.rows
-        if first:
-            parts["load"] = f.load
+        f, first = self.facts, not self.rows
+        parts = dict(dict.fromkeys(HOST_PARTS, 0), process=f.process, load=f.load if first else 0)
         if self.device_is_host:  # every tensor of the trainer, wherever the GPU ledger put it; nothing pinned
             held = {k: row.trainer.get(k, 0) + row.host_parts.get(k, 0) for k in row.trainer.keys() | row.host_parts}
             parts["params"], parts["grads"], parts["optimizer"] = held["params"], held["grads"], held["optimizer"]
@@ -151,9 +147,7 @@ class HostLedger:
         engines = f.engines_per_node * f.engine_per_engine if parts["engine"] else 0
         if row.phase == "rollout":
             engines += f.engines_per_node * f.generate_result
-        host_row = HostRow(row.phase, parts, f.ranks_per_node * sum(parts.values()) + engines)
-        self.rows.append(host_row)
-        return host_row
+        self.rows.append(HostRow(row.phase, parts, f.ranks_per_node * sum(parts.values()) + engines))
 
     def peak(self) -> HostRow:
         return max(self.rows, key=lambda r: r.node)
@@ -199,12 +193,6 @@ class HostLedger:
         }
 
 
-def round_requests(cfg: Config, world_size: int) -> int:
-    """The most requests an engine returns at once: a round's groups from each of its rollout.tp_size ranks."""
-    dp = max(1, world_size // cfg.parallelism.tp)
-    return -(-cfg.prompts_per_round // dp) * cfg.rollout.n * cfg.rollout.tp_size
-
-
 def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     """The HostFacts of the job `cfg` describes ([rehearse], [parallelism], [rollout], [model]), from this
     rank's (possibly fake) sharded `policy` of architecture `args`."""
@@ -219,19 +207,20 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     process = int(reh.host_process_gb * GB)
     stored, checkpoint_bytes = checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in policy.parameters()]
-    engine_dtype_bytes = DTYPES[cfg.rollout.dtype].itemsize
     pinned = sum(pinned_block_bytes(t.numel() * t.element_size()) for t in shards) if offload else 0
     ranks_per_node = min(reh.world_size, reh.gpus_per_node)
+    # The most requests an engine returns at once: a round's groups from each of its rollout.tp_size ranks.
+    requests = -(-cfg.prompts_per_round // max(1, reh.world_size // cfg.parallelism.tp)) * ro.n * ro.tp_size
     sglang = cfg.rollout.engine == "sglang"
     return HostFacts(
         process=process,
         load=load_transient_bytes(policy, stored, shards_on_device=not offload),
         pinned_params=pinned,
         pinned_grads=pinned,  # the gradient shards have the parameters' shapes and dtype
-        staging=max(t.numel() for t in shards) * engine_dtype_bytes if offload else 0,
+        staging=max(t.numel() for t in shards) * DTYPES[ro.dtype].itemsize if offload else 0,
         engine_per_gpu=process if sglang else 0,
         engine_per_engine=ENGINE_PROCESSES_PER_ENGINE * process if sglang else 0,
-        generate_result=RESULT_BYTES_PER_TOKEN * round_requests(cfg, reh.world_size) * ro.max_response_length * sglang,
+        generate_result=RESULT_BYTES_PER_TOKEN * requests * ro.max_response_length * sglang,
         ranks_per_node=ranks_per_node,
         engines_per_node=max(1, ranks_per_node // cfg.rollout.tp_size) if sglang else 0,
         checkpoint_bytes=checkpoint_bytes or num_params(args) * stored.itemsize,

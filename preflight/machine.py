@@ -141,10 +141,9 @@ def _fix_layout(fixer: _Fixer, machine: Machine) -> None:
     fits = world % (replicate * tp) == 0 if shard == -1 else replicate * shard * tp == world
     if fits:
         return
-    layout = f"{replicate} x {shard} x {tp}"
     processes = f"{world} process{'es' * (world > 1)}"
     reason = (
-        f"dp_replicate x dp_shard x tp = {layout} must equal the {processes} of this launch "
+        f"dp_replicate x dp_shard x tp = {replicate} x {shard} x {tp} must equal the {processes} of this launch "
         "(WORLD_SIZE); dp_shard = -1 takes the ranks left"
     )
     if world % tp:

@@ -34,29 +34,45 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+import torch.distributed.tensor._sharding_prop as sharding_prop
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_leaves
 
+from errors import ConfigError
 from model.args import ModelArgs, get_preset, num_params
+from parallel.adamw import fused_adamw
+from parallel.device_memory import observe_cache_returns, return_cached_memory
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
 from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
+from preflight.sglang_memory import EngineMemoryError, EngineMemoryPlan, plan_engine_memory
 from rollout.engine_spec import EngineSpec
+from rollout.sglang_engine import RELEASED_TAGS, context_length_for
 from trainer.loop import StepPhases
+from trainer.losses import GlobalCounts
 from trainer.observers import TrainWatch, no_display
+from trainer.optimizer import build_optimizer
+from trainer.packing import MicroBatch, PackItem, pack
 from trainer.step_metrics import RolloutMetrics, StepRecord, StepTimes
+from trainer.update import TrainPhase, fill_old_logprobs
 
 if TYPE_CHECKING:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from config import Config
     from parallel.dist_env import DistEnv
     from preflight.gpu_ledger import PhaseRow
-    from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup
 
 
@@ -69,24 +85,37 @@ class RehearsalError(Exception):
 # ---------------------------------------------------------------------------------------- the engine
 
 
-@dataclass
-class EngineShare:
-    """What a rollout engine holds on one GPU, by memory tag, and which tags it releases for training."""
+@dataclass(eq=False)
+class StandInEngine:
+    """A rollout engine as the memory it holds on one GPU: its plan, by memory tag (preflight/sglang_memory.py),
+    and the tags it releases for training; the calls train.py makes change which tags it holds."""
 
-    tags: dict[str, int]
-    other: int
+    plan: EngineMemoryPlan
     released_tags: tuple[str, ...]
-    kv_tokens: int
+    dtype: torch.dtype
     note: str = ""
     flattens_buckets: bool = False  # a weight bucket is concatenated on the GPU before it is sent
+    released: set[str] = field(default_factory=set)
+
+    def held(self) -> int:
+        return self.plan.held(self.released)
+
+    def release_memory(self) -> None:
+        self.released = set(self.released_tags)
+
+    def resume_memory(self) -> None:
+        self.released = set()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.released.discard("weights")  # the first bucket maps the weights back
+        if self.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
+            del flat
 
 
-def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> EngineShare:
-    """SGLang's per-GPU memory, sized by its rule from the memory free when it starts
+def sglang_stand_in(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: int) -> StandInEngine:
+    """SGLang as its per-GPU memory, sized by its rule from the memory free when it starts
     (preflight/sglang_memory.py); RehearsalError where SGLang would refuse to start."""
-    from preflight.sglang_memory import EngineMemoryError, plan_engine_memory
-    from rollout.sglang_engine import RELEASED_TAGS, context_length_for
-
     ro = spec.rollout
     try:
         plan = plan_engine_memory(
@@ -103,52 +132,29 @@ def sglang_share(spec: EngineSpec, args: ModelArgs, gpu_bytes: int, free_bytes: 
             f"phase 'engine start': {exc} ({free_bytes / GB:.1f} GB free of "
             f"{gpu_bytes / GB:.0f} GB when the engine starts)"
         ) from None
-    return EngineShare(
-        {"weights": plan.weights, "kv_cache": plan.kv_cache, "cuda_graph": plan.cuda_graph},
-        plan.other,
+    return StandInEngine(
+        plan,
         tuple(RELEASED_TAGS),
-        plan.kv_tokens,
+        spec.dtype,
         f"SGLang TP {ro.tp_size}: KV pool {plan.kv_tokens:,} tokens",
         flattens_buckets=True,  # SGLang's FlattenedTensorBucket (rollout/sglang_engine.py)
     )
 
 
-def torch_engine_share(spec: EngineSpec, args: ModelArgs) -> EngineShare:
+def torch_stand_in(spec: EngineSpec, args: ModelArgs) -> StandInEngine:
     """The torch engine (rollout/torch_engine.py): a full copy of the weights, and a KV cache of
     max_batch_size slots x the longest sequence that it frees while the trainer runs."""
     nbytes, seq, batch = spec.dtype.itemsize, spec.max_seq_len, spec.rollout.max_batch_size
     kv = 2 * args.num_layers * batch * args.num_kv_heads * seq * args.head_dim * nbytes
     logits = batch * args.vocab_size * 4  # one decode step's fp32 logits
-    return EngineShare(
-        {"weights": num_params(args) * nbytes, "kv_cache": kv},
-        logits,
+    return StandInEngine(
+        EngineMemoryPlan(
+            weights=num_params(args) * nbytes, kv_cache=kv, cuda_graph=0, other=logits, kv_tokens=batch * seq
+        ),
         ("kv_cache",),
-        batch * seq,
+        spec.dtype,
         f"torch engine: KV cache {batch} x {seq} tokens",
     )
-
-
-class StandInEngine:
-    """The rollout engine as the memory it holds; the calls train.py makes change which tags it holds."""
-
-    def __init__(self, share: EngineShare, dtype: torch.dtype):
-        self.share, self.dtype = share, dtype
-        self.released: set[str] = set()
-
-    def held(self) -> int:
-        return self.share.other + sum(v for k, v in self.share.tags.items() if k not in self.released)
-
-    def release_memory(self) -> None:
-        self.released = set(self.share.released_tags)
-
-    def resume_memory(self) -> None:
-        self.released = set()
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.released.discard("weights")  # the first bucket maps the weights back
-        if self.share.flattens_buckets:  # FlattenedTensorBucket's torch.cat: the bucket twice while it is sent
-            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
-            del flat
 
 
 # ---------------------------------------------------------------------------------------- the phases
@@ -170,8 +176,6 @@ def rehearsal_args(cfg: Config) -> ModelArgs:
 
 def longest_micro_batch(cfg: Config, device: torch.device) -> MicroBatch:
     """The heaviest micro-batch the trainer meets: one sample filling training.micro_batch_tokens."""
-    from trainer.packing import PackItem, pack
-
     prompt = min(cfg.data.max_prompt_length, cfg.training.micro_batch_tokens - 1)
     response = cfg.training.micro_batch_tokens - prompt
     mb = pack([PackItem([1] * prompt, [1] * response, advantage=1.0, rollout_logprobs=[-1.0] * response)])
@@ -186,8 +190,6 @@ def run_phases(cfg: Config, dist_env: DistEnv, ledger: MemoryLedger, *, fill: bo
     Raises RehearsalError at the first phase that cannot run (an engine without room for its KV pool); the
     error's `phases` is the run so far.
     """
-    from parallel.device_memory import observe_cache_returns
-
     run = _Phases(cfg, dist_env, ledger)
     # train.py's return_cached_memory (parallel/device_memory.py) empties the allocator: the ledger's reserve follows.
     with observe_cache_returns(lambda: ledger.empty_cache(run.allocated_on_gpu())):
@@ -234,8 +236,6 @@ class _Phases(StepPhases):
         total = sum(_gpu_parts(self.build_tracker, kind).values())
         host = 0
         if self.ledger.offload:
-            from torch.distributed.tensor import DTensor
-
             host = sum(p.to_local().nbytes for p in policy.parameters() if isinstance(p, DTensor))
         return dict(dict.fromkeys(PARTS, 0), params=max(total - host, 0)), {"params": host}
 
@@ -249,15 +249,14 @@ class _Phases(StepPhases):
         free = ledger.gpu_bytes - ledger.context_bytes - max(ledger.reserved, now["params"])
         spec = EngineSpec.from_config(cfg)
         if spec.rollout.engine == "sglang":
-            share = sglang_share(spec, self.args, ledger.gpu_bytes, free)
+            engine = sglang_stand_in(spec, self.args, ledger.gpu_bytes, free)
         else:
-            share = torch_engine_share(spec, self.args)
-        engine = StandInEngine(share, spec.dtype)
-        row = ledger.record("engine start", now, engine.held(), share.note, host=host)
+            engine = torch_stand_in(spec, self.args)
+        row = ledger.record("engine start", now, engine.held(), engine.note, host=host)
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-        if share.kv_tokens < longest:
+        if (kv_tokens := engine.plan.kv_tokens) < longest:
             raise RehearsalError(
-                f"phase 'engine start': the engine's KV pool holds {max(share.kv_tokens, 0):,} tokens, fewer than "
+                f"phase 'engine start': the engine's KV pool holds {max(kv_tokens, 0):,} tokens, fewer than "
                 f"one sample of {longest:,} (the trainer holds {row.trainer_peak / GB:.1f} GB of "
                 f"{ledger.gpu_bytes / GB:.0f} GB when the engine starts, leaving {free / GB:.1f} GB free)"
             )
@@ -270,7 +269,6 @@ class _Phases(StepPhases):
         """train.py's build order (trainer/build.py build_policy_and_engine): the sharded policy (its values
         only with `fill`: the memory of a rank's checkpoint read), the allocator's cache handed back, the engine."""
         from checkpoint.sharded_policy import fill_policy, shard_policy
-        from parallel.device_memory import return_cached_memory
 
         cfg = self.cfg
         with self.build_tracker:
@@ -299,10 +297,6 @@ class _Phases(StepPhases):
     def rehearse_step(self) -> None:
         """train.py's step after the build (trainer/loop.py StepPhases.step), then the next step's resume."""
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        from parallel.adamw import fused_adamw
-        from trainer.optimizer import build_optimizer
-        from trainer.update import TrainPhase
 
         cfg, policy = self.cfg, self.policy
         # train.py's AdamW kernel: on GPUs torch's foreach (whole-group temporaries), on host memory (cpu_offload)
@@ -334,9 +328,6 @@ class _Phases(StepPhases):
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
         needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
-        from trainer.losses import GlobalCounts
-        from trainer.update import fill_old_logprobs
-
         cfg, policy, update = self.cfg, self.policy, self.update
         metrics = update.watch.start(step, [], cfg.training.ppo_epochs)
         mb = longest_micro_batch(cfg, self.dist_env.device)
@@ -361,9 +352,6 @@ class _Phases(StepPhases):
 @contextlib.contextmanager
 def fake_job(world_size: int) -> Iterator[None]:
     """Rank 0 of a `world_size`-rank job on PyTorch's fake process group."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
@@ -376,9 +364,6 @@ def _forget_fake_meshes() -> None:
     """Drop DTensor's sharding caches: their specs hold the fake world's meshes, and a mesh compares equal
     to any mesh of the same ranks, so a process forked later (a test's gloo ranks) would be handed a mesh
     whose coordinate is rank 0's."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's cache
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
@@ -398,9 +383,6 @@ def fake_tensor_mode() -> FakeTensorMode:
     back from a fake tensor (a gradient norm, AdamW's step count) reads as 1, a flag (a finiteness check)
     as False: finite, nothing to report.
     """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-    from torch.utils._pytree import tree_leaves
-
     meta = torch.device("meta")
 
     def runs_for_real(args: Sequence[object], kwargs: Mapping[str, object] | None) -> bool:
@@ -443,8 +425,6 @@ def sharding_propagation_apart() -> Iterator[None]:
     output shapes. That made an AdamW step look like ~27x the sharded parameters on 7B / 8 ranks
     instead of the 2x state plus one foreach temporary that real tensors show.
     """
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-
     detect = sharding_prop.detect_fake_mode
     sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
     try:
@@ -454,7 +434,6 @@ def sharding_propagation_apart() -> Iterator[None]:
 
 
 def fake_dist_env(cfg: Config, world_size: int) -> DistEnv:
-    from parallel.dims import ParallelDims
     from parallel.dist_env import DistEnv
 
     par = cfg.parallelism
@@ -466,8 +445,6 @@ def fake_dist_env(cfg: Config, world_size: int) -> DistEnv:
 def rehearse(cfg: Config) -> tuple[MemoryLedger, HostLedger, str | None]:
     """The GPU and host ledgers of a rehearsal of `cfg` on [rehearse] world_size x gpu_memory_gb, nodes of
     host_memory_gb, and the first failure (None when every phase ran and fits)."""
-    from parallel.fsdp import apply_fsdp  # noqa: F401  (imported before fake mode starts)
-
     reh = cfg.rehearse
     offload = cfg.parallelism.cpu_offload
     # The fake device is the CPU, where FSDP refuses cpu_offload: the ledger moves the state instead.
@@ -504,7 +481,6 @@ def rehearse(cfg: Config) -> tuple[MemoryLedger, HostLedger, str | None]:
 def main(cfg: Config) -> int:
     """Print the GPU and host ledgers' tables and one JSON line; 2 when a phase does not fit on a GPU or in a
     node's host memory (naming it and the shortfall)."""
-    from errors import ConfigError
     from preflight.hub_inputs import cached_model
 
     reh, cfg = cfg.rehearse, cached_model(cfg)  # a hub id's checkpoint when cached, else rehearse.preset

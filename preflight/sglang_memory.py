@@ -65,8 +65,7 @@ class EngineMemoryPlan:
     def held(self, released: Iterable[str] = ()) -> int:
         """Bytes per GPU the engine holds with these memory tags released (release_memory_occupation)."""
         released = set(released)
-        unknown = released - set(MEMORY_TAGS)
-        if unknown:
+        if unknown := released - set(MEMORY_TAGS):
             raise ValueError(f"unknown SGLang memory tags {sorted(unknown)}; the tags are {list(MEMORY_TAGS)}")
         if not self.cuda_graph_releasable:
             released.discard("cuda_graph")
@@ -202,11 +201,10 @@ def plan_engine_memory(
         )
     requests = max_running_requests(tokens, context_length)
     req_to_token = (requests + 1) * (context_length + REQ_TO_TOKEN_EXTRA_CONTEXT) * 4
-    graphs = 0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size)
     return EngineMemoryPlan(
         weights=weights,
         kv_cache=tokens * cell + req_to_token,
-        cuda_graph=graphs,
+        cuda_graph=0 if disable_cuda_graph else cuda_graph_bytes(gpu_total_bytes, tp_size),
         other=untagged_bytes,
         kv_tokens=tokens,
     )
