@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
-from parallel.plain_names import plain_named_parameters
+from parallel.lora import merged_parameters
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def iter_weight_buckets(
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
-        for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
+        for hf_name, tensor in iter_hf_tensors(merged_parameters(model)):  # LoRA: W + (alpha / r) B A
             if dtype is not None and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)  # first, so an offloaded shard crosses to the device at its new size
             if device is not None:
