@@ -36,13 +36,22 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from model.hf import fill_from_hf
-from parallel.lora import is_adapter_name, local_region
+from model.hf import Region, fill_from_hf
+from parallel.lora import is_adapter_name
 from parallel.plain_names import plain_named_parameters
 
 if TYPE_CHECKING:
     from model.qwen2 import Qwen2
+
+
+def local_region(param: torch.Tensor) -> Region:
+    """The slices of the full tensor that this rank's part of `param` holds (the whole tensor when plain)."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def load_hf_shards(model: Qwen2, path: str) -> None:

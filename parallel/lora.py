@@ -11,8 +11,8 @@ moments are the trained state; the frozen base may be bfloat16. The engines rece
 
     W' = W + (alpha / r) B A                          (`merged_parameters`: what the weight sync and the HF export read)
 
-computed in float32 on each rank's part of W and rounded once to W's dtype: rows and columns of the region the rank
-holds, B's rows times A's columns. The adapters are gathered whole first (small: r x (in + out) per linear).
+computed in float32 and rounded once to W's dtype, on each rank's part of W: the adapters are gathered whole (small:
+r x (in + out) per linear), the term B A formed whole, one weight at a time, and each rank adds its part of it.
 
 Where it sits in parallelize_qwen2 (TP -> LoRA -> AC -> compile -> FSDP):
   - tensor parallelism: A and B are DTensors laid out to match the base's plan, so no term is replicated work and
@@ -38,7 +38,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from errors import ConfigError
 from parallel.plain_names import plain_name, plain_named_parameters
@@ -83,12 +82,9 @@ def adapted_linears(model: nn.Module, targets: Sequence[str]) -> Iterator[tuple[
             yield plain_name(name), module
 
 
-def local_region(param: torch.Tensor) -> tuple[slice, ...]:
-    """The slices of the full tensor that this rank's part of `param` holds (the whole tensor when plain)."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, n) for n in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+def adapter_count(model: nn.Module, rank: int, targets: Sequence[str]) -> int:
+    """The number of adapter parameters LoRA of `rank` on `targets` gives `model` (a meta-device one will do)."""
+    return sum(rank * (m.in_features + m.out_features) for _, m in adapted_linears(model, targets))
 
 
 def _new_adapter(weight: torch.Tensor, shape: tuple[int, int], shared_dim: int) -> nn.Parameter:
@@ -183,16 +179,15 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + scale B A on this rank's part of W, in float32, rounded once to W's dtype; a DTensor of W's layout when W
-    is one. Gathers A and B (collectives: every rank calls it for the same weights in the same order)."""
-    a, b = full_tensor(a).float(), full_tensor(b).float()
-    rows, cols = local_region(weight)
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
-    merged = (local.float() + scale * (b[rows].to(local.device) @ a[:, cols].to(local.device))).to(local.dtype)
-    if isinstance(weight, DTensor):
-        return DTensor.from_local(
-            merged, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
-        )
-    return merged
+    is one. Gathers A and B (collectives: every rank calls it for the same weights in the same order) and forms the
+    whole [out, in] term, of which each rank keeps its part (one weight's at a time)."""
+    delta = scale * (full_tensor(b).float() @ full_tensor(a).float())
+    if not isinstance(weight, DTensor):
+        return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    local = weight.to_local()
+    part = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    merged = (local.float() + part.to(local.device)).to(local.dtype)
+    return DTensor.from_local(merged, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride())
 
 
 def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
