@@ -5,6 +5,7 @@ settings are one line with exit code 2. The sharded-training invariances with Lo
 tests/test_parallel_parity.py, tests/test_parallel_compile.py and tests/test_trainer_update.py."""
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from model.args import PRESETS
 from model.hf import load_hf, save_hf
 from model.qwen2 import build_model
 from parallel.dims import ParallelDims
-from parallel.lora import Adapters, apply_lora, merged_parameters
+from parallel.lora import Adapters, apply_lora, merged_parameters, reset_adapters
 from parallel.parallelize import parallelize_qwen2
 from rollout.torch_engine import TorchEngine
 from rollout.weight_sync import sync_weights
@@ -239,3 +240,65 @@ def test_bad_lora_settings_are_one_line_and_exit_2(base_dir, tmp_path, capsys, s
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1 and err[0].startswith(f"configuration error: {message}"), err
     assert not (tmp_path / "runs").exists()  # nothing left behind
+
+
+def test_the_rehearsal_counts_no_gradient_and_no_optimizer_state_for_the_frozen_base():
+    """The ledger of a rehearsal with LoRA (a fake 2-rank job, bases/chain's shapes): the optimizer step holds the
+    adapters' float32 gradients and two moments (this rank's half) and nothing for the frozen base, whose fp32
+    moments alone would be 2 x 4 x 854,144 / 2 bytes; with cpu_offload the host ledger pins gradient blocks for the
+    adapters only."""
+    from preflight.gpu_ledger import MemoryLedger
+    from preflight.host_ledger import host_facts
+    from preflight.rehearsal import fake_dist_env, fake_job, fake_tensor_mode, run_phases, sharding_propagation_apart
+    from tests.test_rehearsal import small_config
+
+    chain = os.path.join(ROOT, "bases", "chain")
+    cfg = small_config(2, **{"model.preset": "", "model.hf_path": chain, "lora.enabled": True, "lora.rank": 4})
+    ledger = MemoryLedger(10**12, 0)
+    with fake_job(2):
+        dist_env = fake_dist_env(cfg, 2)
+        with fake_tensor_mode(), sharding_propagation_apart():
+            run = run_phases(cfg, dist_env, ledger)
+        offload = dataclasses.replace(cfg.parallelism, cpu_offload=True)
+        host = host_facts(dataclasses.replace(cfg, parallelism=offload), run.policy, run.args)
+    step = next(r for r in ledger.rows if r.phase == "train: optimizer step").trainer
+    adapters = 4 * 2432 * PRESETS["demo"].num_layers  # r (in + out) over the seven linears of each block
+    assert 2 * 4 * adapters / 2 <= step["optimizer"] <= 2 * 4 * adapters < 2 * 4 * 854_144 / 2
+    assert 0 < step["grads"] <= 4 * adapters
+    assert 0 < host.pinned_grads < host.pinned_params / 10
+
+
+def _sharded_checkpoint_worker(rank, world, folder, base):
+    dims = ParallelDims(world_size=world)
+    adapters = Adapters(LORA.rank, LORA.alpha, LORA.targets, base)
+    models = []
+    for seed in (0, 1):  # the same base, adapters initialised differently
+        model = load_hf(base)
+        parallelize_qwen2(model, dims.build_mesh("cpu"), dims, param_dtype=torch.float32, lora=adapters)
+        reset_adapters(model, seed)
+        models.append(model)
+    _random_b(models[0])
+    optimizer = torch.optim.AdamW([p for p in models[0].parameters() if p.requires_grad], lr=1e-2)
+    models[0](torch.randint(0, 512, (1, 8))).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    manager = CheckpointManager(folder)
+    manager.save(1, models[0], optimizer)
+    fresh = torch.optim.AdamW([p for p in models[1].parameters() if p.requires_grad], lr=1e-2)
+    manager.load(1, models[1], fresh)
+    same = [
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(models[0].parameters(), models[1].parameters())
+    ]
+    moments = [
+        torch.equal(fresh.state[q]["exp_avg"].full_tensor(), optimizer.state[p]["exp_avg"].full_tensor())
+        for p, q in zip(optimizer.param_groups[0]["params"], fresh.param_groups[0]["params"])
+    ]
+    return all(same), all(moments), len(moments)
+
+
+def test_a_sharded_lora_checkpoint_holds_the_adapters_and_loads_them_back(base_dir, tmp_path):
+    """FSDP=2: the checkpoint of the adapters and their moments (no base weight) loads back into a policy built from
+    the same base, every parameter and moment equal."""
+    results = run_ranks(_sharded_checkpoint_worker, 2, str(tmp_path / "ckpt"), base_dir)
+    assert results == [(True, True, 2 * 7 * PRESETS["demo"].num_layers)] * 2
+    keys = _checkpoint_keys(str(tmp_path / "ckpt" / "step-00000001"))
+    assert keys and all(".lora_A" in k or ".lora_B" in k for k in keys)
