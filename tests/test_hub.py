@@ -18,7 +18,8 @@ import eval as eval_command
 import train
 from config import Config
 from data.hub import fetch_dataset, read_dataset_rows
-from data.prompts import SCHEMA_COLUMNS, load_prompts, read_parquet_rows
+from data.prompt_row import DAPO_COLUMNS
+from data.prompts import load_prompts, read_parquet_rows
 from errors import ConfigError, DataError
 from model.args import PRESETS
 from model.hf import load_hf
@@ -181,9 +182,9 @@ def test_a_dataset_id_reads_the_rows_of_its_parquet_file(hub, prompt_files, chec
     put_in_hub_cache(hub, "dataset", "org/math", {"data/dapo-math-17k.parquet": prompt_files / "train.parquet"},
                      commit=DATA_COMMIT)  # fmt: skip
     assert fetch_dataset(HubName("org/math"), "data.train_path") == f"org/math@{DATA_COMMIT}"
-    expected = read_parquet_rows(local, SCHEMA_COLUMNS)
+    expected = read_parquet_rows(local, DAPO_COLUMNS.required)
     for name in ("org/math", "org/math:train", f"org/math@{DATA_COMMIT}", "org/math@main:train"):
-        assert read_dataset_rows(name, SCHEMA_COLUMNS) == expected, name
+        assert read_dataset_rows(name, DAPO_COLUMNS.required) == expected, name
     tokenizer = Tokenizer.from_dir(str(checkpoint))
     assert load_prompts("org/math", tokenizer, max_prompt_length=256) == load_prompts(
         local, tokenizer, max_prompt_length=256
@@ -210,7 +211,7 @@ def test_a_dataset_id_gets_a_parquet_files_schema_checks(hub, tmp_path):
     put_folder_in_hub_cache(hub, "dataset", "org/no-reward", _dataset_repo(tmp_path / "a", {"d.parquet": no_reward}),
                             commit=DATA_COMMIT)  # fmt: skip
     with pytest.raises(DataError, match=r"^org/no-reward: no column 'reward_model' \(it has .*prompt.*\); a prompt "):
-        read_dataset_rows("org/no-reward", SCHEMA_COLUMNS)
+        read_dataset_rows("org/no-reward", DAPO_COLUMNS.required)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -218,14 +219,14 @@ def test_a_dataset_id_gets_a_parquet_files_schema_checks(hub, tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), str(tmp_path / "b" / "d.parquet"))
     put_folder_in_hub_cache(hub, "dataset", "org/empty", tmp_path / "b", commit=DATA_COMMIT)
     with pytest.raises(DataError, match=r"^org/empty: d.parquet has no rows$"):
-        read_dataset_rows("org/empty", SCHEMA_COLUMNS)
+        read_dataset_rows("org/empty", DAPO_COLUMNS.required)
 
 
 def test_a_jsonl_file_reads_as_the_same_rows(prompt_files, tmp_path):
     rows = read_parquet_rows(str(prompt_files / "train.parquet"))
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert read_dataset_rows(str(path), SCHEMA_COLUMNS) == rows
+    assert read_dataset_rows(str(path), DAPO_COLUMNS.required) == rows
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": [}\n')
     with pytest.raises(DataError, match=r"empty.jsonl: the file is empty \(0 bytes\)$"):

@@ -159,7 +159,9 @@ class Trainer(StepPhases):
         problems = -(-len(p.eval_set) // self.dist.dp_size)
         with self.display(problems, f"eval at step {step}", "problems") as bar:
             with self.engine.failures_agreed(f"the evaluation at step {step}"):
-                return run_held_out_eval(*args, strict_box=alg.strict_box, pass_at=ev.pass_at, progress=bar)
+                return run_held_out_eval(
+                    *args, scorer=p.scorer, strict_box=alg.strict_box, pass_at=ev.pass_at, progress=bar
+                )
 
     # --- Around the loop ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -284,6 +286,7 @@ class Trainer(StepPhases):
                 step, record = self.unlogged
                 self.write(step, record.row())
             self.stop.restore()
+            self.parts.scorer.close()  # the reward's worker processes, if any
             self.parts.engine.shutdown()
         finally:
             if self.parts.lock is not None:
