@@ -149,7 +149,7 @@ class WorkerPool:
     def _receive(self, worker: _Worker) -> tuple:
         try:
             answer = worker.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # its end closed, or reset by a kill
             self._fail(f"stopped: its worker process {_death(worker)}")
         except Exception as exc:  # a class the trainer cannot import, say
             self._fail(f"returned what the trainer cannot read back: {type(exc).__name__}: {exc}")

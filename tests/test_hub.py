@@ -205,6 +205,47 @@ def test_a_dataset_with_splits_reads_the_one_named(hub, tmp_path):
         read_dataset_rows("org/two:dev")
 
 
+GSM8K_README = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+  - split: test
+    path: socratic/test-*
+---
+"""
+
+
+def test_a_dataset_with_several_configs_reads_the_one_named_and_names_them_when_none_is(hub, tmp_path):
+    """openai/gsm8k's layout: two configs (main, socratic) in its README's header, each with train and test."""
+    rows = {f"{c}/{s}-00000-of-00001.parquet": [{"question": f"{c} {s}", "answer": "#### 1"}] for c in
+            ("main", "socratic") for s in ("train", "test")}  # fmt: skip
+    repo = _dataset_repo(tmp_path, rows)
+    (repo / "README.md").write_text(GSM8K_README)
+    put_folder_in_hub_cache(hub, "dataset", "openai/gsm8k", repo, commit=DATA_COMMIT)
+    columns = ("question", "answer")
+    assert read_dataset_rows("openai/gsm8k:main:test", columns) == [{"question": "main test", "answer": "#### 1"}]
+    assert read_dataset_rows(f"openai/gsm8k@{DATA_COMMIT}:socratic:train")[0]["question"] == "socratic train"
+    several = r"several configs; its configs are main, socratic: name one, as in openai/gsm8k:main \(and a split: "
+    with pytest.raises(DataError, match=rf"^openai/gsm8k: {several}openai/gsm8k:main:<split>\)$"):
+        read_dataset_rows("openai/gsm8k")
+    with pytest.raises(DataError, match=r"^openai/gsm8k:train: no config 'train'; its configs are main, socratic"):
+        read_dataset_rows("openai/gsm8k:train")
+    with pytest.raises(DataError, match=r"^openai/gsm8k:main: several splits; .*: name one, as in openai/gsm8k:main:"):
+        read_dataset_rows("openai/gsm8k:main")
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files: [\n---\n")
+    put_folder_in_hub_cache(hub, "dataset", "org/broken", repo, commit=DATA_COMMIT)
+    with pytest.raises(DataError, match=r"^org/broken: its README.md header is not valid YAML \(while parsing"):
+        read_dataset_rows("org/broken")
+
+
 def test_a_dataset_id_gets_a_parquet_files_schema_checks(hub, tmp_path):
     rows = synthetic_arithmetic_rows(3, split="train")
     no_reward = [{k: v for k, v in r.items() if k != "reward_model"} for r in rows]
