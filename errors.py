@@ -8,7 +8,7 @@
       WriteError         a file the run writes, on a full disk, a read-only or forbidden folder, or past a file-size
                          limit (`writing`)
       RewardError        the user's reward function: not importable, not callable with a batch, a wrong return, an
-                         exception inside, a hang past reward.timeout_s, a worker killed (reward/); in training the
+                         exception inside, a hang past reward.timeout_s, a worker killed (rewards/); in training the
                          run stops with a checkpoint first
     RunStopped           the run stopped for a reason it names, with its work saved or left intact: one line
       StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; run/signals.py)

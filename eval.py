@@ -40,7 +40,7 @@ from observe.progress import Progress
 from preflight import limits
 from preflight.checks import eval_problems
 from preflight.hub_inputs import EVAL_INPUTS, fetch_hub_inputs
-from reward.scorer import build_scorer
+from rewards.scorer import build_scorer
 from rollout.engine_spec import EngineSpec
 from run.guard import GuardedEngine
 

@@ -72,6 +72,7 @@ TEMPLATE_RULE = 'must be "dapo", "none" or a text holding {problem}'
 def _template(value: str) -> bool:
     return value in ("dapo", "none") or "{problem}" in value
 
+
 NO_KL = "must be 0: DAPO removes the KL penalty (Sec. 2.3) and this trainer keeps no reference model"
 
 
@@ -214,7 +215,7 @@ def _function_specs(value: tuple[str, ...] | str) -> bool:
 @dataclass
 class RewardConfig:
     # "" = the paper's rule reward (rl/reward.py, in the trainer's process); else "package.module:function",
-    # "path/file.py:function" or a list of them, run in worker processes (reward/pool.py, docs/your-own-task.md)
+    # "path/file.py:function" or a list of them, run in worker processes (rewards/pool.py, docs/your-own-task.md)
     function: tuple[str, ...] | str = bounded((), _function_specs, FUNCTION_RULE)  # the reward function(s)
     weights: tuple[float, ...] = ()  # one per function: the score is their weighted sum (() = 1 each)
     workers: int = at_least(2, 1)  # worker processes per trainer rank

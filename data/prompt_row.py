@@ -10,7 +10,7 @@ GSM8K's, for one, are {"question": str, "answer": str}: prompt_key "question", a
 column holds chat messages, used as they are, or a text, which becomes one user message (rendered with
 data.prompt_template). The answer key is a column, or a path into records ("reward_model.ground_truth": the field
 ground_truth of column reward_model). Every other column is the row's `extra`: a user's reward function receives
-each as a keyword argument (reward/scorer.py).
+each as a keyword argument (rewards/scorer.py).
 
 Every value a parquet file can put in a field is either read as stated here or makes the row skipped with
 a reason (the load summary counts the rows per reason); nothing is converted silently:

@@ -1,4 +1,4 @@
-"""k samples per problem from an engine, each scored as training scores it: the run's reward (reward/scorer.py: the
+"""k samples per problem from an engine, each scored as training scores it: the run's reward (rewards/scorer.py: the
 rule reward, or the user's function) on rl/reward.py `response_text`, so the same tokens get the same reward in
 training and in evaluation. The engine is a guarded
 one (run/guard.py GuardedEngine: its generate checks what the engine returned and watches its progress). The
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from data.prompts import load_split
 from evaluation.metrics import ProblemResult, pass_ks
 from evaluation.report import make_report
-from reward.scorer import RuleScorer, Scorer
+from rewards.scorer import RuleScorer, Scorer
 from rl.reward import response_text
 from rollout.engine import Completion, Generator, SamplingParams
 

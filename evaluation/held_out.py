@@ -15,7 +15,7 @@ from evaluation.evaluate import call_params, checked_pass_ks, score_completions
 from evaluation.metrics import ProblemResult
 from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
-from reward.scorer import RuleScorer
+from rewards.scorer import RuleScorer
 from rollout.engine import Generator, SamplingParams
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
-    from reward.scorer import Scorer
+    from rewards.scorer import Scorer
 
 
 def _merged(results: list[ProblemResult], dist_env: DistEnv) -> list[ProblemResult]:

@@ -1,4 +1,4 @@
-"""A user's reward function in worker processes (reward/pool.py, reward/scorer.py): named by file path or module
+"""A user's reward function in worker processes (rewards/pool.py, rewards/scorer.py): named by file path or module
 path, called with the batch and the prompt set's other columns; every way it can fail is one line naming it and
 what happened, with every worker killed; recycling bounds a leak; nothing outlives the pool or its trainer."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from data.prompts import PromptExample
 from errors import RewardError
-from reward.pool import WorkerPool
-from reward.scorer import FunctionScorer, RuleScorer, Verdict, resolve_spec
+from rewards.pool import WorkerPool
+from rewards.scorer import FunctionScorer, RuleScorer, Verdict, resolve_spec
 from rl.reward import compute_score
 
 FUNCTIONS = '''
@@ -208,7 +208,7 @@ def test_workers_have_their_own_session_and_die_with_their_trainer(functions, tm
     if sys.platform != "linux":
         return
     trainer = (
-        "import sys, threading; sys.path.insert(0, sys.argv[1]); from reward.pool import WorkerPool\n"
+        "import sys, threading; sys.path.insert(0, sys.argv[1]); from rewards.pool import WorkerPool\n"
         f"pool = WorkerPool([{functions + ':hangs'!r}], workers=2, timeout_s=600)\n"
         "print(' '.join(str(w.process.pid) for w in pool.workers), flush=True)\n"
         "threading.Thread(target=pool.run, args=(['a', 'b'], ['a', 'b'], {}), daemon=True).start()\n"

@@ -22,7 +22,7 @@ from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.adamw import fused_adamw
 from parallel.device_memory import return_cached_memory
-from reward.scorer import Scorer, build_scorer
+from rewards.scorer import Scorer, build_scorer
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
@@ -59,7 +59,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
-    scorer: Scorer  # the reward (reward/scorer.py): the rule reward, or the user's functions in worker processes
+    scorer: Scorer  # the reward (rewards/scorer.py): the rule reward, or the user's functions in worker processes
     rollout: RolloutPhase
     update: TrainPhase
     lock: FolderLock | None = None  # the main rank's lock on the run folder

@@ -56,7 +56,7 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
 
 class RolloutWatch:
     """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
-    algorithm.on_shortfall; `reward_metrics`: the names of a reward function's other numbers (reward/scorer.py)."""
+    algorithm.on_shortfall; `reward_metrics`: the names of a reward function's other numbers (rewards/scorer.py)."""
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from data.prompts import PromptSampler
     from model.tokenizer import Tokenizer
-    from reward.scorer import Scorer
+    from rewards.scorer import Scorer
     from rl.filter import DynamicBatchBuilder
     from run.guard import GuardedEngine
     from trainer.observers import RolloutWatch
@@ -47,7 +47,7 @@ class RolloutPhase:
     """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect`): the run's
     configuration, its guarded engine, this rank's prompt sampler, dynamic sampling's batch builder (Eq. 11),
     the tokenizer the reward decodes with, this rank's data-parallel index, the phase's observer and the reward
-    (reward/scorer.py; None: the rule reward)."""
+    (rewards/scorer.py; None: the rule reward)."""
 
     def __init__(
         self,

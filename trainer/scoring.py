@@ -1,7 +1,7 @@
 """Engine completions -> scored groups: the reward of every sample, plus the soft overlong punishment (Eq. 13).
 
     score_i = R(o_i) + R_length(|o_i|)      R = the rule reward, +1 / -1 (rl/reward.py), or the user's function
-                                            (reward/scorer.py); R_length = Eq. 13
+                                            (rewards/scorer.py); R_length = Eq. 13
 
 R reads `response_text(o_i)` (rl/reward.py), the text evaluation (evaluation/) scores too: the same tokens get the
 same reward in training and in evaluation.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from errors import RewardError
-from reward.scorer import RuleScorer, Scorer
+from rewards.scorer import RuleScorer, Scorer
 from rl.filter import ScoredGroup
 from rl.reward import overlong_penalty, response_text
 from trainer.types import RolloutGroup, Sample

@@ -59,7 +59,7 @@ class SampleMetrics:
 
 def reward_parts(names: Sequence[str] = ()) -> type:
     """A metrics dataclass of one Mean per name: the numbers a user's reward function returns beside its score
-    (reward/scorer.py), the same names on every rank (its check at start gives them), logged as reward/<name>."""
+    (rewards/scorer.py), the same names on every rank (its check at start gives them), logged as reward/<name>."""
     return make_dataclass("RewardParts", [(f"part{i}", Mean, logged(name, Mean)) for i, name in enumerate(names)])
 
 

@@ -3,7 +3,7 @@ read it: one `Verdict` per response, from the paper's rule reward or from the us
 
     reward.function = ""                      the rule reward of rl/reward.py `compute_score`, in the trainer's own
                                               process (a few microseconds a response; algorithm.strict_box applies)
-    reward.function = "pkg.module:fn"         the user's function(s), in a pool of worker processes (reward/pool.py)
+    reward.function = "pkg.module:fn"         the user's function(s), in a pool of worker processes (rewards/pool.py)
     reward.function = ["a.py:fn", "b:g"]      several, their scores summed with reward.weights (TRL's reward_weights)
 
 A user's function is called with a batch, as TRL calls its reward_funcs:
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from errors import RewardError
-from reward.pool import WorkerPool
+from rewards.pool import WorkerPool
 from rl import reward as rule
 
 if TYPE_CHECKING:

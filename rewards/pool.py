@@ -12,7 +12,7 @@ Why processes of our own, started as `python -c` (subprocess.Popen), each with a
   * its own session (start_new_session): a Ctrl-C at the terminal reaches the trainer only, which stops at its
     next boundary while the workers finish; and the pool kills the worker's whole process group (SIGKILL), so
     what the function started (a compiler, a test runner) goes with it;
-  * on Linux the kernel kills a worker whose trainer died (PR_SET_PDEATHSIG, reward/worker.py), even mid-call.
+  * on Linux the kernel kills a worker whose trainer died (PR_SET_PDEATHSIG, rewards/worker.py), even mid-call.
 concurrent.futures' ProcessPoolExecutor and multiprocessing.Pool were the alternatives: neither can kill a worker
 that hangs (the executor leaves it running after a timeout; Pool.terminate sends a SIGTERM the worker may ignore,
 then joins it), the executor reports a killed worker as BrokenProcessPool without its signal, and Pool silently
@@ -23,7 +23,7 @@ them (a worker still importing the functions counts against it). Anything but ev
 RewardError (errors.py), after every worker is killed: a timeout ("took longer than reward.timeout_s = 300 s on a
 batch of 64 responses"), a worker's death ("was killed by SIGKILL", "exited with code 3"), an exception inside
 the function ("raised ValueError: ..."), an import or a signature that does not fit. The pool is then closed;
-the trainer stops with a checkpoint (run/guard.py). What the functions returned is checked by reward/scorer.py.
+the trainer stops with a checkpoint (run/guard.py). What the functions returned is checked by rewards/scorer.py.
 
 Recycling: a worker is replaced by a fresh one after `recycle_batches` batches, or once its peak resident
 memory passes `recycle_rss_mb`, so a leak is bounded. `close` (also at garbage collection and at exit) kills
@@ -49,7 +49,7 @@ from errors import RewardError
 
 log = logging.getLogger(__name__)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_START = "import sys; sys.path.insert(0, sys.argv[1]); from reward.worker import serve; serve(int(sys.argv[2]))"
+_START = "import sys; sys.path.insert(0, sys.argv[1]); from rewards.worker import serve; serve(int(sys.argv[2]))"
 
 
 @dataclass(eq=False)

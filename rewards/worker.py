@@ -1,7 +1,7 @@
-"""What runs inside a reward worker process (reward/pool.py starts it): import the user's functions, then score
+"""What runs inside a reward worker process (rewards/pool.py starts it): import the user's functions, then score
 batches until told to stop or until the trainer is gone.
 
-    python -c "...; from reward.worker import serve; serve(FD)"     FD: the worker's end of its socket to the pool
+    python -c "...; from rewards.worker import serve; serve(FD)"     FD: the worker's end of its socket to the pool
 
 The pool sends (sys.path, the function specs) first; the worker imports every function and answers ("ready",)
 or ("error", index, what). Then each message is a batch (responses, ground truths, {column: values}) and each
@@ -10,7 +10,7 @@ answer ("ok", [one return per function], peak RSS in MB) or ("error", index, wha
 Only the standard library is imported here: a worker costs what the user's module costs.
 
 A spec is "package.module:function" (imported from the trainer's sys.path) or "path/to/file.py:function" (an
-absolute path by the time it gets here: reward/scorer.py `resolve_spec`). Before a call, the arguments are bound
+absolute path by the time it gets here: rewards/scorer.py `resolve_spec`). Before a call, the arguments are bound
 to the function's signature, so a function that cannot take them is named as such, not by a TypeError from
 somewhere inside it.
 """
