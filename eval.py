@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.shutdown()
     report["model"] = os.path.abspath(model_dir)
     report["data"] = cfg.data.eval_path
-    report["reward"] = list(cfg.reward.functions) or "rule"
+    report["reward"] = cfg.reward.function or "rule"
     print(format_table(report))
     print(json.dumps(report))
     return report

@@ -66,13 +66,7 @@ def _optional_count(default: int | None, none_means: str) -> int | None:
     return bounded(default, lambda v: v is None or v >= 1, f"must be >= 1 (or none: {none_means})")
 
 
-TEMPLATE_RULE = 'must be "dapo", "none" or a text holding {problem}'
-
-
-def _template(value: str) -> bool:
-    return value in ("dapo", "none") or "{problem}" in value
-
-
+TEMPLATE = 'must be "dapo", "none" or a text holding {problem}'
 NO_KL = "must be 0: DAPO removes the KL penalty (Sec. 2.3) and this trainer keeps no reference model"
 
 
@@ -112,7 +106,7 @@ class DataConfig:
     prompt_key: str = bounded("prompt", bool, "must name a column")  # chat messages [{role, content}], or text
     answer_key: str = bounded("reward_model.ground_truth", bool, "must name a column")  # a.b: field b of column a
     # "dapo": DAPO-Math-17k's instruction around the text; "none": the text as it is; or a text holding {problem}
-    prompt_template: str = bounded("dapo", _template, TEMPLATE_RULE)  # a text prompt's user message (not messages')
+    prompt_template: str = bounded("dapo", lambda v: v in ("dapo", "none") or "{problem}" in v, TEMPLATE)  # see above
     max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
     prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
     synthetic_task: Literal["arithmetic", "chain", "coin", "fork", "scan"] = "arithmetic"  # built-in: tasks/<name>.py
@@ -204,33 +198,15 @@ class AlgorithmConfig:
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"  # pi_old source; auto = engine's if all fp32 torch
 
 
-FUNCTION_RULE = 'each must be "package.module:function" or "path/file.py:function"'
-
-
-def _function_specs(value: tuple[str, ...] | str) -> bool:
-    specs = (value,) if isinstance(value, str) else value
-    return value == "" or all(a and b for a, _, b in (spec.rpartition(":") for spec in specs))
-
-
 @dataclass
 class RewardConfig:
-    # "" = the paper's rule reward (rl/reward.py, in the trainer's process); else "package.module:function",
-    # "path/file.py:function" or a list of them, run in worker processes (rewards/pool.py, docs/your-own-task.md)
-    function: tuple[str, ...] | str = bounded((), _function_specs, FUNCTION_RULE)  # the reward function(s)
-    weights: tuple[float, ...] = ()  # one per function: the score is their weighted sum (() = 1 each)
+    # "" = the paper's rule reward (rl/reward.py, in the trainer's process); else "package.module:function" or
+    # "path/file.py:function", run in worker processes (rewards/pool.py, docs/your-own-task.md)
+    function: str = ""  # the reward function
     workers: int = at_least(2, 1)  # worker processes per trainer rank
     timeout_s: float = above(300.0, 0)  # seconds a batch may take; past it the run stops with a checkpoint
     recycle_batches: int = at_least(100, 0)  # a worker is replaced after this many batches (0 = never)
     recycle_rss_mb: int = at_least(4096, 0)  # ... or once its peak resident memory passes this (0 = never)
-
-    @property
-    def functions(self) -> tuple[str, ...]:
-        """reward.function as a tuple (empty: the rule reward)."""
-        return (self.function,) if isinstance(self.function, str) and self.function else tuple(self.function or ())
-
-    def rules(self) -> Iterator[Rule]:
-        count = len(self.functions)
-        yield "weights", len(self.weights) in (0, count), f"must hold one weight per reward.function ({count})"
 
 
 @dataclass

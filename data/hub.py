@@ -46,8 +46,7 @@ def read_dataset_rows(source: str, required_columns: Sequence[str] = ()) -> list
         raise DataError(f"data file not found: {source}")
     if name is None and os.path.getsize(source) == 0:  # load_dataset fails on it without a message
         raise DataError(f"{source}: the file is empty (0 bytes)")
-    split: str | None = None
-    shown = source
+    config, split = None, None
     with _reading(source):
         if name is None:
             sets = datasets.load_dataset("json", data_files=source, streaming=True)
@@ -56,11 +55,10 @@ def read_dataset_rows(source: str, required_columns: Sequence[str] = ()) -> list
             _refuse_parquet_without_rows(source, folder)
             config, split = _config_and_split(source, name, datasets.get_dataset_config_names(folder))
             sets = datasets.load_dataset(folder, config, streaming=True)
-            shown = f"{name.repo_id}:{config}" if config else name.repo_id
     split = split or (next(iter(sets)) if len(sets) == 1 else None)
     if split not in sets:
         which = f"no split {split!r}" if split else "several splits"
-        example = f"{shown}:{next(iter(sets))}"
+        example = f"{source.rpartition(':')[0] if split else source}:{next(iter(sets))}"
         raise DataError(f"{source}: {which}; its splits are {', '.join(sets)}: name one, as in {example}")
     with _reading(source):
         rows = list(sets[split])
@@ -75,20 +73,14 @@ def _config_and_split(source: str, name: HubName, configs: list[str]) -> tuple[s
     """The config and the split an id names: `:config:split`, or one name, the config of a set that has several
     (GSM8K: main, socratic) and otherwise the split; a DataError naming the set's configs when it names none of
     them or, having several, none at all."""
-    named: list[str | None] = name.split.split(":", 1) if name.split else []  # type: ignore[assignment]
-    if len(named) == 2:
-        config, split = named
-    elif len(configs) > 1:
-        config, split = (named[0] if named else None), None
-    else:
-        config, split = None, (named[0] if named else None)
-    if (config is None and len(configs) > 1) or (config is not None and config not in configs):
+    config, _, split = (name.split or "").rpartition(":")
+    if not config and len(configs) > 1:  # one name: a config
+        config, split = split, ""
+    if (config or len(configs) > 1) and config not in configs:
         which = f"no config {config!r}" if config else "several configs"
-        raise DataError(
-            f"{source}: {which}; its configs are {', '.join(configs)}: name one, as in "
-            f"{name.repo_id}:{configs[0]} (and a split: {name.repo_id}:{configs[0]}:<split>)"
-        )
-    return config, split
+        example = f"{name.repo_id}:{configs[0]} (and a split: {name.repo_id}:{configs[0]}:<split>)"
+        raise DataError(f"{source}: {which}; its configs are {', '.join(configs)}: name one, as in {example}")
+    return config or None, split or None
 
 
 def _refuse_parquet_without_rows(source: str, folder: str) -> None:

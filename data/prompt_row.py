@@ -64,8 +64,8 @@ class Columns:
 
     def render(self, text: str) -> str:
         """A text prompt as its user message: in DAPO's template, as it is ("none"), or in the given one."""
-        template = DAPO_PROMPT_TEMPLATE if self.template == "dapo" else self.template
-        return text if template == "none" else template.replace("{problem}", text)
+        template = {"dapo": DAPO_PROMPT_TEMPLATE, "none": "{problem}"}.get(self.template, self.template)
+        return template.replace("{problem}", text)
 
 
 DAPO_COLUMNS = Columns()  # the DAPO-Math-17k schema's, which the synthetic tasks write too

@@ -63,6 +63,7 @@ class LoadStats:
     conflicting: int = 0  # duplicates whose ground truth scores otherwise than the first's (which is kept)
     first_conflict: str | None = None
     columns: list[str] = field(default_factory=list)  # the first row's
+    read_by: Columns = DAPO_COLUMNS
 
     @property
     def skipped_rows(self) -> int:
@@ -73,22 +74,17 @@ class LoadStats:
             self.first_problem = f"row {row_number}: {problem}"
 
     def note_duplicate(
-        self,
-        row_number: int,
-        row: Mapping[str, object],
-        messages: list[dict],
-        first: tuple[int, object, GroundTruth],
-        columns: Columns,
+        self, row_number: int, row: Mapping[str, object], messages: list[dict], first: tuple[int, object, GroundTruth]
     ) -> None:
         """Count a duplicate of the prompt first read at row `first[0]` (raw ground truth `first[1]`, read as
         `first[2]`), and note it when its ground truth is another answer for the scorer (its normalised answers
         differ). Rows whose raw ground truth equals the first's, nearly every repeat, are not read further."""
         self.duplicates += 1
-        raw = _raw_truth(row, columns)
-        if type(raw) is type(first[1]) and isinstance(raw, str | int | float) and raw == first[1]:
-            return
         try:
-            truth = read_row(row, messages, columns).ground_truth
+            raw = field_at(row, self.read_by.answer)
+            if type(raw) is type(first[1]) and isinstance(raw, str | int | float) and raw == first[1]:
+                return
+            truth = read_row(row, messages, self.read_by).ground_truth
         except RowSkipped:  # unusable: dropped as a duplicate all the same
             return
         if _scored_as(truth) != _scored_as(first[2]):
@@ -137,7 +133,7 @@ def rows_to_examples(
     `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
     prompt is) or dropped, per `overflow`.
     """
-    stats = LoadStats()
+    stats = LoadStats(read_by=columns)
     seen: dict[tuple, tuple[int, object, GroundTruth]] = {}  # prompt -> its row number, raw and read ground truth
     examples: list[PromptExample] = []
     for row_number, row in enumerate(rows):
@@ -148,7 +144,7 @@ def rows_to_examples(
             messages = read_messages(row, columns)
             key = tuple((m["role"], m["content"]) for m in messages)
             if key in seen:  # before the other fields are read: DAPO-Math-17k is 99% repeats
-                stats.note_duplicate(row_number, row, messages, seen[key], columns)
+                stats.note_duplicate(row_number, row, messages, seen[key])
                 continue
             parsed = read_row(row, messages, columns)
         except RowSkipped as skipped:
@@ -156,7 +152,7 @@ def rows_to_examples(
             stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
             stats.note_problem(row_number, reason)
             continue
-        seen[key] = (row_number, _raw_truth(row, columns), parsed.ground_truth)
+        seen[key] = (row_number, field_at(row, columns.answer), parsed.ground_truth)
         ids = _fit_prompt(tokenizer.encode_chat(parsed.messages), max_prompt_length, overflow, stats, row_number)
         if ids is None:
             continue
@@ -200,14 +196,6 @@ def _report_load(source_name: str, kept: int, stats: LoadStats) -> None:
             + (f" (its columns: {', '.join(stats.columns)})" if stats.columns else "")
         )
     (log.warning if stats.skipped or stats.conflicting else log.info)(stats.summary(source_name, kept))
-
-
-def _raw_truth(row: Mapping[str, object], columns: Columns) -> object:
-    """The ground truth as the row holds it (None where it has none)."""
-    try:
-        return field_at(row, columns.answer)
-    except RowSkipped:
-        return None
 
 
 def _scored_as(truth: GroundTruth) -> frozenset[str]:

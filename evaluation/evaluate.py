@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from data.prompts import load_split
 from evaluation.metrics import ProblemResult, pass_ks
 from evaluation.report import make_report
-from rewards.scorer import RuleScorer, Scorer
+from rewards.scorer import Scorer
 from rl.reward import response_text
 from rollout.engine import Completion, Generator, SamplingParams
 
@@ -135,7 +135,7 @@ def score_completions(
     `response_text`: special tokens, such as the final <|im_end|>, are not part of the answer).
     """
     texts = [response_text(tokenizer, c.token_ids, stop_ids) for c in completions]
-    verdicts = (scorer or RuleScorer(strict_box)).score(texts, [e for e in examples for _ in range(k)])
+    verdicts = (scorer or Scorer(strict_box=strict_box)).score(texts, [e for e in examples for _ in range(k)])
     results = []
     for p, example in enumerate(examples):
         group, scores = completions[p * k : (p + 1) * k], verdicts[p * k : (p + 1) * k]

@@ -15,7 +15,7 @@ from evaluation.evaluate import call_params, checked_pass_ks, score_completions
 from evaluation.metrics import ProblemResult
 from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
-from rewards.scorer import RuleScorer
+from rewards.scorer import Scorer
 from rollout.engine import Generator, SamplingParams
 
 if TYPE_CHECKING:
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from observe.progress import Progress
     from parallel.dist_env import DistEnv
-    from rewards.scorer import Scorer
 
 
 def _merged(results: list[ProblemResult], dist_env: DistEnv) -> list[ProblemResult]:
@@ -46,8 +45,8 @@ def run_held_out_eval(
     dist_env: DistEnv,
     run_path: str,
     step: int,
-    *,
     scorer: Scorer | None = None,
+    *,
     strict_box: bool = False,
     pass_at: Sequence[int] = (),
     progress: Progress | None = None,
@@ -68,7 +67,7 @@ def run_held_out_eval(
     engine.resume_memory()
     completions = engine.generate([list(e.prompt_ids) for e in mine], call_params(params, mine, 0))
     stop_ids, k = params.stop_token_ids, params.n
-    scorer = scorer or RuleScorer(strict_box)
+    scorer = scorer or Scorer(strict_box=strict_box)
     results = score_completions(mine, completions, tokenizer, k, stop_ids=stop_ids, scorer=scorer)
     engine.everyone(True)  # every share scored
     elapsed = time.perf_counter() - start

@@ -17,7 +17,7 @@ It needs nothing beyond the standard library.
 """
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 NUMBER = re.compile(r"-?[\d,]*\.?\d+")  # 72, -3, 1,000, 0.5, .5
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -25,33 +25,18 @@ BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 def last_number(text: str) -> Decimal | None:
     """The last number in `text` (thousands commas dropped), or None."""
-    for match in reversed(NUMBER.findall(text)):
-        try:
-            return Decimal(match.replace(",", ""))
-        except InvalidOperation:  # a stray comma alone: "1,,"
-            continue
-    return None
-
-
-def reference(answer: str) -> Decimal | None:
-    """The result of a GSM8K answer: the number after its last "####" (the whole answer when it has none)."""
-    return last_number(answer.rpartition("####")[2])
-
-
-def prediction(response: str) -> tuple[Decimal | None, bool]:
-    """The response's final answer, and whether it was boxed: its last \\boxed{} holding a number, else its last
-    number."""
-    boxed = [number for content in BOXED.findall(response) if (number := last_number(content)) is not None]
-    return (boxed[-1], True) if boxed else (last_number(response), False)
+    found = NUMBER.findall(text)
+    return Decimal(found[-1].replace(",", "")) if found else None
 
 
 def gsm8k_reward(responses: list[str], ground_truths: list[str], **columns: list) -> list[dict]:
     """One {"score", "acc", "pred", "boxed"} per response (module docstring)."""
     results = []
     for response, truth in zip(responses, ground_truths):
-        expected = reference(truth if isinstance(truth, str) else truth[0])
-        predicted, boxed = prediction(response)
+        expected = last_number(truth.rpartition("####")[2])  # the whole answer when it has no "####"
+        boxed = [number for content in BOXED.findall(response) if (number := last_number(content)) is not None]
+        predicted = boxed[-1] if boxed else last_number(response)  # the last boxed number, else the last number
         correct = predicted is not None and predicted == expected
         pred = None if predicted is None else format(predicted.normalize(), "f")  # 1000, not 1E+3
-        results.append({"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred, "boxed": float(boxed)})
+        results.append({"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred, "boxed": float(bool(boxed))})
     return results

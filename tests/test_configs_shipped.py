@@ -336,7 +336,7 @@ def test_the_gsm8k_recipe_reads_gsm8k_by_its_columns_with_the_example_reward():
     assert cfg.model.hf_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.preset
     assert (cfg.data.train_path, cfg.data.eval_path) == ("openai/gsm8k:main:train", "openai/gsm8k:main:test")
     assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
-    assert cfg.reward.functions == ("examples/gsm8k_reward.py:gsm8k_reward",)
+    assert cfg.reward.function == "examples/gsm8k_reward.py:gsm8k_reward"
     assert os.path.isfile(os.path.join(ROOT, "examples", "gsm8k_reward.py"))
     # DAPO's algorithm as the paper sets it, but for the buffer of Eq. 13 at a quarter of the shorter L_max.
     assert {k for k in differences(recipe, cfg) if k.startswith(("algorithm.", "optimizer."))} == {

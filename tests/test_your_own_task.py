@@ -183,10 +183,10 @@ def test_a_reward_that_fails_mid_run_stops_it_with_a_checkpoint_and_the_fixed_re
 @pytest.mark.parametrize(
     "function, line",
     [
-        ("examples/no_such_file.py:reward", r"no_such_file.py:reward cannot be imported: FileNotFoundError: no file "),
+        ("examples/no_such_file.py:reward", r"no_such_file.py:reward cannot be imported: FileNotFoundError: "),
         ("examples/gsm8k_reward.py:gsm8k", r"gsm8k_reward.py:gsm8k cannot be imported: LookupError: .* no function"),
-        ("examples/gsm8k_reward.py:last_number", r":last_number cannot be called as f\(responses, ground_truths\): "),
-        ("examples/gsm8k_reward.py:reference", r":reference cannot be called as f"),
+        ("examples/gsm8k_reward.py:last_number", r":last_number raised TypeError: last_number\(\) takes 1 positional"),
+        ("examples/gsm8k_reward.py:NUMBER", r":NUMBER cannot be imported: LookupError: .* no function 'NUMBER'"),
     ],
 )
 def test_a_reward_that_cannot_be_used_is_one_line_before_anything_is_written(
@@ -205,7 +205,7 @@ def test_eval_scores_with_the_runs_reward_function(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(ROOT)
     argv = ["--config", "configs/gsm8k_cpu.toml", "--model=bases/demo", "--eval.eval_size=8", "--eval.k=2"]
     report = eval_command.main([*argv, "--metrics.progress=false"])
-    assert report["reward"] == ["examples/gsm8k_reward.py:gsm8k_reward"] and report["overall"]["num_problems"] == 8
+    assert report["reward"] == "examples/gsm8k_reward.py:gsm8k_reward" and report["overall"]["num_problems"] == 8
     rule = eval_command.main([*argv, "--metrics.progress=false", "--reward.function="])
     assert rule["reward"] == "rule"
     # The same responses (same seed): every one the rule reward counts (an "Answer: N" line) GSM8K's counts too.

@@ -155,13 +155,11 @@ class Trainer(StepPhases):
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
-        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step)
+        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step, p.scorer)
         problems = -(-len(p.eval_set) // self.dist.dp_size)
         with self.display(problems, f"eval at step {step}", "problems") as bar:
             with self.engine.failures_agreed(f"the evaluation at step {step}"):
-                return run_held_out_eval(
-                    *args, scorer=p.scorer, strict_box=alg.strict_box, pass_at=ev.pass_at, progress=bar
-                )
+                return run_held_out_eval(*args, strict_box=alg.strict_box, pass_at=ev.pass_at, progress=bar)
 
     # --- Around the loop ---------------------------------------------------------------------------
     def resume(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from errors import RewardError
-from rewards.scorer import RuleScorer, Scorer
+from rewards.scorer import Scorer
 from rl.filter import ScoredGroup
 from rl.reward import overlong_penalty, response_text
 from trainer.types import RolloutGroup, Sample
@@ -43,7 +43,7 @@ def score_groups(
     n, alg = len(completions) // max(len(examples), 1), cfg.algorithm
     texts = [response_text(tokenizer, c.token_ids, tokenizer.stop_ids) for c in completions]
     try:
-        verdicts = (scorer or RuleScorer(alg.strict_box)).score(texts, [e for e in examples for _ in range(n)])
+        verdicts = (scorer or Scorer(strict_box=alg.strict_box)).score(texts, [e for e in examples for _ in range(n)])
     except RewardError as exc:
         fix = "the run stops with a checkpoint of its last completed step: fix it, then rerun the same command"
         raise RewardError(f"{exc}; {fix}") from None
