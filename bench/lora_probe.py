@@ -197,9 +197,10 @@ def markdown(plan: Plan, sweep: list[dict], lr: str | None, table: dict) -> str:
         lines.append(f"| {arm} | " + " | ".join(_cell(cells[s]["mean_std"]) for s in steps) + " |")
     for pair, cells in table["pairs"].items():
         row = [
-            f"{cells[s]['mean_std'][0]:+.1f} [{cells[s]['ci95'][0]:+.1f}, {cells[s]['ci95'][1]:+.1f}]"
-            if len(cells[s]["per_seed"]) > 1
-            else "-"
+            "-"
+            if not cells[s]["per_seed"]
+            else f"{cells[s]['mean_std'][0]:+.1f}"
+            + (f" [{cells[s]['ci95'][0]:+.1f}, {cells[s]['ci95'][1]:+.1f}]" if len(cells[s]["per_seed"]) > 1 else "")
             for s in steps
         ]
         lines.append(f"| {pair} | " + " | ".join(row) + " |")
@@ -211,8 +212,30 @@ def markdown(plan: Plan, sweep: list[dict], lr: str | None, table: dict) -> str:
     return "\n".join(lines)
 
 
+def draw(plan: Plan, table: dict) -> None:
+    """figure.png: held-out accuracy per evaluation step, per arm the mean over seeds and the lowest to highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (arm, cells) in enumerate(table["arms"].items()):
+        steps = [s for s in table["steps"] if cells[s]["per_seed"]]
+        ax.plot(steps, [cells[s]["mean_std"][0] for s in steps], "-o", color=f"C{i}", markersize=3.5, label=arm)
+        low, high = [min(cells[s]["per_seed"]) for s in steps], [max(cells[s]["per_seed"]) for s in steps]
+        ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.15)
+    ax.set(xlabel="DAPO step", ylabel="held-out avg@4 (%)", title="Full fine-tuning against LoRA rank 1 and 8")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(plan.run_dir, "figure.png"), dpi=120)
+    plt.close(fig)
+
+
 def write_report(plan: Plan, lr: str | None) -> None:
     sweep, table = sweep_rows(plan), probe_table(plan)
+    if table["steps"]:
+        draw(plan, table)
     text = markdown(plan, sweep, lr, table)
     results = {
         "lr": lr,
