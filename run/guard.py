@@ -188,7 +188,9 @@ class GuardedEngine:
     def failures_agreed(self, where: str) -> Iterator[None]:
         """Inside, errors name `where`; an exception raised inside that no agreement has seen (this rank's own,
         outside an engine call: its scoring, say) is agreed on at once: the peers meet it in their next agreement
-        and every rank stops with a checkpoint."""
+        and every rank stops with a checkpoint. Every rank leaving the block without an error agrees on it too,
+        before anything else (the engine's next call, itself a collective of its group), so a peer that failed in
+        the block's last stretch is met there."""
         self.where, self._raised = where, None
         try:
             yield
@@ -196,6 +198,8 @@ class GuardedEngine:
             if exc is not self._raised:
                 self.agree(where, exc, False)
             raise
+        else:
+            self.agree(where, None, False)
         finally:
             self.where = ""
 

@@ -298,3 +298,46 @@ def test_a_bucket_that_fails_to_prepare_on_one_rank_stops_every_rank_at_once(tmp
     stops = [at for _, at in ended]
     assert max(stops) - min(stops) < 20 and max(stops) - start < 300  # together, and no collective's timeout
     assert saved_steps(tmp_path) == [1]
+
+
+def _scoring_fails(rank, world, argv, failing_rank):
+    """train.main on this rank, whose scoring fails on `failing_rank` (in the step's last round: the engine's next
+    call is the group's release): (the error, when this rank stopped)."""
+    import trainer.rollout_phase
+
+    score = trainer.rollout_phase.score_groups
+
+    def failing(*args, **kwargs):
+        if rank == failing_rank:
+            raise RuntimeError("injected scoring failure")
+        return score(*args, **kwargs)
+
+    trainer.rollout_phase.score_groups = failing
+    try:
+        train.main(argv)
+    except RuntimeError as exc:
+        return str(exc), time.time()
+    return "finished", time.time()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_failure_in_the_last_round_on_one_rank_stops_every_rank_before_the_engine_is_released(
+    tmp_path, hf_dir, monkeypatch, world
+):
+    """Rank 1's scoring fails in the step's only round. Its peers leave the rollout with no failure of their own and
+    would go on into their engine group's collective of the release while rank 1 waits in an agreement: they agree
+    on leaving the rollout instead, so every rank stops with a checkpoint within seconds (the groups' timeout is
+    30 s here, 6 hours by default)."""
+    use_strict_model(monkeypatch.setattr)
+    settings = {"rollout.tp_size": 2, "parallelism.dp_shard": world, "algorithm.max_num_gen_batches": 1}
+    settings |= {"rollout.round_timeout_s": 30, "training.train_batch_size": world, "training.mini_batch_size": world}
+    start = time.time()
+    ended = run_ranks(_scoring_fails, world, sglang_argv(tmp_path, hf_dir, **settings), 1, timeout=300)
+    for rank, (message, _) in enumerate(ended):
+        why = "rank 1: RuntimeError: injected scoring failure" if rank == 1 else "failed on another rank"
+        assert message.startswith("step 1, rollout") and why in message, message
+        assert message.endswith("Checkpoint of step 0 saved; rerun the same command to resume (with the cause fixed)")
+    stops = [at for _, at in ended]
+    assert max(stops) - min(stops) < 20 and max(stops) - start < 30 + 60, stops  # no collective's timeout
+    assert saved_steps(tmp_path) == [0]
