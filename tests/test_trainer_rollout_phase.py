@@ -70,8 +70,8 @@ def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, d
         training=dataclasses.replace(cfg.training, train_batch_size=per_round),
         algorithm=dataclasses.replace(cfg.algorithm, overlong_penalty=False),
     )
-    guarded = GuardedEngine(engine, SingleProcess(), runner)
-    watch = RolloutWatch(guarded, builder, display)
+    watch = RolloutWatch(builder, display)
+    guarded = GuardedEngine(engine, SingleProcess(), runner, on_poll=watch.polled)
     groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect(step)
     return groups, row(watch.metrics)
 

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
     from rl.filter import DynamicBatchBuilder, FilterStats
     from rollout.engine import Polled
-    from run.guard import GuardedEngine
     from trainer.losses import PassStats
     from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup, Sample
@@ -56,44 +55,38 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
 
 class RolloutWatch:
     """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
-    algorithm.on_shortfall."""
+    algorithm.on_shortfall. Its `polled` observes the engine's every poll (run/guard.py GuardedEngine's on_poll)."""
 
     def __init__(
-        self,
-        engine: GuardedEngine,
-        builder: DynamicBatchBuilder[list[Sample]],
-        display: Display,
-        shortfall: Literal["fill", "raise"] = "fill",
+        self, builder: DynamicBatchBuilder[list[Sample]], display: Display, shortfall: Literal["fill", "raise"] = "fill"
     ):
-        self.engine, self.builder, self.display, self.shortfall = engine, builder, display, shortfall
+        self.builder, self.display, self.shortfall = builder, display, shortfall
         self.step = 0
         self.metrics, self.bar = RolloutMetrics(), Progress(enabled=False)
-        self.tokens, self.started, self.engine_s = 0, 0.0, 0.0
-        engine.on_poll = self.polled
+        self.tokens, self.started, self.last_poll = 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
         self.metrics, self.tokens, self.step = RolloutMetrics(), 0, step
-        self.started, self.engine_s = time.perf_counter(), self.engine.seconds
+        self.started = self.last_poll = time.perf_counter()
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 
     def polled(self, polled: Polled) -> None:
-        self.tokens += polled.tokens
+        self.tokens, self.last_poll = self.tokens + polled.tokens, time.perf_counter()
         self.bar.update(0, tokens=self.tokens)
 
     def round(self, groups: list[RolloutGroup]) -> None:
-        """A round's groups, scored and filtered: counted among the generated samples; the display advanced to
-        the groups kept so far."""
+        """A round's groups, scored and filtered since the round's last poll: counted among the generated samples;
+        the display advanced to the groups kept so far."""
+        self.metrics.score_s.add(time.perf_counter() - self.last_poll)  # scoring and filtering
         self.metrics.add_generated(groups)
         kept = min(self.builder.num_kept, self.builder.train_batch_size)
         self.bar.update(kept - self.bar.n, rounds=self.builder.rounds)
 
     def batch(self, finished: tuple[list[RolloutGroup], FilterStats]) -> list[RolloutGroup]:
-        """The batch dynamic sampling handed out, counted with what the filter did and the phase's times; a
-        short one warned about or refused (`on_shortfall`)."""
+        """The batch dynamic sampling handed out, counted with what the filter did and the phase's time spent
+        generating (the rest: scoring and filtering); a short one warned about or refused (`on_shortfall`)."""
         self.metrics.add_batch(finished)
-        generate_s = self.engine.seconds - self.engine_s
-        self.metrics.generate_s.add(generate_s)
-        self.metrics.score_s.add(time.perf_counter() - self.started - generate_s)  # scoring and filtering
+        self.metrics.generate_s.add(time.perf_counter() - self.started - self.metrics.score_s.result())
         self.bar.close()
         on_shortfall(finished[1], self.step, self.shortfall, self.builder.max_rounds)
         return finished[0]
