@@ -8,10 +8,12 @@ that fails on one rank must stop every rank at the same point, or the others wai
 left. After each call the ranks agree (`agree`: one all-reduce on the gloo control group) on three numbers: the
 worst outcome, whether a signal arrived anywhere, whether any rank still waits. Every collective of the guard has
 this one shape, so a rank that fails between two engine calls (its scoring, say: `failures_agreed`) meets its
-peers in their next agreement. Outcomes: OK, FAILED (an exception: EngineFailure, or anything else) or
-ENGINE_DIED (an engine's process is gone, or it hung: the policy, in the trainer's process, is intact). On a
-failure every rank checkpoints (run/phase_runner.py) and raises the error, EngineDied first, naming what was
-running and that the rerun resumes (a user-facing error, errors.py, as it is).
+peers in their next agreement; and there is always a next one before the engine's next collective: every rank
+agrees on leaving a `failures_agreed` block, also when it succeeded, and before each weight bucket's gathers that
+its shards are ready (`together`, rollout/weight_sync.py). Outcomes: OK, FAILED (an exception: EngineFailure, or
+anything else) or ENGINE_DIED (an engine's process is gone, or it hung: the policy, in the trainer's process, is
+intact). On a failure every rank checkpoints (run/phase_runner.py) and raises the error, EngineDied first, naming
+what was running and that the rerun resumes (a user-facing error, errors.py, as it is).
 
 `generate(prompts, params)`: rollout/engine.py's loop (submit, poll until done, gather) with the submit and each
 poll agreed: `poll_together` is done once every rank's engine returned every completion. Progress, not a deadline:
