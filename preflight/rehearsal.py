@@ -56,10 +56,10 @@ from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
 from preflight.sglang_memory import EngineMemoryError, EngineMemoryPlan, plan_engine_memory
+from rl.loss_modes import GlobalCounts
 from rollout.engine_spec import EngineSpec
 from rollout.sglang_engine import RELEASED_TAGS, context_length_for
 from trainer.loop import StepPhases
-from trainer.losses import GlobalCounts
 from trainer.observers import TrainWatch, no_display
 from trainer.optimizer import build_optimizer
 from trainer.packing import MicroBatch, PackItem, pack

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rl.advantage import group_advantages
+from rl.loss_modes import GlobalCounts
 from rl.reward import overlong_filter_mask
-from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
+from trainer.losses import DAPOLoss, micro_batch_logprobs
 from trainer.optimizer import OptimizerStep
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.step_metrics import TrainMetrics
