@@ -329,7 +329,7 @@ class _Phases(StepPhases):
         """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
         needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
         cfg, policy, update = self.cfg, self.policy, self.update
-        metrics = update.watch.start(step, [], cfg.training.ppo_epochs)
+        metrics = update.watch.start(step, [], cfg.training.ppo_epochs, cfg.optimizer.lr)
         mb = longest_micro_batch(cfg, self.dist_env.device)
         counts = GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"

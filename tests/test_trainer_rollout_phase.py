@@ -17,8 +17,8 @@ from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure
 from run.guard import GuardedEngine
 from run.signals import StopRequested
-from trainer.observers import RolloutWatch, no_display, on_shortfall
-from trainer.rollout_phase import RolloutPhase
+from trainer.observers import RolloutWatch, no_display
+from trainer.rollout_phase import RolloutPhase, on_shortfall
 
 
 def SingleProcess():

@@ -110,7 +110,7 @@ class Trainer(StepPhases):
         interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
         self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
         self.display = display_for(cfg.metrics, self.dist)
-        watch = RolloutWatch(parts.builder, self.display, cfg.algorithm.on_shortfall)
+        watch = RolloutWatch(parts.builder, self.display)
         hang_after_s = cfg.rollout.call_timeout_s  # the progress window (the same key: each call's deadline)
         self.engine = GuardedEngine(
             parts.engine, self.dist, self.runner, hang_after_s=hang_after_s, on_poll=watch.polled

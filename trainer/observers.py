@@ -2,18 +2,16 @@
 their observer at a few points and never hold a record or a display themselves.
 
     RolloutWatch    the rollout phase (lines 3-8): every group scored, the batch dynamic sampling hands out, the
-                    time spent generating and scoring; a display of the kept groups (and the engine's tokens);
-                    a batch left short after the last round trained on with a warning or the run stopped
+                    time spent generating and scoring; a display of the kept groups (and the engine's tokens)
     TrainWatch      the update (lines 9-12): each loss pass, each optimizer update, the engine/trainer log-prob
                     mismatch (trainer/mismatch.py); a display of the micro-batches
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from observe.progress import Progress
 from trainer.mismatch import MismatchProbe
@@ -30,8 +28,6 @@ if TYPE_CHECKING:
     from trainer.packing import MicroBatch
     from trainer.types import RolloutGroup, Sample
 
-log = logging.getLogger("train")
-
 Display = Callable[[int | None, str, str], Progress]  # (total, description, unit) -> a progress display
 
 
@@ -39,34 +35,17 @@ def no_display(total: int | None, desc: str, unit: str) -> Progress:
     return Progress(enabled=False)
 
 
-def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "raise"], max_rounds: int) -> None:
-    """A batch dynamic sampling left short after its last round: trained on with one line (on_shortfall "fill"),
-    or the run stopped (on_shortfall "raise")."""
-    short = int(filtered.shortfall.result())
-    if short:
-        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
-        rounds = filtered.rounds.result()
-        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
-        message += " generation rounds"
-        if policy == "raise":
-            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-        log.warning("%s; training on the smaller batch", message)
-
-
 class RolloutWatch:
-    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
-    algorithm.on_shortfall. Its `polled` observes the engine's every poll (run/guard.py GuardedEngine's on_poll)."""
+    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring). Its `polled`
+    observes the engine's every poll (run/guard.py GuardedEngine's on_poll)."""
 
-    def __init__(
-        self, builder: DynamicBatchBuilder[list[Sample]], display: Display, shortfall: Literal["fill", "raise"] = "fill"
-    ):
-        self.builder, self.display, self.shortfall = builder, display, shortfall
-        self.step = 0
+    def __init__(self, builder: DynamicBatchBuilder[list[Sample]], display: Display):
+        self.builder, self.display = builder, display
         self.metrics, self.bar = RolloutMetrics(), Progress(enabled=False)
         self.tokens, self.started, self.last_poll = 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
-        self.metrics, self.tokens, self.step = RolloutMetrics(), 0, step
+        self.metrics, self.tokens = RolloutMetrics(), 0
         self.started = self.last_poll = time.perf_counter()
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 
@@ -82,14 +61,12 @@ class RolloutWatch:
         kept = min(self.builder.num_kept, self.builder.train_batch_size)
         self.bar.update(kept - self.bar.n, rounds=self.builder.rounds)
 
-    def batch(self, finished: tuple[list[RolloutGroup], FilterStats]) -> list[RolloutGroup]:
+    def batch(self, batch: list[RolloutGroup], filtered: FilterStats) -> None:
         """The batch dynamic sampling handed out, counted with what the filter did and the phase's time spent
-        generating (the rest: scoring and filtering); a short one warned about or refused (`on_shortfall`)."""
-        self.metrics.add_batch(finished)
+        generating (the rest: scoring and filtering)."""
+        self.metrics.add_batch((batch, filtered))
         self.metrics.generate_s.add(time.perf_counter() - self.started - self.metrics.score_s.result())
         self.bar.close()
-        on_shortfall(finished[1], self.step, self.shortfall, self.builder.max_rounds)
-        return finished[0]
 
 
 class TrainWatch:
@@ -100,8 +77,10 @@ class TrainWatch:
         self.metrics = TrainMetrics()
         self.probe = MismatchProbe(self.metrics.mismatch, [])
 
-    def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int) -> TrainMetrics:
+    def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int, lr: float) -> TrainMetrics:
+        """The step's metrics, from the learning rate it runs at."""
         self.metrics, self.step = TrainMetrics(), step
+        self.metrics.lr.add(lr)
         self.probe = MismatchProbe(self.metrics.mismatch, mini_batches[0] if mini_batches else [])
         # The valid tokens trained on, once whatever ppo_epochs: overlong-filtered samples and padding have none.
         self.metrics.train_tokens.add(float(sum(int((mb.mask > 0).sum()) for mbs in mini_batches for mb in mbs)))

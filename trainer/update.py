@@ -180,10 +180,11 @@ class TrainPhase:
         each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
         rank's training metrics (StepRecord.reduce combines the ranks')."""
         mini_batches = self.mini_batches(step, groups)
-        metrics = self.watch.start(step, mini_batches, self.training.ppo_epochs)
+        lr = self.optimizer_step.optimizer.param_groups[0]["lr"]  # the rate this step runs at
+        self.watch.start(step, mini_batches, self.training.ppo_epochs, lr)
         self.model.train()
         self.fill_old_logprobs(mini_batches)
-        metrics.lr.add(self.optimizer_step.optimizer.param_groups[0]["lr"])  # the rate this step runs at
+        applied = 0  # updates of the policy
         for _ in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
                 counts = self.global_counts(mbs)
@@ -196,8 +197,10 @@ class TrainPhase:
                 loss = 0.0
                 for mb in mbs:
                     loss += self.loss_pass(mb, counts)
-                self.watch.update(loss, self.optimizer_step(f"step {step}, mini-batch {index}"))
-        if metrics.updates.result() > metrics.skipped.result():
+                grad_norm = self.optimizer_step(f"step {step}, mini-batch {index}")  # None: skipped, non-finite
+                applied += grad_norm is not None
+                self.watch.update(loss, grad_norm)
+        if applied:
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
