@@ -110,30 +110,26 @@ class Trainer(StepPhases):
         interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
         self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
         self.display = display_for(cfg.metrics, self.dist)
-        watch = RolloutWatch(parts.builder, self.display)
+        rollout_watch = RolloutWatch(parts.builder, self.display)
         hang_after_s = cfg.rollout.call_timeout_s  # the progress window (the same key: each call's deadline)
         self.engine = GuardedEngine(
-            parts.engine, self.dist, self.runner, hang_after_s=hang_after_s, on_poll=watch.polled
+            parts.engine, self.dist, self.runner, hang_after_s=hang_after_s, on_poll=rollout_watch.polled
         )
-        args = (parts.sampler, parts.builder, parts.tokenizer, self.dist.dp_rank, watch)
-        self.rollout = RolloutPhase(cfg, self.engine, *args)
-        self.update = TrainPhase(
-            cfg, parts.policy, parts.optimizer, parts.scheduler, self.dist, TrainWatch(self.display)
-        )
+        data = (parts.sampler, parts.builder, parts.tokenizer, self.dist.dp_rank)
+        self.rollout = RolloutPhase(cfg, self.engine, *data, rollout_watch)
+        train_watch = TrainWatch(self.display, rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist))
+        self.update = TrainPhase(cfg, parts.policy, parts.optimizer, parts.scheduler, self.dist, train_watch)
         self.state = TrainState(skipped=self.update.optimizer_step.skipped)
         self.metrics: MetricsWriter | None = None
         self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
-        self.dump = rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
     def generate(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring, or a short
         batch under algorithm.on_shortfall = "raise") is agreed on by every rank."""
         with self.engine.failures_agreed(f"step {step}, rollout"):
-            groups = self.rollout.collect(step)
-        self.dump(step, groups)  # metrics.rollout_dump
-        return groups
+            return self.rollout.collect(step)
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""

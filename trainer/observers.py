@@ -3,8 +3,9 @@ their observer at a few points and never hold a record or a display themselves.
 
     RolloutWatch    the rollout phase (lines 3-8): every group scored, the batch dynamic sampling hands out, the
                     time spent generating and scoring; a display of the kept groups (and the engine's tokens)
-    TrainWatch      the update (lines 9-12): each loss pass, each optimizer update, the engine/trainer log-prob
-                    mismatch (trainer/mismatch.py); a display of the micro-batches
+    TrainWatch      the update (lines 9-12): the samples it trains on with their advantages (the rollout dump),
+                    each loss pass, each optimizer update, the engine/trainer log-prob mismatch
+                    (trainer/mismatch.py); a display of the micro-batches
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from rl.filter import DynamicBatchBuilder, FilterStats
     from rollout.engine import Polled
     from trainer.losses import PassStats
-    from trainer.packing import MicroBatch
+    from trainer.packing import MicroBatch, PackItem
     from trainer.types import RolloutGroup, Sample
 
 Display = Callable[[int | None, str, str], Progress]  # (total, description, unit) -> a progress display
@@ -70,12 +71,20 @@ class RolloutWatch:
 
 
 class TrainWatch:
-    """The update's metrics (`start` makes the step's) and display (module docstring)."""
+    """The update's metrics (`start` makes the step's) and display (module docstring); dump: writes the samples a
+    step trains on with their advantages (trainer/rollout_dump.py; None: nothing written)."""
 
-    def __init__(self, display: Display):
+    def __init__(
+        self, display: Display, dump: Callable[[int, list[RolloutGroup], list[list[float]]], None] | None = None
+    ):
         self.display, self.bar, self.step = display, Progress(enabled=False), 0
-        self.metrics = TrainMetrics()
+        self.metrics, self.dump = TrainMetrics(), dump
         self.probe = MismatchProbe(self.metrics.mismatch, [])
+
+    def samples(self, step: int, groups: list[RolloutGroup], group_items: list[list[PackItem]]) -> None:
+        """The samples the step trains on, each with the Eq. 9 advantage the update uses (metrics.rollout_dump)."""
+        if self.dump is not None:
+            self.dump(step, groups, [[item.advantage for item in items] for items in group_items])
 
     def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int, lr: float) -> TrainMetrics:
         """The step's metrics, from the learning rate it runs at."""

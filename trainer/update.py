@@ -179,7 +179,9 @@ class TrainPhase:
         """Lines 9-12 on this rank's `groups`: advantages and mini-batches (`mini_batches`), pi_old, then for
         each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
         rank's training metrics (StepRecord.reduce combines the ranks')."""
-        mini_batches = self.mini_batches(step, groups)
+        group_items = self.pack_items(step, groups)  # each sample with its Eq. 9 advantage and its loss weight
+        self.watch.samples(step, groups, group_items)
+        mini_batches = self.mini_batches(group_items)
         lr = self.optimizer_step.optimizer.param_groups[0]["lr"]  # the rate this step runs at
         self.watch.start(step, mini_batches, self.training.ppo_epochs, lr)
         self.model.train()
@@ -220,20 +222,22 @@ class TrainPhase:
                 assert mb.old_logp is not None  # just filled
                 self.watch.recomputed(mb.old_logp, mb)
 
-    def mini_batches(self, step: int, groups: list[RolloutGroup]) -> list[list[MicroBatch]]:
-        """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
-        as many on every rank."""
+    def pack_items(self, step: int, groups: list[RolloutGroup]) -> list[list[PackItem]]:
+        """This rank's groups as PackItems, one list per group: each sample with its Eq. 9 advantage and its loss
+        weight (overlong filtering), its group's id unique across ranks."""
         alg = self.algorithm
-        num_updates = self.training.train_batch_size // self.training.mini_batch_size
-        group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
-        group_items = pack_items_for_groups(
+        return pack_items_for_groups(
             groups,
             adv_eps=alg.adv_eps,
             norm_by_std=alg.norm_adv_by_std,
             overlong_filter=alg.overlong_filter,
-            group_offset=group_offset,
+            group_offset=self.dist.dp_rank * 1_000_000,
             step=step,
         )
+
+    def mini_batches(self, group_items: list[list[PackItem]]) -> list[list[MicroBatch]]:
+        """The groups' items as packed micro-batches per mini-batch, on the device, as many on every rank."""
+        num_updates = self.training.train_batch_size // self.training.mini_batch_size
         mini_batches = []
         for mini in split_into_mini_batches(group_items, num_updates):
             tokens, tp = self.training.micro_batch_tokens, self.dist.dims.tp
