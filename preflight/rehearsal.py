@@ -321,7 +321,7 @@ class _Phases(StepPhases):
     def sync_weights(self) -> None:
         self.phase("weight sync", super().sync_weights, f"buckets of {self.cfg.rollout.weight_sync_bucket_mb} MB")
 
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Generation holds the engine's memory, measured as the "rollout" phase: nothing to add here."""
         return []
 

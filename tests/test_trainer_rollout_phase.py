@@ -60,8 +60,9 @@ class AnswerTokenizer(DigitTokenizer):
 
 
 def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, display=no_display):
-    """RolloutPhase(...).collect(step) with `per_round` prompts a round and n samples each: (this rank's groups, the
-    phase's metrics by name). runner: the guard's phase runner (None: failures raised as they are, no stops)."""
+    """RolloutPhase(...).collect_batch(step) with `per_round` prompts a round and n samples each: (this rank's
+    groups, the phase's metrics by name). runner: the guard's phase runner (None: failures raised as they are, no
+    stops)."""
     cfg = Config()
     cfg = dataclasses.replace(
         cfg,
@@ -72,7 +73,7 @@ def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, d
     )
     watch = RolloutWatch(builder, display)
     guarded = GuardedEngine(engine, SingleProcess(), runner, on_poll=watch.polled)
-    groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect(step)
+    groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect_batch(step)
     return groups, row(watch.metrics)
 
 

@@ -69,7 +69,7 @@ class StepPhases:
     def rollouts(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 with the engine's memory around them: taken back to generate, released for training."""
         self.resume_engine()
-        groups = self.generate(step)  # generate, score, filter until the batch is full
+        groups = self.collect_batch(step)  # generate, score, filter until the batch is full
         self.release_engine()  # room for training
         return groups
 
@@ -85,7 +85,7 @@ class StepPhases:
         return_cached_memory(self.dist)
         sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
 
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         raise NotImplementedError
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
@@ -125,11 +125,11 @@ class Trainer(StepPhases):
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring, or a short
         batch under algorithm.on_shortfall = "raise") is agreed on by every rank."""
         with self.engine.failures_agreed(f"step {step}, rollout"):
-            return self.rollout.collect(step)
+            return self.rollout.collect_batch(step)
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""

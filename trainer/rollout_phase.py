@@ -61,7 +61,7 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
 
 
 class RolloutPhase:
-    """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect`): the run's
+    """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect_batch`): the run's
     configuration, its guarded engine, this rank's prompt sampler, dynamic sampling's batch builder (Eq. 11),
     the tokenizer the rule reward decodes with, this rank's data-parallel index and the phase's observer."""
 
@@ -79,7 +79,7 @@ class RolloutPhase:
         self.dp_rank, self.watch = dp_rank, watch
         self.params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
 
-    def collect(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Generation rounds until every rank's batch holds its train_batch_size groups, at most
         max_num_gen_batches rounds: the batch dynamic sampling hands out (surplus carried over)."""
         builder, cfg = self.builder, self.cfg
