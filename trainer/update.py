@@ -176,9 +176,10 @@ class TrainPhase:
         self.share_prompts = shares_prompts(cfg, dist_env, dist_env.device)  # one prompt copy per group
 
     def run(self, step: int, groups: list[RolloutGroup]) -> TrainMetrics:
-        """Lines 9-12 on this rank's `groups`: advantages and mini-batches (`mini_batches`), pi_old, then for
-        each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
-        rank's training metrics (StepRecord.reduce combines the ranks')."""
+        """Lines 9-12 on this rank's `groups`: advantages (`pack_items`) and mini-batches (`mini_batches`), pi_old,
+        then for each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step; the
+        learning-rate schedule steps once a step that updated the policy. Returns this rank's training metrics
+        (StepRecord.reduce combines the ranks')."""
         group_items = self.pack_items(step, groups)  # each sample with its Eq. 9 advantage and its loss weight
         self.watch.samples(step, groups, group_items)
         mini_batches = self.mini_batches(group_items)
