@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
-from rollout.engine import SamplingParams
+from rollout.engine import Generator, SamplingParams
 from trainer.scoring import score_groups
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from rl.filter import DynamicBatchBuilder
     from rl.stats import FilterStats
-    from run.guard import GuardedEngine
     from trainer.observers import RolloutWatch
     from trainer.types import RolloutGroup, Sample
 
@@ -68,7 +67,7 @@ class RolloutPhase:
     def __init__(
         self,
         cfg: Config,
-        engine: GuardedEngine,
+        engine: Generator,
         sampler: PromptSampler,
         builder: DynamicBatchBuilder[list[Sample]],
         tokenizer: Tokenizer,
