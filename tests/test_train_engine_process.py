@@ -275,6 +275,11 @@ def _failing_bucket(rank, world, argv, failing_rank):
         return serialize(self, payload)
 
     SGLangEngine._serialize = failing
+    return _main_until_it_stops(argv)
+
+
+def _main_until_it_stops(argv):
+    """train.main(argv): (its error, or "finished"; when it ended)."""
     try:
         train.main(argv)
     except RuntimeError as exc:
@@ -326,11 +331,7 @@ def _one_rank_fails(rank, world, argv, failing_rank, where):
         trainer.rollout_phase.score_groups = failing_score
     else:
         rollout.weight_sync.iter_hf_tensors = failing_tensors
-    try:
-        train.main(argv)
-    except RuntimeError as exc:
-        return str(exc), time.time()
-    return "finished", time.time()
+    return _main_until_it_stops(argv)
 
 
 @pytest.mark.multiprocess
