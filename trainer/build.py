@@ -24,6 +24,7 @@ from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.adamw import fused_adamw
 from parallel.device_memory import return_cached_memory
+from rewards.scorer import Scorer, build_scorer
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
@@ -56,6 +57,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
+    scorer: Scorer  # the reward (rewards/scorer.py): the rule reward, or the user's functions in worker processes
     lock: FolderLock | None = None  # the main rank's lock on the run folder
 
 
@@ -98,6 +100,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     )
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
     warn_if_fewer_than_a_round(cfg, len(train_set))
+    scorer = build_scorer(cfg)  # a user's function: imported and called on the first rows, before anything is built
+    scorer.check(train_set)
 
     policy, engine = build_policy_and_engine(cfg, dist)
     fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
@@ -110,7 +114,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    parts = (run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder)
+    parts = (run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder, scorer)
     return Components(dist, *parts)
 
 

@@ -110,13 +110,13 @@ class Trainer(StepPhases):
         interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
         self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
         self.display = display_for(cfg.metrics, self.dist)
-        rollout_watch = RolloutWatch(parts.builder, self.display)
+        rollout_watch = RolloutWatch(parts.builder, self.display, parts.scorer.metric_names)
         hang_after_s = cfg.rollout.call_timeout_s  # the progress window (the same key: each call's deadline)
         self.engine = GuardedEngine(
             parts.engine, self.dist, self.runner, hang_after_s=hang_after_s, on_poll=rollout_watch.polled
         )
         data = (parts.sampler, parts.builder, parts.tokenizer, self.dist.dp_rank)
-        self.rollout = RolloutPhase(cfg, self.engine, *data, rollout_watch)
+        self.rollout = RolloutPhase(cfg, self.engine, *data, rollout_watch, parts.scorer)
         train_watch = TrainWatch(self.display, rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist))
         self.update = TrainPhase(cfg, parts.policy, parts.optimizer, parts.scheduler, self.dist, train_watch)
         self.state = TrainState(skipped=self.update.optimizer_step.skipped)
@@ -163,7 +163,7 @@ class Trainer(StepPhases):
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
-        args = (self.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step)
+        args = (self.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step, p.scorer)
         problems = -(-len(p.eval_set) // self.dist.dp_size)
         with self.display(problems, f"eval at step {step}", "problems") as bar:
             with self.engine.failures_agreed(f"the evaluation at step {step}"):
@@ -292,6 +292,7 @@ class Trainer(StepPhases):
                 step, record = self.unlogged
                 self.write(step, record.row())
             self.stop.restore()
+            self.parts.scorer.close()  # the reward's worker processes, if any
             self.engine.shutdown()
         finally:
             if self.parts.lock is not None:

@@ -11,12 +11,12 @@ their observer at a few points and never hold a record or a display themselves.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from observe.progress import Progress
 from trainer.mismatch import MismatchProbe
-from trainer.step_metrics import RolloutMetrics, TrainMetrics
+from trainer.step_metrics import RolloutMetrics, TrainMetrics, reward_parts
 
 if TYPE_CHECKING:
     import torch
@@ -37,16 +37,19 @@ def no_display(total: int | None, desc: str, unit: str) -> Progress:
 
 
 class RolloutWatch:
-    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring). Its `polled`
-    observes the engine's every poll (run/guard.py GuardedEngine's on_poll)."""
+    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `reward_metrics`:
+    the names of a reward function's other numbers (rewards/scorer.py). Its `polled` observes the engine's every poll
+    (run/guard.py GuardedEngine's on_poll)."""
 
-    def __init__(self, builder: DynamicBatchBuilder[list[Sample]], display: Display):
-        self.builder, self.display = builder, display
-        self.metrics, self.bar = RolloutMetrics(), Progress(enabled=False)
+    def __init__(
+        self, builder: DynamicBatchBuilder[list[Sample]], display: Display, reward_metrics: Sequence[str] = ()
+    ):
+        self.builder, self.display, self.reward_parts = builder, display, reward_parts(reward_metrics)
+        self.metrics, self.bar = RolloutMetrics(reward_parts=self.reward_parts()), Progress(enabled=False)
         self.tokens, self.started, self.last_poll = 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
-        self.metrics, self.tokens = RolloutMetrics(), 0
+        self.metrics, self.tokens = RolloutMetrics(reward_parts=self.reward_parts()), 0
         self.started = self.last_poll = time.perf_counter()
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from data.prompts import PromptSampler
     from model.tokenizer import Tokenizer
+    from rewards.scorer import Scorer
     from rl.filter import DynamicBatchBuilder
     from rl.stats import FilterStats
     from trainer.observers import RolloutWatch
@@ -62,7 +63,8 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
 class RolloutPhase:
     """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect_batch`): the run's
     configuration, its guarded engine, this rank's prompt sampler, dynamic sampling's batch builder (Eq. 11),
-    the tokenizer the rule reward decodes with, this rank's data-parallel index and the phase's observer."""
+    the tokenizer the reward decodes with, this rank's data-parallel index, the phase's observer and the reward
+    (rewards/scorer.py; None: the rule reward)."""
 
     def __init__(
         self,
@@ -73,9 +75,10 @@ class RolloutPhase:
         tokenizer: Tokenizer,
         dp_rank: int,
         watch: RolloutWatch,
+        scorer: Scorer | None = None,
     ):
         self.cfg, self.engine, self.sampler, self.builder, self.tokenizer = cfg, engine, sampler, builder, tokenizer
-        self.dp_rank, self.watch = dp_rank, watch
+        self.dp_rank, self.watch, self.scorer = dp_rank, watch, scorer
         self.params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
 
     def collect_batch(self, step: int) -> list[RolloutGroup]:
@@ -87,7 +90,7 @@ class RolloutPhase:
         while builder.rounds < builder.max_rounds and not self.engine.everyone(builder.full()):
             examples = self.sampler.next_batch(cfg.prompts_per_round)
             completions = self.engine.generate([e.prompt_ids for e in examples], self.round_params(step))
-            groups = score_groups(examples, completions, self.tokenizer, cfg, step)  # rewards, Eq. 13
+            groups = score_groups(examples, completions, self.tokenizer, cfg, step, self.scorer)  # rewards, Eq. 13
             builder.add_round(groups)  # Eq. 11: keep the groups whose accuracy varies
             self.watch.round(groups)
         batch, filtered = builder.finish()  # the kept groups (surplus carried over) and what the filter did
