@@ -417,6 +417,21 @@ class CheckpointManager:
         param_groups = cast("list[dict[str, Any]]", optim_state["param_groups"])  # torch types every entry alike
         return {"model": model_state, "optimizer": {"state": optim_state["state"]}}, param_groups
 
+    @staticmethod
+    def _set_state(
+        model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, Any], param_groups: Any
+    ) -> None:
+        """The tensors DCP loaded into the model, and into the optimizer with its param groups (the JSON train
+        state's); with LoRA, the adapters and their moments only."""
+        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
+        if optimizer is None:
+            set_model_state_dict(model, tensors["model"], options=options)
+            return
+        optim_state = {"state": tensors["optimizer"]["state"], "param_groups": param_groups}
+        set_state_dict(
+            model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state, options=options
+        )
+
     def _read_train_state(self, path: str) -> tuple[dict[str, Any], bool]:
         """This rank's saved extra state (rank 0's when the checkpoint had fewer ranks), and whether it is its own."""
         json_file, tensor_file = self._rank_files(path, _rank())
@@ -477,15 +492,7 @@ class CheckpointManager:
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             load_tensors(tensors, path)
-        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
-        if optimizer is None:
-            set_model_state_dict(model, tensors["model"], options=options)
-        else:
-            optim_state = {"state": tensors["optimizer"]["state"], "param_groups": extra["optimizer_param_groups"]}
-            set_state_dict(
-                model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state, options=options
-            )
-
+        self._set_state(model, optimizer, tensors, extra.get("optimizer_param_groups"))
         if extra["world_size"] != _world_size():
             warnings.warn(
                 f"{path} was saved with {extra['world_size']} ranks, resuming with {_world_size()}", stacklevel=2
