@@ -40,8 +40,9 @@ returned, then collects CUDA IPC handles (torch.cuda.ipc_collect): torch keeps a
 until then, and every bucket of the sync would still be reserved when the engine maps its KV cache back. Tensors
 are on this rank's GPU (`device`: rollout/weight_sync.py moves offloaded shards there), named as Hugging Face's.
 
-Memory (colocated with the trainer): release_memory() releases RELEASED_TAGS (KV cache, weights; the CUDA graphs
-stay); resume_memory() ends an update session and maps the rest back. Released weights are discarded, not
+Memory (colocated with the trainer): release_memory() waits until the scheduler is idle (flush_cache answers
+success: SGLang asserts it), then releases RELEASED_TAGS (KV cache, weights; the CUDA graphs stay); resume_memory()
+ends an update session and maps the rest back. Released weights are discarded, not
 offloaded: every weight must be pushed again before resume_memory(), which names the missing ones otherwise.
 
 Deadlines: every call into the engine process must answer within `call_timeout_s` (rollout.call_timeout_s): a
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -313,6 +315,20 @@ class SGLangEngine:
         if getattr(result, "success", True) is False:
             raise RuntimeError(f"{method} refused: {getattr(result, 'message', '') or 'the engine was not idle'}")
 
+    def _wait_until_idle(self) -> None:
+        """Leader only: flush_cache until SGLang answers success, for at most call_timeout_s. Every generation has
+        returned, but a finished request stays in the scheduler's last batch until its next loop (srt/managers/
+        scheduler.py Scheduler.event_loop_normal sets last_batch after sending the outputs; is_fully_idle needs it
+        empty), and release_memory_occupation asserts idleness (a crash); flush_cache checks the same, answering."""
+        deadline = time.monotonic() + self.call_timeout_s
+        while not self._call("flush_cache").success:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the SGLang scheduler was still busy {self.call_timeout_s:,.0f} s after every request came back "
+                    "(flush_cache kept answering False): its memory cannot be released"
+                )
+            time.sleep(0.01)
+
     def _end_session(self) -> None:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
@@ -373,9 +389,11 @@ class SGLangEngine:
                 torch.cuda.ipc_collect()
 
     def release_memory(self) -> None:
-        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
+        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS), once the
+        scheduler is idle (`_wait_until_idle`)."""
 
         def release() -> None:
+            self._wait_until_idle()
             self._end_session()
             self._call("release_memory_occupation", tags=list(RELEASED_TAGS))
             self._released, self._pushed = set(RELEASED_TAGS), set()

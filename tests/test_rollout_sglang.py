@@ -10,6 +10,7 @@ import base64
 import importlib.util
 import pickle
 import signal
+import time
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ def test_memory_and_weight_update_protocol(checkpoint):
     sync_weights(trainer, engine, bucket_bytes=50_000)
     engine.resume_memory()
     # The CUDA graphs are kept (the rehearsal's ledger: releasing them frees ~1 GB that training does not need).
-    assert sglang.calls[:4] == [("release", ("kv_cache", "weights")), ("resume", ("weights",)), "begin", "update"]
+    assert sglang.calls[:5] == ["flush", ("release", ("kv_cache", "weights")), ("resume", ("weights",)), "begin", "update"]
     assert sglang.calls[-3:] == ["end", "flush", ("resume", ("kv_cache",))]
     assert "begin" not in sglang.calls[4:]  # one session for all buckets
     _assert_holds(sglang, trainer)
@@ -284,6 +285,15 @@ def test_strict_model_memory_tags_and_idle_rule(checkpoint):
         batch(sglang, [[1]])
     with pytest.raises(ValueError, match="input_ids cannot be empty"):
         batch(_strict(checkpoint), [])
+    # The finished requests stay in the last batch for retire_s: flush_cache answers False, a release crashes.
+    sglang = _strict(checkpoint, retire_s=0.5)
+    batch(sglang, [[1], [2]])
+    assert sglang.flush_cache().success is False
+    with pytest.raises(Crashed, match="only when server is idle"):
+        sglang.release_memory_occupation()
+    time.sleep(0.5)
+    assert sglang.flush_cache().success is True
+    sglang.release_memory_occupation()
 
 
 def test_strict_model_weight_sessions_and_payloads(checkpoint):
@@ -457,6 +467,31 @@ def test_a_failure_midway_leaves_the_leaders_true_state(checkpoint):
     engine.resume_memory()
     _assert_holds(sglang, trainer)
     assert sglang.calls.count("begin") == 1
+
+
+def test_a_release_waits_until_the_scheduler_is_idle(checkpoint, monkeypatch):
+    """The requests a generation finished stay in the scheduler's last batch until its next loop; SGLang's
+    release asserts idleness there (the strict model's "Idle" rule): a release right after a generation kills
+    the engine unless it first waits until flush_cache answers success, and that wait is bounded."""
+    engine = engine_class(retire_s=1.0)(checkpoint, dtype=torch.float32)
+    generate(engine, [[1, 2]], SamplingParams(max_new_tokens=2, n=2))
+    engine.release_memory()
+    flushes = engine._engine.calls[engine._engine.calls.index("flush") : -1]
+    assert len(flushes) > 1 and set(flushes) == {"flush"}  # refused while the batch was there, then idle
+    assert engine._engine.calls[-1] == ("release", ("kv_cache", "weights"))
+
+    monkeypatch.setattr(SGLangEngine, "_wait_until_idle", lambda self: None)
+    engine = engine_class(retire_s=1.0)(checkpoint, dtype=torch.float32)
+    generate(engine, [[1, 2]], SamplingParams(max_new_tokens=2, n=2))
+    with pytest.raises(Crashed, match="only when server is idle"):
+        engine.release_memory()
+    monkeypatch.undo()
+
+    engine = engine_class(retire_s=60.0)(checkpoint, dtype=torch.float32, call_timeout_s=0.3)
+    generate(engine, [[1, 2]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match=r"still busy 0 s after every request came back"):
+        engine.release_memory()
+    assert "release" not in [c[0] for c in engine._engine.calls if isinstance(c, tuple)]
 
 
 def test_a_refused_cache_flush_fails_the_resume(checkpoint):
