@@ -22,7 +22,9 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   back (srt/managers/scheduler_components/weight_updater.py SchedulerWeightUpdaterManager.
   release_memory_occupation / resume_memory_occupation; srt/utils/torch_memory_saver_adapter.py
   _TorchMemorySaverAdapterReal.pause / resume). Mapping back more than the GPU has free fails. Resume
-  has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either.
+  has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either. Without
+  enable_memory_saver (SGLang's CPU backend: the saver is CUDA only) the adapter is a no-op
+  (srt/utils/torch_memory_saver_adapter.py _TorchMemorySaverAdapterNoop): the calls run, and free nothing.
 * Idle: is_fully_idle needs the running batch and the last batch empty (srt/managers/scheduler.py
   Scheduler.is_fully_idle). The scheduler's loop runs a batch, sends the outputs of the requests it finished,
   and only then sets last_batch to it; the next loop takes requests in first (Scheduler.event_loop_normal). So a
@@ -361,7 +363,7 @@ class StrictSGLang:
         retire_s=0.01,
         **launch,
     ):
-        assert launch.get("enable_memory_saver") and launch.get("skip_tokenizer_init"), launch
+        assert launch.get("skip_tokenizer_init"), launch
         # Engine's launch installs its SIGQUIT handler in the process that owns the engine (main thread only).
         signal.signal(signal.SIGQUIT, _kill_own_tree)
         self.launch = launch
@@ -418,8 +420,12 @@ class StrictSGLang:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
+    def _held(self) -> int:
+        """Bytes per GPU the engine holds: without the memory saver nothing is ever released."""
+        return self.plan.held(self.offload_tags if self.launch.get("enable_memory_saver") else ())
+
     def _hold(self) -> None:
-        held = self.plan.held(self.offload_tags)
+        held = self._held()
         for gpu in self.gpus:
             gpu.engine = held
 
@@ -467,12 +473,12 @@ class StrictSGLang:
     def resume_memory_occupation(self, tags=None):
         self._call("resume", ("resume", tuple(tags or ())))
         tags = list(tags) if tags else list(MEMORY_TAGS)
-        before = self.plan.held(self.offload_tags)
+        before = self._held()
         for tag in tags:
             if tag not in self.offload_tags:
                 self._die(KeyError(tag))  # offload_tags.remove(tag)
             self.offload_tags.remove(tag)
-        need = self.plan.held(self.offload_tags) - before  # what is mapped back now
+        need = self._held() - before  # what is mapped back now
         for rank, gpu in enumerate(self.gpus):
             if gpu.free < need:
                 self._die(
