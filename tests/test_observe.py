@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +140,12 @@ def test_a_resumed_logger_drops_redone_steps_in_jsonl_and_tensorboard_and_a_cut_
             log.log(step, {"loss": float(step)})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 0.12')  # killed mid-write
+    # TensorBoard reads event files in name order: the creation second, then the host, pid and a per-process
+    # counter written without padding (".9" sorts after ".10"). A resumed run starts in a later second; so does
+    # this one, or two writers of one second in one test process could be read in either order.
+    started = int(time.time())
+    while int(time.time()) == started:
+        time.sleep(0.01)
     with MetricsLogger(str(tmp_path), tensorboard=True, resume_after=1) as log:
         for step in (2, 3, 4):
             log.log(step, {"loss": 10.0 * step})
