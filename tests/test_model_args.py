@@ -31,10 +31,11 @@ def test_official_values_that_differ_between_sizes():
     assert PRESETS["qwen2.5-0.5b"].tie_word_embeddings and not PRESETS["qwen2.5-7b"].tie_word_embeddings
     assert PRESETS["qwen2.5-3b"].vocab_size == 151936 and PRESETS["qwen2.5-32b"].vocab_size == 152064
     assert PRESETS["qwen2.5-32b"].rms_norm_eps == 1e-5 and PRESETS["qwen2.5-7b"].rms_norm_eps == 1e-6
-    assert all(p.rope_theta == 1e6 for name, p in PRESETS.items() if name != "qwen2.5-math-1.5b")
-    # Qwen/Qwen2.5-Math-1.5B's config.json: the 1.5B shapes with RoPE base 10,000 and 4,096 positions.
-    math = PRESETS["qwen2.5-1.5b"].replace(rope_theta=10000.0, max_position_embeddings=4096)
-    assert PRESETS["qwen2.5-math-1.5b"] == math
+    assert all(p.rope_theta == 1e6 for name, p in PRESETS.items() if not name.startswith("qwen2.5-math-"))
+    # Qwen/Qwen2.5-Math-1.5B's and -7B's config.json: the base shapes with RoPE base 10,000 and 4,096 positions.
+    for size in ("1.5b", "7b"):
+        math = PRESETS[f"qwen2.5-{size}"].replace(rope_theta=10000.0, max_position_embeddings=4096)
+        assert PRESETS[f"qwen2.5-math-{size}"] == math
 
 
 def test_bad_args_are_refused_by_name():
