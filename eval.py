@@ -131,7 +131,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
     check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
-    tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
+    tokenizer_dir = resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path)
+    if tokenizer_dir != model_dir:  # a folder of its own: checked as the checkpoint was
+        check_checksums(tokenizer_dir)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
