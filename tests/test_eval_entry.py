@@ -477,12 +477,12 @@ def test_eval_and_train_read_one_configuration(tmp_path):
     assert eval_command.parse_cli([])[0] == config.load_config(config.DEFAULT_CONFIG)  # the same default file
     assert eval_command.parse_cli([])[0].rollout.max_batch_size == 512  # the recipe's, not a second default
     # The short flags set one key each (--model also clears the recipe's random-init preset).
-    cfg, _ = eval_command.parse_cli(["--model", "runs/x", "--data", "aime.parquet", "--tokenizer", "tok"])
+    cfg, _ = eval_command.parse_cli(["--model", "/runs/x", "--data", "/aime.parquet", "--tokenizer", "/tok"])
     assert (cfg.model.hf_path, cfg.model.preset, cfg.data.eval_path, cfg.model.tokenizer_path) == (
-        "runs/x",
+        "/runs/x",
         "",
-        "aime.parquet",
-        "tok",
+        "/aime.parquet",
+        "/tok",
     )
     with pytest.raises(config.ConfigError, match=r"unknown key 'eval\.kk' \(command line\); did you mean 'eval\.k'"):
         eval_command.parse_cli(["--eval.kk=3"])

@@ -22,7 +22,7 @@ from data.prompts import SCHEMA_COLUMNS, load_prompts, read_parquet_rows
 from errors import ConfigError, DataError
 from model.args import PRESETS
 from model.hf import load_hf
-from model.hub import MODEL_PATTERNS, HubName, hub_name
+from model.hub import MODEL_PATTERNS, HubName, hub_name, local_path
 from model.tokenizer import IM_END, Tokenizer, render_chat, train_bpe_tokenizer
 from preflight.hub_inputs import EVAL_INPUTS, cached_model, fetch_hub_inputs
 from tasks.arithmetic import synthetic_arithmetic_rows
@@ -114,6 +114,22 @@ def test_an_id_is_told_from_a_path(tmp_path, monkeypatch):
         assert hub_name(value, splits=True) is None, value
 
 
+def test_a_value_is_a_path_where_any_base_holds_its_first_part(tmp_path):
+    """local_path, which makes the command line's and a TOML file's paths absolute (config/cli.py)."""
+    repo, cwd = tmp_path / "repo", tmp_path / "cwd"
+    (repo / "bases" / "demo").mkdir(parents=True)
+    (cwd / "Qwen").mkdir(parents=True)
+    both = (str(cwd), str(repo))
+    assert local_path("bases/demo", both) == str(repo / "bases" / "demo")  # not in the first base: the second's
+    assert local_path("bases/dmeo", both) == str(repo / "bases" / "dmeo")  # a typo is a missing path, not an id
+    assert local_path("Qwen/Qwen2.5-32B", both) == str(cwd / "Qwen" / "Qwen2.5-32B")  # a local folder wins
+    assert local_path("./runs/x", both) == str(cwd / "runs" / "x") and local_path("runs/x", both) == "runs/x"
+    assert local_path("/abs/x", both) == "/abs/x" and local_path("~/x", both) == os.path.expanduser("~/x")
+    assert local_path("Qwen/Qwen2.5-7B@main", (str(repo),)) == "Qwen/Qwen2.5-7B@main"
+    assert local_path("org/set:train", both, splits=True) == "org/set:train"
+    assert [local_path(v, both) for v in ("", "synthetic")] == ["", "synthetic"]
+
+
 def test_only_the_files_the_loader_reads_are_fetched():
     """The patterns against the file list of Qwen/Qwen2.5-32B's repository (its shards, index, configs and
     tokenizer, beside its licence and card), plus files other Qwen2 repositories carry."""
@@ -149,12 +165,15 @@ def test_a_rerun_with_the_hub_answering_downloads_nothing_the_cache_holds(hub, c
     from huggingface_hub import HfApi, constants, file_download
     from huggingface_hub.hf_api import RepoFile
 
+    import model.hub
+
     snapshot = put_folder_in_hub_cache(hub, "model", "org/tiny", checkpoint, commit=MODEL_COMMIT)
     files = {str(p.relative_to(checkpoint)): p for p in checkpoint.rglob("*") if p.is_file()}
     put_in_hub_cache(hub, "model", "org/partial", {k: v for k, v in files.items() if k != "config.json"},
                      commit=MODEL_COMMIT)  # fmt: skip
     listing = [RepoFile(path=name, size=p.stat().st_size, oid="0" * 40) for name, p in files.items()]
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model.hub, "_unreachable", lambda endpoint: False)  # the stubs below are the hub
     monkeypatch.setattr(HfApi, "repo_info", lambda self, repo_id, **kw: SimpleNamespace(sha=MODEL_COMMIT))
     monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo_id, **kw: iter(listing))
 
@@ -188,6 +207,28 @@ def test_a_dataset_id_reads_the_rows_of_its_parquet_file(hub, prompt_files, chec
     assert load_prompts("org/math", tokenizer, max_prompt_length=256) == load_prompts(
         local, tokenizer, max_prompt_length=256
     )
+
+
+def test_an_unreachable_hub_is_asked_once_and_a_cached_set_read_at_once(hub, prompt_files, monkeypatch, caplog):
+    """HF_HUB_OFFLINE unset and nothing listening at the endpoint: one line says so, then the cache alone is read,
+    with none of huggingface_hub's retries (five over ~23 s for each commit-pinned id, one line each)."""
+    from huggingface_hub import constants
+
+    import model.hub
+
+    put_in_hub_cache(hub, "dataset", "org/math", {"data/train.parquet": prompt_files / "train.parquet"},
+                     commit=DATA_COMMIT)  # fmt: skip
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    model.hub._unreachable.cache_clear()
+    start = time.monotonic()
+    with caplog.at_level("INFO"):
+        pinned = fetch_dataset(HubName("org/math"), "data.train_path")
+        rows = read_dataset_rows(pinned, SCHEMA_COLUMNS)
+    assert time.monotonic() - start < 10 and rows == read_parquet_rows(str(prompt_files / "train.parquet"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("the hub (http://127.0.0.1:9) cannot be reached ("), warnings
+    model.hub._unreachable.cache_clear()
 
 
 def test_a_dataset_with_splits_reads_the_one_named(hub, tmp_path):
