@@ -112,10 +112,9 @@ def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
     args = read_hf_config(model_dir)
     seq_len = min(args.max_position_embeddings, cfg.data.max_prompt_length + cfg.eval_max_new_tokens)
     limits.check_torch_engine_fits(cfg, args, seq_len)
-    problems = eval_problems(cfg)  # None: a set read through `datasets`, counted as it is read
-    if per_call is not None or problems is not None:
-        calls = [n for n in (per_call, problems) if n is not None]
-        limits.check_evaluation_fits(cfg, min(calls), limits.physical_memory())
+    problems = eval_problems(cfg)  # None: a set read through `datasets`, counted as it is read (at least one)
+    calls = [n for n in (per_call, problems) if n is not None]
+    limits.check_evaluation_fits(cfg, min(calls, default=1), limits.physical_memory())
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

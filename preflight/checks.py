@@ -71,9 +71,10 @@ def check_inputs(cfg: Config) -> None:
         return  # a hub id: the model's sizes are read once it is fetched
     _check_sequences_fit(cfg, args.max_position_embeddings)
     limits.check_torch_engine_fits(cfg, args, cfg.engine_max_seq_len)
-    problems = eval_problems(cfg) if evaluates(cfg) else None
-    if problems is not None:  # each rank evaluates its share of the problems in one call
-        limits.check_evaluation_fits(cfg, problems * limits.node_share(), limits.physical_memory())
+    if evaluates(cfg):  # each rank evaluates its share of the problems in one call; a set read through `datasets`,
+        problems = eval_problems(cfg)  # whose size is known only once read, at least one
+        held = 1 if problems is None else problems * limits.node_share()
+        limits.check_evaluation_fits(cfg, held, limits.physical_memory())
 
 
 def eval_problems(cfg: Config) -> int | None:

@@ -371,6 +371,29 @@ def test_a_name_the_hub_cannot_serve_is_one_line_and_exit_2(setting, hub, checkp
     assert not (tmp_path / "runs").exists()  # refused before the run folder exists
 
 
+@pytest.mark.parametrize("held_out", ["jsonl", "hub"])
+def test_an_eval_k_no_machine_holds_is_refused_for_a_set_read_through_datasets(
+    held_out, hub, checkpoint, prompt_files, tmp_path, capsys
+):
+    """Such a set's size is known once it is read: it holds at least one problem, and k samples of one are
+    checked as a parquet set's are (they were not, and the evaluation ended in a MemoryError)."""
+    value = "org/aime"
+    put_in_hub_cache(hub, "dataset", value, {"data/test.parquet": prompt_files / "eval.parquet"}, commit=DATA_COMMIT)
+    if held_out == "jsonl":
+        value = str(tmp_path / "eval.jsonl")
+        rows = read_parquet_rows(str(prompt_files / "eval.parquet"))
+        (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [*SMALL, f"--model.hf_path={checkpoint}", f"--data.eval_path={value}", "--eval.k=1000000000000"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(
+        "configuration error: an evaluation's samples cannot fit this machine: eval.k = 1,000,000,000,000 samples "
+        "of each of 1 problem held at once"
+    ), err
+
+
 def test_eval_names_a_model_the_hub_cannot_serve_in_one_line(hub, capsys):
     with pytest.raises(SystemExit) as info:
         eval_command.run_cli(["--model", "org/absent", "--data", "synthetic"])
