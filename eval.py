@@ -15,8 +15,10 @@ The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face
 id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
 (a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). The command prints a table (one row
-per data source, then the overall row) followed by one JSON line with the full report, so the report as a file is
-`python eval.py ... | tail -n 1 > report.json` (indented: `| tail -n 1 | jq .`).
+per data source, then the overall row; its header before the evaluation, so an output that cannot be written
+fails before any work) followed by one JSON line with the full report, so the report as a file is
+`set -o pipefail; python eval.py ... | tail -n 1 > report.json` (indented: `| tail -n 1 | jq .`): without
+pipefail the pipe's status is tail's, 0 even when eval.py failed and the file holds no report.
 The evaluation itself is evaluation/evaluate.py.
 """
 
@@ -30,9 +32,10 @@ import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, broken_link, report
+from errors import ConfigError, broken_link, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
-from evaluation.report import format_table
+from evaluation.metrics import pass_ks
+from evaluation.report import format_table, table_header
 from model.hf import check_checksums, check_finite_weights
 from model.hf_adapter import read_hf_config
 from observe.progress import Progress
@@ -136,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
     examples = load_eval_set(cfg, tokenizer)
     params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
+    header = table_header(params.n, cfg.eval.pass_at or pass_ks(params.n), {e.data_source for e in examples})
+    with writing("the standard output"):  # before any work: an output that cannot be written (a full disk) fails now
+        print("\n".join(header), flush=True)
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
@@ -156,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.shutdown()
     report["model"] = os.path.abspath(model_dir)
     report["data"] = cfg.data.eval_path
-    print(format_table(report))
-    print(json.dumps(report))
+    with writing("the standard output"):
+        print(format_table(report).split("\n", 2)[2], json.dumps(report), sep="\n", flush=True)
     return report
 
 
