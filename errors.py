@@ -7,6 +7,9 @@
       RunFolderError     a run folder in use by another run, or one that cannot be prepared (trainer/)
       WriteError         a file the run writes, on a full disk, a read-only or forbidden folder, or past a file-size
                          limit (`writing`)
+      RewardError        the user's reward function: not importable, not callable with a batch, a wrong return, an
+                         exception inside, a hang past reward.timeout_s, a worker killed (rewards/); in training the
+                         run stops with a checkpoint first
     RunStopped           the run stopped for a reason it names, with its work saved or left intact: one line
       StopRequested      a SIGTERM / SIGINT, after a checkpoint (exit 143 / 130; run/signals.py)
       EngineDied         the rollout engine's process ended (exit 1; rollout/engine.py)
@@ -65,6 +68,12 @@ class RunFolderError(UserError):
 class WriteError(UserError):
     """A file the run writes cannot be written for a reason the person running it can fix; nothing half-written
     is left behind."""
+
+
+class RewardError(UserError):
+    """The user's reward function failed or returned what cannot be a reward: the message names it and how."""
+
+    kind = "reward error"
 
 
 # What a person can fix, and how: a full disk or quota, a read-only file system, a folder they may not write to;

@@ -5,8 +5,9 @@
 
 The settings are train.py's: the same TOML file (default configs/demo_cpu.toml) and the same
 `--section.key=value` overrides. Evaluation reads [eval] (k, temperature, top_p, top_k, greedy,
-max_response_length, eval_size, pass_at), the engine's [rollout] settings, [data] (the prompt length,
-the synthetic task), algorithm.strict_box, job.seed (sampling) and metrics.progress. So a run's recipe
+max_response_length, eval_size, pass_at), the engine's [rollout] settings, [data] (the prompt length, the
+columns, the synthetic task), [reward] (the run's reward function, checked on the first problems before the
+model loads), algorithm.strict_box, job.seed (sampling) and metrics.progress. So a run's recipe
 evaluates its checkpoints with the settings of its own held-out evaluations, and
 `--config configs/dapo_32b.toml` gives the paper's (avg@32 at temperature 1.0, top_p 0.7, responses of up
 to 20480 tokens).
@@ -42,6 +43,7 @@ from observe.progress import Progress
 from preflight import limits
 from preflight.checks import eval_problems
 from preflight.hub_inputs import EVAL_INPUTS, fetch_hub_inputs
+from rewards.scorer import build_scorer
 from rollout.engine_spec import EngineSpec
 from run.guard import GuardedEngine
 
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = table_header(params.n, cfg.eval.pass_at or pass_ks(params.n), {e.data_source for e in examples})
     with writing("the standard output"):  # before any work: an output that cannot be written (a full disk) fails now
         print("\n".join(header), flush=True)
+    scorer = build_scorer(cfg)
+    scorer.check(examples)
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
@@ -156,12 +160,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             progress=display,
             pass_at=cfg.eval.pass_at,
             prompts_per_call=per_call,
+            scorer=scorer,
         )
         display.close()
     finally:
+        scorer.close()
         engine.shutdown()
     report["model"] = os.path.abspath(model_dir)
     report["data"] = cfg.data.eval_path
+    report["reward"] = cfg.reward.function or "rule"
     with writing("the standard output"):
         print(format_table(report).split("\n", 2)[2], json.dumps(report), sep="\n", flush=True)
     return report

@@ -17,8 +17,9 @@ DEFAULT_CONFIG = os.path.join(REPOSITORY, "configs", "demo_cpu.toml")
 # The keys that name an input file or folder. A relative one is a path of the repository when a TOML file (or a
 # default) gives it, as the shipped recipes' `bases/demo`; on the command line, of the working directory, as any
 # shell argument, or else of the repository. Either way it is made absolute, unless it is a hub id (model/hub.py
-# `local_path`), so the run folder's config.json records which it was. job.run_dir, an output, is made absolute
-# the same way, but only against the working directory on the command line, and the repository in a file.
+# `local_path`), so the run folder's config.json records which it was. job.run_dir, an output, and the file of a
+# reward.function "path/file.py:function" are made absolute the same way, but only against the working directory
+# on the command line, and the repository in a file.
 PATH_KEYS = ("model.hf_path", "model.tokenizer_path", "data.train_path", "data.eval_path")
 
 
@@ -54,10 +55,17 @@ def parse_config_args(
 
 
 def _absolute_paths(cfg: Config, command_line: set[str]) -> Config:
-    """`cfg` with job.run_dir and the values of PATH_KEYS absolute (`command_line`: the keys the command line set)."""
+    """`cfg` with job.run_dir, reward.function's file and the values of PATH_KEYS absolute (`command_line`: the keys
+    the command line set)."""
     here = os.getcwd()
     run_dir = os.path.join(here if "job.run_dir" in command_line else REPOSITORY, os.path.expanduser(cfg.job.run_dir))
     cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, run_dir=os.path.abspath(run_dir)))
+    file, _, name = cfg.reward.function.rpartition(":")
+    if file.endswith(".py"):
+        file = os.path.join(here if "reward.function" in command_line else REPOSITORY, os.path.expanduser(file))
+        cfg = dataclasses.replace(
+            cfg, reward=dataclasses.replace(cfg.reward, function=f"{os.path.abspath(file)}:{name}")
+        )
     for key in PATH_KEYS:
         section, name = key.split(".")
         bases = (here, REPOSITORY) if key in command_line else (REPOSITORY,)

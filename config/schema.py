@@ -75,6 +75,7 @@ def _optional_count(default: int | None, none_means: str) -> int | None:
     return bounded(default, lambda v: v is None or v >= 1, f"must be >= 1 (or none: {none_means})")
 
 
+TEMPLATE = 'must be "dapo", "none" or a text holding {problem}'
 NO_KL = "must be 0: DAPO removes the KL penalty (Sec. 2.3) and this trainer keeps no reference model"
 
 
@@ -109,8 +110,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = "synthetic"  # DAPO-Math-17k schema: parquet, jsonl, hub id org/name[@rev][:split]; or "synthetic"
+    train_path: str = "synthetic"  # parquet, jsonl, hub id org/name[@rev][:config][:split] (data/hub.py), "synthetic"
     eval_path: str = "synthetic"  # held-out set, the same kinds (AIME 2024 in the paper), or "synthetic"
+    prompt_key: str = bounded("prompt", bool, "must name a column")  # chat messages [{role, content}], or text
+    answer_key: str = bounded("reward_model.ground_truth", bool, "must name a column")  # a.b: field b of column a
+    # "dapo": DAPO-Math-17k's instruction around the text; "none": the text as it is; or a text holding {problem}
+    prompt_template: str = bounded("dapo", lambda v: v in ("dapo", "none") or "{problem}" in v, TEMPLATE)  # see above
     max_prompt_length: int = at_least(2048, 1)  # prompt tokens after the chat template
     prompt_overflow: Literal["truncate_left", "drop"] = "truncate_left"  # what to do with longer prompts
     synthetic_task: Literal["arithmetic", "chain", "coin", "fork", "scan"] = "arithmetic"  # built-in: tasks/<name>.py
@@ -206,6 +211,17 @@ class AlgorithmConfig:
     strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
     kl_coef: float = bounded(0.0, lambda v: v == 0, NO_KL)  # KL penalty: DAPO has none (Sec. 2.3), so only 0
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"  # pi_old source; auto = engine's if all fp32 torch
+
+
+@dataclass
+class RewardConfig:
+    # "" = the paper's rule reward (rl/reward.py, in the trainer's process); else "package.module:function" or
+    # "path/file.py:function", run in worker processes (rewards/pool.py, docs/your-own-task.md)
+    function: str = ""  # the reward function
+    workers: int = at_least(2, 1)  # worker processes per trainer rank
+    timeout_s: float = above(300.0, 0)  # seconds a batch may take; past it the run stops with a checkpoint
+    recycle_batches: int = at_least(100, 0)  # a worker is replaced after this many batches (0 = never)
+    recycle_rss_mb: int = at_least(4096, 0)  # ... or once its peak resident memory passes this (0 = never)
 
 
 @dataclass
@@ -312,6 +328,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)

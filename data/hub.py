@@ -1,5 +1,9 @@
 """Prompt sets read through the `datasets` library: a hub data set by its id (model/hub.py), or a jsonl file.
 
+    org/name[@revision][:split]            a set of one config (its only split when none is named)
+    org/name[@revision]:config[:split]     a set of several configs, which its README's header lists: GSM8K's
+                                           openai/gsm8k has main and socratic (openai/gsm8k:main:train)
+
 The id's parquet and jsonl files, and the README whose header names each split's files, are fetched into the
 hub cache, then `datasets.load_dataset` reads that snapshot folder by its own rules for splits, streaming (the
 files where they lie, no copy). Not the id itself: with HF_HUB_OFFLINE=1 load_dataset reads only sets it once
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from data.prompt_row import check_columns
@@ -32,9 +36,9 @@ def fetch_dataset(name: HubName, what: str, *, cached: bool = False) -> str:
     return f"{name.repo_id}@{commit}" + (f":{name.split}" if name.split else "")
 
 
-def read_dataset_rows(source: str, required_columns: tuple[str, ...] = ()) -> list[dict]:
+def read_dataset_rows(source: str, required_columns: Sequence[str] = ()) -> list[dict]:
     """All rows of the hub set or local jsonl file `source` as dicts; a DataError naming `source` when it has no
-    such split, cannot be read, has no rows or lacks one of `required_columns`."""
+    such config or split, cannot be read, has no rows or lacks one of `required_columns`."""
     import datasets
 
     name = hub_name(source, splits=True)
@@ -42,17 +46,19 @@ def read_dataset_rows(source: str, required_columns: tuple[str, ...] = ()) -> li
         raise DataError(f"data file not found: {source}")
     if name is None and os.path.getsize(source) == 0:  # load_dataset fails on it without a message
         raise DataError(f"{source}: the file is empty (0 bytes)")
-    folder = None if name is None else fetch_snapshot(name, "dataset", DATA_PATTERNS, repr(source))
+    config, split = None, None
     with _reading(source):
-        if folder is None:
+        if name is None:
             sets = datasets.load_dataset("json", data_files=source, streaming=True)
         else:
+            folder = fetch_snapshot(name, "dataset", DATA_PATTERNS, repr(source))
             _refuse_parquet_without_rows(source, folder)
-            sets = datasets.load_dataset(folder, streaming=True)
-    split = (name.split if name else None) or (next(iter(sets)) if len(sets) == 1 else None)
+            config, split = _config_and_split(source, name, datasets.get_dataset_config_names(folder))
+            sets = datasets.load_dataset(folder, config, streaming=True)
+    split = split or (next(iter(sets)) if len(sets) == 1 else None)
     if split not in sets:
         which = f"no split {split!r}" if split else "several splits"
-        example = f"{name.repo_id if name else source}:{next(iter(sets))}"
+        example = f"{source.rpartition(':')[0] if split else source}:{next(iter(sets))}"
         raise DataError(f"{source}: {which}; its splits are {', '.join(sets)}: name one, as in {example}")
     with _reading(source):
         rows = list(sets[split])
@@ -61,6 +67,20 @@ def read_dataset_rows(source: str, required_columns: tuple[str, ...] = ()) -> li
         raise DataError(f"{source}: the split {split!r} has no rows (columns: {', '.join(columns) or 'none'})")
     check_columns(source, columns, required_columns, "prompt set")
     return rows
+
+
+def _config_and_split(source: str, name: HubName, configs: list[str]) -> tuple[str | None, str | None]:
+    """The config and the split an id names: `:config:split`, or one name, the config of a set that has several
+    (GSM8K: main, socratic) and otherwise the split; a DataError naming the set's configs when it names none of
+    them or, having several, none at all."""
+    config, _, split = (name.split or "").rpartition(":")
+    if not config and len(configs) > 1:  # one name: a config
+        config, split = split, ""
+    if (config or len(configs) > 1) and config not in configs:
+        which = f"no config {config!r}" if config else "several configs"
+        example = f"{name.repo_id}:{configs[0]} (and a split: {name.repo_id}:{configs[0]}:<split>)"
+        raise DataError(f"{source}: {which}; its configs are {', '.join(configs)}: name one, as in {example}")
+    return config or None, split or None
 
 
 def _refuse_parquet_without_rows(source: str, folder: str) -> None:
@@ -79,6 +99,7 @@ def _reading(source: str) -> Iterator[None]:
     own before it)."""
     import datasets
     import pyarrow as pa
+    import yaml
 
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -86,5 +107,7 @@ def _reading(source: str) -> Iterator[None]:
         yield
     except (datasets.exceptions.DatasetsError, FileNotFoundError, pa.ArrowException) as exc:
         raise DataError(f"{source}: cannot be read as a data set ({str(exc).splitlines()[0]})") from exc
+    except yaml.YAMLError as exc:  # the README's header, which names the configs and their files
+        raise DataError(f"{source}: its README.md header is not valid YAML ({' '.join(str(exc).split())})") from exc
     finally:
         datasets.logging.set_verbosity(verbosity)

@@ -1,6 +1,7 @@
-"""Prompt sets in the DAPO-Math-17k schema and a resumable sampler.
+"""Prompt sets read by their columns (by default the DAPO-Math-17k schema) and a resumable sampler.
 
-A row of the schema (one parquet row, or one dict here; what each field may hold: data/prompt_row.py):
+A row of the schema (one parquet row, or one dict here; what each field may hold, and how data.prompt_key and
+data.answer_key name other columns: data/prompt_row.py):
     {"data_source": str, "prompt": [{"role": "user", "content": str}, ...], "ability": str,
      "reward_model": {"style": "rule", "ground_truth": str | [str, ...]}, "extra_info": {...}}
 
@@ -16,9 +17,9 @@ import os
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from data.prompt_row import RowSkipped, check_columns, read_messages, read_row
+from data.prompt_row import DAPO_COLUMNS, Columns, RowSkipped, check_columns, field_at, read_messages, read_row
 from errors import DataError, broken_link
 from rl.math_normalize import normalize_final_answer
 from rl.reward import GroundTruth
@@ -48,6 +49,7 @@ class PromptExample:
     messages: list[dict]
     solution: str | None = None  # worked solution, when the data set has one (synthetic task)
     index: int = 0  # position in the deduplicated set
+    extra: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for a reward function
 
 
 @dataclass
@@ -60,6 +62,8 @@ class LoadStats:
     first_problem: str | None = None
     conflicting: int = 0  # duplicates whose ground truth scores otherwise than the first's (which is kept)
     first_conflict: str | None = None
+    columns: list[str] = field(default_factory=list)  # the first row's
+    read_by: Columns = DAPO_COLUMNS
 
     @property
     def skipped_rows(self) -> int:
@@ -76,11 +80,11 @@ class LoadStats:
         `first[2]`), and note it when its ground truth is another answer for the scorer (its normalised answers
         differ). Rows whose raw ground truth equals the first's, nearly every repeat, are not read further."""
         self.duplicates += 1
-        raw = _raw_truth(row)
-        if type(raw) is type(first[1]) and isinstance(raw, str | int | float) and raw == first[1]:
-            return
         try:
-            truth = read_row(row, messages).ground_truth
+            raw = field_at(row, self.read_by.answer)
+            if type(raw) is type(first[1]) and isinstance(raw, str | int | float) and raw == first[1]:
+                return
+            truth = read_row(row, messages, self.read_by).ground_truth
         except RowSkipped:  # unusable: dropped as a duplicate all the same
             return
         if _scored_as(truth) != _scored_as(first[2]):
@@ -105,8 +109,10 @@ class LoadStats:
 
 Overflow = Literal["truncate_left", "drop"]  # what becomes of a prompt longer than max_prompt_length
 
-# The columns a prompt file must have (the rest of the schema is optional).
-SCHEMA_COLUMNS = ("prompt", "reward_model")
+
+def columns_of(data: DataConfig) -> Columns:
+    """Where the [data] section's prompt sets hold their prompts and answers (data/prompt_row.py)."""
+    return Columns(data.prompt_key, data.answer_key, data.prompt_template)
 
 
 def rows_to_examples(
@@ -116,8 +122,9 @@ def rows_to_examples(
     max_prompt_length: int,
     overflow: Overflow = "truncate_left",
     source_name: str = "<rows>",
+    columns: Columns = DAPO_COLUMNS,
 ) -> tuple[list[PromptExample], LoadStats]:
-    """Deduplicate, validate, template and tokenise rows of the DAPO schema.
+    """Deduplicate, validate, template and tokenise rows, read by `columns` (default: the DAPO schema's).
 
     Each row is read by data/prompt_row.py: a row it cannot use is skipped and counted under its reason in
     the load summary (logged as a warning). Duplicates are rows whose prompt messages are identical (the
@@ -126,24 +133,26 @@ def rows_to_examples(
     `max_prompt_length` tokens are left-truncated (keeping the end of the prompt, where the generation
     prompt is) or dropped, per `overflow`.
     """
-    stats = LoadStats()
+    stats = LoadStats(read_by=columns)
     seen: dict[tuple, tuple[int, object, GroundTruth]] = {}  # prompt -> its row number, raw and read ground truth
     examples: list[PromptExample] = []
     for row_number, row in enumerate(rows):
         stats.rows += 1
+        if row_number == 0 and isinstance(row, Mapping):
+            stats.columns = list(row)
         try:
-            messages = read_messages(row)
+            messages = read_messages(row, columns)
             key = tuple((m["role"], m["content"]) for m in messages)
             if key in seen:  # before the other fields are read: DAPO-Math-17k is 99% repeats
                 stats.note_duplicate(row_number, row, messages, seen[key])
                 continue
-            parsed = read_row(row, messages)
+            parsed = read_row(row, messages, columns)
         except RowSkipped as skipped:
             reason = str(skipped)
             stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
             stats.note_problem(row_number, reason)
             continue
-        seen[key] = (row_number, _raw_truth(row), parsed.ground_truth)
+        seen[key] = (row_number, field_at(row, columns.answer), parsed.ground_truth)
         ids = _fit_prompt(tokenizer.encode_chat(parsed.messages), max_prompt_length, overflow, stats, row_number)
         if ids is None:
             continue
@@ -155,6 +164,7 @@ def rows_to_examples(
                 messages=parsed.messages,
                 solution=parsed.solution,
                 index=len(examples),
+                extra=parsed.extra,
             )
         )
     _report_load(source_name, len(examples), stats)
@@ -183,14 +193,9 @@ def _report_load(source_name: str, kept: int, stats: LoadStats) -> None:
         raise DataError(
             f"{source_name}: no usable row ({stats.rows} rows read); first problem: "
             f"{stats.first_problem or 'the file is empty'}"
+            + (f" (its columns: {', '.join(stats.columns)})" if stats.columns else "")
         )
     (log.warning if stats.skipped or stats.conflicting else log.info)(stats.summary(source_name, kept))
-
-
-def _raw_truth(row: Mapping[str, object]) -> object:
-    """reward_model.ground_truth as the row holds it (None where it has none)."""
-    reward_model = row.get("reward_model")
-    return reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
 
 
 def _scored_as(truth: GroundTruth) -> frozenset[str]:
@@ -273,15 +278,20 @@ def _first_undecodable_cell(table: pa.Table) -> tuple[str | None, int | None]:
 
 
 def load_prompts(
-    path: str, tokenizer: Tokenizer, *, max_prompt_length: int, overflow: Overflow = "truncate_left"
+    path: str,
+    tokenizer: Tokenizer,
+    *,
+    max_prompt_length: int,
+    overflow: Overflow = "truncate_left",
+    columns: Columns = DAPO_COLUMNS,
 ) -> list[PromptExample]:
-    """Prompts of a DAPO-schema parquet file, jsonl file or hub data set (data/hub.py), each once (an evaluation
-    takes k samples of a problem with SamplingParams.n = k)."""
+    """Prompts of a parquet file, jsonl file or hub data set (data/hub.py) read by `columns`, each once (an
+    evaluation takes k samples of a problem with SamplingParams.n = k)."""
     from data.hub import read_by_datasets, read_dataset_rows
 
-    rows = (read_dataset_rows if read_by_datasets(path) else read_parquet_rows)(path, SCHEMA_COLUMNS)
+    rows = (read_dataset_rows if read_by_datasets(path) else read_parquet_rows)(path, columns.required)
     examples, _ = rows_to_examples(
-        rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path
+        rows, tokenizer, max_prompt_length=max_prompt_length, overflow=overflow, source_name=path, columns=columns
     )
     return examples
 
@@ -363,10 +373,11 @@ def synthetic_task_rows(data: DataConfig, split: str) -> list[dict]:
 
 
 def load_split(data: DataConfig, split: str, tokenizer: Tokenizer) -> list[PromptExample]:
-    """The prompts of data.train_path or data.eval_path (`split` "train" or "eval"): a parquet file in the
-    schema, or the synthetic task's split; prompts of at most data.max_prompt_length tokens."""
+    """The prompts of data.train_path or data.eval_path (`split` "train" or "eval"): a prompt set read by the
+    section's columns, or the synthetic task's split (the DAPO schema); prompts of at most data.max_prompt_length
+    tokens."""
     path, longest, overflow = getattr(data, f"{split}_path"), data.max_prompt_length, data.prompt_overflow
     if path == "synthetic":
         rows, name = synthetic_task_rows(data, split), f"synthetic {split}"
         return rows_to_examples(rows, tokenizer, max_prompt_length=longest, overflow=overflow, source_name=name)[0]
-    return load_prompts(path, tokenizer, max_prompt_length=longest, overflow=overflow)
+    return load_prompts(path, tokenizer, max_prompt_length=longest, overflow=overflow, columns=columns_of(data))

@@ -1,5 +1,6 @@
-"""k samples per problem from an engine, each scored as training scores it: rl/reward.py `rule_score` on
-`response_text`, so the same tokens get the same reward in training and in evaluation. The engine is a guarded
+"""k samples per problem from an engine, each scored as training scores it: the run's reward (rewards/scorer.py: the
+rule reward, or the user's function) on rl/reward.py `response_text`, so the same tokens get the same reward in
+training and in evaluation. The engine is a guarded
 one (run/guard.py GuardedEngine: its generate checks what the engine returned and watches its progress). The
 estimators and the majority-vote rules are in evaluation/metrics.py; the report in evaluation/report.py."""
 
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from data.prompts import load_split
 from evaluation.metrics import ProblemResult, pass_ks
 from evaluation.report import make_report
-from rl.reward import rule_score
+from rewards.scorer import Scorer
+from rl.reward import response_text
 from rollout.engine import Completion, Generator, SamplingParams
 
 if TYPE_CHECKING:
@@ -34,13 +36,15 @@ def evaluate(
     progress: Progress | None = None,
     pass_at: Sequence[int] | None = None,
     prompts_per_call: int | None = None,
+    scorer: Scorer | None = None,
 ) -> dict[str, Any]:
     """Generate `params.n` (= k) samples for each of `examples` (distinct problems: a repeat is refused), score
     them, and summarise (evaluation/report.py).
 
     progress: advanced by the problems done, with the running accuracy as `acc=`. pass_at: the j of the reported
     pass@j (None or empty: 1 and k). prompts_per_call: problems per `engine.generate` call (None: all in one
-    call, which keeps the engine's batch fullest; smaller calls give the progress display finer steps).
+    call, which keeps the engine's batch fullest; smaller calls give the progress display finer steps). scorer: the
+    reward (None: the rule reward, boxed answers only with `strict_box`).
     """
     examples = list(examples)
     ks = checked_pass_ks(params, examples, pass_at, prompts_per_call)
@@ -50,7 +54,7 @@ def evaluate(
         batch = examples[begin : begin + chunk]
         completions = engine.generate([list(e.prompt_ids) for e in batch], call_params(params, batch, begin))
         done = score_completions(
-            batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids
+            batch, completions, tokenizer, k, strict_box=strict_box, stop_ids=params.stop_token_ids, scorer=scorer
         )
         results += done
         if progress is not None:
@@ -122,25 +126,24 @@ def score_completions(
     *,
     strict_box: bool = False,
     stop_ids: Sequence[int] = (),
+    scorer: Scorer | None = None,
 ) -> list[ProblemResult]:
     """One ProblemResult per example from its k completions (grouped by prompt, as the engine's generate returns
     them, checked: run/guard.py).
 
-    Each response is scored as training scores it (rl/reward.py `rule_score` on `response_text`:
-    special tokens, such as the final <|im_end|>, are not part of the answer).
+    Each response is scored as training scores it (`scorer`, None: the rule reward, on rl/reward.py
+    `response_text`: special tokens, such as the final <|im_end|>, are not part of the answer).
     """
+    texts = [response_text(tokenizer, c.token_ids, stop_ids) for c in completions]
+    verdicts = (scorer or Scorer(strict_box=strict_box)).score(texts, [e for e in examples for _ in range(k)])
     results = []
     for p, example in enumerate(examples):
-        group = completions[p * k : (p + 1) * k]
-        scores = [
-            rule_score(tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=strict_box)
-            for c in group
-        ]
+        group, scores = completions[p * k : (p + 1) * k], verdicts[p * k : (p + 1) * k]
         results.append(
             ProblemResult(
                 data_source=example.data_source,
-                acc=[bool(s["acc"]) for s in scores],
-                pred=[s["pred"] for s in scores],
+                acc=[s.acc for s in scores],
+                pred=[s.pred for s in scores],
                 response_length=[len(c.token_ids) for c in group],
                 truncated=[c.finish_reason == "length" for c in group],
             )

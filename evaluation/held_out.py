@@ -15,6 +15,7 @@ from evaluation.evaluate import call_params, checked_pass_ks, score_completions
 from evaluation.metrics import ProblemResult
 from evaluation.report import flat_metrics, make_report, write_report
 from parallel.device_memory import return_cached_memory
+from rewards.scorer import Scorer
 from rollout.engine import Generator, SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def run_held_out_eval(
     dist_env: DistEnv,
     run_path: str,
     step: int,
+    scorer: Scorer | None = None,
     *,
     strict_box: bool = False,
     pass_at: Sequence[int] = (),
@@ -55,8 +57,8 @@ def run_held_out_eval(
     (parallel/device_memory.py). Data-parallel ranks split the problems and generate together (run/guard.py: a
     failure of any rank's engine stops them all); the ranks then agree that every share was scored (a rank whose
     scoring failed meets the others there, inside the guard's failures_agreed) and merge their results.
-    Tensor-parallel peers evaluate the same share with the same weights and seeds. progress: advanced by this
-    rank's problems once they are scored.
+    Tensor-parallel peers evaluate the same share with the same weights and seeds. scorer: the run's reward (None:
+    the rule reward, `strict_box` as in training). progress: advanced by this rank's problems once they are scored.
     """
     return_cached_memory(dist_env)
     mine = examples[dist_env.dp_rank :: dist_env.dp_size]
@@ -65,7 +67,8 @@ def run_held_out_eval(
     engine.resume_memory()
     completions = engine.generate([list(e.prompt_ids) for e in mine], call_params(params, mine, 0))
     stop_ids, k = params.stop_token_ids, params.n
-    results = score_completions(mine, completions, tokenizer, k, strict_box=strict_box, stop_ids=stop_ids)
+    scorer = scorer or Scorer(strict_box=strict_box)
+    results = score_completions(mine, completions, tokenizer, k, stop_ids=stop_ids, scorer=scorer)
     engine.everyone(True)  # every share scored
     elapsed = time.perf_counter() - start
     if progress is not None:

@@ -7,7 +7,7 @@ import os
 
 from config.schema import Config
 from data.hub import read_by_datasets
-from data.prompts import SCHEMA_COLUMNS, check_parquet_file
+from data.prompts import check_parquet_file, columns_of
 from errors import ConfigError, broken_link
 from model.args import PRESETS, ModelArgs
 from model.hf import check_checksums
@@ -66,7 +66,7 @@ def check_inputs(cfg: Config) -> None:
     _check_data_paths(cfg)
     for path in (cfg.data.train_path, cfg.data.eval_path):
         if path and path != "synthetic" and not read_by_datasets(path):
-            check_parquet_file(path, SCHEMA_COLUMNS)
+            check_parquet_file(path, columns_of(cfg.data).required)
     if args is None:
         return  # a hub id: the model's sizes are read once it is fetched
     _check_sequences_fit(cfg, args.max_position_embeddings)
@@ -89,7 +89,7 @@ def eval_problems(cfg: Config) -> int | None:
     else:
         import pyarrow.parquet as pq
 
-        check_parquet_file(data.eval_path, SCHEMA_COLUMNS)  # a DataError naming the file, before it is read
+        check_parquet_file(data.eval_path, columns_of(data).required)  # a DataError naming the file, before it is read
         with pq.ParquetFile(data.eval_path) as parquet:
             rows = parquet.metadata.num_rows
     return min(rows, cfg.eval.eval_size or rows)

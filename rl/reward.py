@@ -75,18 +75,6 @@ def response_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: Coll
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def rule_score(
-    tokenizer: Tokenizer,
-    token_ids: Sequence[int],
-    ground_truth: GroundTruth,
-    *,
-    stop_ids: Collection[int] = (),
-    strict_box: bool = False,
-) -> dict:
-    """compute_score (rl/reward.py) of a completion's `response_text`: {"score", "acc", "pred"}."""
-    return compute_score(response_text(tokenizer, token_ids, stop_ids), ground_truth, strict_box=strict_box)
-
-
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
     """Soft overlong punishment (DAPO Eq. 13), lengths in tokens, L_max = max_len, L_cache = buffer_len:
 

@@ -345,3 +345,60 @@ def test_the_one_gpu_recipes_fit_as_their_headers_say(name, largest_gb, host_gb,
     assert round(max(p["total_gb"] for p in result["rehearsal"]["phases"]), 1) == largest_gb
     assert round(result["host"]["peak_node_gb"], 1) == host_gb
     assert round(result["disk_gb"]["total"], 1) == 64.8
+
+
+# ------------------------------------------------------------------------------------------ your own task
+
+
+def test_the_gsm8k_recipe_reads_gsm8k_by_its_columns_with_the_example_reward():
+    recipe, cfg = load("dapo_32b.toml"), load("gsm8k_0.5b.toml")
+    assert cfg.model.hf_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.preset
+    assert (cfg.data.train_path, cfg.data.eval_path) == ("openai/gsm8k:main:train", "openai/gsm8k:main:test")
+    assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
+    assert cfg.reward.function == "examples/gsm8k_reward.py:gsm8k_reward"
+    assert os.path.isfile(os.path.join(ROOT, "examples", "gsm8k_reward.py"))
+    # DAPO's algorithm as the paper sets it, but for the buffer of Eq. 13 at a quarter of the shorter L_max.
+    assert {k for k in differences(recipe, cfg) if k.startswith(("algorithm.", "optimizer."))} == {
+        "algorithm.overlong_buffer"
+    }
+    assert cfg.algorithm.overlong_buffer * 4 == cfg.rollout.max_response_length
+    assert cfg.engine_max_seq_len <= PRESETS[cfg.rehearse.preset].max_position_embeddings
+    assert cfg.prompts_per_round * cfg.rollout.n == 3072 and cfg.training.train_batch_size // 16 == 4
+    check_runnable(cfg, ONE_GPU)  # the hub ids pass as names here: train.py fetches, then checks them
+    with pytest.raises(ConfigError, match=r"to run it here, add: --rollout\.engine=torch\n"):
+        check_runnable(cfg, Machine(cuda_devices=1, cuda_capability=(8, 9)))
+
+
+def test_the_gsm8k_cpu_run_is_the_demo_with_gsm8k_columns_and_the_example_reward():
+    demo, cfg = load("demo_cpu.toml"), load("gsm8k_cpu.toml")
+    check_runnable(cfg, Machine())  # the shipped base, the shipped jsonl files: a CPU runs it as it is
+    assert differences(demo, cfg) == {
+        "job.name",
+        "data.train_path",
+        "data.eval_path",
+        "data.prompt_key",
+        "data.answer_key",
+        "reward.function",
+        "reward.timeout_s",
+        "optimizer.lr",
+        "training.steps",
+        "eval.interval",
+    }
+    assert cfg.reward.function == load("gsm8k_0.5b.toml").reward.function and cfg.training.steps == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu_gb, largest_gb", [(24, 18.5), (80, 47.0)])
+def test_the_gsm8k_recipe_fits_one_gpu_as_its_header_says(gpu_gb, largest_gb, tmp_path, monkeypatch, capsys):
+    """The rehearsal on each card (about 10 s of CPU each), with an empty hub cache: the preset's shapes."""
+    from huggingface_hub import constants
+
+    import train
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    config = os.path.join(ROOT, "configs", "gsm8k_0.5b.toml")
+    assert train.main(["--config", config, "--rehearse", f"--rehearse.gpu_memory_gb={gpu_gb}"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["fits"] and result["world_size"] == 1
+    assert round(max(p["total_gb"] for p in result["rehearsal"]["phases"]), 1) == largest_gb
+    assert round(result["host"]["peak_node_gb"], 1) == 16.6 and round(result["disk_gb"]["total"], 1) == 20.7

@@ -71,7 +71,7 @@ SKIPPED = [  # (row, the reason the load names)
     (_row(content=7), "a 'prompt' message's content is an int, not text"),
     (_row(content=None), "a 'prompt' message's content is missing"),
     (_row(content=[{"type": "text", "text": "hi"}]), "a 'prompt' message's content is a list, not text"),
-    ({**_row(), "prompt": "What is 1 + 1?"}, "prompt is a str, not a list of {role, content} messages"),
+    ({**_row(), "prompt": 7}, "prompt is an int, not text or a list of {role, content} messages"),
     ({**_row(), "reward_model": "12"}, "reward_model is a str, not a record with a ground_truth"),
     (_row(source=7), "data_source is an int, not text"),
     (_row(solution=["1 + 0 = 1"]), "extra_info.solution is a list, not text"),
@@ -82,7 +82,7 @@ SKIPPED = [  # (row, the reason the load names)
 def test_a_field_that_cannot_be_read_skips_the_row_with_its_reason(row, reason, tmp_path):
     with pytest.raises(DataError, match="no usable row") as info:
         _load(tmp_path, row)
-    assert str(info.value).endswith(f"first problem: row 0: {reason}")
+    assert f"first problem: row 0: {reason} (its columns: " in str(info.value)
 
 
 def test_a_list_of_accepted_answers_scores_when_any_of_them_matches(tmp_path):

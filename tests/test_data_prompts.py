@@ -115,8 +115,9 @@ def test_unusable_files_are_one_data_error_naming_the_file_and_the_problem(tmp_p
     other_schema = tmp_path / "other.parquet"
     write_parquet_rows([{"question": "What is 1 + 1?", "answer": "2"}], str(other_schema))
     assert _one_line_error(other_schema) == (
-        f"{other_schema}: no column 'prompt', 'reward_model' (it has question, answer); a prompt file needs the "
-        "columns prompt, reward_model of the DAPO-Math-17k schema"
+        f"{other_schema}: no column 'prompt', 'reward_model' (it has question, answer); a prompt file needs its "
+        "prompt's and its answer's: name them with data.prompt_key and data.answer_key (default: the DAPO-Math-17k "
+        "schema's prompt and reward_model.ground_truth)"
     )
     assert _one_line_error(tmp_path / "missing.parquet") == f"data file not found: {tmp_path / 'missing.parquet'}"
 

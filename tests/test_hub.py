@@ -18,7 +18,8 @@ import eval as eval_command
 import train
 from config import Config
 from data.hub import fetch_dataset, read_dataset_rows
-from data.prompts import SCHEMA_COLUMNS, load_prompts, read_parquet_rows
+from data.prompt_row import DAPO_COLUMNS
+from data.prompts import load_prompts, read_parquet_rows
 from errors import ConfigError, DataError
 from model.args import PRESETS
 from model.hf import load_hf
@@ -200,9 +201,9 @@ def test_a_dataset_id_reads_the_rows_of_its_parquet_file(hub, prompt_files, chec
     put_in_hub_cache(hub, "dataset", "org/math", {"data/dapo-math-17k.parquet": prompt_files / "train.parquet"},
                      commit=DATA_COMMIT)  # fmt: skip
     assert fetch_dataset(HubName("org/math"), "data.train_path") == f"org/math@{DATA_COMMIT}"
-    expected = read_parquet_rows(local, SCHEMA_COLUMNS)
+    expected = read_parquet_rows(local, DAPO_COLUMNS.required)
     for name in ("org/math", "org/math:train", f"org/math@{DATA_COMMIT}", "org/math@main:train"):
-        assert read_dataset_rows(name, SCHEMA_COLUMNS) == expected, name
+        assert read_dataset_rows(name, DAPO_COLUMNS.required) == expected, name
     tokenizer = Tokenizer.from_dir(str(checkpoint))
     assert load_prompts("org/math", tokenizer, max_prompt_length=256) == load_prompts(
         local, tokenizer, max_prompt_length=256
@@ -224,7 +225,7 @@ def test_an_unreachable_hub_is_asked_once_and_a_cached_set_read_at_once(hub, pro
     start = time.monotonic()
     with caplog.at_level("INFO"):
         pinned = fetch_dataset(HubName("org/math"), "data.train_path")
-        rows = read_dataset_rows(pinned, SCHEMA_COLUMNS)
+        rows = read_dataset_rows(pinned, DAPO_COLUMNS.required)
     assert time.monotonic() - start < 10 and rows == read_parquet_rows(str(prompt_files / "train.parquet"))
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and warnings[0].startswith("the hub (http://127.0.0.1:9) cannot be reached ("), warnings
@@ -245,13 +246,54 @@ def test_a_dataset_with_splits_reads_the_one_named(hub, tmp_path):
         read_dataset_rows("org/two:dev")
 
 
+GSM8K_README = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+  - split: test
+    path: socratic/test-*
+---
+"""
+
+
+def test_a_dataset_with_several_configs_reads_the_one_named_and_names_them_when_none_is(hub, tmp_path):
+    """openai/gsm8k's layout: two configs (main, socratic) in its README's header, each with train and test."""
+    rows = {f"{c}/{s}-00000-of-00001.parquet": [{"question": f"{c} {s}", "answer": "#### 1"}] for c in
+            ("main", "socratic") for s in ("train", "test")}  # fmt: skip
+    repo = _dataset_repo(tmp_path, rows)
+    (repo / "README.md").write_text(GSM8K_README)
+    put_folder_in_hub_cache(hub, "dataset", "openai/gsm8k", repo, commit=DATA_COMMIT)
+    columns = ("question", "answer")
+    assert read_dataset_rows("openai/gsm8k:main:test", columns) == [{"question": "main test", "answer": "#### 1"}]
+    assert read_dataset_rows(f"openai/gsm8k@{DATA_COMMIT}:socratic:train")[0]["question"] == "socratic train"
+    several = r"several configs; its configs are main, socratic: name one, as in openai/gsm8k:main \(and a split: "
+    with pytest.raises(DataError, match=rf"^openai/gsm8k: {several}openai/gsm8k:main:<split>\)$"):
+        read_dataset_rows("openai/gsm8k")
+    with pytest.raises(DataError, match=r"^openai/gsm8k:train: no config 'train'; its configs are main, socratic"):
+        read_dataset_rows("openai/gsm8k:train")
+    with pytest.raises(DataError, match=r"^openai/gsm8k:main: several splits; .*: name one, as in openai/gsm8k:main:"):
+        read_dataset_rows("openai/gsm8k:main")
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files: [\n---\n")
+    put_folder_in_hub_cache(hub, "dataset", "org/broken", repo, commit=DATA_COMMIT)
+    with pytest.raises(DataError, match=r"^org/broken: its README.md header is not valid YAML \(while parsing"):
+        read_dataset_rows("org/broken")
+
+
 def test_a_dataset_id_gets_a_parquet_files_schema_checks(hub, tmp_path):
     rows = synthetic_arithmetic_rows(3, split="train")
     no_reward = [{k: v for k, v in r.items() if k != "reward_model"} for r in rows]
     put_folder_in_hub_cache(hub, "dataset", "org/no-reward", _dataset_repo(tmp_path / "a", {"d.parquet": no_reward}),
                             commit=DATA_COMMIT)  # fmt: skip
     with pytest.raises(DataError, match=r"^org/no-reward: no column 'reward_model' \(it has .*prompt.*\); a prompt "):
-        read_dataset_rows("org/no-reward", SCHEMA_COLUMNS)
+        read_dataset_rows("org/no-reward", DAPO_COLUMNS.required)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -259,14 +301,14 @@ def test_a_dataset_id_gets_a_parquet_files_schema_checks(hub, tmp_path):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), str(tmp_path / "b" / "d.parquet"))
     put_folder_in_hub_cache(hub, "dataset", "org/empty", tmp_path / "b", commit=DATA_COMMIT)
     with pytest.raises(DataError, match=r"^org/empty: d.parquet has no rows$"):
-        read_dataset_rows("org/empty", SCHEMA_COLUMNS)
+        read_dataset_rows("org/empty", DAPO_COLUMNS.required)
 
 
 def test_a_jsonl_file_reads_as_the_same_rows(prompt_files, tmp_path):
     rows = read_parquet_rows(str(prompt_files / "train.parquet"))
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert read_dataset_rows(str(path), SCHEMA_COLUMNS) == rows
+    assert read_dataset_rows(str(path), DAPO_COLUMNS.required) == rows
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": [}\n')
     with pytest.raises(DataError, match=r"empty.jsonl: the file is empty \(0 bytes\)$"):

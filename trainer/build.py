@@ -22,6 +22,7 @@ from model.qwen2 import Qwen2
 from model.tokenizer import IM_END, QWEN25_DEFAULT_SYSTEM, Tokenizer, render_chat, train_bpe_tokenizer
 from parallel.adamw import fused_adamw
 from parallel.device_memory import return_cached_memory
+from rewards.scorer import Scorer, build_scorer
 from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
@@ -58,6 +59,7 @@ class Components:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
+    scorer: Scorer  # the reward (rewards/scorer.py): the rule reward, or the user's functions in worker processes
     rollout: RolloutPhase
     update: TrainPhase
     lock: FolderLock | None = None  # the main rank's lock on the run folder
@@ -102,6 +104,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     )
     log.info("run folder %s: %d training prompts, %d held-out prompts", run_path, len(train_set), len(eval_set))
     warn_if_fewer_than_a_round(cfg, len(train_set))
+    scorer = build_scorer(cfg)  # a user's function: imported and called on the first rows, before anything is built
+    scorer.check(train_set)
 
     policy, raw_engine = build_policy_and_engine(cfg, dist)
     engine = GuardedEngine(raw_engine, dist, call_timeout_s=cfg.rollout.call_timeout_s)  # its runner: the Trainer's
@@ -115,8 +119,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    watch = RolloutWatch(engine, builder, display, alg.on_shortfall)
-    rollout = RolloutPhase(cfg, engine, sampler, builder, tokenizer, dist.dp_rank, watch)
+    watch = RolloutWatch(engine, builder, display, alg.on_shortfall, scorer.metric_names)
+    rollout = RolloutPhase(cfg, engine, sampler, builder, tokenizer, dist.dp_rank, watch, scorer)
     update = TrainPhase(cfg, policy, optimizer, scheduler, dist, TrainWatch(display))
     return Components(
         dist,
@@ -130,6 +134,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         optimizer,
         scheduler,
         builder,
+        scorer,
         rollout,
         update,
     )

@@ -156,7 +156,7 @@ class Trainer(StepPhases):
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
-        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step)
+        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step, p.scorer)
         problems = -(-len(p.eval_set) // self.dist.dp_size)
         with self.display(problems, f"eval at step {step}", "problems") as bar:
             with self.engine.failures_agreed(f"the evaluation at step {step}"):
@@ -287,6 +287,7 @@ class Trainer(StepPhases):
                 step, record = self.unlogged
                 self.write(step, record.row())
             self.stop.restore()
+            self.parts.scorer.close()  # the reward's worker processes, if any
             self.parts.engine.shutdown()
         finally:
             if self.parts.lock is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from observe.progress import Progress
 from trainer.mismatch import MismatchProbe
-from trainer.step_metrics import RolloutMetrics, TrainMetrics
+from trainer.step_metrics import RolloutMetrics, TrainMetrics, reward_parts
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
 
 class RolloutWatch:
     """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
-    algorithm.on_shortfall."""
+    algorithm.on_shortfall; `reward_metrics`: the names of a reward function's other numbers (rewards/scorer.py)."""
 
     def __init__(
         self,
@@ -64,15 +64,16 @@ class RolloutWatch:
         builder: DynamicBatchBuilder[list[Sample]],
         display: Display,
         shortfall: Literal["fill", "raise"] = "fill",
+        reward_metrics: Sequence[str] = (),
     ):
         self.engine, self.builder, self.display, self.shortfall = engine, builder, display, shortfall
-        self.step = 0
-        self.metrics, self.bar = RolloutMetrics(), Progress(enabled=False)
+        self.step, self.reward_parts = 0, reward_parts(reward_metrics)
+        self.metrics, self.bar = RolloutMetrics(reward_parts=self.reward_parts()), Progress(enabled=False)
         self.tokens, self.started, self.engine_s = 0, 0.0, 0.0
         engine.on_poll = self.polled
 
     def start(self, step: int) -> None:
-        self.metrics, self.tokens, self.step = RolloutMetrics(), 0, step
+        self.metrics, self.tokens, self.step = RolloutMetrics(reward_parts=self.reward_parts()), 0, step
         self.started, self.engine_s = time.perf_counter(), self.engine.seconds
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 

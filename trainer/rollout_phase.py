@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from config.schema import RolloutConfig
     from data.prompts import PromptSampler
     from model.tokenizer import Tokenizer
+    from rewards.scorer import Scorer
     from rl.filter import DynamicBatchBuilder
     from run.guard import GuardedEngine
     from trainer.observers import RolloutWatch
@@ -45,7 +46,8 @@ def rollout_sampling(rollout: RolloutConfig, stop_ids: Iterable[int], seed: int)
 class RolloutPhase:
     """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect`): the run's
     configuration, its guarded engine, this rank's prompt sampler, dynamic sampling's batch builder (Eq. 11),
-    the tokenizer the rule reward decodes with, this rank's data-parallel index and the phase's observer."""
+    the tokenizer the reward decodes with, this rank's data-parallel index, the phase's observer and the reward
+    (rewards/scorer.py; None: the rule reward)."""
 
     def __init__(
         self,
@@ -56,9 +58,10 @@ class RolloutPhase:
         tokenizer: Tokenizer,
         dp_rank: int,
         watch: RolloutWatch,
+        scorer: Scorer | None = None,
     ):
         self.cfg, self.engine, self.sampler, self.builder, self.tokenizer = cfg, engine, sampler, builder, tokenizer
-        self.dp_rank, self.watch = dp_rank, watch
+        self.dp_rank, self.watch, self.scorer = dp_rank, watch, scorer
         self.params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
 
     def collect(self, step: int) -> list[RolloutGroup]:
@@ -70,7 +73,7 @@ class RolloutPhase:
         while builder.rounds < builder.max_rounds and not self.engine.everyone(builder.full()):
             examples = self.sampler.next_batch(cfg.prompts_per_round)
             completions = self.engine.generate([e.prompt_ids for e in examples], self.round_params(step))
-            groups = score_groups(examples, completions, self.tokenizer, cfg, step)  # rewards, Eq. 13
+            groups = score_groups(examples, completions, self.tokenizer, cfg, step, self.scorer)  # rewards, Eq. 13
             builder.add_round(groups)  # Eq. 11: keep the groups whose accuracy varies
             self.watch.round(groups)
         return self.watch.batch(builder.finish())

@@ -1,12 +1,13 @@
-"""Engine completions -> scored groups: the rule reward of every sample, plus the soft overlong punishment (Eq. 13).
+"""Engine completions -> scored groups: the reward of every sample, plus the soft overlong punishment (Eq. 13).
 
-    score_i = R_rule(o_i) + R_length(|o_i|)      R_rule = +1 / -1 (rl/reward.py), R_length = Eq. 13
+    score_i = R(o_i) + R_length(|o_i|)      R = the rule reward, +1 / -1 (rl/reward.py), or the user's function
+                                            (rewards/scorer.py); R_length = Eq. 13
 
-R_rule reads `response_text(o_i)` (rl/reward.py), the text evaluation (evaluation/) scores too: the same tokens
-get the same reward in training and in evaluation.
+R reads `response_text(o_i)` (rl/reward.py), the text evaluation (evaluation/) scores too: the same tokens get the
+same reward in training and in evaluation.
 
-The groups carry their samples as payload; dynamic sampling (rl/filter.py) reads `acc` (before the
-overlong penalty, the recipe's default) or `score`.
+The groups carry their samples as payload; dynamic sampling (rl/filter.py) reads `acc` (before the overlong
+penalty, the recipe's default) or `score`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from errors import RewardError
+from rewards.scorer import Scorer
 from rl.filter import ScoredGroup
-from rl.reward import overlong_penalty, rule_score
+from rl.reward import overlong_penalty, response_text
 from trainer.types import RolloutGroup, Sample
 
 if TYPE_CHECKING:
@@ -31,25 +34,28 @@ def score_groups(
     tokenizer: Tokenizer,
     cfg: Config,
     step: int = 0,
+    scorer: Scorer | None = None,
 ) -> list[RolloutGroup]:
     """One RolloutGroup per prompt from its n completions (grouped by prompt, as the engine's generate returns
-    them). The rule reward of each (algorithm.strict_box: boxed answers only), plus, with
-    algorithm.overlong_penalty, Eq. 13 with L_max = rollout.max_response_length, L_cache = algorithm.overlong_buffer."""
-    n, alg, stop_ids = len(completions) // max(len(examples), 1), cfg.algorithm, tokenizer.stop_ids
+    them). The reward of each (`scorer`; None: the rule reward, algorithm.strict_box: boxed answers only), plus,
+    with algorithm.overlong_penalty, Eq. 13 with L_max = rollout.max_response_length, L_cache =
+    algorithm.overlong_buffer."""
+    n, alg = len(completions) // max(len(examples), 1), cfg.algorithm
+    texts = [response_text(tokenizer, c.token_ids, tokenizer.stop_ids) for c in completions]
+    try:
+        verdicts = (scorer or Scorer(strict_box=alg.strict_box)).score(texts, [e for e in examples for _ in range(n)])
+    except RewardError as exc:
+        fix = "the run stops with a checkpoint of its last completed step: fix it, then rerun the same command"
+        raise RewardError(f"{exc}; {fix}") from None
     groups = []
     for p, example in enumerate(examples):
         samples = []
-        for c in completions[p * n : (p + 1) * n]:
-            result = rule_score(
-                tokenizer, c.token_ids, example.ground_truth, stop_ids=stop_ids, strict_box=alg.strict_box
-            )
-            score = result["score"]
+        for c, verdict in zip(completions[p * n : (p + 1) * n], verdicts[p * n : (p + 1) * n]):
+            score = verdict.score
             if alg.overlong_penalty:
                 length, l_max = len(c.token_ids), cfg.rollout.max_response_length
                 score += overlong_penalty(length, l_max, alg.overlong_buffer, alg.overlong_penalty_factor)
-            acc, pred = bool(result["acc"]), result["pred"]
-            samples.append(
-                Sample(example, list(c.token_ids), list(c.logprobs), c.finish_reason, acc, score, pred, step)
-            )
+            ids, logprobs, acc, pred = list(c.token_ids), list(c.logprobs), verdict.acc, verdict.pred
+            samples.append(Sample(example, ids, logprobs, c.finish_reason, acc, score, pred, step, verdict.metrics))
         groups.append(ScoredGroup(samples, acc=tuple(s.acc for s in samples), score=tuple(s.score for s in samples)))
     return groups

@@ -45,7 +45,7 @@ def _group_to_plain(group: RolloutGroup) -> dict[str, Any]:
     if any(s.example is not example for s in samples):
         raise ValueError("a carried-over group holds samples of different prompts")
     return {
-        "example": dataclasses.asdict(example),
+        "example": dataclasses.asdict(dataclasses.replace(example, extra={})),  # scored: its columns are not needed
         "acc": group.acc,
         "score": group.score,
         "samples": [

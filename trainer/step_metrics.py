@@ -9,14 +9,15 @@ of metrics.jsonl.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 from model.args import ModelArgs, training_flops
 from observe.metrics_log import MetricsLogger
-from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, add, logged, over_ranks, row
+from observe.records import MAX, SAME, SUM, Count, Max, Mean, Sum, add, logged, over_ranks, records, row
 from rl.stats import ClipStats, FilterStats
 from trainer.mismatch import MismatchMetrics
 
@@ -56,6 +57,12 @@ class SampleMetrics:
         self.truncated_reward.add(float(sum(truncated)), len(truncated))
 
 
+def reward_parts(names: Sequence[str] = ()) -> type:
+    """A metrics dataclass of one Mean per name: the numbers a user's reward function returns beside its score
+    (rewards/scorer.py), the same names on every rank (its check at start gives them), logged as reward/<name>."""
+    return make_dataclass("RewardParts", [(f"part{i}", Mean, logged(name, Mean)) for i, name in enumerate(names)])
+
+
 @dataclass
 class RolloutMetrics:
     """A step's rollout phase: what it generated (the panel's view of the policy: also a step whose groups
@@ -68,11 +75,15 @@ class RolloutMetrics:
     tokens: Sum = logged("gen/tokens", Sum)  # generated in this step's rounds
     generate_s: Sum = logged("time/generate", Sum, MAX)  # the slowest rank's
     score_s: Sum = logged("time/score", Sum, MAX)  # scoring and filtering
+    reward_parts: Any = logged("reward/", reward_parts())  # a reward function's other numbers (`reward_parts`)
 
     def add_generated(self, groups: list[RolloutGroup]) -> None:
         """Groups just scored, with the tokens this step generated for them."""
         self.generated.add(groups)
         self.tokens.add(float(sum(len(s.response_ids) for g in groups for s in g.payload)))
+        for name, mean in records(self.reward_parts):
+            values = [s.reward_metrics[name] for g in groups for s in g.payload if name in s.reward_metrics]
+            mean.add(math.fsum(values), len(values))  # type: ignore[call-arg]  # a Mean (`reward_parts`)
 
     def add_batch(self, batch: tuple[list[RolloutGroup], FilterStats]) -> None:
         """The batch dynamic sampling handed out (rl/filter.py), and what the filter did."""

@@ -12,7 +12,7 @@ StepRecord                     the step's line of metrics.jsonl (trainer/step_me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from data.prompts import PromptExample
@@ -29,6 +29,7 @@ class Sample:
     score: float  # rule reward + overlong penalty
     pred: str | None
     step: int = 0  # the training step whose rollout generated it (carried-over samples are older)
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # a reward function's other numbers
 
 
 # A prompt's G samples from generation to packing: dynamic sampling (rl/filter.py) reads their acc or score,
