@@ -222,6 +222,16 @@ def test_a_configs_relative_paths_are_the_repositorys_from_any_working_directory
     assert saved["job"]["run_dir"] == str(tmp_path / "runs")
 
 
+def test_a_reward_functions_file_is_the_repositorys_in_a_config_and_the_working_directorys_on_the_command_line(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    gsm8k = load_config(os.path.join(ROOT, "configs", "gsm8k_cpu.toml"), ["reward.workers=1"])
+    assert gsm8k.reward.function == f"{ROOT}/examples/gsm8k_reward.py:gsm8k_reward"
+    assert load_config(None, ["reward.function=mine.py:score"]).reward.function == f"{tmp_path}/mine.py:score"
+    assert load_config(None, ["reward.function=pkg.mod:score"]).reward.function == "pkg.mod:score"  # a module
+
+
 def test_dapo_32b_memory_budget_arithmetic():
     """The numbers in dapo_32b.toml's budget comment, recomputed from the 32B preset."""
     cfg, args = load("dapo_32b.toml"), PRESETS["qwen2.5-32b"]
@@ -355,7 +365,7 @@ def test_the_gsm8k_recipe_reads_gsm8k_by_its_columns_with_the_example_reward():
     assert cfg.model.hf_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.preset
     assert (cfg.data.train_path, cfg.data.eval_path) == ("openai/gsm8k:main:train", "openai/gsm8k:main:test")
     assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
-    assert cfg.reward.function == "examples/gsm8k_reward.py:gsm8k_reward"
+    assert cfg.reward.function == f"{ROOT}/examples/gsm8k_reward.py:gsm8k_reward"  # the repository's file
     assert os.path.isfile(os.path.join(ROOT, "examples", "gsm8k_reward.py"))
     # DAPO's algorithm as the paper sets it, but for the buffer of Eq. 13 at a quarter of the shorter L_max.
     assert {k for k in differences(recipe, cfg) if k.startswith(("algorithm.", "optimizer."))} == {
