@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scorer.check(examples)
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
-    engine = GuardedEngine(started, call_timeout_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
+    engine = GuardedEngine(started, hang_after_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
     display = Progress(total=len(examples), desc="eval", unit="problems", enabled=cfg.metrics.progress)
     try:
         report = evaluate(

@@ -385,49 +385,20 @@ def save_hf(
     `model.safetensors`. Names and shapes are checked against `args` as they arrive and again at the
     end; on any mismatch nothing is left behind. Older model files in `path` are replaced.
     """
-    from safetensors.torch import save_file
-
     if args is None:
         if not isinstance(model_or_state_dict, Qwen2):
             raise ValueError("save_hf needs `args` when given a state dict or an iterator of tensors")
         args = model_or_state_dict.args
     want = hf_shapes(args)
 
-    def checked() -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, plain CPU tensor) of each tensor the model needs, as it arrives; at the end, before the last
-        shard is written, a CheckpointError names every mismatch."""
-        given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
-        unexpected, repeated = [], []
-        for name, tensor in named_tensors(model_or_state_dict):
-            hf_name = to_hf_name(name) if is_our_name(name) else None
-            if hf_name not in want:
-                unexpected.append(name)
-            elif hf_name in given:
-                repeated.append(name)
-            else:
-                given[hf_name] = tensor.shape
-                if tensor.shape == want[hf_name]:
-                    yield hf_name, _plain_cpu(name, tensor)
-        missing = [from_hf_name(n) for n in want.keys() - given.keys()]
-        misshaped = [(from_hf_name(n), shape, want[n]) for n, shape in given.items() if shape != want[n]]
-        if missing or unexpected or misshaped or repeated:
-            report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
-            raise CheckpointError(report + (f"\n  given more than once: {sorted(repeated)}" if repeated else ""))
-
     os.makedirs(path, exist_ok=True)
     written: list[tuple[str, list[str]]] = []  # (temporary file, HF names in it), in order, for `_publish`
     dtype: torch.dtype | None = None  # the first tensor's: config.json's torch_dtype
     total_bytes = 0
     try:
-        for shard in split_into_shards(checked(), max_shard_bytes):
+        for shard in split_into_shards(_checked_tensors(model_or_state_dict, want, path), max_shard_bytes):
             tmp = os.path.join(path, f".tmp-shard-{len(written):05d}.safetensors")
-            try:
-                save_file(shard, tmp, metadata={"format": "pt"})
-            except Exception as exc:  # safetensors names an OS error in its message only: "... (os error 28)"
-                code = re.search(r"\(os error (\d+)\)", str(exc))
-                if code is None:
-                    raise
-                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc
+            _save_shard(shard, tmp)
             written.append((tmp, list(shard)))
             dtype = dtype or next(iter(shard.values())).dtype
             total_bytes += sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
@@ -440,6 +411,44 @@ def save_hf(
     assert dtype is not None  # every tensor of `want` arrived (checked above), so the dtype is known
     _publish(path, written, total_bytes)
     write_hf_config(path, args, dtype)
+
+
+def _checked_tensors(
+    source: TensorSource, want: dict[str, torch.Size], path: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, plain CPU tensor) of each tensor of `source` the model needs (`want`: HF name -> shape), as it
+    arrives; at the end, before save_hf writes the last shard, a CheckpointError names every mismatch."""
+    given: dict[str, torch.Size] = {}  # {HF name: shape} of each tensor the model needs, as it arrived
+    unexpected, repeated = [], []
+    for name, tensor in named_tensors(source):
+        hf_name = to_hf_name(name) if is_our_name(name) else None
+        if hf_name not in want:
+            unexpected.append(name)
+        elif hf_name in given:
+            repeated.append(name)
+        else:
+            given[hf_name] = tensor.shape
+            if tensor.shape == want[hf_name]:
+                yield hf_name, _plain_cpu(name, tensor)
+    missing = [from_hf_name(n) for n in want.keys() - given.keys()]
+    misshaped = [(from_hf_name(n), shape, want[n]) for n, shape in given.items() if shape != want[n]]
+    if missing or unexpected or misshaped or repeated:
+        report = _mismatch_report(f"tensors given to save_hf for {path}", missing, unexpected, misshaped)
+        raise CheckpointError(report + (f"\n  given more than once: {sorted(repeated)}" if repeated else ""))
+
+
+def _save_shard(shard: dict[str, torch.Tensor], tmp: str) -> None:
+    """One safetensors file; a failure to write it is the OSError it is (safetensors names an OS error in its
+    message only: "... (os error 28)")."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(shard, tmp, metadata={"format": "pt"})
+    except Exception as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), tmp) from exc
 
 
 def _publish(path: str, written: list[tuple[str, list[str]]], total_bytes: int) -> None:

@@ -56,10 +56,10 @@ from preflight.disk_needs import run_disk_bytes
 from preflight.gpu_ledger import GB, HOST_PARTS_WHEN_OFFLOADED, PARTS, MemoryLedger, parts_from_tracker
 from preflight.host_ledger import HostLedger, host_facts
 from preflight.sglang_memory import EngineMemoryError, EngineMemoryPlan, plan_engine_memory
+from rl.loss_modes import GlobalCounts
 from rollout.engine_spec import EngineSpec
 from rollout.sglang_engine import RELEASED_TAGS, context_length_for
 from trainer.loop import StepPhases
-from trainer.losses import GlobalCounts
 from trainer.observers import TrainWatch, no_display
 from trainer.optimizer import build_optimizer
 from trainer.packing import MicroBatch, PackItem, pack
@@ -321,7 +321,7 @@ class _Phases(StepPhases):
     def sync_weights(self) -> None:
         self.phase("weight sync", super().sync_weights, f"buckets of {self.cfg.rollout.weight_sync_bucket_mb} MB")
 
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Generation holds the engine's memory, measured as the "rollout" phase: nothing to add here."""
         return []
 
@@ -329,7 +329,7 @@ class _Phases(StepPhases):
         """The update on the heaviest micro-batch, in three phases: pi_old (recomputed, as a carried-over sample
         needs), a loss pass (forward, the DAPO loss, backward) and the optimizer step."""
         cfg, policy, update = self.cfg, self.policy, self.update
-        metrics = update.watch.start(step, [], cfg.training.ppo_epochs)
+        metrics = update.watch.start(step, [], cfg.training.ppo_epochs, cfg.optimizer.lr)
         mb = longest_micro_batch(cfg, self.dist_env.device)
         counts = GlobalCounts(tokens=float(mb.targets.numel()), seqs=1.0, groups=1.0)
         tokens = f"{cfg.training.micro_batch_tokens:,} tokens"

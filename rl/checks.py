@@ -92,24 +92,16 @@ def finish_reasons(loss_mask: torch.Tensor, reasons: Sequence[str]) -> None:
         raise TypeError(f"overlong_filter_mask: finish reasons must be strings, got {list(reasons)!r:.80}")
 
 
-def advantage_inputs(scores: torch.Tensor, group_size: Any, group_ids: Any, eps: float, norm_by_std: bool) -> None:
-    """group_advantages: finite scores [N]; eps > 0 when dividing by the std; exactly one of group_size (a positive
-    int dividing N) and group_ids (N of them; as a tensor, 1-D integer)."""
+def advantage_inputs(scores: torch.Tensor, group_size: Any, eps: float, norm_by_std: bool) -> None:
+    """group_advantages: finite scores [N]; eps > 0 when dividing by the std; group_size a positive int dividing N."""
     require(scores.dim() == 1, f"group_advantages: scores must be 1-D [N], got shape {tuple(scores.shape)}")
     require(torch.isfinite(scores).all(), "group_advantages: scores contain NaN or inf")
     # eps = 0 would turn a group of equal rewards into 0 / 0 instead of the documented A = 0.
     require(not norm_by_std or eps > 0, f"group_advantages: eps must be > 0 when dividing by the group std, got {eps}")
+    ok = not isinstance(group_size, bool) and isinstance(group_size, int) and group_size > 0
+    require(ok, f"group_advantages: group_size must be a positive int, got {group_size!r}")
     n = scores.shape[0]
-    exactly_one = (group_size is None) != (group_ids is None)
-    require(exactly_one, "group_advantages: give exactly one of group_size and group_ids")
-    if group_size is not None:
-        ok = not isinstance(group_size, bool) and isinstance(group_size, int) and group_size > 0
-        require(ok, f"group_advantages: group_size must be a positive int, got {group_size!r}")
-        require(n % group_size == 0, f"group_advantages: {n} scores do not split into groups of {group_size}")
-    if group_ids is not None:
-        require(len(group_ids) == n, f"group_advantages: {len(group_ids)} group ids for {n} scores")
-        ok = not isinstance(group_ids, torch.Tensor) or (group_ids.dim() == 1 and not group_ids.is_floating_point())
-        require(ok, "group_advantages: group_ids tensor must be 1-D with integer values")
+    require(n % group_size == 0, f"group_advantages: {n} scores do not split into groups of {group_size}")
 
 
 def group_values(values: Sequence[float], tol: float) -> list[float]:

@@ -12,8 +12,8 @@ mini-batch at once, so a long response weighs as many tokens as it has:
     loss = sum_{i,t} l_{i,t} / N_tokens,     N_tokens = sum_i |o_i|
 
 The global count - the contract with the caller. A mini-batch is split into gradient-accumulation
-micro-batches and over data-parallel ranks; pass N_tokens of the WHOLE mini-batch as
-`global_num_tokens` to every call. Each call then returns its micro-batch's share (its partial sum
+micro-batches and over data-parallel ranks; pass N_tokens of the WHOLE mini-batch (`GlobalCounts.tokens`)
+to every call. Each call then returns its micro-batch's share (its partial sum
 divided by the global count), so the mini-batch gradient is the SUM of the micro-batch gradients
 over micro-batches and ranks - not their mean. Accumulating `.backward()` over micro-batches sums
 already. Across ranks, all-reduce the gradients with SUM; a reduction that averages over the W ranks
@@ -24,17 +24,22 @@ algorithm.policy_loss swaps Eq. 10 for GSPO's sequence-level ratio (`gspo_token_
 importance weight (`cispo_token_loss`); every aggregation and the global counts apply to them alike.
 
 Table 1's other aggregations (the GRPO baseline's per-sample mean and its variants) are in
-rl/loss_modes.py; `policy_loss`, the one entry, computes any of them in one checked call. Without global
-counts, token-mean and the three seq-* modes equal verl's `agg_loss` with dp_size = 1, except where every token is
-masked: verl then divides 0 by 0 (NaN) and this returns 0.
+rl/loss_modes.py; `policy_loss`, the one entry, computes any of them in one checked call, from its settings
+(`LossSettings`: clip bounds, dual clip, aggregation, variant, norm_len) and the mini-batch's `GlobalCounts`.
+Without global counts, token-mean and the three seq-* modes equal verl's `agg_loss` with dp_size = 1, except
+where every token is masked: verl then divides 0 by 0 (NaN) and this returns 0.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from rl import checks
-from rl.loss_modes import AGG_MODES, Count, Normalisers, aggregate, count
+from rl.loss_modes import AGG_MODES, THIS_CALL, Count, GlobalCounts, aggregate, count
 from rl.stats import ClipStats
 
 LOG_RATIO_CLAMP = 20.0
@@ -150,7 +155,23 @@ def token_mean(per_token: torch.Tensor, valid: torch.Tensor, global_num_tokens: 
     """Eq. 8 as the DAPO recipe applies it: sum_{i,t} l / N_tokens over the valid tokens, N_tokens the
     whole mini-batch's (`global_num_tokens`, see the module docstring; default: this call's). An empty
     batch gives 0."""
-    return per_token.sum(dim=-1).sum() / count(global_num_tokens, valid.sum(), per_token, "global_num_tokens")
+    return per_token.sum(dim=-1).sum() / count(global_num_tokens, valid.sum(), per_token, "counts.tokens")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How `policy_loss` computes, given once (trainer/losses.py DAPOLoss builds them from [algorithm], as
+    torchtitan's losses/dapo.py keeps its clip bounds in a Config): clip_low, clip_high: eps_low, eps_high of Eq. 10;
+    clip_c: the dual-clip c > 1 (None: off; GSPO and CISPO have none); agg: Eq. 8's token-mean or another mode of
+    AGG_MODES (rl/loss_modes.py); variant: the per-token loss, one of POLICY_LOSSES; norm_len: the constant divisor
+    of seq-mean-token-sum-norm (None: T)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = 10.0
+    agg: str = "token-mean"
+    variant: str = "dapo"
+    norm_len: float | None = None
 
 
 def policy_loss(
@@ -158,56 +179,34 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    settings: LossSettings = LossSettings(),
+    counts: GlobalCounts = THIS_CALL,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_c: float | None = 10.0,
-    agg: str = "token-mean",
-    global_num_tokens: Count | None = None,
-    global_num_seqs: Count | None = None,
     token_weights: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     group_num_tokens: torch.Tensor | None = None,
-    global_num_groups: Count | None = None,
-    norm_len: float | None = None,
-    variant: str = "dapo",
 ) -> tuple[torch.Tensor, ClipStats]:
     """The policy loss, the one entry training (trainer/losses.py) and tests call: Eq. 10 per token, then Eq. 8
-    (or another `agg` mode of AGG_MODES, rl/loss_modes.py), its inputs checked first; all per-token tensors are
-    [B, T].
+    (or another mode, `settings.agg`), its inputs checked first; all per-token tensors are [B, T].
 
     logp: log-probs of the sampled tokens under the policy being trained (carries the gradient); old_logp:
     under the policy that generated them (constant); advantages: per-token (constant); mask: 1 (or True)
-    for the response tokens in the loss; clip_low, clip_high: eps_low, eps_high; clip_c: the dual-clip c > 1
-    (None: off); token_weights: constant per-token factors, e.g. `rl.correction.truncated_is_weights`. The
-    counts of the whole mini-batch (default: this call's): global_num_tokens (token-mean), global_num_seqs
-    (rows with a valid token: seq-mean-token-mean, seq-mean-token-sum), group_num_tokens [B] and
-    global_num_groups (group-token-mean, which needs the integer group_ids [B]); norm_len: the constant
-    divisor of seq-mean-token-sum-norm (default: T); variant: one of POLICY_LOSSES, the per-token loss (GSPO and
-    CISPO have no dual clip: clip_c is not used).
+    for the response tokens in the loss; counts: the whole mini-batch's (`GlobalCounts`; default: this call's);
+    token_weights: constant per-token factors, e.g. `rl.correction.truncated_is_weights`; group_ids [B]: the
+    rows' integer groups, and group_num_tokens [B]: their groups' valid tokens in the whole mini-batch (default:
+    this call's), for group-token-mean.
 
     Returns (loss, what the clip did: ClipStats).
     """
-    named = {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
-    checks.loss_inputs(logp, named, (agg, AGG_MODES), (variant, POLICY_LOSSES), (clip_low, clip_high, clip_c))
-    valid, weights = mask != 0, token_weights
-    if variant == "dapo":
-        per_token, stats = clipped_token_loss(
-            logp,
-            old_logp,
-            advantages,
-            valid,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            clip_c=clip_c,
-            token_weights=weights,
-        )
-    else:
-        token_loss = gspo_token_loss if variant == "gspo" else cispo_token_loss
-        per_token, stats = token_loss(
-            logp, old_logp, advantages, valid, clip_low=clip_low, clip_high=clip_high, token_weights=weights
-        )
-    if agg == "token-mean":
-        return token_mean(per_token, valid, global_num_tokens), stats
-    norm = Normalisers(global_num_seqs, group_ids, group_num_tokens, global_num_groups, norm_len)
-    return aggregate(per_token, valid, agg, norm), stats
+    s, named = settings, {"old_logp": old_logp, "advantages": advantages, "mask": mask, "token_weights": token_weights}
+    checks.loss_inputs(logp, named, (s.agg, AGG_MODES), (s.variant, POLICY_LOSSES), (s.clip_low, s.clip_high, s.clip_c))
+    token_loss: Callable[..., tuple[torch.Tensor, ClipStats]] = functools.partial(clipped_token_loss, clip_c=s.clip_c)
+    if s.variant != "dapo":
+        token_loss = gspo_token_loss if s.variant == "gspo" else cispo_token_loss
+    valid = mask != 0
+    per_token, stats = token_loss(
+        logp, old_logp, advantages, valid, clip_low=s.clip_low, clip_high=s.clip_high, token_weights=token_weights
+    )
+    if s.agg == "token-mean":
+        return token_mean(per_token, valid, counts.tokens), stats
+    return aggregate(per_token, valid, s.agg, counts, s.norm_len, group_ids, group_num_tokens), stats

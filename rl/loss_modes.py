@@ -51,38 +51,54 @@ def count(given: Count | None, local: torch.Tensor, like: torch.Tensor, name: st
 
 
 @dataclass(frozen=True)
-class Normalisers:
-    """What a mode divides by: the caller's whole-mini-batch counts (None: this call's), the rows' group ids
-    (group-token-mean) and the constant norm_len (seq-mean-token-sum-norm)."""
+class GlobalCounts:
+    """What the whole mini-batch holds, over every micro-batch and data-parallel rank (rl/loss.py's contract;
+    None: this call's own): its valid tokens (Eq. 8's N_tokens), and its sequences and groups that have a valid
+    token (N_seqs and N_groups above)."""
 
-    global_num_seqs: Count | None = None
-    group_ids: torch.Tensor | None = None
-    group_num_tokens: torch.Tensor | None = None
-    global_num_groups: Count | None = None
-    norm_len: float | None = None
+    tokens: Count | None = None
+    seqs: Count | None = None
+    groups: Count | None = None
 
 
-def aggregate(per_token: torch.Tensor, valid: torch.Tensor, agg: str, norm: Normalisers) -> torch.Tensor:
-    """Reduce zero-masked per-token losses [B, T] to the scalar loss of the sample-level mode `agg`."""
+THIS_CALL = GlobalCounts()  # no global count: a call's own (a test of one micro-batch alone)
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    valid: torch.Tensor,
+    agg: str,
+    counts: GlobalCounts,
+    norm_len: float | None = None,
+    group_ids: torch.Tensor | None = None,
+    group_num_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce zero-masked per-token losses [B, T] to the scalar loss of the sample-level mode `agg`: over the
+    mini-batch's `counts`, norm_len the constant of seq-mean-token-sum-norm, the rows' group ids and their groups'
+    valid tokens in the whole mini-batch [B] those of group-token-mean."""
     row_sum = per_token.sum(dim=-1)
     row_tokens = valid.sum(dim=-1).to(per_token.dtype)
     if agg == "group-token-mean":
-        return _group_token_mean(per_token, row_sum, row_tokens, norm)
+        return _group_token_mean(per_token, row_sum, row_tokens, group_ids, group_num_tokens, counts.groups)
     if agg == "seq-mean-token-sum-norm":
-        if norm.norm_len is not None and not norm.norm_len > 0:
-            raise ValueError(f"policy_loss: norm_len must be > 0, got {norm.norm_len}")
-        return row_sum.sum() / (per_token.shape[-1] if norm.norm_len is None else norm.norm_len)
+        if norm_len is not None and not norm_len > 0:
+            raise ValueError(f"policy_loss: norm_len must be > 0, got {norm_len}")
+        return row_sum.sum() / (per_token.shape[-1] if norm_len is None else norm_len)
     # A fully masked row has row_sum 0 (its losses were zeroed) and is left out of the count.
     row_loss = row_sum / row_tokens.clamp(min=1) if agg == "seq-mean-token-mean" else row_sum
     num_rows = (row_tokens > 0).sum().to(per_token.dtype)
-    return row_loss.sum() / count(norm.global_num_seqs, num_rows, per_token, "global_num_seqs")
+    return row_loss.sum() / count(counts.seqs, num_rows, per_token, "counts.seqs")
 
 
 def _group_token_mean(
-    per_token: torch.Tensor, row_sum: torch.Tensor, row_tokens: torch.Tensor, norm: Normalisers
+    per_token: torch.Tensor,
+    row_sum: torch.Tensor,
+    row_tokens: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    group_num_tokens: torch.Tensor | None,
+    global_num_groups: Count | None,
 ) -> torch.Tensor:
     batch = per_token.shape[0]
-    group_ids, group_num_tokens = norm.group_ids, norm.group_num_tokens
     if group_ids is None or group_ids.shape != (batch,) or group_ids.is_floating_point():
         raise ValueError(
             f"policy_loss: agg='group-token-mean' needs integer group_ids of shape [{batch}], "
@@ -102,4 +118,4 @@ def _group_token_mean(
     num_groups = (tokens_here > 0).sum().to(per_token.dtype)
     # A row of a group without any valid token has row_sum 0; clamping keeps 0 / 0 out.
     loss = (row_sum / group_num_tokens.clamp(min=1)).sum()
-    return loss / count(norm.global_num_groups, num_groups, per_token, "global_num_groups")
+    return loss / count(global_num_groups, num_groups, per_token, "counts.groups")

@@ -1,16 +1,17 @@
 """The rollout engine protocol: what train.py needs from any inference engine.
 
 Two implementations exist: `rollout.torch_engine.TorchEngine` (this repo's Qwen2 with a KV cache, CPU or
-GPU) and `rollout.sglang_engine.SGLangEngine` (SGLang on GPUs). train.py only sees this protocol, through the
-guard that drives it on every rank (run/guard.py GuardedEngine: `generate` is a submit and polls until every
-completion is back, the engine's progress watched).
+GPU) and `rollout.sglang_engine.SGLangEngine` (SGLang on GPUs). `generate(engine, prompts, params)` runs a round
+on any of them, as nano-vllm's LLMEngine.generate does: submit, poll until done, gather. train.py only sees this
+protocol, through the guard that drives it on every rank (run/guard.py GuardedEngine: the same loop, each poll
+agreed by every rank and the engine's progress watched).
 
 Conventions shared by every engine:
   * Prompts and completions are token ids; no tokenizer is involved.
   * `submit(prompts, params)` starts params.n samples of each prompt; `poll()` returns the completions that
     finished since the last poll, in any order (prompt p's carry prompt_index p), and how many tokens the
-    engine produced meanwhile: its progress. `generate` (run/guard.py) hands them back grouped by prompt: all
-    `n` samples of prompt 0, then prompt 1, ...
+    engine produced meanwhile: its progress. `generate` hands them back grouped by prompt: all `n` samples of
+    prompt 0, then prompt 1, ...
   * A completion's `logprobs[i]` is log_softmax(logits / T)[token_ids[i]], computed from the very logits
     the token was sampled from (before any top-p / top-k truncation); at temperature 0 (greedy) it is
     the log_softmax of the raw logits. These are the "old policy" log-probs of DAPO's ratio (Eq. 10).
@@ -22,7 +23,7 @@ Conventions shared by every engine:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -172,10 +173,31 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    """params.n completions of every prompt, grouped by prompt (prompt 0's n first): submit, then `gather` the
+    engine's polls. One process, no guard: a notebook's or a test's round (train.py's: run/guard.py)."""
+    engine.submit(prompts, params)
+    return gather(engine.poll, len(prompts), params.n)
+
+
+def gather(poll: Callable[[], Polled], num_prompts: int, n: int) -> list[Completion]:
+    """Poll until a poll says done; the completions of every poll, grouped by prompt and checked
+    (`check_completions`)."""
+    completions: list[Completion] = []
+    while True:
+        polled = poll()
+        completions += polled.completions
+        if polled.done:
+            break
+    completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+    check_completions(completions, num_prompts, n)
+    return completions
+
+
 class Generator(Protocol):
-    """The engine as evaluation and the rollout phase call it: run/guard.py GuardedEngine, which turns an Engine's
-    submit and polls into generate (params.n completions per prompt, grouped by prompt) on every rank, and whose
-    everyone(flag) is an agreement of the ranks."""
+    """The engine as evaluation and the rollout phase call it: run/guard.py GuardedEngine, whose generate is the
+    loop above on every rank (params.n completions per prompt, grouped by prompt), and whose everyone(flag) is an
+    agreement of the ranks."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 

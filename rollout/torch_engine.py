@@ -15,7 +15,7 @@ How a round runs (continuous batching over KV blocks; rollout/scheduler.py holds
      and later recomputed (prefill of prompt + generated tokens), which leaves their outputs unchanged.
 Both phases call the model's own forward with `context=...`, so the engine never duplicates its math.
 `submit` queues the sequences of a round (rollout/engine.py Engine), `poll` runs at most `poll_steps` scheduler
-steps and returns the sequences that finished.
+steps and returns the sequences that finished; `generate` is a whole round (submit, poll until done, gather).
 
 Sampling and log-probs follow rollout/sampling.py; the budget of a sequence is
 min(max_new_tokens, max_seq_len - len(prompt)), so prompt + completion always fits the context.
@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from model.args import ModelArgs
 from model.hf_adapter import from_hf_name, to_hf_name
-from rollout.engine import Completion, Polled, SamplingParams, checked_bucket, validate_prompts
+from rollout.engine import Completion, Polled, SamplingParams, checked_bucket, generate, validate_prompts
 from rollout.kv_cache import DecodeContext, PagedKVCache, PrefillContext
 from rollout.sampling import sample
 from rollout.scheduler import BlockManager, Scheduler, SchedulerStats, Sequence
@@ -269,6 +269,10 @@ class TorchEngine:
     # ---------------------------------------------------------------------------------------------
     # Generation
     # ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """params.n completions of every prompt, grouped by prompt: one whole round (rollout/engine.py generate)."""
+        return generate(self, prompts, params)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Queue params.n samples of every prompt (rollout/engine.py Engine); the submit seeds the sampler:

@@ -1,29 +1,33 @@
 """Trainer -> engine weight sync after an optimizer step, one bucket at a time.
 
-    for each trainer parameter, in registration order (embedding, layers 0..N-1, norm, head):
+    for each bucket of trainer parameters, in registration order (embedding, layers 0..N-1, norm, head),
+    the next ones whose full tensors hold >= bucket_bytes:
         local = shard.to(engine dtype)        # cast before gathering: fewer bytes on the wire
         local = local.to(engine device)       # an offloaded (CPU) shard goes to the GPU
+        every rank agrees that its shards are ready (and, on a GPU, that the gathered bucket fits)
         full  = local.full_tensor()           # all-gather of a DTensor (FSDP, TP or both); plain tensors as is
-        bucket += (HF name, full)
-        if bucket holds >= bucket_bytes: engine.update_weights(bucket); drop bucket
-    engine.update_weights(last bucket)
+        engine.update_weights([(HF name, full), ...]); drop the bucket
 
 With parallelism.cpu_offload the shards live on the CPU: gathering them there would run an NCCL collective on
 CPU tensors, and SGLang would be handed a CPU tensor where it opens a CUDA IPC handle. Peak extra memory is one
-bucket of full tensors (a single tensor larger than `bucket_bytes` forms a bucket of its own); the engine copies
-each bucket into its existing weights (no re-allocation).
+bucket of full tensors and its shards (a single tensor larger than `bucket_bytes` forms a bucket of its own); the
+engine copies each bucket into its existing weights (no re-allocation).
 
 Every rank of the trainer calls it, because gathering a DTensor is a collective that all ranks of its mesh must
 enter in the same order (the module's parameter order, the same on every rank); with SGLang each rank passes
 its `SGLangEngine` handle, which gathers the ranks' buckets to the engine's leader. In a run the engine is the
-guarded one (run/guard.py): the ranks agree after every bucket, so a failed update on any rank stops every rank
-at the same bucket.
+guarded one (run/guard.py): the ranks agree before each bucket's gathers that every rank's shards are ready, and
+after its update, so a rank that fails to prepare a bucket (an out-of-memory error moving or casting its shards,
+or no room for the gathered bucket) or to update it stops every rank with a checkpoint at that bucket, none left
+waiting in a gather (one all-reduce on the gloo control group per bucket, and one after the last).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -32,15 +36,20 @@ from torch import nn
 from model.hf_adapter import iter_hf_tensors
 from parallel.plain_names import plain_named_parameters
 
+Shards = list[tuple[str, torch.Tensor]]  # (HF name, this rank's shard) of one bucket
+
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    # DTensor is imported lazily so the single-device path needs no torch.distributed at all.
-    if type(tensor).__name__ == "DTensor":
-        from torch.distributed.tensor import DTensor
+    # A DTensor by its name: the single-device path needs no torch.distributed at all.
+    return tensor.full_tensor() if _sharded(tensor) else tensor  # type: ignore[attr-defined]
 
-        if isinstance(tensor, DTensor):
-            return tensor.full_tensor()
-    return tensor
+
+def _sharded(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _alone(what: str, fn: Callable[[], Shards]) -> Shards:
+    return fn()
 
 
 def iter_weight_buckets(
@@ -49,11 +58,14 @@ def iter_weight_buckets(
     bucket_bytes: int = 1 << 30,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    together: Callable[[str, Callable[[], Shards]], Shards] = _alone,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of (HF name, full tensor) of about `bucket_bytes` each (see the module docstring).
 
     A generator: each bucket is gathered only when the consumer asks for it, so the previous bucket
-    can be freed first. Every rank must consume it to the end (collectives).
+    can be freed first. Every rank must consume it to the end (collectives). Each bucket's shards are made ready
+    for its gathers (`next_shards`) inside `together(what, fn)`: the guard's agreement (run/guard.py
+    GuardedEngine.together) when the ranks must all be ready before any enters a gather.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -61,22 +73,52 @@ def iter_weight_buckets(
         from parallel.fsdp import reshard_gathered
 
         reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    with torch.no_grad():
-        for hf_name, tensor in iter_hf_tensors(plain_named_parameters(model)):
-            if dtype is not None and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)  # first, so an offloaded shard crosses to the device at its new size
-            if device is not None:
-                tensor = tensor.to(device)  # before the gather, which runs where the shard is
-            full = _full_tensor(tensor)
-            bucket.append((hf_name, full))
-            size += full.numel() * full.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-    if bucket:
-        yield bucket
+    # Detached parameters: nothing here records a graph (and no grad mode is held across a yield, where the
+    # consumer runs, or left behind by a consumer that stops part-way).
+    tensors = iter_hf_tensors(plain_named_parameters(model))
+    for index in itertools.count(1):
+        ready = functools.partial(next_shards, tensors, bucket_bytes, dtype, device)
+        shards = together(f"the weight sync's bucket {index} (its shards, before their gathers)", ready)
+        if not shards:
+            return
+        yield [(hf_name, _full_tensor(shard)) for hf_name, shard in shards]
+
+
+def next_shards(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Shards:
+    """The next bucket's tensors as they enter their gathers: (HF name, shard) pairs from `tensors` until the full
+    tensors hold `bucket_bytes` (the last bucket: what is left; none once all are sent), each cast to `dtype` and
+    moved to `device`; on a GPU, refused here rather than inside a gather unless the gathered ones fit
+    (`check_room_to_gather`)."""
+    shards, size, gathered = [], 0, 0
+    for hf_name, tensor in tensors:
+        if dtype is not None and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)  # first, so an offloaded shard crosses to the device at its new size
+        if device is not None:
+            tensor = tensor.to(device)  # before the gather, which runs where the shard is
+        shards.append((hf_name, tensor))
+        full = tensor.numel() * tensor.element_size()  # a DTensor's numel is its full tensor's
+        size, gathered = size + full, gathered + full * _sharded(tensor)
+        if size >= bucket_bytes:
+            break
+    check_room_to_gather(gathered, device)
+    return shards
+
+
+def check_room_to_gather(nbytes: int, device: torch.device | str | None) -> None:
+    """An out-of-memory error unless gathering `nbytes` of sharded tensors on a GPU `device` fits in what its
+    allocator can hand out: the GPU's free memory and the allocator's cached blocks."""
+    if nbytes and torch.device(device or "cpu").type == "cuda":
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + cached
+        if free < nbytes:
+            raise torch.OutOfMemoryError(
+                f"gathering {nbytes / 2**20:,.0f} MiB of weights on {device}: {free / 2**20:,.0f} MiB are free"
+            )
 
 
 class WeightReceiver(Protocol):
@@ -92,8 +134,12 @@ def sync_weights(trainer_model: nn.Module, engine: WeightReceiver, *, bucket_byt
     them each shard keeps its dtype and stays where it is).
     """
     dtype, device = getattr(engine, "dtype", None), getattr(engine, "device", None)
+    together = getattr(engine, "together", _alone)  # the guarded engine's agreement: every rank ready to gather
     sent = 0
-    for bucket in iter_weight_buckets(trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device):
+    buckets = iter_weight_buckets(
+        trainer_model, bucket_bytes=bucket_bytes, dtype=dtype, device=device, together=together
+    )
+    for bucket in buckets:
         engine.update_weights(bucket)
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         del bucket

@@ -8,17 +8,20 @@ that fails on one rank must stop every rank at the same point, or the others wai
 left. After each call the ranks agree (`agree`: one all-reduce on the gloo control group) on three numbers: the
 worst outcome, whether a signal arrived anywhere, whether any rank still waits. Every collective of the guard has
 this one shape, so a rank that fails between two engine calls (its scoring, say: `failures_agreed`) meets its
-peers in their next agreement. Outcomes: OK, FAILED (an exception: EngineFailure, or anything else) or
-ENGINE_DIED (an engine's process is gone, or it hung: the policy, in the trainer's process, is intact). On a
-failure every rank checkpoints (run/phase_runner.py) and raises the error, EngineDied first, naming what was
-running and that the rerun resumes (a user-facing error, errors.py, as it is).
+peers in their next agreement; and there is always a next one before the engine's next collective: every rank
+agrees on leaving a `failures_agreed` block, also when it succeeded, and before each weight bucket's gathers that
+its shards are ready (`together`, rollout/weight_sync.py). Outcomes: OK, FAILED (an exception: EngineFailure, or
+anything else) or ENGINE_DIED (an engine's process is gone, or it hung: the policy, in the trainer's process, is
+intact). On a failure every rank checkpoints (run/phase_runner.py) and raises the error, EngineDied first, naming
+what was running and that the rerun resumes (a user-facing error, errors.py, as it is).
 
-`generate(prompts, params)`: submit, then poll until every rank's engine returned every completion. Progress, not
-a deadline: the engine is hung when none of its requests produced a token or finished for `call_timeout_s`
-(rollout.call_timeout_s), and is then killed, within that window and one poll; a slow engine that keeps producing
+`generate(prompts, params)`: rollout/engine.py's loop (submit, poll until done, gather) with the submit and each
+poll agreed: `poll_together` is done once every rank's engine returned every completion. Progress, not a deadline:
+the engine is hung when none of its requests produced a token or finished for `hang_after_s` (the progress window,
+rollout.call_timeout_s), and is then killed, within that window and one poll; a slow engine that keeps producing
 is never stopped. Nothing else bounds a generation: a poll returns within poll_s (SGLang) or poll_steps decode
-steps (torch), and a poll of an engine process that does not answer within call_timeout_s is a dead engine's
-(rollout/engine_process.py).
+steps (torch), and a poll of an engine process that does not answer within its call deadline (the same key) is a
+dead engine's (rollout/engine_process.py).
 
 What the engine itself reports (its exception) is named as an EngineFailure; a collective's failure passes as it
 is (rollout/sglang_engine.py raises a DistError for its group's), never named as the engine's own. Nothing is
@@ -31,13 +34,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import IntEnum
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar, cast
 
 import torch
 from torch.distributed import DistError
 
 from errors import UserError
-from rollout.engine import Completion, Engine, EngineDied, EngineFailure, Polled, SamplingParams, check_completions
+from rollout.engine import Completion, Engine, EngineDied, EngineFailure, Polled, SamplingParams, gather
 
 if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
@@ -58,8 +61,8 @@ class GuardedEngine:
     """`engine` (rollout/engine.py) called on every rank with the guard's agreement (module docstring).
 
     dist_env: the run's ranks (None: one process, which raises its failures as they are); runner: the phase runner
-    that checkpoints and stops (None: a failure is raised as it is, and signals wait for the caller); on_poll: an
-    observer of every poll (the rollout display).
+    that checkpoints and stops (None: a failure is raised as it is, and signals wait for the caller); hang_after_s:
+    the progress window (rollout.call_timeout_s); on_poll: an observer of every poll (the rollout display).
     """
 
     def __init__(
@@ -68,53 +71,49 @@ class GuardedEngine:
         dist_env: DistEnv | None = None,
         runner: PhaseRunner | None = None,
         *,
-        call_timeout_s: float = 600.0,
-        on_poll: Callable[[Polled], None] | None = None,
+        hang_after_s: float = 600.0,
+        on_poll: Callable[[Polled], object] = lambda polled: None,
     ):
-        self.engine, self.dist, self.runner, self.call_timeout_s = engine, dist_env, runner, call_timeout_s
+        self.engine, self.dist, self.runner, self.hang_after_s = engine, dist_env, runner, hang_after_s
         self.on_poll = on_poll
         self.where = ""  # what the run is doing, named in errors ("step 3, rollout")
-        self.seconds = 0.0  # spent generating
         self._raised: BaseException | None = None  # the error the agreement raised last (not agreed on again)
+        self._round = ("", 0.0)  # the round in flight: its name in errors, when its engine last produced
 
     # -- the engine interface ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """params.n completions of every prompt, grouped by prompt (prompt 0's n first). A collective: every rank
-        calls it, with its own prompts (possibly none), and polls until every rank's completions are back."""
-        start, what = time.perf_counter(), f"generate ({len(prompts)} prompts x {params.n} samples)"
+        """params.n completions of every prompt, grouped by prompt (prompt 0's n first): rollout/engine.py's
+        submit and gather, the submit and each poll agreed (`poll_together`). A collective: every rank calls it,
+        with its own prompts (possibly none), and polls until every rank's completions are back."""
+        what = f"generate ({len(prompts)} prompts x {params.n} samples)"
         self.call(what, lambda: self.engine.submit(prompts, params), boundary=True)
-        # This rank's polls: the completions so far, and when the engine last produced a token.
-        completions: list[Completion] = []
-        quiet_since = time.monotonic()
+        self._round = what, time.monotonic()
+        return gather(self.poll_together, len(prompts), params.n)
 
-        def poll() -> bool:
-            """One poll; whether this rank still waits. The engine is hung (killed, EngineDied) when it produced no
-            token and finished nothing for call_timeout_s while this rank waited."""
-            nonlocal quiet_since
-            polled = self.engine.poll()
-            completions.extend(polled.completions)
-            now = time.monotonic()
-            if polled.tokens or polled.completions:
-                quiet_since = now
-            if self.on_poll is not None:
-                self.on_poll(polled)
-            waiting = not polled.done
-            if waiting and now - quiet_since > self.call_timeout_s:
-                self.engine.shutdown()
-                raise EngineDied(
-                    f"no request produced a token or finished for {self.call_timeout_s:,.0f} s "
-                    "(rollout.call_timeout_s): hung, its processes killed"
-                )
-            if not waiting:
-                completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-                check_completions(completions, len(prompts), params.n)
-            return waiting
+    def poll_together(self) -> Polled:
+        """One poll of this rank's engine, then the ranks' agreement on it: done once no rank's round is left."""
+        what = self._round[0]
+        polled, error = _attempt(lambda: _named(what, self._poll))
+        polled = polled or Polled([], 0, True)  # a failed poll: the agreement raises
+        anyone = self.agree(what, error, not polled.done, boundary=True)
+        return Polled(polled.completions, polled.tokens, not anyone)
 
-        while self.call(what, poll, boundary=True, waiting=True):
-            pass
-        self.seconds += time.perf_counter() - start
-        return completions
+    def _poll(self) -> Polled:
+        """This rank's poll. The engine is hung (killed, EngineDied) when none of its requests produced a token or
+        finished for hang_after_s while this rank waited."""
+        what, quiet_since = self._round
+        polled, now = self.engine.poll(), time.monotonic()
+        if polled.tokens or polled.completions:
+            self._round = what, now
+        elif not polled.done and now - quiet_since > self.hang_after_s:
+            self.engine.shutdown()
+            raise EngineDied(
+                f"no request produced a token or finished for {self.hang_after_s:,.0f} s "
+                "(rollout.call_timeout_s): hung, its processes killed"
+            )
+        self.on_poll(polled)
+        return polled
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         bucket = list(named_tensors)
@@ -140,21 +139,15 @@ class GuardedEngine:
 
     # -- agreement ---------------------------------------------------------------------------------------
 
-    def call(self, what: str, fn: Callable[[], object], *, boundary: bool = False, waiting: bool = False) -> bool:
-        """fn() on every rank (what the engine raises named an EngineFailure), then the agreement; with `waiting`,
-        fn returns whether this rank still waits, and the result is whether any rank does."""
-        error, mine = None, False
-        try:
-            try:
-                result = fn()
-                mine = waiting and bool(result)
-            except (EngineDied, EngineFailure, DistError):
-                raise
-            except Exception as exc:
-                raise EngineFailure(f"engine failed on {what}: {type(exc).__name__}: {exc}") from exc
-        except Exception as exc:
-            error = exc
-        return self.agree(what, error, mine, boundary=boundary)
+    def call(self, what: str, fn: Callable[[], T], *, boundary: bool = False) -> T:
+        """fn() (an engine call: what the engine raises named an EngineFailure) on every rank, then the agreement."""
+        return self.together(what, lambda: _named(what, fn), boundary=boundary)
+
+    def together(self, what: str, fn: Callable[[], T], *, boundary: bool = False) -> T:
+        """fn() on this rank, then the ranks' agreement on how it went (`agree`); its result."""
+        result, error = _attempt(fn)
+        self.agree(what, error, False, boundary=boundary)
+        return cast(T, result)  # fn's: had it raised, the agreement would have
 
     def everyone(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank (an agreement)."""
@@ -188,7 +181,9 @@ class GuardedEngine:
     def failures_agreed(self, where: str) -> Iterator[None]:
         """Inside, errors name `where`; an exception raised inside that no agreement has seen (this rank's own,
         outside an engine call: its scoring, say) is agreed on at once: the peers meet it in their next agreement
-        and every rank stops with a checkpoint."""
+        and every rank stops with a checkpoint. Every rank leaving the block without an error agrees on it too,
+        before anything else (the engine's next call, itself a collective of its group), so a peer that failed in
+        the block's last stretch is met there."""
         self.where, self._raised = where, None
         try:
             yield
@@ -196,6 +191,8 @@ class GuardedEngine:
             if exc is not self._raised:
                 self.agree(where, exc, False)
             raise
+        else:
+            self.agree(where, None, False)
         finally:
             self.where = ""
 
@@ -225,3 +222,22 @@ class GuardedEngine:
         except Exception as exc:
             self._raised = exc
             raise
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """fn()'s result, or the exception it raised."""
+    try:
+        return fn(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _named(what: str, fn: Callable[[], T]) -> T:
+    """fn(), an engine call: what it raises is named an EngineFailure, unless it names itself (the engine's death,
+    its failure, a collective's)."""
+    try:
+        return fn()
+    except (EngineDied, EngineFailure, DistError):
+        raise
+    except Exception as exc:
+        raise EngineFailure(f"engine failed on {what}: {type(exc).__name__}: {exc}") from exc

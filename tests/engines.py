@@ -1,15 +1,19 @@
-"""Test helpers for the engine protocol (rollout/engine.py): `generate` drives an engine as train.py does,
-through the guard (run/guard.py GuardedEngine: submit, then polls until every completion is back), and
+"""Test helpers for the engine protocol (rollout/engine.py): `generate` drives an engine as train.py does
+on one process or several (rollout/engine.py generate, or through the guard: run/guard.py GuardedEngine), and
 `ByGenerate` makes an engine written against a `generate(prompts, params)` method one: submit keeps the
 prompts, the first poll answers them all."""
 
+import rollout.engine
 from rollout.engine import Polled
 from run.guard import GuardedEngine
 
 
-def generate(engine, prompts, params, dist_env=None, **options):
-    """engine's completions of `prompts`, grouped by prompt, as GuardedEngine.generate returns them."""
-    return GuardedEngine(engine, dist_env, **options).generate(prompts, params)
+def generate(engine, prompts, params, dist_env=None):
+    """engine's completions of `prompts`, grouped by prompt: on one process without the guard, on several through
+    it (every rank polls until every rank's completions are back)."""
+    if dist_env is None:
+        return rollout.engine.generate(engine, prompts, params)
+    return GuardedEngine(engine, dist_env).generate(prompts, params)
 
 
 class ByGenerate:

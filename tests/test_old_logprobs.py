@@ -228,7 +228,7 @@ def test_the_update_warns_when_the_engines_pi_old_strays_from_the_trainers(caplo
     watch = TrainWatch(no_display)
     for gap, setting, warned in [(0.5, "auto", True), (ROLLOUT_LOGP_TOLERANCE, "auto", False), (0.5, None, False)]:
         caplog.clear()
-        watch.start(7, [], epochs=1).mismatch.max_abs_logp.add(gap)
+        watch.start(7, [], epochs=1, lr=1e-6).mismatch.max_abs_logp.add(gap)
         with caplog.at_level(logging.WARNING):
             watch.finish(setting)
         lines = [r.getMessage() for r in caplog.records]

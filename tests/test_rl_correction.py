@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl.correction import mismatch_metrics, truncated_is_weights
-from rl.loss import policy_loss
+from tests.loss_calls import loss_with
 
 # Four valid tokens and one masked one holding garbage. delta = old - rollout = [0, -1, 0.1, 1].
 OLD = [[-1.0, -2.0, -0.5, -0.5, float("nan")]]
@@ -69,7 +69,7 @@ def test_weights_feed_the_policy_loss():
     old, rollout, mask = _t(OLD), _t(ROLLOUT), torch.tensor(MASK)
     weights = truncated_is_weights(old, rollout, mask)
     logp = torch.where(mask.bool(), old, 0.0)
-    loss, _ = policy_loss(logp, logp, torch.ones_like(logp), mask, token_weights=weights)
+    loss, _ = loss_with(logp, logp, torch.ones_like(logp), mask, token_weights=weights)
     assert loss.item() == pytest.approx(-(1 + math.exp(-1) + math.exp(0.1) + 2) / 4)
 
 

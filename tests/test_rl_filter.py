@@ -165,7 +165,7 @@ def test_zero_staleness_disables_carry_over():
 
 def test_a_short_batch_is_handed_out_and_counted():
     """After the last round a batch may be short: what to do about it is the observer's (algorithm.on_shortfall,
-    trainer/observers.py on_shortfall)."""
+    trainer/rollout_phase.py on_shortfall)."""
     builder = DynamicBatchBuilder(train_batch_size=3, max_rounds=2)
     builder.start_step(5)
     builder.add_round([group("a", MIXED), group("x", ALL_RIGHT)])

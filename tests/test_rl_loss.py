@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.loss import AGG_MODES, POLICY_LOSSES, policy_loss
+from rl.loss import AGG_MODES, POLICY_LOSSES
+from tests.loss_calls import loss_with
 
 # Hand example. Ratios r, advantages A (one per row), mask; eps_low 0.2, eps_high 0.28, c = 10.
 #   row 0, A = +1:  r 1.5 -> max(-1.5, -1.28) = -1.28 (clipped)   r 0.5 -> -0.5   r 1 -> -1
@@ -52,12 +53,12 @@ def hand_example(dtype=torch.float64):
 )
 def test_hand_computed_aggregation(agg, kwargs, expected):
     logp, old_logp, advantages, mask = hand_example()
-    loss, _ = policy_loss(logp, old_logp, advantages, mask, agg=agg, **kwargs)
+    loss, _ = loss_with(logp, old_logp, advantages, mask, agg=agg, **kwargs)
     assert loss.item() == pytest.approx(expected, rel=1e-12)
 
 
 def test_hand_computed_metrics():
-    loss, metrics = policy_loss(*hand_example())
+    loss, metrics = loss_with(*hand_example())
     assert metrics.pg_clipfrac.result() == pytest.approx(2 / 6)  # r 1.5 (A > 0) and r 0.7 (A < 0)
     assert metrics.pg_clipfrac_lower.result() == pytest.approx(1 / 6)  # r 20 with A < 0
     # Clipped at the upper bound: only r 1.5 with A > 0 (r 3 is masked); its pi_old probability is e^-2.
@@ -73,7 +74,7 @@ def test_hand_computed_metrics():
 
 def test_hand_computed_gradient():
     logp, old_logp, advantages, mask = hand_example()
-    loss, _ = policy_loss(logp, old_logp, advantages, mask)
+    loss, _ = loss_with(logp, old_logp, advantages, mask)
     loss.backward()
     # d/dlogp of -A r is -A r where the unclipped term is active; clipped, dual-clipped and masked
     # tokens get no gradient; token-mean divides by 6.
@@ -82,20 +83,20 @@ def test_hand_computed_gradient():
 
 
 def test_dual_clip_and_clip_higher_switches():
-    loss, metrics = policy_loss(*hand_example(), clip_c=None)  # r 20 token keeps its loss of 40
+    loss, metrics = loss_with(*hand_example(), clip_c=None)  # r 20 token keeps its loss of 40
     assert loss.item() == pytest.approx(38.32 / 6) and metrics.pg_clipfrac_lower.result() == 0
-    loss, _ = policy_loss(*hand_example(), clip_c=3.0)  # dual clip at 2 * 3 = 6
+    loss, _ = loss_with(*hand_example(), clip_c=3.0)  # dual clip at 2 * 3 = 6
     assert loss.item() == pytest.approx((18.32 - 20 + 6) / 6)
-    loss, _ = policy_loss(*hand_example(), clip_high=0.2)  # symmetric clip: r 1.5 -> -1.2
+    loss, _ = loss_with(*hand_example(), clip_high=0.2)  # symmetric clip: r 1.5 -> -1.2
     assert loss.item() == pytest.approx((18.32 + 0.08) / 6)
-    _, metrics = policy_loss(*hand_example(), clip_high=0.6)  # r 1.5 is inside [0.8, 1.6]: nothing up-clipped
+    _, metrics = loss_with(*hand_example(), clip_high=0.6)  # r 1.5 is inside [0.8, 1.6]: nothing up-clipped
     assert metrics.pg_clipfrac_upper.result() == 0 and math.isnan(metrics.clipped_upper_prob.result())  # none: no mean
     assert metrics.first_token_upper.result() == 0
 
 
 def test_token_weights_multiply_the_per_token_loss():
     weights = torch.tensor([[2.0, 1.0, 1.0], [0.5, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    loss, metrics = policy_loss(*hand_example(), token_weights=weights)
+    loss, metrics = loss_with(*hand_example(), token_weights=weights)
     assert loss.item() == pytest.approx((-2.56 - 0.5 - 1.0 + 0.8 + 20.0 - 0.5) / 6)
     assert metrics.pg_clipfrac.result() == pytest.approx(2 / 6)  # metrics ignore the weights
 
@@ -115,7 +116,7 @@ def test_fully_masked_rows_and_groups_are_not_counted():
         "group-token-mean": (-3.28 / 4 + 21.6 / 2) / 2,  # groups {0, 2}, {1}; group 2 has no token
     }
     for agg, value in expect.items():
-        loss, metrics = policy_loss(logp4, old4, adv4, mask4, agg=agg, group_ids=torch.tensor([0, 1, 0, 2]))
+        loss, metrics = loss_with(logp4, old4, adv4, mask4, agg=agg, group_ids=torch.tensor([0, 1, 0, 2]))
         assert loss.item() == pytest.approx(value, rel=1e-12), agg
     assert metrics.num_nonempty_seqs == 3
 
@@ -124,7 +125,7 @@ def test_empty_mask_gives_zero_loss_and_zero_metrics():
     logp = torch.randn(2, 4, requires_grad=True)
     for agg in AGG_MODES:
         kwargs = {"group_ids": torch.tensor([0, 1])} if agg == "group-token-mean" else {}
-        loss, metrics = policy_loss(logp, logp.detach() + 1, torch.ones(2, 4), torch.zeros(2, 4), agg=agg, **kwargs)
+        loss, metrics = loss_with(logp, logp.detach() + 1, torch.ones(2, 4), torch.zeros(2, 4), agg=agg, **kwargs)
         loss.backward()
         assert loss.item() == 0 and torch.equal(logp.grad, torch.zeros(2, 4))
         assert math.isnan(metrics.pg_clipfrac.result()) and metrics.ratio_max == 0  # no valid token: no share
@@ -137,7 +138,7 @@ def test_garbage_in_masked_positions_does_not_leak():
     dirty_logp = torch.where(valid, logp.detach(), float("nan")).requires_grad_()
     dirty_old = torch.where(valid, old_logp, float("-inf"))
     dirty_adv = torch.where(valid, advantages, float("inf"))
-    loss, metrics = policy_loss(dirty_logp, dirty_old, dirty_adv, mask)
+    loss, metrics = loss_with(dirty_logp, dirty_old, dirty_adv, mask)
     loss.backward()
     assert loss.item() == pytest.approx(18.32 / 6) and torch.isfinite(dirty_logp.grad).all()
     assert metrics.ppo_kl.result() == pytest.approx(-math.log(10.5) / 6)
@@ -145,13 +146,13 @@ def test_garbage_in_masked_positions_does_not_leak():
 
 def test_low_precision_inputs_are_computed_in_float32():
     logp, old_logp, advantages, mask = hand_example(torch.bfloat16)
-    loss, _ = policy_loss(logp, old_logp, advantages, mask)
+    loss, _ = loss_with(logp, old_logp, advantages, mask)
     assert loss.dtype == torch.float32
 
 
 def test_log_ratio_is_clamped():
     logp = torch.tensor([[100.0]], requires_grad=True)
-    loss, metrics = policy_loss(logp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_c=None)
+    loss, metrics = loss_with(logp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_c=None)
     assert loss.item() == pytest.approx(math.exp(20), rel=1e-6) and metrics.ppo_kl.result() == -20
 
 
@@ -169,24 +170,24 @@ def test_log_ratio_is_clamped():
             {"agg": "group-token-mean", "group_ids": torch.tensor([0, 1, 0]), "group_num_tokens": torch.ones(2)},
             "group_num_tokens",
         ),
-        ({"global_num_tokens": -1}, "global_num_tokens must be a count"),
-        ({"global_num_tokens": torch.tensor([1, 2])}, "global_num_tokens must be a scalar"),
-        ({"agg": "seq-mean-token-sum", "global_num_seqs": -3}, "global_num_seqs"),
+        ({"global_num_tokens": -1}, "counts.tokens must be a count"),
+        ({"global_num_tokens": torch.tensor([1, 2])}, "counts.tokens must be a scalar"),
+        ({"agg": "seq-mean-token-sum", "global_num_seqs": -3}, "counts.seqs"),
         ({"agg": "seq-mean-token-sum-norm", "norm_len": 0}, "norm_len"),
         ({"token_weights": torch.ones(3, 2)}, "token_weights has shape"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        policy_loss(*hand_example(), **kwargs)
+        loss_with(*hand_example(), **kwargs)
 
 
 def test_bad_shapes_are_named():
     logp, old_logp, advantages, mask = hand_example()
     with pytest.raises(ValueError, match="logp must be"):
-        policy_loss(logp[0], old_logp[0], advantages[0], mask[0])
+        loss_with(logp[0], old_logp[0], advantages[0], mask[0])
     with pytest.raises(ValueError, match="mask has shape"):
-        policy_loss(logp, old_logp, advantages, mask[:, :2])
+        loss_with(logp, old_logp, advantages, mask[:, :2])
 
 
 # -- global normalisation: micro-batch and data-parallel invariance ---------------------------------
@@ -235,7 +236,7 @@ def _grad_of_chunks(agg, data, chunks, use_global=True, clip_c=3.0, variant="dap
             kwargs["group_ids"] = group_ids[rows]
         if use_global:
             kwargs |= {k: (v[rows] if k == "group_num_tokens" else v) for k, v in counts.items()}
-        loss, _ = policy_loss(
+        loss, _ = loss_with(
             logp[rows, :width], old_logp[rows, :width], advantages[rows, :width], mask[rows, :width], **kwargs
         )
         (loss if use_global else loss / len(chunks)).backward()
@@ -255,7 +256,7 @@ DP_SHARDS_X_MICRO = [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9, 10, 11]]  # rank 0: fi
 def test_summed_gradients_with_global_counts_equal_the_one_pass_gradient(agg, split, variant):
     data = _random_minibatch(seed=1)
     logp, old_logp, advantages, mask = data[:4]
-    _, metrics = policy_loss(logp, old_logp, advantages, mask, clip_c=3.0)
+    _, metrics = loss_with(logp, old_logp, advantages, mask, clip_c=3.0)
     assert metrics.pg_clipfrac.result() > 0.1 and metrics.pg_clipfrac_lower.result() > 0.01  # every branch is exercised
     full_grad, full_loss = _grad_of_chunks(agg, data, ONE_PASS, variant=variant)
     split_grad, split_loss = _grad_of_chunks(agg, data, split, variant=variant)
@@ -282,8 +283,8 @@ def test_one_pass_with_own_counts_equals_no_counts():
     counts = _global_counts(mask, group_ids)
     for agg in AGG_MODES:
         extra = {"group_ids": group_ids} if agg == "group-token-mean" else {}
-        plain, _ = policy_loss(logp, old_logp, advantages, mask, agg=agg, **extra)
-        given_counts, _ = policy_loss(
+        plain, _ = loss_with(logp, old_logp, advantages, mask, agg=agg, **extra)
+        given_counts, _ = loss_with(
             logp, old_logp, advantages, mask, agg=agg, **extra, **counts, norm_len=mask.shape[1]
         )
         assert plain.item() == pytest.approx(given_counts.item(), rel=1e-12), agg
@@ -312,7 +313,7 @@ def test_loss_is_finite_and_clip_fractions_are_shares(
     advantages = torch.randn(batch, 1, generator=gen).expand(batch, length) * 3
     mask = torch.rand(batch, length, generator=gen) < 0.7
     extra = {"group_ids": torch.randint(0, 3, (batch,), generator=gen)} if agg == "group-token-mean" else {}
-    loss, metrics = policy_loss(
+    loss, metrics = loss_with(
         logp, old_logp, advantages, mask, agg=agg, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, **extra
     )
     loss.backward()

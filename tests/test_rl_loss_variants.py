@@ -20,7 +20,8 @@ import torch
 
 import train
 from config import ConfigError, load_config
-from rl.loss import AGG_MODES, POLICY_LOSSES, policy_loss
+from rl.loss import AGG_MODES, POLICY_LOSSES
+from tests.loss_calls import loss_with
 
 EPS64 = torch.finfo(torch.float64).eps
 # Rows of the awkward batch: the log-ratios of its valid tokens (LOG_RATIOS) and its advantage; width 5.
@@ -130,7 +131,7 @@ def test_each_variant_equals_its_papers_formula(variant, agg, with_weights, clip
     logp, old_logp, advantages, mask, weights = awkward_batch(per_token_advantages=True)
     token_weights = weights if with_weights else None
     eps_low, eps_high = clips
-    ours, _ = policy_loss(
+    ours, _ = loss_with(
         logp, old_logp, advantages, mask, clip_low=eps_low, clip_high=eps_high, agg=agg, token_weights=token_weights,
         variant=variant,
     )  # fmt: skip
@@ -144,7 +145,7 @@ def test_each_variant_equals_its_papers_formula(variant, agg, with_weights, clip
 def test_gspo_with_the_sequence_mean_is_the_papers_sequence_objective(clips):
     # One advantage per response: GSPO-token's loss and gradient are the sequence objective's (the paper).
     logp, old_logp, advantages, mask, _ = awkward_batch()
-    ours, _ = policy_loss(
+    ours, _ = loss_with(
         logp, old_logp, advantages, mask, clip_low=clips[0], clip_high=clips[1], agg="seq-mean-token-mean",
         variant="gspo",
     )  # fmt: skip
@@ -156,7 +157,7 @@ def test_a_clipped_sequence_gives_no_gradient_in_gspo_and_every_token_one_in_cis
     logp, old_logp, advantages, mask, _ = awkward_batch()
     grads = {}
     for variant in POLICY_LOSSES:
-        loss, _ = policy_loss(logp, old_logp, advantages, mask, variant=variant)
+        loss, _ = loss_with(logp, old_logp, advantages, mask, variant=variant)
         grads[variant] = torch.autograd.grad(loss, logp)[0]
     assert grads["dapo"][0, 0] == 0 and grads["gspo"][0, 0] == 0  # above 1 + eps_high with A > 0: clipped out
     assert (grads["cispo"][mask] != 0).all()  # CISPO drops no token's gradient
@@ -169,7 +170,7 @@ def test_dual_clip_constant_does_not_change_gspo_or_cispo():
     logp, old_logp, advantages, mask, weights = awkward_batch()
     for variant in ("gspo", "cispo"):
         runs = [
-            policy_loss(logp, old_logp, advantages, mask, clip_c=c, token_weights=weights, variant=variant)
+            loss_with(logp, old_logp, advantages, mask, clip_c=c, token_weights=weights, variant=variant)
             for c in (None, 1.01, 10.0)
         ]
         assert all(torch.equal(loss, runs[0][0]) for loss, _ in runs)
@@ -178,8 +179,8 @@ def test_dual_clip_constant_does_not_change_gspo_or_cispo():
 
 def test_clip_statistics():
     logp, old_logp, advantages, mask, _ = awkward_batch()
-    _, gspo = policy_loss(logp, old_logp, advantages, mask, variant="gspo")
-    _, cispo = policy_loss(logp, old_logp, advantages, mask, variant="cispo")
+    _, gspo = loss_with(logp, old_logp, advantages, mask, variant="gspo")
+    _, cispo = loss_with(logp, old_logp, advantages, mask, variant="cispo")
     # GSPO, eps 0.2 / 0.28, 15 valid tokens: row 0 (s = e^3, A > 0) clipped above, row 2 (s = e^-2.9, A < 0)
     # clipped below (3 tokens); row 5 (s = e^2.45, A < 0): the unclipped side binds; rows 3, 4: s within the range.
     assert gspo.pg_clipfrac.result() == pytest.approx(4 / 15, rel=1e-12)
@@ -202,7 +203,7 @@ def test_clip_statistics():
 def test_an_unknown_variant_is_refused():
     logp, old_logp, advantages, mask, _ = awkward_batch()
     with pytest.raises(ValueError, match=r"policy_loss: unknown variant 'ppo'; choose one of \('dapo', 'gspo'"):
-        policy_loss(logp, old_logp, advantages, mask, variant="ppo")
+        loss_with(logp, old_logp, advantages, mask, variant="ppo")
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -210,9 +211,7 @@ def test_every_aggregation_runs_each_variant_with_a_finite_gradient(agg):
     logp, old_logp, advantages, mask, weights = awkward_batch()
     extra = {"group_ids": torch.tensor([0, 0, 1, 1, 2, 2])} if agg == "group-token-mean" else {}
     for variant in ("gspo", "cispo"):
-        loss, _ = policy_loss(
-            logp, old_logp, advantages, mask, agg=agg, token_weights=weights, variant=variant, **extra
-        )
+        loss, _ = loss_with(logp, old_logp, advantages, mask, agg=agg, token_weights=weights, variant=variant, **extra)
         grad = torch.autograd.grad(loss, logp)[0]
         assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad.abs().max() > 1e-3
 

@@ -9,7 +9,7 @@ path (dp_size = 1, no global batch counts), with verl/utils/torch_functional.py 
 import pytest
 import torch
 
-from rl.loss import policy_loss
+from tests.loss_calls import loss_with
 
 VERL_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -81,7 +81,7 @@ def _both(case, agg, norm_len=None):
     for fn in ("ours", "verl"):
         x = logp.clone().requires_grad_()
         if fn == "ours":
-            loss, _ = policy_loss(
+            loss, _ = loss_with(
                 x, old_logp, advantages, mask, agg=agg, clip_low=0.2, clip_high=0.28, clip_c=3.0, norm_len=norm_len
             )
         else:
@@ -119,10 +119,8 @@ def test_loss_and_gradient_equal_verls(agg, name, norm_len):
 def test_the_fully_masked_rows_case_differs_from_counting_every_row():
     # The case above is not vacuous: counting all 8 rows instead of the 5 with tokens changes the loss.
     logp, old_logp, advantages, mask = _case(**CASES["fully masked rows"])
-    ours, _ = policy_loss(logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0)
-    every_row, _ = policy_loss(
-        logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0, global_num_seqs=8
-    )
+    ours, _ = loss_with(logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0)
+    every_row, _ = loss_with(logp, old_logp, advantages, mask, agg="seq-mean-token-mean", clip_c=3.0, global_num_seqs=8)
     assert ours.item() == pytest.approx(every_row.item() * 8 / 5, rel=1e-12) and abs(ours.item()) > 0.1
 
 

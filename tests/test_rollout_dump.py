@@ -17,6 +17,7 @@ from tests.planted_train import planted_score
 from tests.test_train_e2e import overrides, read_rows
 from trainer.rollout_dump import dump_path, read_dump, sample_lines
 from trainer.scoring import score_groups
+from trainer.update import pack_items_for_groups
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def test_a_line_per_sample_with_the_updates_advantage(tokenizer):
         rollout=SimpleNamespace(max_response_length=64),
     )
     groups = score_groups([example], completions, tokenizer, cfg, step=3)
-    lines = list(sample_lines(3, groups, tokenizer, eps=1e-6, norm_by_std=True))
+    (items,) = pack_items_for_groups(groups, adv_eps=1e-6, norm_by_std=True, overlong_filter=False, step=3)
+    lines = list(sample_lines(3, groups, [[item.advantage for item in items]], tokenizer))
     assert [line["response"] for line in lines] == texts
     assert [line["acc"] for line in lines] == [True, False, False, True]
     assert [line["score"] for line in lines] == [1.0, -1.0, -1.0, 1.0]

@@ -14,6 +14,7 @@ from model.qwen2 import build_model
 from rollout.engine import Engine, SamplingParams
 from rollout.sampling import truncate_logits
 from rollout.torch_engine import TorchEngine
+from run.guard import GuardedEngine
 from tests.engines import generate
 from tests.qwen2_checkpoint import hf_state_dict
 
@@ -65,6 +66,18 @@ def _assert_match_the_trainer(completions, model, temperature=1.0):
 
 def test_satisfies_the_engine_protocol():
     assert isinstance(_engine(), Engine)
+
+
+def test_generates_by_itself_as_the_guard_drives_it():
+    """A round without the guard (TorchEngine.generate: submit, poll until done, gather) returns what the guard's
+    generate returns for the same seed: every sample, grouped by prompt."""
+    params = SamplingParams(max_new_tokens=6, n=3, seed=11)
+    alone = _engine(seed=4, poll_steps=1).generate(PROMPTS, params)
+    guarded = GuardedEngine(_engine(seed=4, poll_steps=1)).generate(PROMPTS, params)
+    assert [(c.prompt_index, c.sample_index) for c in alone] == [(p, s) for p in range(len(PROMPTS)) for s in range(3)]
+    assert [(c.token_ids, c.logprobs, c.finish_reason) for c in alone] == [
+        (c.token_ids, c.logprobs, c.finish_reason) for c in guarded
+    ]
 
 
 @pytest.mark.parametrize("args", [ARGS, TIED_ARGS], ids=["untied", "tied"])

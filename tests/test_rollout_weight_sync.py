@@ -11,7 +11,7 @@ from model.args import PRESETS
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.torch_engine import TorchEngine
-from rollout.weight_sync import iter_weight_buckets, sync_weights
+from rollout.weight_sync import check_room_to_gather, iter_weight_buckets, sync_weights
 from run.guard import GuardedEngine
 
 ARGS = PRESETS["tiny"]
@@ -184,6 +184,52 @@ def test_a_failed_update_on_one_rank_stops_every_rank_at_that_bucket():
     assert "the engine refused the bucket" in error0
     assert re.fullmatch(r"update_weights \(\d+ tensors\): failed on another rank \(see its log\)", error1), error1
     assert got0 == 0 and got1 == 1
+
+
+def test_a_gather_that_cannot_fit_on_the_gpu_is_refused_before_it_starts(monkeypatch):
+    """Gathering needs what the allocator can hand out: the GPU's free memory plus its cached blocks."""
+    mib = 1 << 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * mib, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * mib)
+    check_room_to_gather(4 * mib, torch.device("cuda", 0))  # 3 MiB free + 1 MiB cached
+    with pytest.raises(torch.OutOfMemoryError, match="gathering 5 MiB of weights on cuda:0: 4 MiB are free"):
+        check_room_to_gather(5 * mib, torch.device("cuda", 0))
+    check_room_to_gather(5 * mib, "cpu")  # host memory: not the allocator's to check
+
+
+def _shard_fails_worker(rank, world):
+    """sync_weights through the guard; rank 1 cannot ready the third tensor (of the second bucket) for its gather."""
+    import rollout.weight_sync
+
+    tensors = rollout.weight_sync.iter_hf_tensors
+
+    def failing(source):
+        for index, pair in enumerate(tensors(source)):
+            if rank == 1 and index == 2:
+                raise torch.OutOfMemoryError("injected: no room to move the shard")
+            yield pair
+
+    rollout.weight_sync.iter_hf_tensors = failing
+    trainer = _shard(_distinct_model(7), "fsdp", world)
+    receiver = _Recorder(TorchEngine(build_model(ARGS, seed=8), max_batch_size=2, max_seq_len=32))
+    try:
+        sync_weights(trainer, GuardedEngine(receiver, GlooRanks(rank, world)), bucket_bytes=30_000)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", len(receiver.buckets)
+    return None, len(receiver.buckets)
+
+
+@pytest.mark.multiprocess
+def test_a_shard_that_fails_to_prepare_on_one_rank_stops_every_rank_before_its_gather():
+    """Rank 1 fails to ready a shard of the second bucket (buckets of 1, 6, 4, ... tensors): the ranks agree on it
+    before that bucket's gathers, so both stop after the first bucket, none left in an all-gather the other never
+    enters (a 60 s test, a 30-minute gloo timeout)."""
+    (error0, got0), (error1, got1) = run_ranks(_shard_fails_worker, 2, timeout=60)
+    assert error1 == "OutOfMemoryError: injected: no room to move the shard"
+    bucket = "the weight sync's bucket 2 (its shards, before their gathers)"
+    assert error0 == f"RuntimeError: {bucket}: failed on another rank (see its log)"
+    assert got0 == got1 == 1
 
 
 def _after_no_grad_forward_worker(rank, world, folder):

@@ -12,6 +12,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 import train
 from checkpoint.manager import CheckpointManager
@@ -274,6 +275,11 @@ def _failing_bucket(rank, world, argv, failing_rank):
         return serialize(self, payload)
 
     SGLangEngine._serialize = failing
+    return _main_until_it_stops(argv)
+
+
+def _main_until_it_stops(argv):
+    """train.main(argv): (its error, or "finished"; when it ended)."""
     try:
         train.main(argv)
     except RuntimeError as exc:
@@ -299,3 +305,64 @@ def test_a_bucket_that_fails_to_prepare_on_one_rank_stops_every_rank_at_once(tmp
     stops = [at for _, at in ended]
     assert max(stops) - min(stops) < 20 and max(stops) - start < 300  # together, and no collective's timeout
     assert saved_steps(tmp_path) == [1]
+
+
+def _one_rank_fails(rank, world, argv, failing_rank, where):
+    """train.main on this rank, where on `failing_rank` the step's scoring fails (where = "scoring": in the step's
+    last round, the engine's next call being its group's release), or the step's weight sync cannot ready a shard
+    of its second bucket for the gather (where = "shard": an out-of-memory error, injected): (the error, when this
+    rank stopped)."""
+    import rollout.weight_sync
+    import trainer.rollout_phase
+
+    score, tensors = trainer.rollout_phase.score_groups, rollout.weight_sync.iter_hf_tensors
+
+    def failing_score(*args, **kwargs):
+        if rank == failing_rank:
+            raise RuntimeError("injected scoring failure")
+        return score(*args, **kwargs)
+
+    def failing_tensors(source):  # the demo preset's buckets of 1 MB: 13, 22, 14 and 1 tensors
+        for index, pair in enumerate(tensors(source)):
+            if rank == failing_rank and index == 20:
+                raise torch.OutOfMemoryError("injected: no room to move the shard")
+            yield pair
+
+    if where == "scoring":
+        trainer.rollout_phase.score_groups = failing_score
+    else:
+        rollout.weight_sync.iter_hf_tensors = failing_tensors
+    return _main_until_it_stops(argv)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "where, stopped_in, why, saved",
+    [
+        ("scoring", "step 1, rollout", "RuntimeError: injected scoring failure", 0),
+        ("shard", "the weight sync's bucket 2", "OutOfMemoryError: injected: no room to move the shard", 1),
+    ],
+)
+def test_a_failure_on_one_rank_before_an_engine_collective_stops_every_rank_with_a_checkpoint(
+    tmp_path, hf_dir, monkeypatch, world, where, stopped_in, why, saved
+):
+    """Rank 1 fails where its peers, with no failure of their own, would go on into a collective rank 1 never
+    enters: its scoring in the step's only round (the peers would go on into their engine group's collective of
+    the release) or readying a shard of the weight sync's second bucket (the peers would go on into its gather).
+    The ranks agree there instead (on leaving the rollout; before each bucket's gathers), so every rank stops
+    with a checkpoint within seconds (the groups' timeout is 30 s here, 6 hours by default)."""
+    use_strict_model(monkeypatch.setattr)
+    settings = {"rollout.tp_size": 2, "parallelism.dp_shard": world, "algorithm.max_num_gen_batches": 1}
+    settings |= {"rollout.round_timeout_s": 30, "training.train_batch_size": world, "training.mini_batch_size": world}
+    settings |= {"rollout.weight_sync_bucket_mb": 1}
+    start = time.time()
+    ended = run_ranks(_one_rank_fails, world, sglang_argv(tmp_path, hf_dir, **settings), 1, where, timeout=300)
+    for rank, (message, _) in enumerate(ended):
+        cause = f"on data-parallel rank 1: {why}" if rank == 1 else "failed on another rank (see its log)"
+        assert message.startswith(stopped_in) and cause in message, message
+        end = f"Checkpoint of step {saved} saved; rerun the same command to resume (with the cause fixed)"
+        assert message.endswith(end), message
+    stops = [at for _, at in ended]
+    assert max(stops) - min(stops) < 20 and max(stops) - start < 30 + 60, stops  # no collective's timeout
+    assert saved_steps(tmp_path) == [saved]

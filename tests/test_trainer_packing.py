@@ -93,7 +93,8 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     from config import Config
     from rl.correction import truncated_is_weights
     from rl.loss import policy_loss
-    from trainer.losses import DAPOLoss, GlobalCounts
+    from rl.loss_modes import GlobalCounts
+    from trainer.losses import DAPOLoss
 
     torch.manual_seed(0)
     model = build_model(get_preset("tiny"), seed=1)
@@ -106,7 +107,7 @@ def test_carried_over_samples_are_importance_weighted_and_fresh_ones_are_not():
     with torch.no_grad():
         mb.old_logp, _ = micro_batch_logprobs(model, mb)
     cfg = Config()  # clip 0.2 / 0.28, c = 10, token-mean, temperature 1
-    local = GlobalCounts(tokens=None, seqs=None, groups=None)  # the micro-batch alone
+    local = GlobalCounts()  # the micro-batch alone
     loss, _ = DAPOLoss(cfg.algorithm, cfg.rollout)(model, mb, local)
     logp, _ = micro_batch_logprobs(model, mb)
     weights = truncated_is_weights(mb.old_logp, mb.rollout_logp, mb.mask, cap=2.0)

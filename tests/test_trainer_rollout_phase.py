@@ -17,8 +17,8 @@ from rl.filter import DynamicBatchBuilder
 from rollout.engine import Completion, EngineFailure
 from run.guard import GuardedEngine
 from run.signals import StopRequested
-from trainer.observers import RolloutWatch, no_display, on_shortfall
-from trainer.rollout_phase import RolloutPhase
+from trainer.observers import RolloutWatch, no_display
+from trainer.rollout_phase import RolloutPhase, on_shortfall
 
 
 def SingleProcess():
@@ -60,8 +60,9 @@ class AnswerTokenizer(DigitTokenizer):
 
 
 def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, display=no_display):
-    """RolloutPhase(...).collect(step) with `per_round` prompts a round and n samples each: (this rank's groups, the
-    phase's metrics by name). runner: the guard's phase runner (None: failures raised as they are, no stops)."""
+    """RolloutPhase(...).collect_batch(step) with `per_round` prompts a round and n samples each: (this rank's
+    groups, the phase's metrics by name). runner: the guard's phase runner (None: failures raised as they are, no
+    stops)."""
     cfg = Config()
     cfg = dataclasses.replace(
         cfg,
@@ -70,9 +71,9 @@ def collect_batch(step, builder, engine, sampler, per_round, n=4, runner=None, d
         training=dataclasses.replace(cfg.training, train_batch_size=per_round),
         algorithm=dataclasses.replace(cfg.algorithm, overlong_penalty=False),
     )
-    guarded = GuardedEngine(engine, SingleProcess(), runner)
-    watch = RolloutWatch(guarded, builder, display)
-    groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect(step)
+    watch = RolloutWatch(builder, display)
+    guarded = GuardedEngine(engine, SingleProcess(), runner, on_poll=watch.polled)
+    groups = RolloutPhase(cfg, guarded, sampler, builder, AnswerTokenizer(), 0, watch).collect_batch(step)
     return groups, row(watch.metrics)
 
 

@@ -19,7 +19,7 @@ from model.args import PRESETS
 from model.qwen2 import build_model
 from rl.advantage import group_advantages
 from rl.filter import ScoredGroup
-from rl.loss import AGG_MODES, POLICY_LOSSES, policy_loss
+from rl.loss import AGG_MODES, POLICY_LOSSES, LossSettings, policy_loss
 from trainer.observers import TrainWatch, no_display
 from trainer.scoring import Sample
 from trainer.update import TrainPhase
@@ -128,19 +128,8 @@ def _reference_grads(model, old_model, groups, cfg):
             group_ids.append(gi)
             row += 1
     alg = cfg.algorithm
-    loss, _ = policy_loss(
-        new,
-        old,
-        adv,
-        mask,
-        clip_low=alg.clip_low,
-        clip_high=alg.clip_high,
-        clip_c=alg.clip_c,
-        agg=alg.loss_agg,
-        group_ids=torch.tensor(group_ids),
-        norm_len=MAX_RESPONSE,
-        variant=alg.policy_loss,
-    )
+    settings = LossSettings(alg.clip_low, alg.clip_high, alg.clip_c, alg.loss_agg, alg.policy_loss, MAX_RESPONSE)
+    loss, _ = policy_loss(new, old, adv, mask, settings, group_ids=torch.tensor(group_ids))
     model.zero_grad(set_to_none=True)
     loss.backward()
     return [p.grad for p in model.parameters()]

@@ -1,6 +1,8 @@
 """What a DAPO run is built from, once, in train.py's order (`build`): the run folder (locked), the tokenizer
 and the prompt sets, the policy sharded over the mesh, the rollout engine beside it, the optimizer and its
-schedule, and the phases of a step, each built from its configuration section and then called with data.
+schedule, and dynamic sampling's batch builder, each built from its configuration section and then called with
+data. The phases of a step are built around them by the trainer (trainer/loop.py Trainer), which holds the
+runner that checkpoints a failure.
 """
 
 from __future__ import annotations
@@ -27,14 +29,10 @@ from rl.filter import DynamicBatchBuilder
 from rollout.engine import Engine
 from rollout.engine_spec import EngineSpec
 from run.folder import discard_refused_launch, prepare_run_folder, run_folder_path
-from run.guard import GuardedEngine
 from run.lock import FolderLock
 from tasks.catalog import DAPO_PROMPT_TEMPLATE
-from trainer.observers import RolloutWatch, TrainWatch, display_for
 from trainer.optimizer import build_optimizer
-from trainer.rollout_phase import RolloutPhase
 from trainer.types import Sample
-from trainer.update import TrainPhase
 
 if TYPE_CHECKING:
     from config import Config
@@ -55,19 +53,17 @@ class Components:
     eval_set: list[PromptExample]
     sampler: PromptSampler
     policy: Qwen2
-    engine: GuardedEngine  # the rollout engine as every call reaches it (run/guard.py)
+    engine: Engine  # the rollout engine (the trainer drives it through the guard, run/guard.py)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     builder: DynamicBatchBuilder[list[Sample]]
     scorer: Scorer  # the reward (rewards/scorer.py): the rule reward, or the user's functions in worker processes
-    rollout: RolloutPhase
-    update: TrainPhase
     lock: FolderLock | None = None  # the main rank's lock on the run folder
 
 
 def build(cfg: Config, dist: DistEnv, *, fresh: bool) -> Components:
     """Run folder (locked by the main rank until `Trainer.close`), tokenizer and data, then the policy, the
-    rollout engine, the optimizer and its schedule, and the phases."""
+    rollout engine, the optimizer and its schedule, and the batch builder."""
     lock = FolderLock(run_folder_path(cfg.job.run_dir, cfg.job.name)) if dist.is_main else None
     try:
         parts = _build(cfg, dist, fresh, lock)
@@ -107,11 +103,10 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
     scorer = build_scorer(cfg)  # a user's function: imported and called on the first rows, before anything is built
     scorer.check(train_set)
 
-    policy, raw_engine = build_policy_and_engine(cfg, dist)
-    engine = GuardedEngine(raw_engine, dist, call_timeout_s=cfg.rollout.call_timeout_s)  # its runner: the Trainer's
+    policy, engine = build_policy_and_engine(cfg, dist)
     fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
     optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused)
-    alg, display = cfg.algorithm, display_for(cfg.metrics, dist)
+    alg = cfg.algorithm
     builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder(
         cfg.training.train_batch_size // dist.dp_size,  # this rank's share of a batch
         alg.max_num_gen_batches,
@@ -119,25 +114,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
         enabled=alg.dynamic_sampling,
         metric=alg.filter_metric,
     )
-    watch = RolloutWatch(engine, builder, display, alg.on_shortfall, scorer.metric_names)
-    rollout = RolloutPhase(cfg, engine, sampler, builder, tokenizer, dist.dp_rank, watch, scorer)
-    update = TrainPhase(cfg, policy, optimizer, scheduler, dist, TrainWatch(display))
-    return Components(
-        dist,
-        run_path,
-        tokenizer,
-        train_set,
-        eval_set,
-        sampler,
-        policy,
-        engine,
-        optimizer,
-        scheduler,
-        builder,
-        scorer,
-        rollout,
-        update,
-    )
+    parts = (run_path, tokenizer, train_set, eval_set, sampler, policy, engine, optimizer, scheduler, builder, scorer)
+    return Components(dist, *parts)
 
 
 def warn_if_fewer_than_a_round(cfg: Config, prompts: int) -> None:

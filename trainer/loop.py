@@ -31,11 +31,13 @@ from run.guard import GuardedEngine
 from run.phase_runner import Checkpointed, PhaseRunner
 from run.signals import GracefulStop
 from trainer.build import Components
-from trainer.observers import display_for
+from trainer.observers import RolloutWatch, TrainWatch, display_for
 from trainer.rollout_dump import rollout_dump
+from trainer.rollout_phase import RolloutPhase
 from trainer.state import LoopPosition, TrainState
 from trainer.step_metrics import MetricsWriter, StepRecord, StepTimes, training_mfu
 from trainer.types import RolloutGroup
+from trainer.update import TrainPhase
 from trainer.warmup import SFTWarmup, discard_warmup_checkpoints
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ class StepPhases:
     def rollouts(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 with the engine's memory around them: taken back to generate, released for training."""
         self.resume_engine()
-        groups = self.generate(step)  # generate, score, filter until the batch is full
+        groups = self.collect_batch(step)  # generate, score, filter until the batch is full
         self.release_engine()  # room for training
         return groups
 
@@ -84,7 +86,7 @@ class StepPhases:
         return_cached_memory(self.dist)
         sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
 
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         raise NotImplementedError
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
@@ -98,39 +100,45 @@ class Trainer(StepPhases):
     """Algorithm 1 over built components; `state` is what a checkpoint records of the loop."""
 
     def __init__(self, cfg: Config, parts: Components):
-        self.cfg, self.parts, self.dist = cfg, parts, parts.dist
-        self.engine, self.policy = parts.engine, parts.policy
+        """The loop's state and runner, then the phases of a step around the built components: the guarded
+        engine (its failures checkpointed through the runner, its polls shown by the rollout phase's display)."""
+        self.cfg, self.parts, self.dist, self.policy = cfg, parts, parts.dist, parts.policy
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb << 20
-        self.state = TrainState(skipped=parts.update.optimizer_step.skipped)
         self.position = parts.sampler.state_dict(), parts.builder.state_dict()  # the data's, as of the last step
         self.stop = GracefulStop()  # listening from `resume` on
         checkpoints = CheckpointManager(f"{parts.run_path}/checkpoints", keep=cfg.checkpoint.keep_latest_k)
         saved = Checkpointed(parts.policy, parts.optimizer, parts.scheduler, lambda: self.state.step, self.extra)
         interval = cfg.checkpoint.interval if cfg.checkpoint.enabled else 0
         self.runner = PhaseRunner(checkpoints, saved, self.stop, self.dist, interval=interval)
-        self.engine.runner = self.runner  # a failure in an engine call checkpoints through it
+        self.display = display_for(cfg.metrics, self.dist)
+        rollout_watch = RolloutWatch(parts.builder, self.display, parts.scorer.metric_names)
+        hang_after_s = cfg.rollout.call_timeout_s  # the progress window (the same key: each call's deadline)
+        self.engine = GuardedEngine(
+            parts.engine, self.dist, self.runner, hang_after_s=hang_after_s, on_poll=rollout_watch.polled
+        )
+        data = (parts.sampler, parts.builder, parts.tokenizer, self.dist.dp_rank)
+        self.rollout = RolloutPhase(cfg, self.engine, *data, rollout_watch, parts.scorer)
+        train_watch = TrainWatch(self.display, rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist))
+        self.update = TrainPhase(cfg, parts.policy, parts.optimizer, parts.scheduler, self.dist, train_watch)
+        self.state = TrainState(skipped=self.update.optimizer_step.skipped)
         self.metrics: MetricsWriter | None = None
         self.unlogged: tuple[int, StepRecord] | None = None  # a completed step whose row is not written yet
         self.eval_params = params_from_config(cfg, parts.tokenizer.stop_ids, seed=cfg.job.seed)
-        self.display = display_for(cfg.metrics, self.dist)
-        self.dump = rollout_dump(cfg, parts.run_path, parts.tokenizer, self.dist)
 
     # --- Algorithm 1 (the sequence: StepPhases.step) -------------------------------------------------
-    def generate(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Lines 3-8 on this rank (trainer/rollout_phase.py). A failure of this rank's own (its scoring, or a short
         batch under algorithm.on_shortfall = "raise") is agreed on by every rank."""
         with self.engine.failures_agreed(f"step {step}, rollout"):
-            groups = self.parts.rollout.collect(step)
-        self.dump(step, groups)  # metrics.rollout_dump
-        return groups
+            return self.rollout.collect_batch(step)
 
     def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
         """Lines 9-12 on this rank's groups; the step is then done. Its record so far, over every rank."""
         times.lap()  # the rollout phase's time is in its metrics
-        trained = self.parts.update.run(step, groups)
+        trained = self.update.run(step, groups)
         times.train = times.lap()
         self.state.step, self.position = step, (self.parts.sampler.state_dict(), self.parts.builder.state_dict())
-        return self.step_record(step, groups, StepRecord(self.parts.rollout.watch.metrics, trained, times))
+        return self.step_record(step, groups, StepRecord(self.rollout.watch.metrics, trained, times))
 
     def step_record(self, step: int, groups: list[RolloutGroup], record: StepRecord) -> StepRecord:
         """The record of a completed step over every rank (one all-reduce per kind), with its MFU, kept as the
@@ -156,7 +164,7 @@ class Trainer(StepPhases):
     def held_out(self, step: int) -> dict[str, float]:
         """Held-out accuracy (avg@k, pass@k) of the engine's current weights."""
         p, alg, ev = self.parts, self.cfg.algorithm, self.cfg.eval
-        args = (p.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step, p.scorer)
+        args = (self.engine, p.eval_set, p.tokenizer, self.eval_params, self.dist, p.run_path, step, p.scorer)
         problems = -(-len(p.eval_set) // self.dist.dp_size)
         with self.display(problems, f"eval at step {step}", "problems") as bar:
             with self.engine.failures_agreed(f"the evaluation at step {step}"):
@@ -288,7 +296,7 @@ class Trainer(StepPhases):
                 self.write(step, record.row())
             self.stop.restore()
             self.parts.scorer.close()  # the reward's worker processes, if any
-            self.parts.engine.shutdown()
+            self.engine.shutdown()
         finally:
             if self.parts.lock is not None:
                 self.parts.lock.release()

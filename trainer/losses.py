@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from model.logprob import DEFAULT_CHUNK, token_logprobs
 from parallel.logprob import vocab_parallel_token_logprobs
 from rl.correction import truncated_is_weights
-from rl.loss import policy_loss
+from rl.loss import LossSettings, policy_loss
+from rl.loss_modes import GlobalCounts
 from rl.stats import ClipStats
 from trainer.packing import MicroBatch
 
@@ -49,16 +50,6 @@ def micro_batch_logprobs(
 
 
 @dataclass(frozen=True)
-class GlobalCounts:
-    """What the whole mini-batch holds, over every micro-batch and data-parallel rank: valid tokens, and the
-    sequences and groups that have a valid token (the denominators of Eq. 8 and of rl/loss_modes.py)."""
-
-    tokens: float | None  # None (in a test of one micro-batch alone): the micro-batch's own count
-    seqs: float | None
-    groups: float | None
-
-
-@dataclass(frozen=True)
 class PassStats:
     """What one micro-batch's loss pass tells the step's metrics: Eq. 10's clip statistics, the entropy and
     token-probability sums over its valid tokens, and its log-probs [S, L] (at the step-start weights, pi_old
@@ -74,7 +65,7 @@ class DAPOLoss:
     """The DAPO policy loss of one micro-batch (Eq. 10, then Eq. 8) with the run's [algorithm] settings: built
     once from the [algorithm] and [rollout] sections, then called with data only.
 
-        loss, clip = policy_loss(log pi, log pi_old, A, mask; eps_low, eps_high, c, N_tokens)   rl/loss.py
+        loss, clip = policy_loss(log pi, log pi_old, A, mask, settings (eps_low, eps_high, c, ...), counts)   rl/loss.py
 
     With the mini-batch's global count N_tokens (`GlobalCounts`), each micro-batch's loss is its share, so the
     gradients of all micro-batches on all ranks SUM to the mini-batch gradient (rl/loss.py). Table 1's other
@@ -85,32 +76,26 @@ class DAPOLoss:
 
     def __init__(self, algorithm: AlgorithmConfig, rollout: RolloutConfig, chunk_size: int = DEFAULT_CHUNK):
         self.algorithm, self.chunk_size = algorithm, chunk_size  # chunk_size: output-head rows at a time
-        self.temperature, self.norm_len = rollout.logprob_temperature, rollout.max_response_length
+        self.temperature, alg = rollout.logprob_temperature, algorithm
+        args = (alg.clip_low, alg.clip_high, alg.clip_c, alg.loss_agg, alg.policy_loss, rollout.max_response_length)
+        self.settings = LossSettings(*args)
 
     def __call__(self, model: Qwen2, mb: MicroBatch, counts: GlobalCounts) -> tuple[torch.Tensor, PassStats]:
         """This micro-batch's share of the mini-batch loss, and what it tells the step's metrics."""
         logp, entropy = micro_batch_logprobs(model, mb, temperature=self.temperature, chunk_size=self.chunk_size)
         assert entropy is not None  # asked for: with_entropy defaults to True
         assert mb.old_logp is not None, "pi_old is filled before the updates (trainer/update.py)"
-        alg = self.algorithm
         loss, clip = policy_loss(
             logp,
             mb.old_logp,
             mb.advantages,
             mb.mask,
-            clip_low=alg.clip_low,
-            clip_high=alg.clip_high,
-            clip_c=alg.clip_c,
-            agg=alg.loss_agg,
-            global_num_tokens=counts.tokens,
-            global_num_seqs=counts.seqs,
+            self.settings,
+            counts,
             token_weights=self.importance_weights(mb),
             # groups never straddle ranks, but may straddle micro-batches: mb.group_tokens holds their counts
             group_ids=mb.group_ids,
             group_num_tokens=mb.group_tokens,
-            global_num_groups=counts.groups,
-            norm_len=self.norm_len,
-            variant=alg.policy_loss,
         )
         with torch.no_grad():
             valid = mb.mask > 0

@@ -2,18 +2,17 @@
 their observer at a few points and never hold a record or a display themselves.
 
     RolloutWatch    the rollout phase (lines 3-8): every group scored, the batch dynamic sampling hands out, the
-                    time spent generating and scoring; a display of the kept groups (and the engine's tokens);
-                    a batch left short after the last round trained on with a warning or the run stopped
-    TrainWatch      the update (lines 9-12): each loss pass, each optimizer update, the engine/trainer log-prob
-                    mismatch (trainer/mismatch.py); a display of the micro-batches
+                    time spent generating and scoring; a display of the kept groups (and the engine's tokens)
+    TrainWatch      the update (lines 9-12): the samples it trains on with their advantages (the rollout dump),
+                    each loss pass, each optimizer update, the engine/trainer log-prob mismatch
+                    (trainer/mismatch.py); a display of the micro-batches
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from observe.progress import Progress
 from trainer.mismatch import MismatchProbe
@@ -26,12 +25,9 @@ if TYPE_CHECKING:
     from parallel.dist_env import DistEnv
     from rl.filter import DynamicBatchBuilder, FilterStats
     from rollout.engine import Polled
-    from run.guard import GuardedEngine
     from trainer.losses import PassStats
-    from trainer.packing import MicroBatch
+    from trainer.packing import MicroBatch, PackItem
     from trainer.types import RolloutGroup, Sample
-
-log = logging.getLogger("train")
 
 Display = Callable[[int | None, str, str], Progress]  # (total, description, unit) -> a progress display
 
@@ -40,76 +36,63 @@ def no_display(total: int | None, desc: str, unit: str) -> Progress:
     return Progress(enabled=False)
 
 
-def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "raise"], max_rounds: int) -> None:
-    """A batch dynamic sampling left short after its last round: trained on with one line (on_shortfall "fill"),
-    or the run stopped (on_shortfall "raise")."""
-    short = int(filtered.shortfall.result())
-    if short:
-        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
-        rounds = filtered.rounds.result()
-        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
-        message += " generation rounds"
-        if policy == "raise":
-            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
-        log.warning("%s; training on the smaller batch", message)
-
-
 class RolloutWatch:
-    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `shortfall`:
-    algorithm.on_shortfall; `reward_metrics`: the names of a reward function's other numbers (rewards/scorer.py)."""
+    """The rollout phase's metrics (`metrics`, of the last step) and display (module docstring); `reward_metrics`:
+    the names of a reward function's other numbers (rewards/scorer.py). Its `polled` observes the engine's every poll
+    (run/guard.py GuardedEngine's on_poll)."""
 
     def __init__(
-        self,
-        engine: GuardedEngine,
-        builder: DynamicBatchBuilder[list[Sample]],
-        display: Display,
-        shortfall: Literal["fill", "raise"] = "fill",
-        reward_metrics: Sequence[str] = (),
+        self, builder: DynamicBatchBuilder[list[Sample]], display: Display, reward_metrics: Sequence[str] = ()
     ):
-        self.engine, self.builder, self.display, self.shortfall = engine, builder, display, shortfall
-        self.step, self.reward_parts = 0, reward_parts(reward_metrics)
+        self.builder, self.display, self.reward_parts = builder, display, reward_parts(reward_metrics)
         self.metrics, self.bar = RolloutMetrics(reward_parts=self.reward_parts()), Progress(enabled=False)
-        self.tokens, self.started, self.engine_s = 0, 0.0, 0.0
-        engine.on_poll = self.polled
+        self.tokens, self.started, self.last_poll = 0, 0.0, 0.0
 
     def start(self, step: int) -> None:
-        self.metrics, self.tokens, self.step = RolloutMetrics(reward_parts=self.reward_parts()), 0, step
-        self.started, self.engine_s = time.perf_counter(), self.engine.seconds
+        self.metrics, self.tokens = RolloutMetrics(reward_parts=self.reward_parts()), 0
+        self.started = self.last_poll = time.perf_counter()
         self.bar = self.display(self.builder.train_batch_size, f"step {step} rollout", "groups")
 
     def polled(self, polled: Polled) -> None:
-        self.tokens += polled.tokens
+        self.tokens, self.last_poll = self.tokens + polled.tokens, time.perf_counter()
         self.bar.update(0, tokens=self.tokens)
 
     def round(self, groups: list[RolloutGroup]) -> None:
-        """A round's groups, scored and filtered: counted among the generated samples; the display advanced to
-        the groups kept so far."""
+        """A round's groups, scored and filtered since the round's last poll: counted among the generated samples;
+        the display advanced to the groups kept so far."""
+        self.metrics.score_s.add(time.perf_counter() - self.last_poll)  # scoring and filtering
         self.metrics.add_generated(groups)
         kept = min(self.builder.num_kept, self.builder.train_batch_size)
         self.bar.update(kept - self.bar.n, rounds=self.builder.rounds)
 
-    def batch(self, finished: tuple[list[RolloutGroup], FilterStats]) -> list[RolloutGroup]:
-        """The batch dynamic sampling handed out, counted with what the filter did and the phase's times; a
-        short one warned about or refused (`on_shortfall`)."""
-        self.metrics.add_batch(finished)
-        generate_s = self.engine.seconds - self.engine_s
-        self.metrics.generate_s.add(generate_s)
-        self.metrics.score_s.add(time.perf_counter() - self.started - generate_s)  # scoring and filtering
+    def batch(self, batch: list[RolloutGroup], filtered: FilterStats) -> None:
+        """The batch dynamic sampling handed out, counted with what the filter did and the phase's time spent
+        generating (the rest: scoring and filtering)."""
+        self.metrics.add_batch((batch, filtered))
+        self.metrics.generate_s.add(time.perf_counter() - self.started - self.metrics.score_s.result())
         self.bar.close()
-        on_shortfall(finished[1], self.step, self.shortfall, self.builder.max_rounds)
-        return finished[0]
 
 
 class TrainWatch:
-    """The update's metrics (`start` makes the step's) and display (module docstring)."""
+    """The update's metrics (`start` makes the step's) and display (module docstring); dump: writes the samples a
+    step trains on with their advantages (trainer/rollout_dump.py; None: nothing written)."""
 
-    def __init__(self, display: Display):
+    def __init__(
+        self, display: Display, dump: Callable[[int, list[RolloutGroup], list[list[float]]], None] | None = None
+    ):
         self.display, self.bar, self.step = display, Progress(enabled=False), 0
-        self.metrics = TrainMetrics()
+        self.metrics, self.dump = TrainMetrics(), dump
         self.probe = MismatchProbe(self.metrics.mismatch, [])
 
-    def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int) -> TrainMetrics:
+    def samples(self, step: int, groups: list[RolloutGroup], group_items: list[list[PackItem]]) -> None:
+        """The samples the step trains on, each with the Eq. 9 advantage the update uses (metrics.rollout_dump)."""
+        if self.dump is not None:
+            self.dump(step, groups, [[item.advantage for item in items] for items in group_items])
+
+    def start(self, step: int, mini_batches: list[list[MicroBatch]], epochs: int, lr: float) -> TrainMetrics:
+        """The step's metrics, from the learning rate it runs at."""
         self.metrics, self.step = TrainMetrics(), step
+        self.metrics.lr.add(lr)
         self.probe = MismatchProbe(self.metrics.mismatch, mini_batches[0] if mini_batches else [])
         # The valid tokens trained on, once whatever ppo_epochs: overlong-filtered samples and padding have none.
         self.metrics.train_tokens.add(float(sum(int((mb.mask > 0).sum()) for mbs in mini_batches for mb in mbs)))

@@ -6,9 +6,10 @@
      "acc": true, "score": 1.0, "advantage": 0.93, "length": 21, "finish_reason": "stop", "logprobs": [...]}
 
 prompt_index is the prompt's position in the training set (data/prompts.py PromptExample.index), response the text the
-reward read (rl/reward.py response_text), score the reward with the soft overlong punishment, advantage Eq. 9's
-as the update computes it (rl/advantage.py), length in tokens, logprobs the rollout policy's log-probability of
-each response token (4 decimals). With dynamic sampling on, a step's file holds the groups it kept.
+reward read (rl/reward.py response_text), score the reward with the soft overlong punishment, advantage the Eq. 9
+value the update trains with (trainer/update.py; the update's observer writes the file, trainer/observers.py),
+length in tokens, logprobs the rollout policy's log-probability of each response token (4 decimals). With dynamic
+sampling on, a step's file holds the groups it kept.
 
 One file per step and data-parallel rank, written whole (a resumed run that redoes a step overwrites its file):
 what a run leaves is exactly the steps it completed, each once.
@@ -21,10 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 from errors import write_atomically
-from rl.advantage import group_advantages
 from rl.reward import response_text
 
 if TYPE_CHECKING:
@@ -41,14 +39,13 @@ def dump_path(run_path: str, step: int, dp_rank: int = 0) -> str:
 
 
 def sample_lines(
-    step: int, groups: list[RolloutGroup], tokenizer: Tokenizer, *, eps: float, norm_by_std: bool
+    step: int, groups: list[RolloutGroup], advantages: list[list[float]], tokenizer: Tokenizer
 ) -> Iterator[dict]:
-    """One dict per sample of `groups`, in order (the fields of the module docstring)."""
+    """One dict per sample of `groups`, in order, each with its advantage (one list per group; the fields of the
+    module docstring)."""
     stop_ids = set(tokenizer.stop_ids)
-    for group in groups:
-        scores = torch.tensor(group.score, dtype=torch.float64)
-        advantages = group_advantages(scores, group_size=len(group.payload), eps=eps, norm_by_std=norm_by_std)
-        for sample, advantage in zip(group.payload, advantages.tolist()):
+    for group, group_advantages in zip(groups, advantages, strict=True):
+        for sample, advantage in zip(group.payload, group_advantages, strict=True):
             yield {
                 "step": step,
                 "prompt_index": sample.example.index,
@@ -64,17 +61,17 @@ def sample_lines(
             }
 
 
-def rollout_dump(cfg: Config, run_path: str, tokenizer: Tokenizer, dist_env: DistEnv) -> Callable[[int, list], None]:
-    """dump(step, groups): writes the step's file when metrics.rollout_dump is on (on one rank of each
+def rollout_dump(
+    cfg: Config, run_path: str, tokenizer: Tokenizer, dist_env: DistEnv
+) -> Callable[[int, list[RolloutGroup], list[list[float]]], None]:
+    """dump(step, groups, advantages): writes the step's file when metrics.rollout_dump is on (on one rank of each
     data-parallel group), else does nothing."""
     tp = dist_env.dims.tp_mesh().get_local_rank() if dist_env.mesh is not None and dist_env.dims.tp > 1 else 0
     if not cfg.metrics.rollout_dump or tp != 0:
-        return lambda step, groups: None
-    alg = cfg.algorithm
+        return lambda step, groups, advantages: None
 
-    def dump(step: int, groups: list[RolloutGroup]) -> None:
-        lines = sample_lines(step, groups, tokenizer, eps=alg.adv_eps, norm_by_std=alg.norm_adv_by_std)
-        text = "".join(json.dumps(line) + "\n" for line in lines)
+    def dump(step: int, groups: list[RolloutGroup], advantages: list[list[float]]) -> None:
+        text = "".join(json.dumps(line) + "\n" for line in sample_lines(step, groups, advantages, tokenizer))
         write_atomically(dump_path(run_path, step, dist_env.dp_rank), text)
 
     return dump

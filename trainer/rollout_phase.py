@@ -4,17 +4,18 @@
 Every rank generates whole groups for its own prompts, so group statistics need no communication. The engine is
 the run's guarded one (run/guard.py GuardedEngine): each of its calls runs on every rank, and a failure on any
 of them stops every rank with a checkpoint; `engine.everyone(builder.full())` ends the rounds on every rank
-together.
+together. A batch still short after the last round is trained on, or stops the run (`on_shortfall`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from rollout.engine import SamplingParams
+from rollout.engine import Generator, SamplingParams
 from trainer.scoring import score_groups
 
 if TYPE_CHECKING:
@@ -24,9 +25,11 @@ if TYPE_CHECKING:
     from model.tokenizer import Tokenizer
     from rewards.scorer import Scorer
     from rl.filter import DynamicBatchBuilder
-    from run.guard import GuardedEngine
+    from rl.stats import FilterStats
     from trainer.observers import RolloutWatch
     from trainer.types import RolloutGroup, Sample
+
+log = logging.getLogger("train")
 
 
 def rollout_sampling(rollout: RolloutConfig, stop_ids: Iterable[int], seed: int) -> SamplingParams:
@@ -43,8 +46,22 @@ def rollout_sampling(rollout: RolloutConfig, stop_ids: Iterable[int], seed: int)
     )
 
 
+def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "raise"], max_rounds: int) -> None:
+    """A batch dynamic sampling (Eq. 11) left short after its last round: trained on with one line (on_shortfall
+    "fill"), or the run stopped (on_shortfall "raise")."""
+    short = int(filtered.shortfall.result())
+    if short:
+        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
+        rounds = filtered.rounds.result()
+        message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
+        message += " generation rounds"
+        if policy == "raise":
+            raise RuntimeError(f"{message} (on_shortfall 'raise'): allow more rounds or train on what was kept")
+        log.warning("%s; training on the smaller batch", message)
+
+
 class RolloutPhase:
-    """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect`): the run's
+    """Lines 3-8 of Algorithm 1 on this rank, built once and called every step (`collect_batch`): the run's
     configuration, its guarded engine, this rank's prompt sampler, dynamic sampling's batch builder (Eq. 11),
     the tokenizer the reward decodes with, this rank's data-parallel index, the phase's observer and the reward
     (rewards/scorer.py; None: the rule reward)."""
@@ -52,7 +69,7 @@ class RolloutPhase:
     def __init__(
         self,
         cfg: Config,
-        engine: GuardedEngine,
+        engine: Generator,
         sampler: PromptSampler,
         builder: DynamicBatchBuilder[list[Sample]],
         tokenizer: Tokenizer,
@@ -64,7 +81,7 @@ class RolloutPhase:
         self.dp_rank, self.watch, self.scorer = dp_rank, watch, scorer
         self.params = rollout_sampling(cfg.rollout, tokenizer.stop_ids, cfg.job.seed)
 
-    def collect(self, step: int) -> list[RolloutGroup]:
+    def collect_batch(self, step: int) -> list[RolloutGroup]:
         """Generation rounds until every rank's batch holds its train_batch_size groups, at most
         max_num_gen_batches rounds: the batch dynamic sampling hands out (surplus carried over)."""
         builder, cfg = self.builder, self.cfg
@@ -76,7 +93,10 @@ class RolloutPhase:
             groups = score_groups(examples, completions, self.tokenizer, cfg, step, self.scorer)  # rewards, Eq. 13
             builder.add_round(groups)  # Eq. 11: keep the groups whose accuracy varies
             self.watch.round(groups)
-        return self.watch.batch(builder.finish())
+        batch, filtered = builder.finish()  # the kept groups (surplus carried over) and what the filter did
+        self.watch.batch(batch, filtered)
+        on_shortfall(filtered, step, cfg.algorithm.on_shortfall, builder.max_rounds)  # a batch still short
+        return batch
 
     def round_params(self, step: int) -> SamplingParams:
         """The round's sampling, seeded from (seed, step, round, rank): every round is reproducible after a resume."""

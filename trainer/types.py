@@ -5,8 +5,8 @@ Sample                         one response to it: tokens, the engine's log-prob
 RolloutGroup                   a prompt's G samples, scored: dynamic sampling (Eq. 11) reads their accuracy
 PackItem, MicroBatch           samples with their advantages (Eq. 9), packed into token-budgeted rows
                                (trainer/packing.py)
-GlobalCounts, PassStats        a mini-batch's counts for Eq. 8, and what one loss pass tells the metrics
-                               (trainer/losses.py)
+GlobalCounts, PassStats        a mini-batch's counts for Eq. 8 (rl/loss_modes.py), and what one loss pass tells
+                               the metrics (trainer/losses.py)
 StepRecord                     the step's line of metrics.jsonl (trainer/step_metrics.py)
 """
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from rl.advantage import group_advantages
+from rl.loss_modes import GlobalCounts
 from rl.reward import overlong_filter_mask
-from trainer.losses import DAPOLoss, GlobalCounts, micro_batch_logprobs
+from trainer.losses import DAPOLoss, micro_batch_logprobs
 from trainer.optimizer import OptimizerStep
 from trainer.packing import MicroBatch, PackItem, pack, pack_micro_batches
 from trainer.step_metrics import TrainMetrics
@@ -175,14 +176,18 @@ class TrainPhase:
         self.share_prompts = shares_prompts(cfg, dist_env, dist_env.device)  # one prompt copy per group
 
     def run(self, step: int, groups: list[RolloutGroup]) -> TrainMetrics:
-        """Lines 9-12 on this rank's `groups`: advantages and mini-batches (`mini_batches`), pi_old, then for
-        each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step. Returns this
-        rank's training metrics (StepRecord.reduce combines the ranks')."""
-        mini_batches = self.mini_batches(step, groups)
-        metrics = self.watch.start(step, mini_batches, self.training.ppo_epochs)
+        """Lines 9-12 on this rank's `groups`: advantages (`pack_items`) and mini-batches (`mini_batches`), pi_old,
+        then for each mini-batch (x ppo_epochs) the loss passes of its micro-batches and one optimizer step; the
+        learning-rate schedule steps once a step that updated the policy. Returns this rank's training metrics
+        (StepRecord.reduce combines the ranks')."""
+        group_items = self.pack_items(step, groups)  # each sample with its Eq. 9 advantage and its loss weight
+        self.watch.samples(step, groups, group_items)
+        mini_batches = self.mini_batches(group_items)
+        lr = self.optimizer_step.optimizer.param_groups[0]["lr"]  # the rate this step runs at
+        self.watch.start(step, mini_batches, self.training.ppo_epochs, lr)
         self.model.train()
         self.fill_old_logprobs(mini_batches)
-        metrics.lr.add(self.optimizer_step.optimizer.param_groups[0]["lr"])  # the rate this step runs at
+        applied = 0  # updates of the policy
         for _ in range(self.training.ppo_epochs):
             for index, mbs in enumerate(mini_batches):
                 counts = self.global_counts(mbs)
@@ -195,8 +200,10 @@ class TrainPhase:
                 loss = 0.0
                 for mb in mbs:
                     loss += self.loss_pass(mb, counts)
-                self.watch.update(loss, self.optimizer_step(f"step {step}, mini-batch {index}"))
-        if metrics.updates.result() > metrics.skipped.result():
+                grad_norm = self.optimizer_step(f"step {step}, mini-batch {index}")  # None: skipped, non-finite
+                applied += grad_norm is not None
+                self.watch.update(loss, grad_norm)
+        if applied:
             # The warm-up counts rollout steps that updated the policy (the paper: 20 rollout steps, each of
             # which trains, since dynamic sampling fills its batch). A step with nothing to train on, or whose
             # every update was skipped, leaves AdamW's state and the weights as they were, so it does not use
@@ -216,20 +223,22 @@ class TrainPhase:
                 assert mb.old_logp is not None  # just filled
                 self.watch.recomputed(mb.old_logp, mb)
 
-    def mini_batches(self, step: int, groups: list[RolloutGroup]) -> list[list[MicroBatch]]:
-        """This rank's groups with their Eq. 9 advantages as packed micro-batches per mini-batch, on the device,
-        as many on every rank."""
+    def pack_items(self, step: int, groups: list[RolloutGroup]) -> list[list[PackItem]]:
+        """This rank's groups as PackItems, one list per group: each sample with its Eq. 9 advantage and its loss
+        weight (overlong filtering), its group's id unique across ranks."""
         alg = self.algorithm
-        num_updates = self.training.train_batch_size // self.training.mini_batch_size
-        group_offset = self.dist.dp_rank * 1_000_000  # group ids unique across ranks
-        group_items = pack_items_for_groups(
+        return pack_items_for_groups(
             groups,
             adv_eps=alg.adv_eps,
             norm_by_std=alg.norm_adv_by_std,
             overlong_filter=alg.overlong_filter,
-            group_offset=group_offset,
+            group_offset=self.dist.dp_rank * 1_000_000,
             step=step,
         )
+
+    def mini_batches(self, group_items: list[list[PackItem]]) -> list[list[MicroBatch]]:
+        """The groups' items as packed micro-batches per mini-batch, on the device, as many on every rank."""
+        num_updates = self.training.train_batch_size // self.training.mini_batch_size
         mini_batches = []
         for mini in split_into_mini_batches(group_items, num_updates):
             tokens, tp = self.training.micro_batch_tokens, self.dist.dims.tp
