@@ -418,7 +418,8 @@ def test_each_float_bound_is_what_float32_carries_through_the_sampler_the_reward
     from config.schema import ADVANTAGE_MAX, FLOAT32_MAX, FLOAT32_ROOT
     from rl.advantage import group_advantages
     from rl.correction import truncated_is_weights
-    from rl.loss import LOG_RATIO_CLAMP, policy_loss
+    from rl.loss import LOG_RATIO_CLAMP, LossSettings, policy_loss
+    from rl.loss_modes import GlobalCounts
     from rl.reward import overlong_penalty
     from rollout.sampling import sample
 
@@ -433,8 +434,8 @@ def test_each_float_bound_is_what_float32_carries_through_the_sampler_the_reward
     mask = torch.ones(4, 3, dtype=torch.bool)
     for variant in ("dapo", "gspo", "cispo"):
         logp = torch.full((4, 3), LOG_RATIO_CLAMP, requires_grad=True)  # r = e^20 against old log-probs of 0
-        loss, _ = policy_loss(logp, torch.zeros(4, 3), advantages, mask, clip_high=FLOAT32_MAX, clip_c=FLOAT32_MAX,
-                              global_num_tokens=12, variant=variant)  # fmt: skip
+        settings = LossSettings(clip_high=FLOAT32_MAX, clip_c=FLOAT32_MAX, variant=variant)
+        loss, _ = policy_loss(logp, torch.zeros(4, 3), advantages, mask, settings, GlobalCounts(tokens=12))
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(grad.square().sum()), variant
     weights = truncated_is_weights(torch.full((1, 2), 100.0), torch.zeros(1, 2), cap=math.exp(LOG_RATIO_CLAMP))
