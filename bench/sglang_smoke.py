@@ -1,12 +1,14 @@
-"""SGLang smoke check on a GPU machine with requirements-gpu.txt installed.
+"""SGLang smoke check on a GPU machine with requirements-gpu.txt installed, or on a CPU SGLang's CPU backend
+runs on (docs/sglang-cpu.md; SGLANG_USE_CPU_ENGINE=1).
 
 1. Save a small random Qwen2.5-shaped checkpoint (model.hf.save_hf, bf16) and start SGLangEngine on it.
 2. Generate (temperature 1.0, n = 2) and compare SGLang's log-probs with the trainer's, recomputed by
-   our model from the same checkpoint (fp32 compute on the bf16 weights, model.logprob).
+   our model from the same checkpoint (fp32 compute on the bf16 weights, model.logprob). The baseline:
+   bf16's own noise, the same gap for our model computing in bf16 on the same tokens.
 3. The RL step's memory dance: release_memory(), sync_weights() from a second model with new weights
-   (bucketed, CUDA IPC), resume_memory(); generate again and compare with the new model's log-probs.
-   Greedy outputs must change with the weights.
-Prints a table and one JSON line; `run_smoke` returns the numbers (tests/test_rollout_sglang.py).
+   (bucketed; CUDA IPC on a GPU), resume_memory(); generate again and compare with the new model's
+   log-probs. Greedy outputs must change with the weights.
+Prints a table and one JSON line; `run_smoke` returns the numbers (tests/test_rollout_sglang_cpu.py).
 
     python bench/sglang_smoke.py [--workdir /tmp/sglang_smoke] [--tp 1]
 """
@@ -71,22 +73,31 @@ def _trainer_logprobs(model, prompts, completions, temperature):
 
 
 def _max_and_mean_diff(completions, reference):
-    diffs = torch.cat([(torch.tensor(c.logprobs) - r).abs() for c, r in zip(completions, reference)])
+    return _max_and_mean_diff_of([torch.tensor(c.logprobs) for c in completions], reference)
+
+
+def _max_and_mean_diff_of(logprobs, reference):
+    diffs = torch.cat([(lp - r).abs() for lp, r in zip(logprobs, reference)])
     return float(diffs.max()), float(diffs.mean())
 
 
 def run_smoke(workdir: str, tp_size: int = 1) -> dict:
-    if not torch.cuda.is_available():
-        raise RuntimeError("the SGLang smoke check needs a CUDA GPU; none is available")
     check_sglang_version()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     path = os.path.join(workdir, "ckpt")
-    old = build_model(SMOKE_ARGS, device="cuda", dtype=torch.bfloat16, seed=1)
-    new = build_model(SMOKE_ARGS, device="cuda", dtype=torch.bfloat16, seed=2)
+    old = build_model(SMOKE_ARGS, device=device, dtype=torch.bfloat16, seed=1)
+    new = build_model(SMOKE_ARGS, device=device, dtype=torch.bfloat16, seed=2)
     save_hf(old, path)
-    reference_old = load_hf(path, dtype=torch.float32, device="cuda")
+    reference_old = load_hf(path, dtype=torch.float32, device=device)
 
     engine = SGLangEngine(
-        path, tp_size=tp_size, mem_fraction_static=0.3, dtype=torch.bfloat16, seed=0, context_length=512
+        path,
+        tp_size=tp_size,
+        mem_fraction_static=0.3,
+        dtype=torch.bfloat16,
+        seed=0,
+        context_length=512,
+        device=None if device == "cuda" else device,
     )
     try:
         gen = torch.Generator().manual_seed(0)
@@ -101,12 +112,14 @@ def run_smoke(workdir: str, tp_size: int = 1) -> dict:
         before = guarded.generate(prompts, sampled)
         greedy_before = guarded.generate(prompts, greedy)
         max_before, mean_before = _max_and_mean_diff(before, _trainer_logprobs(reference_old, prompts, before, 1.0))
+        bf16 = _trainer_logprobs(load_hf(path, dtype=torch.bfloat16, device=device), prompts, before, 1.0)
+        noise_max, noise_mean = _max_and_mean_diff_of(bf16, _trainer_logprobs(reference_old, prompts, before, 1.0))
 
         engine.release_memory()
         sync_weights(new, engine, bucket_bytes=1 << 20)  # several buckets
         engine.resume_memory()
 
-        reference_new = build_model(SMOKE_ARGS, device="cuda", dtype=torch.float32, seed=2)
+        reference_new = build_model(SMOKE_ARGS, device=device, dtype=torch.float32, seed=2)
         with torch.no_grad():  # the bf16 weights SGLang now holds, computed in fp32
             for p, q in zip(reference_new.parameters(), new.parameters()):
                 p.copy_(q.float())
@@ -121,6 +134,8 @@ def run_smoke(workdir: str, tp_size: int = 1) -> dict:
         "bench": "sglang_smoke",
         "completions": len(before),
         "finish_reasons": sorted({c.finish_reason for c in before + after}),
+        "bf16_noise_max_abs_diff": noise_max,
+        "bf16_noise_mean_abs_diff": noise_mean,
         "logprob_max_abs_diff_before": max_before,
         "logprob_mean_abs_diff_before": mean_before,
         "logprob_max_abs_diff_after": max_after,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import io
 import os
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from model.hf_adapter import CONFIG_NAME, is_model_file
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -137,6 +140,27 @@ def file_record(path: str) -> FileRecord:
     with open(path, "rb", buffering=0) as f:
         digest = hashlib.file_digest(f, xxhash.xxh3_128)
         return FileRecord(f.tell(), digest.hexdigest())
+
+
+def base_files(path: str) -> list[str]:
+    """The files of an HF checkpoint folder that make its weights: config.json and the weight files and index."""
+    return sorted(n for n in os.listdir(path) if n == CONFIG_NAME or is_model_file(n))
+
+
+def folder_digest(path: str, names: list[str]) -> str:
+    """One content hash of the files `names` of folder `path`: XXH3-128 over each one's name, size and hash. Read
+    once per process while no file's size or modification time changes (a run checkpoints many times)."""
+    stats = [(name, os.stat(os.path.join(path, name))) for name in names]
+    return _folder_digest(os.path.abspath(path), tuple((n, s.st_size, s.st_mtime_ns) for n, s in stats))
+
+
+@functools.lru_cache(maxsize=4)
+def _folder_digest(path: str, stats: tuple[tuple[str, int, int], ...]) -> str:
+    combined = xxhash.xxh3_128()
+    for name, _, _ in stats:
+        record = file_record(os.path.join(path, name))
+        combined.update(f"{name} {record.size} {record.digest}\n".encode())
+    return combined.hexdigest()
 
 
 def verify(root: str, expected: dict[str, FileRecord]) -> str | None:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from model.hf import Region, fill_from_hf
+from parallel.lora import is_adapter_name
 from parallel.plain_names import plain_named_parameters
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ def local_region(param: torch.Tensor) -> Region:
 
 def load_hf_shards(model: Qwen2, path: str) -> None:
     """Fill `model`'s allocated parameters (after `to_empty`) from the HF checkpoint directory `path`; each
-    rank reads only its own regions. Call on every rank; no collective is run.
+    rank reads only its own regions. Call on every rank; no collective is run. LoRA adapters (parallel/lora.py) are
+    not the checkpoint's: they are left as they are.
 
     The checkpoint is checked against `model.args` first (a `CheckpointError` lists every mismatch); the
     values are exactly `model.hf.load_hf(path, dtype)`'s, each cast from the stored dtype by the copy.
@@ -63,6 +65,7 @@ def load_hf_shards(model: Qwen2, path: str) -> None:
     parts = (
         (name, param.to_local() if isinstance(param, DTensor) else param, local_region(param))
         for name, param in plain_named_parameters(model)
+        if not is_adapter_name(name)
     )
     fill_from_hf(model, path, parts)
 

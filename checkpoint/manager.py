@@ -57,6 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -69,7 +70,9 @@ from checkpoint.files import (
     NO_SPACE,
     FileRecord,
     WrittenFiles,
+    base_files,
     describe_file_system,
+    folder_digest,
     hashing_writer,
     verify,
 )
@@ -79,6 +82,7 @@ from checkpoint.safe_dcp import load_tensors
 from errors import CheckpointError, first_os_error
 from parallel.finite import NonFiniteStateError, nonfinite_state
 from parallel.fsdp import reshard_gathered
+from parallel.lora import adapters_of
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +146,38 @@ def _set_rng_state(state: dict) -> None:
     if "numpy" in state:
         algorithm, keys, pos, has_gauss, cached_gaussian = state["numpy"]
         np.random.set_state((algorithm, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+
+
+# LoRA: the adapters are the state (DCP reads exactly the keys asked for, so a missing one is still an error)
+_ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def base_identity(model: nn.Module) -> dict[str, str] | None:
+    """The base a LoRA model's adapters train on, as its checkpoints record it: its path and one content hash of
+    its config.json and weight files (files.py `folder_digest`); None for a model trained whole. Rank 0 hashes."""
+    adapters = adapters_of(model)
+    if adapters is None:
+        return None
+    digest = _all_gather(folder_digest(adapters.base, base_files(adapters.base)) if _rank() == 0 else "")[0]
+    return {"path": adapters.base, HASH_NAME: digest}
+
+
+def check_base(path: str, saved: dict | None, model: nn.Module) -> None:
+    """Refuse (CheckpointError, every rank) checkpoint `path` whose kind differs from the run's (adapters only, or the
+    whole policy), or whose adapters were trained on a base with other content than model.hf_path's now."""
+    now = base_identity(model)
+    if (saved is None) != (now is None):
+        held = "LoRA adapters" if saved else "the whole policy"
+        raise CheckpointError(
+            f"checkpoint {path} holds {held}, and this run trains {'LoRA adapters' if now else 'the whole policy'}: "
+            f"set lora.enabled = {str(bool(saved)).lower()} to resume it, or start over with --fresh"
+        )
+    if saved is not None and now is not None and saved.get(HASH_NAME) != now[HASH_NAME]:
+        raise CheckpointError(
+            f"checkpoint {path} holds LoRA adapters trained on the base {saved.get('path')} (content "
+            f"{str(saved.get(HASH_NAME))[:12]}...), and model.hf_path = {now['path']} holds other weights "
+            f"({now[HASH_NAME][:12]}...): resume with that base, or start over with --fresh"
+        )
 
 
 def _unused_name(path: str) -> str:
@@ -260,7 +296,8 @@ class CheckpointManager:
         records = self._save_phase(step, tmp, lambda: self._write(tmp, tensors, extra, written), written)
         # Every rank ran the write, so no entry is None.
         files = {name: record for rank_records in records if rank_records for name, record in rank_records.items()}
-        self._save_phase(step, tmp, lambda: self._commit(step, tmp, files, with_optimizer), main_only=True)
+        base = base_identity(model)  # every rank: rank 0 hashes, the others wait
+        self._save_phase(step, tmp, lambda: self._commit(step, tmp, files, with_optimizer, base), main_only=True)
         return final
 
     def _save_phase(
@@ -320,14 +357,18 @@ class CheckpointManager:
         save_plain(extra, *self._rank_files(tmp, _rank()), written)
         return written.records
 
-    def _commit(self, step: int, tmp: str, files: dict[str, FileRecord], with_optimizer: bool) -> None:
-        """Rank 0, once every rank's files are written: the manifest, the rename, then the prune."""
+    def _commit(
+        self, step: int, tmp: str, files: dict[str, FileRecord], with_optimizer: bool, base: dict | None
+    ) -> None:
+        """Rank 0, once every rank's files are written: the manifest, the rename, then the prune. `base`: the identity
+        of the base that LoRA adapters were trained on (`base_identity`; None: the checkpoint holds the policy)."""
         manifest = {
             "step": step,
             "world_size": _world_size(),
             "optimizer": with_optimizer,
             "hash": HASH_NAME,
             "files": {name: files[name].to_json() for name in sorted(files)},
+            **({"base": base} if base is not None else {}),
         }
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
@@ -367,12 +408,29 @@ class CheckpointManager:
         model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # DCP's state dict: nested dicts of tensors
         """(the tensors DCP stores, the optimizer's param_groups or None). The param groups (learning rate,
-        betas, parameter names) are plain values: they go to the JSON train state, so DCP holds tensors only."""
+        betas, parameter names) are plain values: they go to the JSON train state, so DCP holds tensors only.
+        With LoRA the trained parameters are the adapters: the frozen base is not stored (it is model.hf_path)."""
+        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
         if optimizer is None:
-            return {"model": get_model_state_dict(model)}, None
-        model_state, optim_state = get_state_dict(model, optimizer)
+            return {"model": get_model_state_dict(model, options=options)}, None
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         param_groups = cast("list[dict[str, Any]]", optim_state["param_groups"])  # torch types every entry alike
         return {"model": model_state, "optimizer": {"state": optim_state["state"]}}, param_groups
+
+    @staticmethod
+    def _set_state(
+        model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, Any], param_groups: Any
+    ) -> None:
+        """The tensors DCP loaded into the model, and into the optimizer with its param groups (the JSON train
+        state's); with LoRA, the adapters and their moments only."""
+        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
+        if optimizer is None:
+            set_model_state_dict(model, tensors["model"], options=options)
+            return
+        optim_state = {"state": tensors["optimizer"]["state"], "param_groups": param_groups}
+        set_state_dict(
+            model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state, options=options
+        )
 
     def _read_train_state(self, path: str) -> tuple[dict[str, Any], bool]:
         """This rank's saved extra state (rank 0's when the checkpoint had fewer ranks), and whether it is its own."""
@@ -421,9 +479,10 @@ class CheckpointManager:
             )
         target = optimizer  # takes the configured settings, also when it starts fresh
         with open(os.path.join(path, MANIFEST)) as f:
-            if not json.load(f).get("optimizer", True):
-                # Saved before the first update: the optimizer starts fresh.
-                optimizer = None
+            manifest = json.load(f)
+        check_base(path, manifest.get("base"), model)
+        if not manifest.get("optimizer", True):
+            optimizer = None  # saved before the first update: the optimizer starts fresh
         if optimizer is not None and extra.get("optimizer_param_groups") is None:
             raise CheckpointError(
                 f"{path} has optimizer state but no optimizer_param_groups in its train state; "
@@ -433,12 +492,7 @@ class CheckpointManager:
         tensors, _ = self._dcp_state(model, optimizer)
         with _single_process_quiet():
             load_tensors(tensors, path)
-        if optimizer is None:
-            set_model_state_dict(model, tensors["model"])
-        else:
-            optim_state = {"state": tensors["optimizer"]["state"], "param_groups": extra["optimizer_param_groups"]}
-            set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_state)
-
+        self._set_state(model, optimizer, tensors, extra.get("optimizer_param_groups"))
         if extra["world_size"] != _world_size():
             warnings.warn(
                 f"{path} was saved with {extra['world_size']} ranks, resuming with {_world_size()}", stacklevel=2

@@ -25,10 +25,11 @@ from model.args import ModelArgs, get_preset
 from model.hf import checkpoint_layout, load_hf, nonfinite_weights_error
 from model.hf_adapter import DTYPES, read_hf_config, to_hf_name
 from model.qwen2 import Qwen2, build_model
+from parallel.lora import adapters_from, adapters_of, reset_adapters
 from parallel.parallelize import parallelize_qwen2
 
 if TYPE_CHECKING:
-    from config.schema import ModelConfig, ParallelismConfig
+    from config.schema import LoRAConfig, ModelConfig, ParallelismConfig
     from parallel.dist_env import DistEnv
 
 
@@ -72,21 +73,28 @@ def copy_into_shards(model: torch.nn.Module, full_tensors: Iterable[tuple[str, t
         raise ValueError(f"no values for {len(params)} parameters, e.g. {sorted(params)[:3]}")
 
 
-def shard_policy(model_cfg: ModelConfig, parallelism: ParallelismConfig, dist_env: DistEnv) -> Qwen2:
-    """Steps 1-3: the parallelised policy with this rank's shards allocated, their values not yet set."""
+def shard_policy(
+    model_cfg: ModelConfig, parallelism: ParallelismConfig, dist_env: DistEnv, lora: LoRAConfig | None = None
+) -> Qwen2:
+    """Steps 1-3: the parallelised policy with this rank's shards allocated, their values not yet set; with
+    lora.enabled, the base frozen and adapters added (parallel/lora.py)."""
     dtype = DTYPES[model_cfg.dtype]
     with torch.device("meta"):
         model = Qwen2(policy_args(model_cfg)).to(dtype)
     model.attention_backend = model_cfg.attention_backend
-    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelism)
+    adapters = adapters_from(lora, model_cfg.hf_path) if lora is not None else None
+    parallelize_qwen2(model, dist_env.mesh, dist_env.dims, parallelism, lora=adapters)
     model.to_empty(device="cpu" if parallelism.cpu_offload else dist_env.device)
     return model
 
 
 def fill_policy(model: Qwen2, model_cfg: ModelConfig, *, seed: int) -> None:
-    """Step 4: this rank's shards from the checkpoint's rows, or from the preset's initialisation at `seed`."""
+    """Step 4: this rank's shards from the checkpoint's rows, or from the preset's initialisation at `seed`; the
+    adapters, if any, from their initialisation at `seed`."""
     if model_cfg.hf_path:
         load_hf_shards(model, model_cfg.hf_path)
+        if adapters_of(model) is not None:
+            reset_adapters(model, seed)
         _refuse_nonfinite_checkpoint(model, model_cfg.hf_path)
         return
     source = build_policy(model_cfg, torch.device("cpu"), seed=seed)
@@ -114,9 +122,14 @@ def _refuse_nonfinite_checkpoint(model: Qwen2, path: str) -> None:
 
 
 def build_sharded_policy(
-    model_cfg: ModelConfig, parallelism: ParallelismConfig, dist_env: DistEnv, *, seed: int
+    model_cfg: ModelConfig,
+    parallelism: ParallelismConfig,
+    dist_env: DistEnv,
+    *,
+    seed: int,
+    lora: LoRAConfig | None = None,
 ) -> Qwen2:
     """The policy, parallelised, holding only this rank's shards, filled (steps 1-4 above)."""
-    model = shard_policy(model_cfg, parallelism, dist_env)
+    model = shard_policy(model_cfg, parallelism, dist_env, lora)
     fill_policy(model, model_cfg, seed=seed)
     return model

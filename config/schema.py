@@ -8,6 +8,7 @@ arXiv 2503.14476 Sec. 4.1 and verl's script). A section's `rules()` yields its c
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -269,6 +270,25 @@ class ParallelismConfig:
     ac_every_k_blocks: int = at_least(0, 0)  # "selective": 0 = per-operator policy, k >= 1 = every k-th block in full
 
 
+# PPO's ratio pi / pi_old compares two forward passes of one policy; dropout would make them two policies
+_ONE_POLICY = "must be 0: the ratio pi / pi_old of Eq. 10 needs one policy, and dropout would draw a new one per pass"
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the frozen base (parallel/lora.py): the trained state is the adapters and their AdamW
+    moments; the engines receive the merged weights W + (alpha / r) B A."""
+
+    enabled: bool = False  # train adapters on every targeted linear of model.hf_path instead of every weight
+    rank: int = at_least(8, 1)  # r (at most the narrowest targeted linear's width)
+    alpha: float = above(32.0, 0)  # the low-rank term is scaled by alpha / r
+    dropout: float = bounded(0.0, lambda v: v == 0, _ONE_POLICY)  # PEFT's lora_dropout: 0 only (see _ONE_POLICY)
+    targets: tuple[LoRATarget, ...] = bounded(  # the adapted linears of every block; default all seven
+        typing.get_args(LoRATarget), lambda v: 0 < len(v) == len(set(v)), "must name at least one linear, each once"
+    )
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = True  # write distributed checkpoints into the run folder
@@ -332,6 +352,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -362,6 +383,11 @@ class Config:
     def rules(self) -> Iterator[Rule]:
         """The rules that span sections."""
         alg, ro = self.algorithm, self.rollout
+        yield (
+            "lora.enabled",
+            not self.lora.enabled or bool(self.model.hf_path),
+            "needs model.hf_path: adapters train on a pretrained base, and a preset's weights are random",
+        )
         yield (
             "algorithm.overlong_buffer",
             not alg.overlong_penalty or alg.overlong_buffer <= ro.max_response_length,

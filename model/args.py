@@ -63,6 +63,8 @@ PRESETS: dict[str, ModelArgs] = {
     # Qwen/Qwen2.5-Math-1.5B: the 1.5B shapes with a 4,096-token context and RoPE base 10,000.
     "qwen2.5-math-1.5b": ModelArgs(151936, 1536, 28, 12, 2, 8960, 1e4, 1e-6, True, 4096),
     "qwen2.5-3b": ModelArgs(151936, 2048, 36, 16, 2, 11008, 1e6, 1e-6, True, 32768),
+    # Qwen/Qwen2.5-Math-7B: the 7B shapes with a 4,096-token context and RoPE base 10,000.
+    "qwen2.5-math-7b": ModelArgs(152064, 3584, 28, 28, 4, 18944, 1e4, 1e-6, False, 4096),
     "qwen2.5-7b": ModelArgs(152064, 3584, 28, 28, 4, 18944, 1e6, 1e-6, False, 131072),
     "qwen2.5-14b": ModelArgs(152064, 5120, 48, 40, 8, 13824, 1e6, 1e-5, False, 131072),
     "qwen2.5-32b": ModelArgs(152064, 5120, 64, 40, 8, 27648, 1e6, 1e-5, False, 131072),

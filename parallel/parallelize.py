@@ -1,8 +1,10 @@
-"""Apply every parallelism to a Qwen2 model, in the one order that composes: TP -> AC -> compile -> FSDP.
+"""Apply every parallelism to a Qwen2 model, in the one order that composes: TP -> LoRA -> AC -> compile -> FSDP.
 
 Why this order:
   1. Tensor parallelism first: it replaces parameters by DTensors sharded over the tp mesh and installs the
      input/output redistribution hooks that every later step must see as part of the module.
+  LoRA adapters (parallel/lora.py), when trained, come right after TP: they are laid out to match its plan and
+     their forward hook must run before its output hook; FSDP then shards them with their block.
   2. Activation checkpointing wraps each block's forward, so that compile traces the checkpointed region
      (and can apply its own recompute decisions inside it).
   3. Compile per block, after AC and before FSDP, so FSDP's hooks stay outside the compiled graphs.
@@ -15,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from model.hf_adapter import to_dtype
 from parallel.activation_checkpoint import apply_ac
 from parallel.compile import apply_compile
 from parallel.dims import ParallelDims
 from parallel.fsdp import apply_fsdp
+from parallel.lora import Adapters, apply_lora
 from parallel.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
@@ -36,6 +41,7 @@ def parallelize_qwen2(
     parallelism: ParallelismConfig | None = None,
     *,
     compile_backend: str = "inductor",
+    lora: Adapters | None = None,
     **overrides: Any,  # fields of ParallelismConfig, each a value of its field's type
 ) -> Qwen2:
     """Parallelise `model` in place over `mesh` (from `dims.build_mesh`) and return it.
@@ -44,7 +50,8 @@ def parallelize_qwen2(
     are `dims`', the rest are the switches read here. Its fields may also be passed as keyword arguments
     (`compile=True`, `param_dtype=torch.float32` or `"float32"`, ...), which leave the section unchanged.
     FSDP wraps the model when there is data parallelism or mixed precision (param_dtype != the model's
-    dtype). Without a mesh (single process, no process group), only AC and compile apply.
+    dtype). Without a mesh (single process, no process group), only AC and compile apply. `lora`: the adapters to
+    train on the frozen model (parallel/lora.py; None: every weight is trained).
     """
     if parallelism is None:
         from config.schema import ParallelismConfig  # the defaults only; no import of config otherwise
@@ -57,7 +64,10 @@ def parallelize_qwen2(
         raise ValueError("parallelize_qwen2 needs the mesh returned by dims.build_mesh(...)")
     # Mixed precision is FSDP's MixedPrecisionPolicy, so a single data-parallel rank that trains in bf16
     # still gets a (size-1) FSDP wrapping: fp32 master weights, bf16 compute.
-    mixed_precision = param_dtype != next(model.parameters()).dtype
+    # (A float32 adapter on a bfloat16 base: mixed too.)
+    mixed_precision = param_dtype != next(model.parameters()).dtype or (
+        lora is not None and param_dtype != torch.float32
+    )
     if mixed_precision and mesh is None:
         raise ValueError(
             f"param_dtype {param_dtype} differs from the model's dtype; mixed precision runs through FSDP "
@@ -66,6 +76,8 @@ def parallelize_qwen2(
 
     if dims.tp_enabled:
         apply_tp(model, dims.tp_mesh())
+    if lora is not None:
+        apply_lora(model, lora)
     # ac_every_k_blocks 0 is the per-operator policy of selective AC, k >= 1 every k-th block in full.
     apply_ac(model, config.activation_checkpoint, selective=config.ac_every_k_blocks or "op")
     if config.compile:

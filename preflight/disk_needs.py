@@ -2,7 +2,8 @@
 
     checkpoint in         the HF checkpoint of model.hf_path, in its stored dtype (bf16 for Qwen2.5's releases)
     training checkpoint   one DCP checkpoint (checkpoint/manager.py): the parameters in the training dtype
-                          and AdamW's two moments (exp_avg, exp_avg_sq) in the same dtype, P x 3 x dtype bytes
+                          and AdamW's two moments (exp_avg, exp_avg_sq) in the same dtype, P x 3 x dtype bytes;
+                          with LoRA the adapters alone, in float32 (parallel/lora.py)
     at once               checkpoint.keep_latest_k + 1 of them: a new one is written and verified before the
                           oldest is pruned (CheckpointManager.save renames it complete, then _prune);
                           keep_latest_k = 0 keeps one per checkpoint.interval steps
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.args import ModelArgs, num_params
+from model.qwen2 import Qwen2
+from parallel.lora import adapter_count
 
 if TYPE_CHECKING:
     from config import Config
@@ -46,7 +49,11 @@ def run_disk_bytes(cfg: Config, args: ModelArgs) -> dict[str, int]:
     count = num_params(args)
     stored, on_disk = checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
     dtype_bytes = DTYPES[cfg.model.dtype].itemsize
-    one = 3 * count * dtype_bytes if cfg.checkpoint.enabled else 0
+    trained, trained_bytes = count, dtype_bytes
+    if cfg.lora.enabled:  # the adapters and their moments, float32
+        with torch.device("meta"):
+            trained, trained_bytes = adapter_count(Qwen2(args), cfg.lora.rank, cfg.lora.targets), 4
+    one = 3 * trained * trained_bytes if cfg.checkpoint.enabled else 0
     keep = cfg.checkpoint.keep_latest_k
     at_once = keep + 1 if keep else cfg.training.steps // cfg.checkpoint.interval + 1
     needs = {

@@ -207,7 +207,8 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     process = int(reh.host_process_gb * GB)
     stored, checkpoint_bytes = checkpoint_dtype_and_bytes(cfg.model.hf_path, args)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in policy.parameters()]
-    pinned = sum(pinned_block_bytes(t.numel() * t.element_size()) for t in shards) if offload else 0
+    pinned = [pinned_block_bytes(t.numel() * t.element_size()) if offload else 0 for t in shards]
+    trained = [size for size, p in zip(pinned, policy.parameters()) if p.requires_grad]  # LoRA: frozen ones get none
     ranks_per_node = min(reh.world_size, reh.gpus_per_node)
     # The most requests an engine returns at once: a round's groups from each of its rollout.tp_size ranks.
     requests = -(-cfg.prompts_per_round // max(1, reh.world_size // cfg.parallelism.tp)) * ro.n * ro.tp_size
@@ -215,8 +216,8 @@ def host_facts(cfg: Config, policy: Qwen2, args: ModelArgs) -> HostFacts:
     return HostFacts(
         process=process,
         load=load_transient_bytes(policy, stored, shards_on_device=not offload),
-        pinned_params=pinned,
-        pinned_grads=pinned,  # the gradient shards have the parameters' shapes and dtype
+        pinned_params=sum(pinned),
+        pinned_grads=sum(trained),  # the gradient shards have their parameters' shapes and dtype
         staging=max(t.numel() for t in shards) * DTYPES[ro.dtype].itemsize if offload else 0,
         engine_per_gpu=process if sglang else 0,
         engine_per_engine=ENGINE_PROCESSES_PER_ENGINE * process if sglang else 0,

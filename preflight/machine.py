@@ -3,18 +3,19 @@
 A recipe written for GPUs (configs/dapo_32b.toml, dapo_7b.toml) meets a CPU machine, a node with fewer GPUs
 than processes, or a launch whose process count does not fit the parallel layout. Each of these would stop
 the run only after the data and the model are loaded, one error at a time. `machine_fixes` finds all of
-them at once from the configuration and a `Machine` (what `probe_machine` reads: CUDA devices, SGLang,
-a C++ compiler, torchrun's process counts), before anything is loaded.
+them at once from the configuration and a `Machine` (what `probe_machine` reads: CUDA devices, SGLang and
+whether its CPU backend runs here, a C++ compiler, torchrun's process counts), before anything is loaded.
 
 Only settings that cannot run are listed, each with the value that runs and why. Settings that are merely
 unused on a CPU are left alone: `rollout.cuda_graphs` (the torch engine captures graphs only on CUDA),
-`rollout.mem_fraction_static` and `rollout.tp_size` (SGLang only), and `parallelism.cpu_offload` in a
+`rollout.mem_fraction_static` (SGLang on GPUs only), and `parallelism.cpu_offload` in a
 single CPU process (no FSDP wrapping there; with several CPU processes FSDP refuses it).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import math
 import os
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ class Machine:
     cuda_devices: int = 0  # CUDA devices this process sees (0: CPU only)
     cuda_capability: tuple[int, int] | None = None  # compute capability of the first one
     sglang_version: str | None = None  # installed sglang release, None when absent
+    sglang_cpu: str | None = None  # why SGLang's CPU backend cannot run here (None: it can; see _sglang_cpu_problem)
+    cpu_amx: bool = False  # the CPU has AMX tiles: SGLang's CPU kernels then take over, in bf16 / fp16 only
     cxx_compiler: bool = True  # a C++ compiler for torch.compile's CPU kernels (inductor)
     world_size: int = 1  # processes of this launch (torchrun's WORLD_SIZE; 1 without torchrun)
     local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
@@ -67,8 +70,24 @@ def _cxx_compiler_found() -> bool:
     return True
 
 
+def _sglang_cpu_problem(environ: Mapping[str, str]) -> str | None:
+    """Why SGLang's CPU backend (docs/sglang-cpu.md) cannot run on this machine, or None. Its kernel library
+    (sgl_kernel) is compiled for AVX-512 with AMX (x86-64-v4); with AMX SGLang runs its own kernels, without it
+    the torch-native fallback. SGLang takes the CPU only with SGLANG_USE_CPU_ENGINE=1 (srt/utils/common.py is_cpu)."""
+    import torch
+
+    if not (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported()):
+        return "its kernel library needs AVX-512 or AMX, which this CPU lacks"
+    if environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return "SGLang runs on a CPU only with SGLANG_USE_CPU_ENGINE=1 in the environment"
+    if importlib.util.find_spec("sglang") and not importlib.util.find_spec("sgl_kernel"):  # else: the version rule
+        return "its kernel library (sgl_kernel) is not installed; build it from SGLang's source (docs/sglang-cpu.md)"
+    return None
+
+
 def probe_machine(environ: Mapping[str, str] | None = None) -> Machine:
-    """This process's machine: CUDA devices, the sglang release, a C++ compiler, torchrun's process counts."""
+    """This process's machine: CUDA devices, the sglang release and, without CUDA, whether its CPU backend runs,
+    a C++ compiler, torchrun's process counts."""
     import torch
 
     environ = os.environ if environ is None else environ
@@ -82,6 +101,8 @@ def probe_machine(environ: Mapping[str, str] | None = None) -> Machine:
         cuda_devices=cuda,
         cuda_capability=torch.cuda.get_device_capability(0) if cuda else None,
         sglang_version=sglang,
+        sglang_cpu=None if cuda else _sglang_cpu_problem(environ),
+        cpu_amx=torch.cpu._is_amx_tile_supported(),
         cxx_compiler=cuda > 0 or _cxx_compiler_found(),
         world_size=world_size,
         local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
@@ -181,35 +202,34 @@ def _fix_batch_sizes(fixer: _Fixer, dp: int) -> None:
 
 
 def _fix_engine(fixer: _Fixer, machine: Machine) -> None:
-    """Rollout engine: SGLang runs only on CUDA GPUs, and only the release its engine is written against."""
+    """Rollout engine: SGLang runs on CUDA GPUs and on CPUs its CPU backend supports (`Machine.sglang_cpu`), and
+    only the release its engine is written against."""
     from rollout.sglang_engine import SGLANG_VERSION
 
     value, fix = fixer.value, fixer.fix
     if value("rollout.engine") != "sglang":
         return
-    if not machine.cuda_devices:
-        fix(
-            "rollout.engine",
-            "torch",
-            "SGLang runs only on CUDA GPUs and this machine has none; the torch engine runs everywhere",
-        )
+    found = f"sglang {machine.sglang_version} is installed" if machine.sglang_version else "sglang is not installed"
+    if not machine.cuda_devices and machine.sglang_cpu:
+        fix("rollout.engine", "torch", f"SGLang on a CPU: {machine.sglang_cpu}; the torch engine runs everywhere")
     elif machine.sglang_version != SGLANG_VERSION:
-        found = f"sglang {machine.sglang_version} is installed" if machine.sglang_version else "sglang is not installed"
         fix(
             "rollout.engine",
             "torch",
-            f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} "
-            "(pip install -r requirements-gpu.txt); or use the torch engine",
+            f"the SGLang engine needs sglang=={SGLANG_VERSION} and {found} (pip install -r requirements-gpu.txt; "
+            "on a CPU docs/sglang-cpu.md); or use the torch engine",
         )
-    else:
+    elif not machine.cuda_devices and machine.cpu_amx and value("rollout.dtype") == "float32":
+        # Their norms and attention dispatch bf16 / fp16 only (sgl_kernel's norm.cpp, decode.cpp, extend.cpp).
+        fix("rollout.dtype", "bfloat16", "SGLang's AMX kernels compute in bf16 or fp16 only, not in float32")
+    elif machine.local_world_size % value("rollout.tp_size"):
         engine_tp = value("rollout.tp_size")
-        if machine.local_world_size % engine_tp:
-            fix(
-                "rollout.tp_size",
-                math.gcd(engine_tp, machine.local_world_size),
-                f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
-                f"runs {machine.local_world_size}",
-            )
+        fix(
+            "rollout.tp_size",
+            math.gcd(engine_tp, machine.local_world_size),
+            f"one SGLang engine spans rollout.tp_size consecutive processes of one node, and this node "
+            f"runs {machine.local_world_size}",
+        )
 
 
 def _fix_precision(fixer: _Fixer, machine: Machine) -> None:

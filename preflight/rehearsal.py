@@ -272,7 +272,7 @@ class _Phases(StepPhases):
 
         cfg = self.cfg
         with self.build_tracker:
-            self.policy = policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env)
+            self.policy = policy = shard_policy(cfg.model, cfg.parallelism, self.dist_env, cfg.lora)
             if fill:
                 fill_policy(policy, cfg.model, seed=cfg.job.seed)
             return_cached_memory(self.dist_env)
@@ -303,7 +303,8 @@ class _Phases(StepPhases):
         # the fused one (parallel/adamw.py: no temporaries); the fake CPU device must be told which the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
         fused = fused_adamw(self.ledger.offload)
-        optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused, foreach=not fused)
+        trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only, as trainer/build.py
+        optimizer, scheduler = build_optimizer(trained, cfg.optimizer, fused=fused, foreach=not fused)
         self.update = TrainPhase(cfg, policy, optimizer, scheduler, self.dist_env, TrainWatch(no_display))
         self.tracker = FSDPMemTracker(policy, optimizer)
         self.step(1)

@@ -79,6 +79,24 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _mapped_files(pid: int | str) -> set[str]:
+    """The files under /dev/shm that process `pid` maps (Linux /proc)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(maxsplit=5)[5].rstrip("\n") for line in f if " /dev/shm/" in line}
+
+
+def shared_memory_files(group: int) -> set[str]:
+    """The named /dev/shm files that processes of process group `group` map and this process does not."""
+    if not os.path.isdir("/proc"):
+        return set()
+    found: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if os.getpgid(int(pid)) == group:
+                found |= _mapped_files(pid)
+    return {path for path in found - _mapped_files(os.getpid()) if not path.endswith(" (deleted)")}
+
+
 def _reply(conn: Connection, status: str, value: object) -> None:
     try:
         conn.send((status, value))
@@ -152,9 +170,11 @@ class EngineProcess:
         # Ended before multiprocessing joins its children at exit (a non-daemon child: SGLang's engine starts
         # processes of its own, which a daemon may not), also when the owner never called close().
         self._finalizer = multiprocessing.util.Finalize(self, self.close, exitpriority=10)
+        self.shm_files: set[str] = set()  # what the engine leaves in /dev/shm: removed when it ends
         try:
             self.group = self._receive("start", START_TIMEOUT_S)
             self._receive("start", START_TIMEOUT_S)
+            self.shm_files = shared_memory_files(self.group)
         except BaseException:
             self.close(timeout_s=10)
             raise
@@ -196,12 +216,18 @@ class EngineProcess:
         raise EngineDied(self.dead)
 
     def _end_group(self) -> None:
-        """SIGKILL what is left of the engine's process group (SGLang's own processes)."""
+        """SIGKILL what is left of the engine's process group (SGLang's own processes), then remove the /dev/shm
+        files it mapped at start, which no SGLang shutdown removes (a CPU engine's all-reduce buffer of sgl_kernel's
+        shm.cpp, 258 MiB; its load snapshot of srt/managers/load_snapshot.py)."""
         if self.group is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.group, signal.SIGKILL)
             self.group = None
         self.process.join(timeout=10)
+        for path in self.shm_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self.shm_files = set()
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Shut the engine down (its own shutdown), wait up to timeout_s, then end its process group."""

@@ -62,8 +62,8 @@ class EngineSpec:
         )
 
     def sglang_engine(self, model_path: str, **placement: Any) -> Engine:
-        """An SGLang engine over the checkpoint `model_path` with the [rollout] settings; `placement`: its GPUs,
-        group and context."""
+        """An SGLang engine over the checkpoint `model_path` with the [rollout] settings; `placement`: its GPUs (or
+        the CPU: device "cpu"), group and context."""
         from rollout.sglang_engine import SGLangEngine
 
         ro = self.rollout
@@ -74,6 +74,7 @@ class EngineSpec:
             dtype=ro.dtype,
             seed=self.seed,
             call_timeout_s=ro.call_timeout_s,
+            max_batch_size=ro.max_batch_size,
             **placement,
         )
 
@@ -104,11 +105,14 @@ class EngineSpec:
     def start_from_checkpoint(self, model_dir: str, longest_prompt: int, max_new_tokens: int) -> Engine:
         """The engine over an HF checkpoint directory, on the GPU when there is one (eval.py). It never holds
         more context than the longest prompt plus `max_new_tokens`, nor more than the model's."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.rollout.engine == "sglang":
-            return self.sglang_engine(model_dir)
+            from rollout.sglang_engine import context_length_for
+
+            context = context_length_for(longest_prompt, max_new_tokens)
+            return self.sglang_engine(model_dir, device=None if device == "cuda" else device, context_length=context)
         from model.hf import load_hf
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         model = load_hf(model_dir, dtype=self.dtype, device=device)
         max_seq_len = min(model.args.max_position_embeddings, longest_prompt + max_new_tokens)
         if max_seq_len < longest_prompt + max_new_tokens:

@@ -8,6 +8,10 @@ Start: `sglang.Engine(model_path, tp_size, base_gpu_id, mem_fraction_static, ena
 skip_tokenizer_init=True, dtype, random_seed)`, in a child process that owns it (rollout/engine_process.py:
 SGLang's crash handling SIGKILLs the owner's process tree, its first request installs a SIGTERM handler). Every
 call crosses that process's pipe; once it has ended, every call raises EngineDied on every rank of the group.
+On a CPU (`device` "cpu"; SGLang's CPU backend, docs/sglang-cpu.md, preflight/machine.py) there is no memory
+saver (CUDA only), the KV pool holds max_batch_size full contexts (`max_total_tokens`: SGLang would otherwise
+commit a share of the host's memory at start), and a head size that is not a multiple of 32 takes SGLang's
+torch-native attention (its AMX kernels need one).
 
 Generation (submit / poll, rollout/engine.py): the leader records every rank's prompts and runs each prompt's n
 samples as one batch of `Engine.async_generate(input_ids, sampling_params, return_logprob=True)` in the engine's
@@ -29,7 +33,9 @@ seeds exist only in its deterministic mode, where a prompt's n samples would com
 Weight updates, in one session per sync: the first bucket opens it (begin_weight_update, after
 resume_memory_occupation(["weights"]) if they were released), each bucket is one update_weights_from_tensor(
 payloads, load_format="flattened_bucket", flush_cache=False), and resume_memory() or the next submit closes it
-(end_weight_update, flush_cache). A bucket is flattened into one uint8 tensor plus metadata (SGLang's
+(end_weight_update, flush_cache). Every sync pushes every weight: on SGLang's AMX CPU path a session that
+updates only some weights re-packs the others a second time, corrupting them (docs/sglang-cpu.md). A bucket is
+flattened into one uint8 tensor plus metadata (SGLang's
 FlattenedTensorBucket) and serialized with its MultiprocessingSerializer: a CUDA tensor travels as a CUDA IPC
 handle. SGLang's TP rank i opens payload i, each payload a serialization of its own (a CUDA IPC reference is
 released once per serialization). With a group (one trainer rank per SGLang TP rank, on the same GPUs) each rank
@@ -40,8 +46,9 @@ returned, then collects CUDA IPC handles (torch.cuda.ipc_collect): torch keeps a
 until then, and every bucket of the sync would still be reserved when the engine maps its KV cache back. Tensors
 are on this rank's GPU (`device`: rollout/weight_sync.py moves offloaded shards there), named as Hugging Face's.
 
-Memory (colocated with the trainer): release_memory() releases RELEASED_TAGS (KV cache, weights; the CUDA graphs
-stay); resume_memory() ends an update session and maps the rest back. Released weights are discarded, not
+Memory (colocated with the trainer): release_memory() waits until the scheduler is idle (flush_cache answers
+success: SGLang asserts it), then releases RELEASED_TAGS (KV cache, weights; the CUDA graphs stay); resume_memory()
+ends an update session and maps the rest back. On a CPU both free and map nothing. Released weights are discarded, not
 offloaded: every weight must be pushed again before resume_memory(), which names the missing ones otherwise.
 
 Deadlines: every call into the engine process must answer within `call_timeout_s` (rollout.call_timeout_s): a
@@ -59,12 +66,14 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+from model.args import ModelArgs
 from model.hf_adapter import dtype_name, hf_shapes, read_hf_config, to_dtype
 from rollout.engine import EngineDied, Polled, SamplingParams, checked_bucket, validate_prompts
 from rollout.engine_process import EngineCallError, EngineProcess, describe
@@ -136,6 +145,14 @@ def context_length_for(max_prompt_length: int, max_new_tokens: int) -> int:
     return max_prompt_length + max_new_tokens - 1 + PROMPT_MARGIN
 
 
+def cpu_server_args(args: ModelArgs, context_length: int, max_batch_size: int) -> dict[str, object]:
+    """What SGLang's CPU backend takes beyond a GPU's arguments (module doc): no memory saver (torch_memory_saver is
+    CUDA only), a KV pool of max_batch_size full contexts, and torch's attention for a head size that SGLang's AMX
+    attention kernels cannot take (a multiple of 32; without AMX SGLang uses torch's anyway)."""
+    backend = {"attention_backend": "torch_native"} if args.head_dim % 32 else {}
+    return dict(device="cpu", enable_memory_saver=False, max_total_tokens=max_batch_size * context_length, **backend)
+
+
 class SGLangEngine:
     """Rollout engine backed by sglang.Engine (see the module docstring for every protocol step).
 
@@ -165,15 +182,16 @@ class SGLangEngine:
         device: torch.device | str | None = None,
         call_timeout_s: float = 600.0,
         poll_s: float = 1.0,
+        max_batch_size: int = 64,
     ) -> None:
-        dtype = to_dtype(dtype)  # config files name dtypes as strings
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.args = read_hf_config(model_path)
         self.weight_shapes = hf_shapes(self.args)  # {HF name: shape}: what update_weights accepts
-        self.dtype = dtype
+        self.dtype = dtype = to_dtype(dtype)  # config files name dtypes as strings
         self.tp_size = tp_size
-        self.context_length = context_length or self.args.max_position_embeddings
+        longest = self.args.max_position_embeddings  # SGLang refuses a longer context
+        self.context_length = min(context_length or longest, longest)
         self.call_timeout_s = call_timeout_s  # each call's deadline (module doc)
         self.group = group
         self.device = torch.device(device) if device is not None else None
@@ -192,7 +210,7 @@ class SGLangEngine:
         self._in_flight = 0  # groups submitted and not yet returned
         self._ledger = GroupLedger()  # the leader's record of them (rollout/sglang_groups.py)
         self.poll_s = poll_s
-        launch = dict(
+        launch: dict[str, object] = dict(
             model_path=model_path,
             tp_size=tp_size,
             base_gpu_id=base_gpu_id,
@@ -203,6 +221,8 @@ class SGLangEngine:
             random_seed=seed,
             context_length=self.context_length,
         )
+        if self.device is not None and self.device.type == "cpu":  # SGLang's CPU backend
+            launch.update(cpu_server_args(self.args, self.context_length, max_batch_size))
 
         def start() -> None:
             self._engine = self._launch(**launch)
@@ -229,7 +249,10 @@ class SGLangEngine:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         # CUDA IPC handles then name the device by UUID, so the receiver finds it whatever its CUDA_VISIBLE_DEVICES.
-        monkey_patch_torch_reductions()
+        # Only for CUDA tensors: the patch rewrites every tensor's reduction for CUDA's, and a CPU tensor (SGLang's
+        # CPU backend: torch's shared-memory reduction) no longer pickles.
+        if any(tensor.is_cuda for _, tensor in bucket):
+            monkey_patch_torch_reductions()
         flat = FlattenedTensorBucket(named_tensors=bucket)
         return {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, flat
 
@@ -313,6 +336,20 @@ class SGLangEngine:
         if getattr(result, "success", True) is False:
             raise RuntimeError(f"{method} refused: {getattr(result, 'message', '') or 'the engine was not idle'}")
 
+    def _wait_until_idle(self) -> None:
+        """Leader only: flush_cache until SGLang answers success, for at most call_timeout_s. Every generation has
+        returned, but a finished request stays in the scheduler's last batch until its next loop (srt/managers/
+        scheduler.py Scheduler.event_loop_normal sets last_batch after sending the outputs; is_fully_idle needs it
+        empty), and release_memory_occupation asserts idleness (a crash); flush_cache checks the same, answering."""
+        deadline = time.monotonic() + self.call_timeout_s
+        while not self._call("flush_cache").success:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the SGLang scheduler was still busy {self.call_timeout_s:,.0f} s after every request came back "
+                    "(flush_cache kept answering False): its memory cannot be released"
+                )
+            time.sleep(0.01)
+
     def _end_session(self) -> None:
         """Leader only: close an open update session and drop cached prefixes computed with old weights."""
         if self._session_open:
@@ -373,9 +410,12 @@ class SGLangEngine:
                 torch.cuda.ipc_collect()
 
     def release_memory(self) -> None:
-        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS)."""
+        """Free the KV cache and the weights while the trainer runs (the CUDA graphs stay: RELEASED_TAGS), once the
+        scheduler is idle (`_wait_until_idle`). On a CPU this frees nothing: without the memory saver (CUDA only)
+        SGLang's release and resume keep the memory; they still run, so the protocol is the same everywhere."""
 
         def release() -> None:
+            self._wait_until_idle()
             self._end_session()
             self._call("release_memory_occupation", tags=list(RELEASED_TAGS))
             self._released, self._pushed = set(RELEASED_TAGS), set()

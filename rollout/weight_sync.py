@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from model.hf_adapter import iter_hf_tensors
-from parallel.plain_names import plain_named_parameters
+from parallel.lora import merged_parameters
 
 Shards = list[tuple[str, torch.Tensor]]  # (HF name, this rank's shard) of one bucket
 
@@ -75,7 +75,7 @@ def iter_weight_buckets(
         reshard_gathered(model)  # read the fp32 master shards, not copies a no-grad forward left gathered
     # Detached parameters: nothing here records a graph (and no grad mode is held across a yield, where the
     # consumer runs, or left behind by a consumer that stops part-way).
-    tensors = iter_hf_tensors(plain_named_parameters(model))
+    tensors = iter_hf_tensors(merged_parameters(model))  # LoRA: W + (alpha / r) B A, its adapters gathered here
     for index in itertools.count(1):
         ready = functools.partial(next_shards, tensors, bucket_bytes, dtype, device)
         shards = together(f"the weight sync's bucket {index} (its shards, before their gathers)", ready)

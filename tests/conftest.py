@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
 
     has_cuda = torch.cuda.is_available()
     has_sglang = importlib.util.find_spec("sglang") is not None
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+    for item in items:  # by marker: keywords also hold the names of the folders above the test
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none is available"))
-        if "sglang" in item.keywords and not has_sglang:
+        if item.get_closest_marker("sglang") and not has_sglang:
             item.add_marker(pytest.mark.skip(reason="needs the sglang package (requirements-gpu.txt); not installed"))

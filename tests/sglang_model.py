@@ -17,12 +17,20 @@ refuses. Every rule names the function of the sglang 0.5.21 wheel it comes from 
   sys.exit(0) out of the next call (TokenizerManager.auto_create_handle_loop, sigterm_watchdog); the
   model raises SystemExit(0) from the first call after a SIGTERM.
 * Memory tags: release_memory_occupation with no tags releases all of GPU_MEMORY_ALL_TYPES
-  (sglang/srt/constants.py) and asserts the scheduler is idle; resume_memory_occupation removes each tag
-  from offload_tags (a set: resuming a tag that was not released raises KeyError) and maps the memory
+  (sglang/srt/constants.py) and asserts the scheduler is idle (see "Idle" below); resume_memory_occupation
+  removes each tag from offload_tags (a set: resuming a tag that was not released raises KeyError) and maps the memory
   back (srt/managers/scheduler_components/weight_updater.py SchedulerWeightUpdaterManager.
   release_memory_occupation / resume_memory_occupation; srt/utils/torch_memory_saver_adapter.py
   _TorchMemorySaverAdapterReal.pause / resume). Mapping back more than the GPU has free fails. Resume
-  has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either.
+  has no idle check in 0.5.21 (only release asserts is_fully_idle), so the model has none either. Without
+  enable_memory_saver (SGLang's CPU backend: the saver is CUDA only) the adapter is a no-op
+  (srt/utils/torch_memory_saver_adapter.py _TorchMemorySaverAdapterNoop): the calls run, and free nothing.
+* Idle: is_fully_idle needs the running batch and the last batch empty (srt/managers/scheduler.py
+  Scheduler.is_fully_idle). The scheduler's loop runs a batch, sends the outputs of the requests it finished,
+  and only then sets last_batch to it; the next loop takes requests in first (Scheduler.event_loop_normal). So a
+  release that arrives right after the last output reached the caller finds that batch there: the assertion's
+  crash. The model keeps a step's finished requests in its last batch for `retire_s` seconds, the scheduler's
+  next loop (SGLang's runs in its own process, whatever the caller does).
 * Weight-update sessions: begin_weight_update with a session open, end_weight_update without one, and
   update_weights_from_tensor outside one return (False, message); they do not raise
   (SchedulerWeightUpdaterManager.begin_weight_update / end_weight_update / update_weights_from_tensor).
@@ -327,6 +335,7 @@ class StrictSGLang:
     gpus: one FakeGPU per TP rank (default: tp_size GPUs of 80 GiB with nothing else on them).
     abort: (batch number, request number) pairs whose request the scheduler aborts (batches count from 0).
     untagged_bytes, disable_cuda_graph: passed to plan_engine_memory.
+    retire_s: how long the requests a step finished stay in the last batch (the "Idle" rule).
     Test controls, by call kind ("async_generate", "release", "resume", "begin", "end", "update", "flush"):
     crash: {kind: k}: the scheduler hits an exception in the k-th call of that kind (from 1) and the
         process ends as SGLang's does; hang: {kind: k}: the k-th call of that kind never returns; delay:
@@ -351,9 +360,10 @@ class StrictSGLang:
         max_running=None,
         tick_s=0.001,
         stall_after=None,
+        retire_s=0.01,
         **launch,
     ):
-        assert launch.get("enable_memory_saver") and launch.get("skip_tokenizer_init"), launch
+        assert launch.get("skip_tokenizer_init"), launch
         # Engine's launch installs its SIGQUIT handler in the process that owns the engine (main thread only).
         signal.signal(signal.SIGQUIT, _kill_own_tree)
         self.launch = launch
@@ -380,6 +390,7 @@ class StrictSGLang:
         self.offload_tags: set[str] = set()
         self.session = None
         self.running = 0  # requests the scheduler is working on (is_fully_idle is False while > 0)
+        self.retire_s, self.last_batch_until = retire_s, 0.0  # finished requests stay in the last batch until then
         self.abort = set(abort)
         self.crash, self.hang, self.delay, self.announce = (
             dict(crash or {}),
@@ -409,8 +420,12 @@ class StrictSGLang:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
+    def _held(self) -> int:
+        """Bytes per GPU the engine holds: without the memory saver nothing is ever released."""
+        return self.plan.held(self.offload_tags if self.launch.get("enable_memory_saver") else ())
+
     def _hold(self) -> None:
-        held = self.plan.held(self.offload_tags)
+        held = self._held()
         for gpu in self.gpus:
             gpu.engine = held
 
@@ -447,7 +462,7 @@ class StrictSGLang:
 
     def release_memory_occupation(self, tags=None):
         self._call("release", ("release", tuple(tags or ())))
-        if self.running:
+        if not self._idle():
             self._die(AssertionError("release_memory_occupation should be called only when server is idle."))
         tags = list(tags) if tags else list(MEMORY_TAGS)
         self.offload_tags.update(tags)
@@ -458,12 +473,12 @@ class StrictSGLang:
     def resume_memory_occupation(self, tags=None):
         self._call("resume", ("resume", tuple(tags or ())))
         tags = list(tags) if tags else list(MEMORY_TAGS)
-        before = self.plan.held(self.offload_tags)
+        before = self._held()
         for tag in tags:
             if tag not in self.offload_tags:
                 self._die(KeyError(tag))  # offload_tags.remove(tag)
             self.offload_tags.remove(tag)
-        need = self.plan.held(self.offload_tags) - before  # what is mapped back now
+        need = self._held() - before  # what is mapped back now
         for rank, gpu in enumerate(self.gpus):
             if gpu.free < need:
                 self._die(
@@ -480,10 +495,11 @@ class StrictSGLang:
             return types.SimpleNamespace(success=False, message=self.fail_next.pop("flush"))
         return self._flush()
 
+    def _idle(self) -> bool:  # Scheduler.is_fully_idle
+        return not self.running and time.monotonic() >= self.last_batch_until
+
     def _flush(self):  # FlushCacheReqOutput
-        if self.running:
-            return types.SimpleNamespace(success=False, message="")
-        return types.SimpleNamespace(success=True, message="")
+        return types.SimpleNamespace(success=self._idle(), message="")
 
     # -- weight updates ------------------------------------------------------------------------
 
@@ -632,9 +648,10 @@ class StrictSGLang:
                 self.tokenizer_manager.rid_to_state[r.rid].output_ids = list(r.tokens)
 
     def _finish(self, r, reason) -> None:
-        if r in self.held:
+        if r in self.held:  # finished by a step: in its last batch until the next loop
             self.held.remove(r)
             self.running -= 1
+            self.last_batch_until = time.monotonic() + self.retire_s
         del self.tokenizer_manager.rid_to_state[r.rid]
         r.output.set_result(_output(r.tokens, r.logprobs, reason, len(r.input_ids), r.rid))
 

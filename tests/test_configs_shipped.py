@@ -338,11 +338,58 @@ def test_dapo_1_5b_memory_budget_arithmetic():
     assert cfg.training.micro_batch_tokens == 4 * seq and small.training.micro_batch_tokens == 2 * seq
 
 
+def test_the_7b_lora_recipe_is_the_one_gpu_run_on_qwen2_5_math_7b_with_adapters_and_its_arithmetic():
+    """configs/dapo_7b_lora_1gpu.toml: dapo_1.5b.toml's run on the 7B model with LoRA on every linear, and the numbers
+    of its header recomputed from the qwen2.5-math-7b preset."""
+    import torch
+
+    from model.qwen2 import Qwen2
+    from parallel.lora import adapter_count
+
+    one_gpu, cfg = load("dapo_1.5b.toml"), load("dapo_7b_lora_1gpu.toml")
+    assert differences(one_gpu, cfg) == {
+        "job.name",
+        "model.hf_path",
+        "model.dtype",
+        "lora.enabled",
+        "lora.rank",
+        "optimizer.lr",
+        "parallelism.activation_checkpoint",
+        "rollout.mem_fraction_static",
+        "rehearse.preset",
+    }
+    assert (cfg.model.hf_path, cfg.model.dtype, cfg.lora.rank, cfg.lora.alpha) == (
+        "Qwen/Qwen2.5-Math-7B",
+        "bfloat16",
+        32,
+        32,
+    )
+    assert cfg.optimizer.lr == pytest.approx(10 * load("dapo_32b.toml").optimizer.lr)  # ten times the full-model rate
+    args = PRESETS[cfg.rehearse.preset]
+    assert cfg.engine_max_seq_len == args.max_position_embeddings == 4096
+    p = num_params(args)
+    with torch.device("meta"):
+        adapters = adapter_count(Qwen2(args), cfg.lora.rank, cfg.lora.targets)
+    assert (round(p / 1e9, 2), round(adapters / 1e6, 1), round(adapters / p * 100, 1)) == (7.62, 80.7, 1.1)
+    assert (round(2 * p / GB, 1), round(3 * 4 * adapters / GB, 1), round(16 * p / GB)) == (15.2, 1.0, 122)
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 2
+    assert kv_per_token == 56 * 1024 and int(604_534 / 4096) == 147 and int(40_279 / 4096) == 9
+    assert cfg.training.micro_batch_tokens == 4 * cfg.engine_max_seq_len
+    check_runnable(cfg, ONE_GPU)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, largest_gb, host_gb", [("dapo_1.5b.toml", 68.3, 17.8), ("dapo_1.5b_24gb.toml", 20.2, 44.4)]
+    "name, largest_gb, host_gb, disk_gb",
+    [
+        ("dapo_1.5b.toml", 68.3, 17.8, 64.8),
+        ("dapo_1.5b_24gb.toml", 20.2, 44.4, 64.8),
+        ("dapo_7b_lora_1gpu.toml", 69.3, 17.8, 33.4),
+    ],
 )
-def test_the_one_gpu_recipes_fit_as_their_headers_say(name, largest_gb, host_gb, tmp_path, monkeypatch, capsys):
+def test_the_one_gpu_recipes_fit_as_their_headers_say(
+    name, largest_gb, host_gb, disk_gb, tmp_path, monkeypatch, capsys
+):
     """The rehearsal of each (about a minute of CPU each), with an empty hub cache: the preset's shapes."""
     from huggingface_hub import constants
 
@@ -354,7 +401,7 @@ def test_the_one_gpu_recipes_fit_as_their_headers_say(name, largest_gb, host_gb,
     assert result["fits"] and result["world_size"] == 1 and result["host"]["ranks_per_node"] == 1
     assert round(max(p["total_gb"] for p in result["rehearsal"]["phases"]), 1) == largest_gb
     assert round(result["host"]["peak_node_gb"], 1) == host_gb
-    assert round(result["disk_gb"]["total"], 1) == 64.8
+    assert round(result["disk_gb"]["total"], 1) == disk_gb
 
 
 # ------------------------------------------------------------------------------------------ your own task

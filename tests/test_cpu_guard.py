@@ -3,6 +3,7 @@ override needed, the listed overrides make it run, and unusable data files end i
 
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,13 +34,16 @@ CONFIGS = sorted(
 # CPU recipes: demo_cpu, ablation_cpu and the mechanism probes (configs/probes/, bench/mechanisms.py)
 GPU_CONFIGS = [c for c in CONFIGS if not c.endswith("_cpu.toml") and not c.startswith("configs/probes/")]
 
-CPU = Machine()  # no CUDA, one process, a C++ compiler
-TWO_CPU_PROCESSES = Machine(world_size=2, local_world_size=2)
+NO_AVX512 = "its kernel library needs AVX-512 or AMX, which this CPU lacks"  # preflight/machine.py's probe says
+CPU = Machine(sglang_cpu=NO_AVX512)  # no CUDA, one process, a C++ compiler
+TWO_CPU_PROCESSES = Machine(world_size=2, local_world_size=2, sglang_cpu=NO_AVX512)
 H100_NODE = Machine(
     cuda_devices=8, cuda_capability=(9, 0), sglang_version=SGLANG_VERSION, world_size=8, local_world_size=8
 )
 PAPER_CLUSTER = dataclasses.replace(H100_NODE, world_size=128)  # 16 nodes of 8
 A100 = Machine(cuda_devices=1, cuda_capability=(8, 0), sglang_version=SGLANG_VERSION)
+SGLANG_CPU = Machine(sglang_version=SGLANG_VERSION)  # AVX-512 without AMX: SGLang's torch-native path
+SGLANG_AMX_CPU = Machine(sglang_version=SGLANG_VERSION, cpu_amx=True)
 
 # Shrinks a recipe to seconds on a CPU; none of these is a setting the machine rules look at.
 SMALL = [
@@ -176,6 +180,16 @@ def test_the_cpu_demo_runs_on_a_cpu_as_it_is():
             {"rollout.tp_size": 2},
         ),
         (["rollout.engine=sglang", "rollout.tp_size=4"], H100_NODE, {}),
+        # SGLang on a CPU its CPU backend runs on; with AMX its kernels compute in bf16 / fp16 only.
+        (["rollout.engine=sglang", "rollout.dtype=float32"], SGLANG_CPU, {}),
+        (["rollout.engine=sglang", "rollout.dtype=float32"], SGLANG_AMX_CPU, {"rollout.dtype": "bfloat16"}),
+        (["rollout.engine=sglang"], SGLANG_AMX_CPU, {}),
+        (
+            ["rollout.engine=sglang"],
+            dataclasses.replace(SGLANG_CPU, sglang_cpu="a reason"),
+            {"rollout.engine": "torch"},
+        ),
+        (["rollout.engine=sglang"], dataclasses.replace(SGLANG_CPU, sglang_version=None), {"rollout.engine": "torch"}),
     ],
 )
 def test_each_rule_names_the_setting_and_the_value_that_runs(overrides, machine, expected):
@@ -199,6 +213,7 @@ MACHINES = [
     H100_NODE,
     dataclasses.replace(H100_NODE, sglang_version=None, world_size=2, local_world_size=2),
     Machine(world_size=6, local_world_size=6),
+    SGLANG_AMX_CPU,
 ]
 EDGES = [
     [],
@@ -244,7 +259,7 @@ def test_the_error_lists_every_override_first_then_each_reason():
         "  parallelism.cpu_offload = True",
         "  model.attention_backend = 'flex'",
     ]
-    assert "SGLang runs only on CUDA GPUs" in lines[1] and "FlexAttention has no backward pass on CPU" in lines[3]
+    assert f"SGLang on a CPU: {NO_AVX512}" in lines[1] and "FlexAttention has no backward pass on CPU" in lines[3]
 
 
 def test_the_documentation_shows_the_error_as_it_is():
@@ -254,6 +269,25 @@ def test_the_documentation_shows_the_error_as_it_is():
     with pytest.raises(ConfigError) as info:
         check_runnable(load_config(os.path.join(ROOT, "configs/dapo_7b.toml")), CPU)
     assert shown == f"configuration error: {info.value}"
+
+
+@cpu_only
+def test_the_probe_names_what_keeps_sglang_off_this_cpu():
+    """In order: the CPU (AVX-512 or AMX), SGLANG_USE_CPU_ENGINE (read from the environment passed, never the
+    host's), the kernel library where sglang is installed."""
+    capable = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_supported()
+    unset, on = probe_machine({}).sglang_cpu, probe_machine({"SGLANG_USE_CPU_ENGINE": "1"}).sglang_cpu
+    if not capable:
+        assert unset == on == NO_AVX512
+        return
+    assert unset == "SGLang runs on a CPU only with SGLANG_USE_CPU_ENGINE=1 in the environment"
+    kernel = importlib.util.find_spec("sglang") and not importlib.util.find_spec("sgl_kernel")
+    assert on == (
+        "its kernel library (sgl_kernel) is not installed; build it from SGLang's source (docs/sglang-cpu.md)"
+        if kernel
+        else None
+    )
+    assert probe_machine({}).cpu_amx == torch.cpu._is_amx_tile_supported()
 
 
 def test_probe_reads_this_machine_and_torchrun_s_process_counts():
@@ -268,7 +302,7 @@ def test_probe_reads_this_machine_and_torchrun_s_process_counts():
 
 def run(script, *args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "SGLANG_USE_CPU_ENGINE"):
         env.pop(name, None)
     return subprocess.run(
         [sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -321,6 +355,7 @@ def test_the_listed_overrides_make_the_7b_recipe_train_on_this_cpu(speed, checkp
 
 
 def _rank_train(rank, world_size, argv):
+    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)  # this CPU refuses SGLang whatever the host's environment says
     try:
         return train.main(argv)
     except ConfigError as exc:

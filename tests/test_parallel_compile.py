@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from numerics import assert_close_to_float64
-from test_parallel_parity import EQUAL_ROWS, _check
+from test_parallel_parity import EQUAL_ROWS, LORA, _check
 
 from model.args import PRESETS
 from model.qwen2 import build_model
@@ -66,14 +66,16 @@ def test_compile_fsdp2_matches_single_process():
     )
 
 
-def test_compile_tp2_matches_single_process():
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_compile_tp2_matches_single_process(lora):
+    """With LoRA the adapters' DTensors and their forward hook are traced into the compiled blocks too."""
     _check(
-        "compile+TP=2",
+        "compile+TP=2" + (" LoRA" if lora else ""),
         {"dp_shard": 1, "tp": 2},
         world_size=2,
         num_dp=1,
         presets=("tiny",),
-        parallel_kwargs={"compile": True, "compile_backend": "aot_eager"},
+        parallel_kwargs={"compile": True, "compile_backend": "aot_eager", **({"lora": lora} if lora else {})},
         rows=EQUAL_ROWS,
     )
 

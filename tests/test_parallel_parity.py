@@ -1,4 +1,5 @@
-"""Sharded training equals single-process training: FSDP=2, HSDP 2x1, TP=2 and FSDP 2 x TP 2 (gloo, fp32).
+"""Sharded training equals single-process training: FSDP=2, HSDP 2x1, TP=2 and FSDP 2 x TP 2 (gloo, fp32), with every
+weight trained and with LoRA adapters on the frozen model (parallel/lora.py).
 
 Every configuration runs the same DAPO-style token-level loss over packed micro-batches,
     loss_mb = -sum_tokens(A * mask * logp) / N_global,
@@ -6,7 +7,8 @@ where N_global counts the valid tokens of the whole mini-batch across all micro-
 ranks, and the ranks hold micro-batches of different token counts. Summed over ranks (FSDP's gradient SUM),
 the gradients must equal those of the single-process model on the whole mini-batch; so must the loss, the
 total gradient norm used for clipping, every parameter after one clipped AdamW step, and the loss after that
-step. The measured maximum errors are printed.
+step. The measured maximum errors are printed. With LoRA the trained parameters are the adapters, B set to seeded
+random values first (at B = 0, A would get no gradient).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from model.qwen2 import build_model
 from parallel.dims import ParallelDims
 from parallel.grad_clip import clip_grad_norm_
 from parallel.logprob import vocab_parallel_token_logprobs
+from parallel.lora import Adapters, _copy_full, adapted_linears, adapters_of, apply_lora
 from parallel.parallelize import parallelize_qwen2
 
 # Document lengths of each packed row, per dp rank: unequal document mixes and token counts.
@@ -35,6 +38,20 @@ EQUAL_ROWS = [
     [[5, 7], [3, 4, 5]],
     [[12], [2, 10]],
 ]
+
+
+LORA = Adapters(2, 4.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def _random_b(model):
+    """Every adapter B set to seeded N(0, 0.3^2) values, the same full tensors on every rank (each keeps its part)."""
+    g = torch.Generator().manual_seed(1)
+    for _, linear in adapted_linears(model, adapters_of(model).targets):
+        _copy_full(linear.lora_B, 0.3 * torch.randn(linear.lora_B.shape, generator=g))
+
+
+def _trained(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _batches(num_dp: int, rows=MIXED_ROWS, seed: int = 0) -> list[list[dict]]:
@@ -56,7 +73,7 @@ def _full(t):
 def _optimizer(model):
     # eps 1e-6: k_proj's bias has an exactly-zero true gradient (softmax is shift-invariant), and Adam's
     # first step would amplify its rounding noise to about lr with a smaller eps.
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    return torch.optim.AdamW([p for _, p in _trained(model)], lr=1e-3, eps=1e-6, weight_decay=0.1)
 
 
 def _train_step(model, my_batches, global_tokens, dp_group):
@@ -66,9 +83,9 @@ def _train_step(model, my_batches, global_tokens, dp_group):
         micro = _microbatch_loss(model, mb, global_tokens)
         micro.backward()
         loss += micro.detach()
-    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad).clone() for n, p in _trained(model)}
     # A small max norm, so clipping is active: its total norm spans FSDP- and TP-sharded gradients.
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm=0.05)
+    grad_norm = clip_grad_norm_([p for _, p in _trained(model)], max_norm=0.05)
     _optimizer(model).step()
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     # Same forward as training (grad mode on), so compiled blocks reuse their graphs.
@@ -79,8 +96,12 @@ def _train_step(model, my_batches, global_tokens, dp_group):
     return {"loss": loss, "grads": grads, "params": params, "loss_after": after, "grad_norm": grad_norm}
 
 
-def _reference(preset, batches, dtype=torch.float32):
-    model = build_model(PRESETS[preset], seed=0).to(dtype)
+def _reference(preset, batches, dtype=torch.float32, lora=None):
+    model = build_model(PRESETS[preset], seed=0)
+    if lora is not None:
+        apply_lora(model, lora)
+        _random_b(model)
+    model = model.to(dtype)
     flat = [mb for rank_batches in batches for mb in rank_batches]
     global_tokens = sum(mb["mask"].sum() for mb in flat)
     out = _train_step(model, flat, global_tokens, None)
@@ -97,6 +118,8 @@ def _sharded_worker(rank, world_size, presets, dims_kwargs, batches, parallel_kw
         parallelize_qwen2(
             model, mesh, dims, param_dtype=torch.float32, reduce_dtype=torch.float32, **(parallel_kwargs or {})
         )
+        if adapters_of(model) is not None:
+            _random_b(model)
         my_batches = batches[dims.dp_rank()]
         # The global token count is what the trainer all-reduces over the dp ranks.
         global_tokens = sum(mb["mask"].sum() for mb in my_batches).reshape(1)
@@ -122,9 +145,11 @@ def _check(
     """Run the sharded configuration and compare it with the single-process model (also used by other test files)."""
     batches = _batches(num_dp, rows)
     results = run_ranks(_sharded_worker, world_size, presets, dims_kwargs, batches, parallel_kwargs)[0]
+    lora = (parallel_kwargs or {}).get("lora")
     for preset in presets:
-        ref, ref64 = _reference(preset, batches), _reference(preset, batches, torch.float64)
-        assert ref["grads"]["layers.0.mlp.down_proj.weight"].abs().max() > 1e-4, "reference gradient is trivially small"
+        ref, ref64 = _reference(preset, batches, lora=lora), _reference(preset, batches, torch.float64, lora=lora)
+        probe = "layers.0.mlp.down_proj." + ("lora_A" if lora else "weight")
+        assert ref["grads"][probe].abs().max() > 1e-4, "reference gradient is trivially small"
         out = results[preset]
         errors, worst = _max_errors(out, ref)
         print(f"{label} {preset}: max abs errors {errors} (largest gradient error in {worst})")
@@ -143,6 +168,20 @@ def _check(
 
 def test_fsdp2_matches_single_process():
     _check("FSDP=2", {"dp_shard": 2}, world_size=2, num_dp=2)
+
+
+@pytest.mark.parametrize(
+    "label,dims_kwargs,num_dp,ac",
+    [
+        ("LoRA FSDP=2", {"dp_shard": 2}, 2, "none"),
+        ("LoRA TP=2 + per-op AC", {"dp_shard": 1, "tp": 2}, 1, "selective"),
+    ],
+)
+def test_lora_sharded_matches_single_process(label, dims_kwargs, num_dp, ac):
+    """Only the adapters train (their gradients, the clipped norm and the step), and FSDP's units and the TP plan
+    (A replicated / B sharded for a column-wise base, the reverse for a row-wise one) change no value."""
+    parallel = {"lora": LORA, "activation_checkpoint": ac, "ac_every_k_blocks": 0}
+    _check(label, dims_kwargs, world_size=2, num_dp=num_dp, parallel_kwargs=parallel)
 
 
 def test_hsdp_replicate2_matches_single_process():

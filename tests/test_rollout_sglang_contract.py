@@ -42,12 +42,16 @@ def test_installed_release_is_the_pinned_one():
     check_sglang_version()
 
 
+def _cuda_only(*args):
+    raise AssertionError("SGLang's CUDA reduction patch applied to CPU tensors: they no longer pickle")
+
+
 def test_payloads_are_what_sglangs_tp_ranks_read(monkeypatch):
-    # SGLang's CUDA reduction patch (device UUIDs in IPC handles) handles CUDA tensors only; CPU tensors
-    # here travel through torch's ordinary shared-memory reductions.
+    # SGLang's CUDA reduction patch (device UUIDs in IPC handles) handles CUDA tensors only and breaks the
+    # pickling of CPU tensors (SGLang's CPU backend), which travel through torch's shared-memory reductions.
     import sglang.srt.utils.patch_torch as patch_torch
 
-    monkeypatch.setattr(patch_torch, "monkey_patch_torch_reductions", lambda: None)
+    monkeypatch.setattr(patch_torch, "monkey_patch_torch_reductions", _cuda_only)
     model = build_model(ARGS, seed=3)
     bucket = [(to_hf_name(n), p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()][:5]
     engine = SGLangEngine.__new__(SGLangEngine)
@@ -72,6 +76,11 @@ def test_engine_arguments_are_server_args(tmp_path):
     assert (server_args.tp_size, server_args.mem_fraction_static, server_args.context_length) == (2, 0.7, 512)
     assert server_args.enable_memory_saver and server_args.skip_tokenizer_init
     assert server_args.dtype == "bfloat16" and server_args.model_path == str(tmp_path)
+    # SGLang's CPU backend: no memory saver (CUDA only), the KV pool capped, torch's attention for head size 16.
+    engine = _Launched(str(tmp_path), dtype="bfloat16", context_length=512, device="cpu", max_batch_size=4)
+    server_args = ServerArgs(**engine.launch_kwargs)
+    assert (server_args.device, server_args.enable_memory_saver, server_args.max_total_tokens) == ("cpu", False, 2048)
+    assert server_args.attention_backend == "torch_native"
 
 
 def sglang_reads(entries: list) -> list[list[tuple[str, torch.Tensor]]]:
@@ -114,7 +123,7 @@ def test_every_payload_we_send_is_read_by_sglangs_deserialiser_in_the_engine_pro
     """Every engine dtype (rollout.dtype), as str payloads (output_str=True), through the engine process's pipe."""
     import sglang.srt.utils.patch_torch as patch_torch
 
-    monkeypatch.setattr(patch_torch, "monkey_patch_torch_reductions", lambda: None)
+    monkeypatch.setattr(patch_torch, "monkey_patch_torch_reductions", _cuda_only)
     model = build_model(ARGS, seed=3)
     bucket = [(to_hf_name(n), p.detach().to(dtype)) for n, p in model.named_parameters()]
     engine = SGLangEngine.__new__(SGLangEngine)

@@ -4,6 +4,7 @@ the process that owns the Engine (SIGQUIT to it, whose handler SIGKILLs its tree
 sees EngineDied, never the signal. Each test starts one engine process (a fresh interpreter: seconds)."""
 
 import functools
+import mmap
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from model.hf import save_hf
 from model.hf_adapter import to_hf_name
 from model.qwen2 import build_model
 from rollout.engine import EngineDied, SamplingParams
-from rollout.engine_process import EngineCallError
+from rollout.engine_process import EngineCallError, EngineProcess
 from rollout.sglang_engine import SGLangEngine
 from rollout.weight_sync import sync_weights
 
@@ -236,3 +237,46 @@ def test_the_leaders_engine_death_is_raised_on_every_rank_of_its_group(checkpoin
     assert results[0] == results[1]
     died, same = results[0]
     assert same and "ended during update_weights_from_tensor (killed by SIGKILL)" in died
+
+
+def _map(path: str) -> mmap.mmap:
+    """Map a 4 KiB file under /dev/shm, creating it, as SGLang's processes map their shared buffers."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    try:
+        return mmap.mmap(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+class _MapsSharedMemory:
+    """An engine process's target that maps files under /dev/shm and keeps them mapped."""
+
+    def __init__(self, paths):
+        self.maps = [_map(p) for p in paths]
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self") or not os.path.isdir("/dev/shm"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("end", ["close", "killed"])
+def test_the_shared_memory_the_engine_mapped_is_removed_when_it_ends(end):
+    """No SGLang shutdown removes its /dev/shm files (a CPU engine's 258 MiB all-reduce buffer): the engine
+    process removes those its processes mapped at start, however it ends; a file the trainer maps stays."""
+    own, shared = (f"/dev/shm/dapo-test-{os.getpid()}-{end}-{name}" for name in ("own", "shared"))
+    keep = _map(shared)
+    try:
+        process = EngineProcess(_MapsSharedMemory, {"paths": [own, shared]})
+        assert process.shm_files == {own} and os.path.exists(own)
+        if end == "killed":
+            os.kill(process.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDied):
+                process.call("shutdown", deadline_s=30)
+        process.close()
+        assert not os.path.exists(own) and os.path.exists(shared)
+    finally:
+        keep.close()
+        for path in (own, shared):
+            if os.path.exists(path):
+                os.unlink(path)

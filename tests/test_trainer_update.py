@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from dist_utils import GlooRanks, OneProcess
 from numerics import cascade_sum_rtol
+from test_parallel_parity import LORA, _random_b
 
 from config import Config
 from data.prompts import PromptExample
 from model.args import PRESETS
 from model.qwen2 import build_model
+from parallel.lora import apply_lora
 from rl.advantage import group_advantages
 from rl.filter import ScoredGroup
 from rl.loss import AGG_MODES, POLICY_LOSSES, LossSettings, policy_loss
@@ -132,7 +134,7 @@ def _reference_grads(model, old_model, groups, cfg):
     loss, _ = policy_loss(new, old, adv, mask, settings, group_ids=torch.tensor(group_ids))
     model.zero_grad(set_to_none=True)
     loss.backward()
-    return [p.grad for p in model.parameters()]
+    return [p.grad for p in model.parameters() if p.requires_grad]
 
 
 # The trainer and the reference run in float64: what these tests check is which weights, pi_old, masks and counts
@@ -155,19 +157,26 @@ def _assert_grads_match(got, model, old_model, groups, cfg):
     assert error <= GRAD_TOLERANCE_EPS * torch.finfo(torch.float64).eps * scale, (error, scale)
 
 
-def _train(groups, cfg, lr=0.0):
-    model = build_model(ARGS, seed=0).double()
+def _train(groups, cfg, lr=0.0, lora=False):
+    model = build_model(ARGS, seed=0)
+    if lora:  # the adapters train, the base is frozen (parallel/lora.py)
+        apply_lora(model, LORA)
+        _random_b(model)
+    model = model.double()
     start = copy.deepcopy(model)
-    optimizer = _RecordingSGD(model.parameters(), lr=lr)
+    optimizer = _RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     stats = (
         TrainPhase(cfg, model, optimizer, _NoSchedule(), OneProcess(), TrainWatch(no_display)).run(1, groups).metrics()
     )
     return start, optimizer.updates, stats
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("overlong_filter", [False, True])
-def test_one_update_equals_the_unpacked_loss(agg, overlong_filter):
+@pytest.mark.parametrize(
+    "agg,overlong_filter,lora",
+    [(agg, f, False) for agg in AGG_MODES for f in (False, True)] + [("token-mean", True, True)],
+)
+def test_one_update_equals_the_unpacked_loss(agg, overlong_filter, lora):
+    """Micro-batches (packed, token budget 16) sum to the whole mini-batch's gradient; with LoRA, the adapters'."""
     groups = _groups(4, truncate_second=True)
     cfg = _config(
         algorithm__loss_agg=agg,
@@ -175,7 +184,7 @@ def test_one_update_equals_the_unpacked_loss(agg, overlong_filter):
         training__train_batch_size=4,
         training__mini_batch_size=4,
     )
-    start, updates, stats = _train(groups, cfg)
+    start, updates, stats = _train(groups, cfg, lora=lora)
     assert len(updates) == 1 and stats["updates"] == 1
     _assert_grads_match(updates[0][1], start, start, groups, cfg)
 

@@ -105,7 +105,8 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
 
     policy, engine = build_policy_and_engine(cfg, dist)
     fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
-    optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA the adapters only (parallel/lora.py)
+    optimizer, scheduler = build_optimizer(trained, cfg.optimizer, fused=fused)
     alg = cfg.algorithm
     builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder(
         cfg.training.train_batch_size // dist.dp_size,  # this rank's share of a batch
@@ -133,7 +134,7 @@ def build_policy_and_engine(cfg: Config, dist_env: DistEnv) -> tuple[Qwen2, Engi
     """train.py's build order on GPUs the engine shares: the sharded policy first (checkpoint/sharded_policy.py:
     nothing full-size ever reaches the device), the allocator's cache handed back, then the rollout engine,
     which sizes its KV pool from the memory free when it starts."""
-    policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed)
+    policy = build_sharded_policy(cfg.model, cfg.parallelism, dist_env, seed=cfg.job.seed, lora=cfg.lora)
     return_cached_memory(dist_env)  # what the load cached is free memory for the engine
     return policy, EngineSpec.from_config(cfg).start_beside(policy, dist_env)
 
