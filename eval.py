@@ -16,8 +16,10 @@ The short flags set one key each: `--model DIR` is model.hf_path (a Hugging Face
 id, or a run folder, whose `hf/` export is then used; it clears model.preset), `--data` is data.eval_path
 (a parquet or jsonl file in the DAPO-Math-17k schema, a hub data set id, or "synthetic") and `--tokenizer DIR` is
 model.tokenizer_path (default: the checkpoint's, else the run folder's). The command prints a table (one row
-per data source, then the overall row) followed by one JSON line with the full report, so the report as a file is
-`python eval.py ... | tail -n 1 > report.json` (indented: `| tail -n 1 | jq .`).
+per data source, then the overall row; its header before the evaluation, so an output that cannot be written
+fails before any work) followed by one JSON line with the full report, so the report as a file is
+`set -o pipefail; python eval.py ... | tail -n 1 > report.json` (indented: `| tail -n 1 | jq .`): without
+pipefail the pipe's status is tail's, 0 even when eval.py failed and the file holds no report.
 The evaluation itself is evaluation/evaluate.py.
 """
 
@@ -31,9 +33,10 @@ import sys
 from typing import Any
 
 from config import Config, config_parser, parse_config_args
-from errors import ConfigError, broken_link, report
+from errors import ConfigError, broken_link, report, writing
 from evaluation.evaluate import evaluate, load_eval_set, params_from_config
-from evaluation.report import format_table
+from evaluation.metrics import pass_ks
+from evaluation.report import format_table, table_header
 from model.hf import check_checksums, check_finite_weights
 from model.hf_adapter import read_hf_config
 from observe.progress import Progress
@@ -114,10 +117,9 @@ def check_sizes(cfg: Config, model_dir: str, per_call: int | None) -> None:
     args = read_hf_config(model_dir)
     seq_len = min(args.max_position_embeddings, cfg.data.max_prompt_length + cfg.eval_max_new_tokens)
     limits.check_torch_engine_fits(cfg, args, seq_len)
-    problems = eval_problems(cfg)  # None: a set read through `datasets`, counted as it is read
-    if per_call is not None or problems is not None:
-        calls = [n for n in (per_call, problems) if n is not None]
-        limits.check_evaluation_fits(cfg, min(calls), limits.physical_memory())
+    problems = eval_problems(cfg)  # None: a set read through `datasets`, counted as it is read (at least one)
+    calls = [n for n in (per_call, problems) if n is not None]
+    limits.check_evaluation_fits(cfg, min(calls, default=1), limits.physical_memory())
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -133,11 +135,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_call = max(1, cfg.rollout.max_batch_size // cfg.eval.k) if cfg.rollout.engine == "torch" else None
     check_sizes(cfg, model_dir, per_call)
     check_finite_weights(model_dir)
-    tokenizer = Tokenizer.from_dir(resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path))
+    tokenizer_dir = resolve_tokenizer(cfg.model.tokenizer_path, model_dir, cfg.model.hf_path)
+    if tokenizer_dir != model_dir:  # a folder of its own: checked as the checkpoint was
+        check_checksums(tokenizer_dir)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
     examples = load_eval_set(cfg, tokenizer)
+    params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
+    header = table_header(params.n, cfg.eval.pass_at or pass_ks(params.n), {e.data_source for e in examples})
+    with writing("the standard output"):  # before any work: an output that cannot be written (a full disk) fails now
+        print("\n".join(header), flush=True)
     scorer = build_scorer(cfg)
     scorer.check(examples)
-    params = params_from_config(cfg, tokenizer.stop_ids, seed=cfg.job.seed)
     longest_prompt = max((len(e.prompt_ids) for e in examples), default=0)
     started = EngineSpec.from_config(cfg).start_from_checkpoint(model_dir, longest_prompt, params.max_new_tokens)
     engine = GuardedEngine(started, hang_after_s=cfg.rollout.call_timeout_s)  # one process: its progress watched
@@ -161,8 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["model"] = os.path.abspath(model_dir)
     report["data"] = cfg.data.eval_path
     report["reward"] = cfg.reward.function or "rule"
-    print(format_table(report))
-    print(json.dumps(report))
+    with writing("the standard output"):
+        print(format_table(report).split("\n", 2)[2], json.dumps(report), sep="\n", flush=True)
     return report
 
 

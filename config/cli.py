@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 from config.loader import load, split_overrides
 from config.schema import Config
+from model.hub import local_path
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_cpu.toml")
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPOSITORY, "configs", "demo_cpu.toml")
+# The keys that name an input file or folder. A relative one is a path of the repository when a TOML file (or a
+# default) gives it, as the shipped recipes' `bases/demo`; on the command line, of the working directory, as any
+# shell argument, or else of the repository. Either way it is made absolute, unless it is a hub id (model/hub.py
+# `local_path`), so the run folder's config.json records which it was. job.run_dir, an output, and the file of a
+# reward.function "path/file.py:function" are made absolute the same way, but only against the working directory
+# on the command line, and the repository in a file.
+PATH_KEYS = ("model.hf_path", "model.tokenizer_path", "data.train_path", "data.eval_path")
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file at `path` (and its bases), then `section.key=value` overrides; validated."""
-    return load(Config, path, overrides)
+    """Defaults, then the TOML file at `path` (and its bases), then `section.key=value` overrides; validated; paths
+    made absolute (PATH_KEYS)."""
+    return _absolute_paths(load(Config, path, overrides), {item.partition("=")[0] for item in overrides})
 
 
 def config_parser(description: str, example: str) -> argparse.ArgumentParser:
@@ -41,6 +52,26 @@ def parse_config_args(
     args = parser.parse_args(plain)
     args.overrides = overrides
     return load_config(args.config, [*flags(args), *overrides]), args
+
+
+def _absolute_paths(cfg: Config, command_line: set[str]) -> Config:
+    """`cfg` with job.run_dir, reward.function's file and the values of PATH_KEYS absolute (`command_line`: the keys
+    the command line set)."""
+    here = os.getcwd()
+    run_dir = os.path.join(here if "job.run_dir" in command_line else REPOSITORY, os.path.expanduser(cfg.job.run_dir))
+    cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, run_dir=os.path.abspath(run_dir)))
+    file, _, name = cfg.reward.function.rpartition(":")
+    if file.endswith(".py"):
+        file = os.path.join(here if "reward.function" in command_line else REPOSITORY, os.path.expanduser(file))
+        cfg = dataclasses.replace(
+            cfg, reward=dataclasses.replace(cfg.reward, function=f"{os.path.abspath(file)}:{name}")
+        )
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        bases = (here, REPOSITORY) if key in command_line else (REPOSITORY,)
+        value = local_path(getattr(getattr(cfg, section), name), bases, splits=section == "data")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+    return cfg
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> tuple[Config, argparse.Namespace]:

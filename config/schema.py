@@ -7,6 +7,7 @@ arXiv 2503.14476 Sec. 4.1 and verl's script). A section's `rules()` yields its c
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,10 +21,6 @@ DType = Literal["float32", "bfloat16"]
 LossAgg = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "group-token-mean"
 ]
-
-
-def _sampling_temperature(default: float) -> float:
-    return bounded(default, lambda v: v >= 0, "must be >= 0 (0 = greedy)")
 
 
 def _nucleus(default: float) -> float:
@@ -46,13 +43,25 @@ def _fraction(default: float, note: str = "") -> float:
     return bounded(default, lambda v: 0 < v < 1, f"must be in (0, 1){note}")
 
 
-FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the optimizer's state is float32
+# The floats the optimizer, the loss, the reward and the sampler read are float32, which holds at most FLOAT32_MAX
+# (torch.finfo(torch.float32).max). The gradient norm (its clip, the non-finite check) squares every gradient in
+# float32, so one above FLOAT32_ROOT ~ 1.8e19 makes it inf. Every policy loss clamps the ratio r to e^20 (rl/loss.py
+# LOG_RATIO_CLAMP): a token's gradient -A r (A its advantage) stays below that root while |A| <= ADVANTAGE_MAX.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_ROOT = math.sqrt(FLOAT32_MAX)
+ADVANTAGE_MAX = FLOAT32_ROOT / math.exp(20)  # ~ 3.8e10
 
 
-def _learning_rate(default: float) -> float:
-    return bounded(
-        default, lambda v: 0 < v <= FLOAT32_MAX, f"must be in (0, {FLOAT32_MAX:.4g}] (float32 holds no more)"
-    )
+def _float32(default: float, low: float = 0, note: str = "float32 holds no more", high: float = FLOAT32_MAX) -> float:
+    return bounded(default, lambda v: low < v <= high, f"must be in ({low}, {high:.4g}] ({note})")
+
+
+def _sampling_temperature(default: float) -> float:
+    """0 (greedy), or T >= 1 / FLOAT32_ROOT: the log-prob's gradient is (onehot - p) / T (model/logprob.py), past
+    float32 when squared below it; the sampler's z / T is finite there for logits up to FLOAT32_ROOT."""
+    low = 1 / FLOAT32_ROOT
+    rule = f"must be 0 (greedy) or in [{low:.4g}, {FLOAT32_MAX:.4g}] (float32 carries no other z / T and its gradient)"
+    return bounded(default, lambda v: v == 0 or low <= v <= FLOAT32_MAX, rule)
 
 
 def _betas(default: tuple[float, float]) -> tuple[float, float]:
@@ -175,8 +184,9 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     clip_low: float = _fraction(0.2, ": the lower clip bound is 1 - clip_low")  # eps_low of Eq. 10
-    clip_high: float = above(0.28, 0, ": the upper clip bound is 1 + clip_high")  # eps_high of Eq. 10 (clip-higher)
-    clip_c: float = above(10.0, 1, ": the dual-clip bound must lie above the clip range")  # dual clip c (A < 0)
+    # 1 + clip_high and c are float32 constants of the loss; with r <= e^20 either clips nothing above ~4.9e8
+    clip_high: float = _float32(0.28, 0, "the upper clip bound 1 + clip_high is a float32")  # eps_high of Eq. 10
+    clip_c: float = _float32(10.0, 1, "the dual-clip bound must lie above the clip range; float32")  # dual clip c
     # dapo: Eq. 10; gspo: one clipped ratio per response (paper: clip_low 3e-4, clip_high 4e-4); cispo: REINFORCE
     # with the clipped ratio as a constant weight (paper: no lower bound, e.g. clip_low 0.999). Neither uses clip_c
     policy_loss: Literal["dapo", "gspo", "cispo"] = "dapo"  # the per-token policy loss: DAPO's, GSPO's or CISPO's
@@ -184,7 +194,11 @@ class AlgorithmConfig:
     overlong_filter: bool = False  # give truncated samples loss mask 0 (Sec. 3.4)
     overlong_penalty: bool = True  # add the soft overlong punishment of Eq. 13 to the reward
     overlong_buffer: int = at_least(4096, 1)  # L_cache of Eq. 13, in tokens
-    overlong_penalty_factor: float = at_least(1.0, 0)  # penalty at and beyond L_max (Eq. 13 uses 1)
+    overlong_penalty_factor: float = bounded(  # penalty at and beyond L_max (Eq. 13 uses 1); rewards lie in
+        1.0,  # [-1 - factor, 1], so with norm_adv_by_std = false |A| <= 2 + factor <= ADVANTAGE_MAX (above)
+        lambda v: 0 <= v <= ADVANTAGE_MAX - 2,
+        f"must be in [0, {ADVANTAGE_MAX - 2:.3g}] (float32: a token's gradient is up to (2 + factor) e^20)",
+    )
     dynamic_sampling: bool = True  # keep only groups with 0 < #correct < G (Eq. 11)
     filter_metric: Literal["acc", "score"] = "acc"  # what must vary within a kept group
     max_num_gen_batches: int = at_least(10, 1)  # generation rounds per step before on_shortfall applies
@@ -193,7 +207,8 @@ class AlgorithmConfig:
     adv_eps: float = above(1e-6, 0)  # eps of Eq. 9: A = (R - mean) / (std + eps)
     norm_adv_by_std: bool = True  # divide advantages by the group std (false: Dr. GRPO)
     truncated_is: bool = False  # weight tokens by min(pi_old / pi_rollout, cap) (truncated importance sampling)
-    truncated_is_cap: float = above(2.0, 0)  # cap of the truncated importance weight
+    # A weight pi_old / pi_rollout is a ratio as r is: capped at most where the loss clamps r, e^20 (above)
+    truncated_is_cap: float = _float32(2.0, high=math.exp(20), note="r's clamp, e^20")  # cap of the truncated IS weight
     strict_box: bool = False  # reward only a \boxed{} answer (strict mode of the math scorer)
     kl_coef: float = bounded(0.0, lambda v: v == 0, NO_KL)  # KL penalty: DAPO has none (Sec. 2.3), so only 0
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"  # pi_old source; auto = engine's if all fp32 torch
@@ -212,7 +227,7 @@ class RewardConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = _learning_rate(1e-6)  # AdamW learning rate, constant after warm-up
+    lr: float = _float32(1e-6)  # AdamW learning rate, constant after warm-up
     betas: tuple[float, float] = _betas((0.9, 0.999))  # AdamW (beta1, beta2)
     eps: float = above(1e-8, 0)  # AdamW epsilon
     weight_decay: float = at_least(0.1, 0)  # decoupled weight decay
@@ -229,7 +244,7 @@ class TrainingConfig:
     ppo_epochs: int = at_least(1, 1)  # passes over each step's batch
     share_prompts: bool = True  # a group's samples share one prompt copy in a micro-batch (SDPA, tp = 1, no compile)
     sft_warmup_steps: int = at_least(0, 0)  # supervised steps on solved examples before DAPO (0 = none)
-    sft_lr: float = _learning_rate(1e-4)  # learning rate of the supervised warm-up
+    sft_lr: float = _float32(1e-4)  # learning rate of the supervised warm-up
     sft_batch_size: int = at_least(32, 1)  # examples per supervised step
     max_nonfinite_steps: int = at_least(3, 1)  # abort after this many non-finite updates in a row
 

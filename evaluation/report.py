@@ -4,7 +4,7 @@ fixed-width table, as flat `eval/...` metrics for metrics.jsonl, and as a JSON f
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from errors import write_atomically
@@ -34,18 +34,26 @@ def _pass_keys(row: dict) -> list[str]:
     return sorted((key for key in row if key.startswith("pass@")), key=lambda key: int(key[5:]))
 
 
+def table_header(k: int, ks: Iterable[int], sources: Iterable[str]) -> list[str]:
+    """The table's first two lines, known before any problem is evaluated (eval.py prints them first, so an output
+    that cannot be written fails before the work): k samples, the j of pass@j, the data sources."""
+    width = max(len("source"), len("overall"), *map(len, sources))
+    metric_keys = [f"avg@{k}", *(f"pass@{j}" for j in sorted(set(ks))), f"maj@{k}"]
+    header = f"{'source':<{width}}  {'problems':>8}" + "".join(f"  {m:>8}" for m in metric_keys)
+    header += f"  {'mean len':>8}  {'truncated':>9}"
+    return [header, "-" * len(header)]
+
+
 def format_table(report: dict) -> str:
     """A fixed-width table: one row per data source, then "overall"; accuracies in percent."""
     k = report["k"]
     metric_keys = [f"avg@{k}", *_pass_keys(report["overall"]), f"maj@{k}"]
     rows = [(source, row) for source, row in report["by_source"].items()] + [("overall", report["overall"])]
     width = max(len("source"), *(len(name) for name, _ in rows))
-    header = f"{'source':<{width}}  {'problems':>8}" + "".join(f"  {m:>8}" for m in metric_keys)
-    header += f"  {'mean len':>8}  {'truncated':>9}"
-    lines = [header, "-" * len(header)]
+    lines = table_header(k, [int(key[5:]) for key in metric_keys[1:-1]], report["by_source"])
     for name, row in rows:
         if name == "overall" and len(rows) > 1:
-            lines.append("-" * len(header))
+            lines.append(lines[1])
         line = f"{name:<{width}}  {row['num_problems']:>8}" + "".join(f"  {100 * row[m]:>7.1f}%" for m in metric_keys)
         length, truncated = row.get("response_length/mean"), row.get("truncated_share")
         line += f"  {length:>8.1f}" if length is not None else f"  {'-':>8}"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from errors import WriteError, writing
+from errors import WriteError, broken_link, writing
 from model.args import ModelArgs
 from model.hf_adapter import (
     CONFIG_NAME,
@@ -74,6 +74,9 @@ def open_safetensors(file: str, device: str = "cpu") -> Iterator:
             f"{file} is not a readable safetensors file ({exc}): it is damaged or was not copied whole; "
             "copy or export the checkpoint again"
         ) from None
+    except OSError as exc:  # safetensors calls a file it may not read a missing one
+        why = "Permission denied" if os.path.isfile(file) and not os.access(file, os.R_OK) else exc
+        raise CheckpointError(f"cannot read {file}: {why}") from None
 
 
 def _checkpoint_files(path: str) -> dict[str, list[str]]:
@@ -181,35 +184,86 @@ def check_finite_weights(path: str) -> None:
 
 
 CHECKSUMS = "SHA256SUMS"
+# Files of a checkpoint folder that nothing loading it reads: its documentation. Hidden names (.gitattributes, .git/,
+# the .cache/ that `hf download --local-dir` writes) are not read either.
+UNREAD_FILES = ("README.md", "LICENSE", "LICENSE.txt")
+
+
+def _loadable_files(path: str) -> list[str]:
+    """Every file under `path` (names relative to it, sorted) but SHA256SUMS, hidden ones and UNREAD_FILES. Not a
+    list of what loaders read: that list changes with every release (transformers' tokenizer alone reads
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, added_tokens.json, vocab.json, merges.txt,
+    chat_template.jinja / .json, additional_chat_templates/ and config.json; SGLang every *.safetensors, or *.bin
+    and *.pt where there is none, and generation_config.json), so whatever it has not named yet is here too. A link
+    to a folder is refused."""
+    found: list[str] = []
+
+    def unreadable(exc: OSError) -> None:
+        raise CheckpointError(f"cannot read the folder {exc.filename}: {exc.strerror}") from None
+
+    for folder, subfolders, files in os.walk(path, onerror=unreadable):
+        linked = [name for name in subfolders if os.path.islink(os.path.join(folder, name))]
+        if linked:  # its files lie outside what the list can name
+            raise CheckpointError(f"{os.path.join(folder, linked[0])} is a symbolic link to a folder: copy it in")
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        names = [name for name in files if not name.startswith(".") and name not in (CHECKSUMS, *UNREAD_FILES)]
+        found += [os.path.relpath(os.path.join(folder, name), path) for name in names]
+    return sorted(found)
 
 
 def check_checksums(path: str) -> None:
-    """Refuse (CheckpointError naming the file) a checkpoint directory whose files differ from its SHA256SUMS,
-    when it has one: lines of "<sha256 hex digest>  <file name>", as `sha256sum` writes them (and `sha256sum -c
-    SHA256SUMS` checks them by hand). A base policy shipped with the repository (bases/) pins its files this way,
-    so a changed, truncated or never-fetched file (a Git LFS pointer) is named before anything loads."""
+    """Refuse (CheckpointError naming the file) a checkpoint or tokenizer folder whose files differ from its
+    SHA256SUMS, when it has one: lines of "<sha256 hex digest>  <file name>", as `sha256sum` writes them (and
+    `sha256sum -c SHA256SUMS` checks them by hand). A base policy shipped with the repository (bases/) pins its files
+    this way, so a changed, truncated or never-fetched file (a Git LFS pointer) is named before anything loads.
+
+    The folder is checked whole: a file the list does not name is refused too (`_loadable_files`: every file but
+    the list, hidden ones and UNREAD_FILES), as an added weight index or chat template would change the model
+    unchecked. A SHA256SUMS that is empty, not a file (a folder, a dangling link), unreadable or not UTF-8 is
+    refused rather than read as "unchecked"; so is a listed file that cannot be read."""
     listing = os.path.join(path, CHECKSUMS)
-    if not os.path.isfile(listing):
+    if not os.path.lexists(listing):
         return
-    with open(listing, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
+    files = _loadable_files(path)
+    rewrite = f"write the list again: `cd {path} && sha256sum {' '.join(files)} > {CHECKSUMS}`"
+    try:
+        with open(listing, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{listing} is not UTF-8 text (byte {exc.start}): {rewrite}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {listing}: {broken_link(listing) or exc.strerror}; {rewrite}") from None
+    if not lines:
+        raise CheckpointError(f"{listing} lists no file: {rewrite}")
+    listed: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         found = re.fullmatch(r"([0-9a-fA-F]{64}) [ *](.+)", line)
-        if found is None or os.path.basename(found.group(2)) != found.group(2):
+        if found is None or found.group(2).startswith("/") or {"", ".", ".."} & set(found.group(2).split("/")):
             raise CheckpointError(
-                f"{listing}, line {number}, is not '<sha256>  <file name>' of a file beside it: {line[:80]!r}; "
-                f"rewrite it with `sha256sum FILES > {CHECKSUMS}` in {path}"
+                f"{listing}, line {number}, is not '<sha256>  <file name>' of a file in its folder: {line[:80]!r}; "
+                f"{rewrite}"
             )
-        file = os.path.join(path, found.group(2))
+        listed[found.group(2)] = found.group(1).lower()
+    unlisted = [name for name in files if name not in listed]
+    if unlisted:
+        raise CheckpointError(
+            f"{os.path.join(path, unlisted[0])} is not listed in {listing}, so it would be loaded unchecked: remove "
+            f"it, or (if it belongs to the checkpoint) {rewrite}"
+        )
+    for name, expected in listed.items():
+        file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} is listed in {listing} but missing: restore the checkpoint's files")
-        with open(file, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if digest != found.group(1).lower():
+        try:
+            with open(file, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {file}: {exc.strerror}") from None
+        if digest != expected:
             raise CheckpointError(
-                f"{file} does not match its SHA-256 in {listing} ({digest[:12]}... instead of "
-                f"{found.group(1)[:12]}...): the file was changed or only partly fetched; restore it (or, for a "
-                f"checkpoint you remade on purpose, write {CHECKSUMS} again)"
+                f"{file} does not match its SHA-256 in {listing} ({digest[:12]}... instead of {expected[:12]}...): the "
+                f"file was changed or only partly fetched; restore it (or, for a checkpoint you remade on purpose, "
+                f"{rewrite})"
             )
 
 

@@ -10,11 +10,15 @@ otherwise `org/name[@revision][:split]` is a hub id. `snapshot_download` keeps t
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
 from dataclasses import dataclass
 
 from errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # What the loader, the engines and the export read of a checkpoint: weights, configs and the tokenizer (the
 # files a Hugging Face tokenizer directory may hold, and the named chat templates beside the default one).
@@ -60,6 +64,34 @@ def hub_name(value: str, *, splits: bool = False) -> HubName | None:
     return HubName(match["repo_id"], match["revision"], match["split"])
 
 
+def local_path(value: str, bases: tuple[str, ...], *, splits: bool = False) -> str:
+    """`value` as an absolute path: joined to the first of `bases` under which its first part exists (`bases/demo`
+    is a path of the repository, `bases/dmeo` one that does not exist, never the id of a hub account named
+    "bases"), else to the first base. Unchanged when it is empty, "synthetic" (the built-in prompt sets) or a hub id:
+    one only where no base holds its first part, and `hub_name` takes it for one."""
+    value = os.path.expanduser(value)
+    found = [base for base in bases if os.path.lexists(os.path.join(base, value.split("/")[0]))]
+    if value in ("", "synthetic") or (not found and hub_name(value, splits=splits)):
+        return value
+    return os.path.abspath(os.path.join((found or bases)[0], value))
+
+
+@functools.cache
+def _unreachable(endpoint: str) -> bool:
+    """Whether the hub at `endpoint` answers nothing (no network, no route or name for it): asked once a process, in
+    seconds, and said in one line. Ids are then read from the cache alone: huggingface_hub would otherwise try each
+    commit-pinned one five times over ~23 s (its http_backoff, listing the files) before it read the cache."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=5)
+        return False
+    except (httpx2.ConnectError, httpx2.TimeoutException) as exc:
+        log.warning("the hub (%s) cannot be reached (%s): hub ids are read from the hub cache alone", endpoint, exc)
+        return True
+
+
 def fetch_snapshot(name: HubName, repo_type: str, patterns: list[str], what: str, *, cached: bool = False) -> str:
     """The folder of `name`'s snapshot in the hub cache holding the files that match `patterns`, downloading
     only those missing (cached: none). `what` names the value in errors ("model.hf_path = 'Qwen/Qwen2.5-32B'")."""
@@ -75,9 +107,10 @@ def fetch_snapshot(name: HubName, repo_type: str, patterns: list[str], what: str
     )
 
     page = f"https://huggingface.co/{'datasets/' if repo_type == 'dataset' else ''}{name.repo_id}"
+    offline = cached or (not constants.HF_HUB_OFFLINE and _unreachable(constants.ENDPOINT))
     try:
         return huggingface_hub.snapshot_download(
-            name.repo_id, repo_type=repo_type, revision=name.revision, allow_patterns=patterns, local_files_only=cached
+            name.repo_id, repo_type=repo_type, revision=name.revision, allow_patterns=patterns, local_files_only=offline
         )
     except GatedRepoError:  # before RepositoryNotFoundError, its base class
         problem = f"{name.repo_id} is gated: accept its terms on {page}, then log in (`hf auth login`) or set HF_TOKEN"

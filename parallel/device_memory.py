@@ -5,7 +5,9 @@ FSDP units, optimizer temporaries) reserved after the tensors are gone. The engi
 it cannot use those blocks, and SGLang maps its weights and KV pool back with `resume_memory_occupation`
 (and sizes its KV pool at start from the memory free then). So before the engine starts or resumes,
 every rank waits for its queued kernels, empties the cache, and all ranks agree (a barrier) that this
-is done: an engine spans the GPUs of several trainer ranks.
+is done: an engine spans the GPUs of several trainer ranks. The barrier is on the gloo control group
+(DistEnv.barrier): it waits for the slowest rank's load or step, not for a kernel, and allocates no device
+memory right after the cache was emptied.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _observers: list[Callable[[], object]] = []  # called after each return (the reh
 
 
 def return_cached_memory(dist_env: DistEnv) -> None:
-    """synchronize + empty_cache on this rank's GPU, then a barrier over all ranks."""
+    """synchronize + empty_cache on this rank's GPU, then a barrier over all ranks (on gloo)."""
     if dist_env.device.type == "cuda":
         torch.cuda.synchronize(dist_env.device)
         torch.cuda.empty_cache()

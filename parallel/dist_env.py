@@ -83,8 +83,10 @@ class DistEnv:
         return tensor.tolist()
 
     def barrier(self) -> None:
+        """Every rank waits for the others on the gloo control group: a host-side wait (a run folder prepared, a GPU
+        cache emptied after a synchronize) needs no device kernel, and a slow rank may outlast NCCL's 10 minutes."""
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.control_group)
 
     def node_first(self, fn: Callable[[], T]) -> T:
         """fn() on each node's first process (local rank 0), then on the node's others, which meanwhile wait on

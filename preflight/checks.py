@@ -52,13 +52,15 @@ def check_runnable(cfg: Config, machine: Machine | None = None) -> None:
 
 
 def check_inputs(cfg: Config) -> None:
-    """A checkpoint directory holds the files its SHA256SUMS lists, when it has one; the paths are set and exist;
+    """A checkpoint or tokenizer folder holds the files its SHA256SUMS lists and no other, when it has one; the
+    paths are set and exist;
     the sequences fit the model; the data files are parquet prompt sets with rows (their footers only: an
     data.prompts.DataError); the torch engine's KV cache and an evaluation's samples fit (preflight/limits.py: the
     held-out set's size is read from its footer). A hub id (model/hub.py) passes as a name: train.py checks again
     once it is fetched (a data set's rows are checked as they are read)."""
-    if os.path.isdir(cfg.model.hf_path):
-        check_checksums(cfg.model.hf_path)  # a directory with a SHA256SUMS (a shipped base) is the one it lists
+    for folder in (cfg.model.hf_path, cfg.model.tokenizer_path):
+        if os.path.isdir(folder):
+            check_checksums(folder)  # a folder with a SHA256SUMS (a shipped base) is the one it lists, whole
     args = _model_args(cfg)
     _check_tokenizer_dir(cfg)
     _check_data_paths(cfg)
@@ -69,9 +71,10 @@ def check_inputs(cfg: Config) -> None:
         return  # a hub id: the model's sizes are read once it is fetched
     _check_sequences_fit(cfg, args.max_position_embeddings)
     limits.check_torch_engine_fits(cfg, args, cfg.engine_max_seq_len)
-    problems = eval_problems(cfg) if evaluates(cfg) else None
-    if problems is not None:  # each rank evaluates its share of the problems in one call
-        limits.check_evaluation_fits(cfg, problems * limits.node_share(), limits.physical_memory())
+    if evaluates(cfg):  # each rank evaluates its share of the problems in one call; a set read through `datasets`,
+        problems = eval_problems(cfg)  # whose size is known only once read, at least one
+        held = 1 if problems is None else problems * limits.node_share()
+        limits.check_evaluation_fits(cfg, held, limits.physical_memory())
 
 
 def eval_problems(cfg: Config) -> int | None:

@@ -60,8 +60,8 @@ class Verdict:
 
 
 def resolve_spec(spec: str) -> str:
-    """A "path/file.py:function" spec with its path made absolute, as a relative path in a configuration is
-    read (the working directory's); a "package.module:function" spec as it is."""
+    """A "path/file.py:function" spec with its path made absolute (the working directory's; a loaded configuration's
+    is absolute already, config/cli.py); a "package.module:function" spec as it is."""
     target, _, name = spec.rpartition(":")
     return f"{os.path.abspath(target)}:{name}" if target.endswith(".py") else spec
 

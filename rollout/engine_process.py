@@ -17,10 +17,11 @@ owns it: SGLang's "parent" is that child, and its handlers end the child and its
 The child (spawned: a fresh interpreter that inherits no CUDA state):
   * starts a session of its own (os.setsid): a terminal's Ctrl-C, sent to the foreground process group,
     does not reach it, and SGLang's process-group kill stays inside the engine's own group;
-  * ignores SIGINT and SIGTERM from its first instruction (the dispositions are set around the spawn and
-    inherited) and again after every call (SGLang's first request installs its own SIGTERM handler):
-    ending the engine is the trainer's decision. On a signal the trainer finishes its phase, checkpoints
-    and shuts the engine down (run/signals.py); SGLang's own processes inherit the ignored signals;
+  * does not act on SIGINT and SIGTERM from its first instruction (blocked around the spawn, the mask is
+    inherited), then ignores them, and again after every call (SGLang's first request installs its own
+    SIGTERM handler): ending the engine is the trainer's decision. On a signal the trainer finishes its
+    phase, checkpoints and shuts the engine down (run/signals.py); SGLang's own processes inherit the ignored
+    signals;
   * dies with the trainer (prctl PR_SET_PDEATHSIG = SIGKILL), as SGLang's schedulers die with it
     (srt/utils/common.py kill_itself_when_parent_died): a trainer killed outright leaves no engine behind;
   * serves one call at a time: (method, args, kwargs) in, ("ok", result) or ("error", "Type: message") out.
@@ -107,7 +108,7 @@ def serve(conn: Connection, target: Callable[..., object], kwargs: dict, parent_
     """The child's main: build target(**kwargs), then answer calls until "shutdown" or the pipe closes."""
     os.setsid()
     _ignore_terminal_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)  # blocked around the spawn, see EngineProcess
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINAL_SIGNALS)  # blocked since the spawn, see EngineProcess
     _die_with_parent(parent_pid)
     conn.send(("session", os.getpgrp()))
     try:
@@ -153,16 +154,17 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child_end, target, kwargs, os.getpid()), name="engine")
-        # The child must ignore SIGINT / SIGTERM from its first instruction (a Ctrl-C while it imports would
-        # end it), and ignored dispositions survive exec. Blocked meanwhile, a signal meant for this process
-        # stays pending (Linux never discards a blocked signal) and reaches its own handler afterwards.
+        # The child must not act on SIGINT / SIGTERM from its first instruction (a Ctrl-C while it imports would
+        # end it): blocked in this thread, which spawns it, they are blocked in the child too (a signal mask
+        # survives fork and exec), until `serve` ignores them, which discards any pending, and unblocks them.
+        # Only this thread's mask changes: this process's handlers stay, so a signal meant for it meanwhile runs
+        # them, through another of its threads or, pending, once the mask is restored. (Ignoring them here too
+        # would drop such a signal: a disposition is the whole process's, and the kernel hands a signal to any
+        # thread that does not block it.)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
-        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in TERMINAL_SIGNALS}
         try:
             self.process.start()
         finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             child_end.close()  # only the child holds it now: its end closes the pipe
         # Ended before multiprocessing joins its children at exit (a non-daemon child: SGLang's engine starts

@@ -17,7 +17,7 @@ SGLANG_FORCE_STREAM_INTERVAL (50) tokens also when it does not stream, and at it
 scheduler_components/output_streamer.py, accept; srt/environ.py); TokenizerManager._handle_batch_output appends
 them to the request's ReqState.output_ids in tokenizer_manager.rid_to_state, and deletes the state when the
 request finishes (its output then carries its rid as meta_info["id"]). The rules, each cited, are modelled in
-tests/sglang_model.py ("Background requests").
+tests/sglang_model.py (its docstring's "Progress of requests that do not stream"; StrictSGLang.step).
 """
 
 from __future__ import annotations

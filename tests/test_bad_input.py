@@ -121,6 +121,35 @@ def _listed_but_missing(folder):
     (folder / "generation_config.json").unlink()
 
 
+def _weights_swapped_by_an_added_index(folder):
+    """Beside the listed files, an index that maps every tensor to an added file: the loader reads the index."""
+    from safetensors import safe_open
+
+    _write_checksums(folder)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    (folder / "other.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "other.safetensors")})
+    )
+
+
+def _template_added_after_its_checksums(folder):
+    template = folder / "chat_template.jinja"  # transformers renders prompts with it
+    text = template.read_text()
+    template.unlink()
+    _write_checksums(folder)
+    template.write_text(text.replace("<|im_start|>", "<|im_start|> "))
+
+
+def _checksums_replaced(make):
+    def damage(folder):
+        (folder / "SHA256SUMS").unlink(missing_ok=True)
+        make(folder / "SHA256SUMS")
+
+    return damage
+
+
 # kind: (damage, the message after "checkpoint error: ", where {ckpt} is the damaged folder)
 DAMAGE = {
     "no-hidden-size": (
@@ -160,6 +189,27 @@ DAMAGE = {
     "listed-in-checksums-but-missing": (
         _listed_but_missing,
         "{ckpt}/generation_config.json is listed in {ckpt}/SHA256SUMS but missing",
+    ),
+    "unlisted-weight-index": (
+        _weights_swapped_by_an_added_index,
+        "{ckpt}/model.safetensors.index.json is not listed in {ckpt}/SHA256SUMS, so it would be loaded unchecked: "
+        "remove it, or (if it belongs to the checkpoint) write the list again: `cd {ckpt} && sha256sum "
+        "chat_template.jinja config.json generation_config.json model.safetensors model.safetensors.index.json "
+        "other.safetensors tokenizer.json tokenizer_config.json > SHA256SUMS`",
+    ),
+    "unlisted-chat-template": (
+        _template_added_after_its_checksums,
+        "{ckpt}/chat_template.jinja is not listed in {ckpt}/SHA256SUMS",
+    ),
+    "empty-checksums": (_checksums_replaced(lambda p: p.write_text("\n")), "{ckpt}/SHA256SUMS lists no file: "),
+    "checksums-a-folder": (_checksums_replaced(lambda p: p.mkdir()), "cannot read {ckpt}/SHA256SUMS: Is a directory"),
+    "checksums-a-dangling-link": (
+        _checksums_replaced(lambda p: p.symlink_to("SUMS")),
+        "cannot read {ckpt}/SHA256SUMS: is a symbolic link to SUMS, which does not exist",
+    ),
+    "checksums-not-utf8": (
+        _checksums_replaced(lambda p: p.write_bytes(b"\xff\xfe" + "0".encode("utf-16-le") * 64)),
+        "{ckpt}/SHA256SUMS is not UTF-8 text (byte 0): write the list again",
     ),
     "misshaped-tensor": (
         _misshape,
@@ -247,6 +297,69 @@ def test_the_scripts_print_no_traceback_for_a_truncated_checkpoint(hf_checkpoint
     proc = _run("eval.py", "--model", str(folder), "--data", "synthetic", "--metrics.progress=false")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"eval.py: checkpoint error: {message}")
+
+
+def test_a_separate_tokenizer_folder_is_checked_whole_as_the_checkpoint_is(hf_checkpoint, tmp_path, capsys):
+    import shutil
+
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(hf_checkpoint, tokenizer, ignore=shutil.ignore_patterns("*.safetensors", "*config.json"))
+    _write_checksums(tokenizer)
+    swapped = json.loads((tokenizer / "tokenizer.json").read_text())
+    vocab = swapped["model"]["vocab"]
+    vocab["1"], vocab["2"] = vocab["2"], vocab["1"]  # two token ids swapped: a valid tokenizer, another model's
+    (tokenizer / "tokenizer.json").write_text(json.dumps(swapped))
+    message = f"checkpoint error: {tokenizer}/tokenizer.json does not match its SHA-256 in {tokenizer}/SHA256SUMS ("
+    argv = ["--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={hf_checkpoint}"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--model.tokenizer_path={tokenizer}", f"--job.run_dir={tmp_path / 'runs'}", *SMALL])
+    assert info.value.code == 2 and _one_line(capsys).startswith(message)
+    with pytest.raises(SystemExit) as info:
+        eval_command.run_cli(["--model", str(hf_checkpoint), "--tokenizer", str(tokenizer), "--data", "synthetic"])
+    assert info.value.code == 2 and _one_line(capsys).startswith(f"eval.py: {message}")
+
+
+def _reading_as_the_mode_bits_say():
+    """Before exec in a child: root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (dropped from the bounding
+    set, as `setpriv --bounding-set=-dac_override,-dac_read_search` does) reads only what the mode bits let the
+    owner read, so a mode-000 file is unreadable to it as to any user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize(
+    "unreadable, listed", [("SHA256SUMS", True), ("tokenizer.json", True), ("model.safetensors", False)]
+)
+def test_a_file_the_user_may_not_read_is_one_line(hf_checkpoint, tmp_path, unreadable, listed):
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint, folder)
+    if listed:
+        _write_checksums(folder)
+    os.chmod(folder / unreadable, 0)
+    argv = ["train.py", "--config", "configs/demo_cpu.toml", "--model.preset=", f"--model.hf_path={folder}"]
+    try:
+        proc = subprocess.run(
+            [sys.executable, *argv, f"--job.run_dir={tmp_path / 'runs'}", *SMALL],
+            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+            preexec_fn=_reading_as_the_mode_bits_say if os.geteuid() == 0 else None,
+        )  # fmt: skip
+    except subprocess.SubprocessError as exc:
+        pytest.skip(f"root cannot give up its right to read every file here ({exc})")
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"checkpoint error: cannot read {folder}/{unreadable}: Permission denied"
+            + (f"; write the list again: `cd {folder} && sha256sum" if unreadable == "SHA256SUMS" else "")
+        )
+    )
 
 
 def test_a_tokenizer_folder_without_tokenizer_json_is_one_line_in_both_commands(hf_checkpoint, tmp_path, capsys):

@@ -123,3 +123,17 @@ def test_cached_memory_is_returned_before_every_resume_including_evaluation(tmp_
     resumes = [i for i, event in enumerate(events) if event == "resume_memory"]
     assert len(resumes) == 2 + 3  # each step's rollouts, and the evaluations at steps 0, 1 and 2
     assert all(events[i - 1] == "return" for i in resumes), events
+
+
+def test_the_wait_for_every_rank_s_cache_is_on_the_gloo_group(monkeypatch):
+    """return_cached_memory's barrier (and DistEnv.barrier) waits on the control group, whose timeout is
+    rollout.round_timeout_s, never on NCCL's 10-minute watchdog (docs/gpu.md, what bounds each wait)."""
+    import torch.distributed as dist
+
+    from parallel.device_memory import return_cached_memory
+    from parallel.dist_env import DistEnv
+
+    control, groups = object(), []
+    monkeypatch.setattr(dist, "barrier", lambda group=None: groups.append(group))
+    return_cached_memory(DistEnv(0, 2, 0, torch.device("cpu"), None, control))  # type: ignore[arg-type]
+    assert groups == [control]

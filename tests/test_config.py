@@ -34,7 +34,7 @@ def write(path, text):
 
 def test_defaults_are_valid_and_are_the_papers_algorithm():
     cfg = load_config(None)
-    assert cfg == Config()
+    assert cfg == dataclasses.replace(Config(), job=dataclasses.replace(Config().job, run_dir=f"{ROOT}/runs"))
     validate(cfg)
     alg, opt = cfg.algorithm, cfg.optimizer
     # DAPO (arXiv 2503.14476) Sec. 4.1 and verl's recipe: the values every default must reproduce.
@@ -170,7 +170,7 @@ def test_parse_cli_defaults_to_the_demo_config():
     cfg, args = parse_cli([])
     root = os.path.dirname(os.path.dirname(config.__file__))
     assert os.path.samefile(args.config, os.path.join(root, "configs", "demo_cpu.toml"))
-    assert args.dry_run is False and cfg.model.hf_path == "bases/demo"
+    assert args.dry_run is False and cfg.model.hf_path == os.path.join(root, "bases", "demo")
 
 
 def test_parse_cli_errors():
@@ -327,9 +327,18 @@ def test_missing_file_and_bad_bases(tmp_path):
         (["optimizer.weight_decay=-0.1"], r"optimizer\.weight_decay = -0\.1 .*must be >= 0"),
         (["algorithm.clip_low=0"], r"algorithm\.clip_low = 0\.0 .*must be in \(0, 1\)"),
         (["algorithm.clip_low=1"], r"algorithm\.clip_low = 1\.0 .*must be in \(0, 1\)"),
-        (["algorithm.clip_high=0"], r"algorithm\.clip_high = 0\.0 .*must be > 0"),
-        (["algorithm.clip_high=-0.1"], r"algorithm\.clip_high = -0\.1 .*must be > 0"),
-        (["algorithm.clip_c=1"], r"algorithm\.clip_c = 1\.0 .*must be > 1"),
+        (["algorithm.clip_high=0"], r"algorithm\.clip_high = 0\.0 .*must be in \(0, 3\.403e\+38\]"),
+        (["algorithm.clip_high=-0.1"], r"algorithm\.clip_high = -0\.1 .*must be in \(0, "),
+        (["algorithm.clip_high=1e39"], r"algorithm\.clip_high = 1e\+39 .*\(0, 3\.403e\+38\] \(the upper clip bound 1 "),
+        (["algorithm.clip_c=1"], r"algorithm\.clip_c = 1\.0 .*must be in \(1, 3\.403e\+38\]"),
+        (["algorithm.clip_c=1e39"], r"algorithm\.clip_c = 1e\+39 .*must be in \(1, 3\.403e\+38\]"),
+        (["algorithm.overlong_penalty_factor=4e10"], r"overlong_penalty_factor = 4.*must be in \[0, 3\.8e\+10\]"),
+        (
+            ["algorithm.truncated_is_cap=1e39"],
+            r"algorithm\.truncated_is_cap = 1e\+39 .*must be in \(0, 4\.852e\+08\] \(r's clamp",
+        ),
+        (["rollout.temperature=1e-45"], r"rollout\.temperature = 1e-45 .*must be 0 \(greedy\) or in \[5\.421e-20, "),
+        (["eval.temperature=1e39"], r"eval\.temperature = 1e\+39 .*must be 0 \(greedy\) or in \[5\.421e-20, 3\.403e"),
         (
             ["training.mini_batch_size=48"],
             r"training\.train_batch_size = 512 \(default\): must be divisible by training\.mini_batch_size = 48",
@@ -338,8 +347,8 @@ def test_missing_file_and_bad_bases(tmp_path):
             ["rollout.max_response_length=1000", "training.micro_batch_tokens=4000"],
             r"algorithm\.overlong_buffer = 4096 \(default\): must be <= rollout\.max_response_length = 1000",
         ),
-        (["rollout.temperature=-0.5"], r"rollout\.temperature = -0\.5 .*must be >= 0"),
-        (["eval.temperature=-1"], r"eval\.temperature = -1\.0 .*must be >= 0"),
+        (["rollout.temperature=-0.5"], r"rollout\.temperature = -0\.5 .*must be 0 \(greedy\) or in"),
+        (["eval.temperature=-1"], r"eval\.temperature = -1\.0 .*must be 0 \(greedy\) or in"),
         (["rollout.top_p=0"], r"rollout\.top_p = 0\.0 .*must be in \(0, 1\]"),
         (["rollout.top_p=1.01"], r"rollout\.top_p = 1\.01 .*must be in \(0, 1\]"),
         (["eval.top_p=2"], r"eval\.top_p = 2\.0 .*must be in \(0, 1\]"),
@@ -366,12 +375,12 @@ def test_missing_file_and_bad_bases(tmp_path):
         (["job.name=a/b"], r"job\.name = 'a/b' .*without path separators"),
         (["job.name="], r"job\.name = '' .*non-empty folder name"),
         (["algorithm.adv_eps=0"], r"algorithm\.adv_eps = 0\.0 .*must be > 0"),
-        (["algorithm.overlong_penalty_factor=-1"], r"algorithm\.overlong_penalty_factor = -1\.0 .*must be >= 0"),
+        (["algorithm.overlong_penalty_factor=-1"], r"algorithm\.overlong_penalty_factor = -1\.0 .*must be in \[0, "),
         (["algorithm.max_num_gen_batches=0"], r"algorithm\.max_num_gen_batches = 0 .*must be >= 1"),
         (["parallelism.ac_every_k_blocks=-1"], r"parallelism\.ac_every_k_blocks = -1 .*must be >= 0"),
         (["training.ppo_epochs=0"], r"training\.ppo_epochs = 0 .*must be >= 1"),
         (["algorithm.carry_over_max_staleness=-1"], r"algorithm\.carry_over_max_staleness = -1 .*must be >= 0"),
-        (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be > 0"),
+        (["algorithm.truncated_is_cap=0"], r"algorithm\.truncated_is_cap = 0\.0 .*must be in \(0, "),
         (
             ["data.synthetic_difficulty=7"],
             r"data\.synthetic_difficulty = 7 .*must be one of the arithmetic task's levels "
@@ -396,6 +405,43 @@ def test_impossible_values_name_the_key_and_the_constraint(overrides, message):
         load_config(None, overrides)
 
 
+def test_each_float_bound_is_what_float32_carries_through_the_sampler_the_reward_and_the_loss():
+    """At the bounds of config/schema.py: the sampler draws the argmax with a finite log-prob at the lowest
+    temperature (at 1e-45 every logit / T was inf and the draw NaN garbage); the policy losses, at the widest clip
+    bounds and with the largest overlong factor under Dr. GRPO (advantages not divided by the std) on ratios at
+    their e^20 clamp, give a finite loss and a gradient whose squares float32 sums; the largest truncated-IS cap
+    gives finite weights."""
+    import math
+
+    import torch
+
+    from config.schema import ADVANTAGE_MAX, FLOAT32_MAX, FLOAT32_ROOT
+    from rl.advantage import group_advantages
+    from rl.correction import truncated_is_weights
+    from rl.loss import LOG_RATIO_CLAMP, LossSettings, policy_loss
+    from rl.loss_modes import GlobalCounts
+    from rl.reward import overlong_penalty
+    from rollout.sampling import sample
+
+    logits = torch.tensor([[3.0, -1.0, 7.5, 0.25], [-2.0, 4.0, 1.0, 3.9]])
+    tokens, logp = sample(logits, 1 / FLOAT32_ROOT)
+    assert tokens.tolist() == [2, 1] and torch.isfinite(logp).all()
+    assert torch.isnan(sample(logits, 1e-45)[1]).all()  # what the bound refuses
+    penalty = overlong_penalty(9, 8, 4, ADVANTAGE_MAX - 2)  # beyond L_max: -factor
+    rewards = torch.tensor([1.0 + penalty, -1.0 + penalty, 1.0, -1.0])  # float32, as the trainer scores
+    advantages = group_advantages(rewards, group_size=4, norm_by_std=False)[:, None].expand(4, 3)
+    assert advantages.abs().max() <= ADVANTAGE_MAX
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    for variant in ("dapo", "gspo", "cispo"):
+        logp = torch.full((4, 3), LOG_RATIO_CLAMP, requires_grad=True)  # r = e^20 against old log-probs of 0
+        settings = LossSettings(clip_high=FLOAT32_MAX, clip_c=FLOAT32_MAX, variant=variant)
+        loss, _ = policy_loss(logp, torch.zeros(4, 3), advantages, mask, settings, GlobalCounts(tokens=12))
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad.square().sum()), variant
+    weights = truncated_is_weights(torch.full((1, 2), 100.0), torch.zeros(1, 2), cap=math.exp(LOG_RATIO_CLAMP))
+    assert torch.isfinite(weights).all() and torch.isinf(truncated_is_weights(weights, weights * 0, cap=1e39)).all()
+
+
 def test_overlong_buffer_is_only_bound_by_the_response_length_when_the_penalty_is_on():
     cfg = load_config(None, ["algorithm.overlong_penalty=false", "rollout.max_response_length=1000"])
     assert cfg.algorithm.overlong_buffer == 4096
@@ -407,14 +453,14 @@ def test_value_errors_name_the_file_that_set_the_value(tmp_path):
         load_config(path)
     base = write(tmp_path / "base.toml", "[algorithm]\nclip_c = 0.5\n")
     child = write(tmp_path / "child.toml", 'base = "base.toml"\n[job]\nname = "c"\n')
-    with pytest.raises(ConfigError, match=rf"algorithm\.clip_c = 0\.5 \({re.escape(base)}\): must be > 1"):
+    with pytest.raises(ConfigError, match=rf"algorithm\.clip_c = 0\.5 \({re.escape(base)}\): must be in \(1, "):
         load_config(child)
 
 
 def test_validate_checks_programmatic_edits():
     cfg = Config()
     cfg.algorithm.clip_c = 0.9
-    with pytest.raises(ConfigError, match=r"^algorithm\.clip_c = 0\.9: must be > 1"):
+    with pytest.raises(ConfigError, match=r"^algorithm\.clip_c = 0\.9: must be in \(1, "):
         validate(cfg)
 
 
@@ -441,11 +487,11 @@ def test_check_runnable_names_each_missing_setting(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.hf_path = '.*' is not a checkpoint directory \(no config\.json\)"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)
     _checkpoint_dir(tmp_path, max_positions=131072)
-    with pytest.raises(ConfigError, match=r"data\.train_path = 'x\.parquet' does not exist"):
+    with pytest.raises(ConfigError, match=r"data\.train_path = '.*/x\.parquet' does not exist"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.train_path=x.parquet"]), ONE_GPU)
     with pytest.raises(ConfigError, match=r"data\.eval_path is not set: set data\.eval_path"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "data.eval_path="]), ONE_GPU)
-    with pytest.raises(ConfigError, match=r"model\.tokenizer_path = 'nowhere' is not a directory"):
+    with pytest.raises(ConfigError, match=r"model\.tokenizer_path = '.*/nowhere' is not a directory"):
         check_runnable(load_config(None, [f"model.hf_path={tmp_path}", "model.tokenizer_path=nowhere"]), ONE_GPU)
     check_runnable(load_config(None, [f"model.hf_path={tmp_path}"]), ONE_GPU)  # synthetic data needs no file
 

@@ -6,6 +6,8 @@ import glob
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -175,7 +177,7 @@ def test_ablation_rows_are_the_recipe_apart_from_the_table_1_switches():
 def test_demo_is_runnable_small_and_has_every_technique_on():
     cfg = load("demo_cpu.toml")
     check_runnable(cfg, Machine())  # no paths to fill in: the shipped base, synthetic data; a CPU runs it as it is
-    assert cfg.model.hf_path == "bases/demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
+    assert cfg.model.hf_path == f"{ROOT}/bases/demo" and cfg.data.train_path == cfg.data.eval_path == "synthetic"
     assert cfg.rollout.engine == "torch" and cfg.model.dtype == cfg.parallelism.param_dtype == "float32"
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, cfg.parallelism.tp) == (1, -1, 1)
     assert cfg.training.sft_warmup_steps == 0  # the base policy is the warm-up's result (configs/bases/demo_cpu.toml)
@@ -194,13 +196,40 @@ def test_a_shipped_base_is_what_its_recipe_makes_and_what_its_run_starts_from(na
         listed = {line.split()[1] for line in f if line.strip()}
     assert listed == set(os.listdir(folder)) - {CHECKSUMS}  # and nothing beside them that it does not list
     recipe, run = load(f"bases/{name}_cpu.toml"), load(user)
-    assert run.model.hf_path == f"bases/{name}" and run.training.sft_warmup_steps == 0
+    assert run.model.hf_path == folder and run.training.sft_warmup_steps == 0
     # The recipe is the run's own configuration from the preset's random weights with the warm-up on and no DAPO
     # step (what it writes is the base: its held-out accuracy at step 0, then the HF export).
     changed = {"job.name", "job.seed", "model.preset", "model.hf_path", "training.steps", "training.sft_warmup_steps"}
     assert differences(run, recipe) <= changed | {"eval.at_end"}
     assert (recipe.model.hf_path, recipe.training.steps, recipe.training.sft_warmup_steps) == ("", 0, 600)
     assert read_hf_config(folder) == PRESETS[recipe.model.preset]
+
+
+def test_a_configs_relative_paths_are_the_repositorys_from_any_working_directory(tmp_path):
+    """configs/demo_cpu.toml's `bases/demo` is the repository's folder when train.py runs from another one (never
+    the id of a hub account named "bases"); the command line's relative run_dir is the working directory's; the run
+    folder's config.json records both as absolute paths."""
+    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs", "demo_cpu.toml"),
+            "--training.steps=0", "--eval.at_start=false", "--eval.at_end=false", "--checkpoint.export_hf=false",
+            "--metrics.progress=false", "--job.run_dir=runs"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(OMP_NUM_THREADS="1", HF_ENDPOINT="http://127.0.0.1:9")  # were it looked up: no hub answers
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "runs" / "demo-cpu" / "config.json") as f:
+        saved = json.load(f)
+    assert saved["model"]["hf_path"] == os.path.join(ROOT, "bases", "demo")
+    assert saved["job"]["run_dir"] == str(tmp_path / "runs")
+
+
+def test_a_reward_functions_file_is_the_repositorys_in_a_config_and_the_working_directorys_on_the_command_line(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    gsm8k = load_config(os.path.join(ROOT, "configs", "gsm8k_cpu.toml"), ["reward.workers=1"])
+    assert gsm8k.reward.function == f"{ROOT}/examples/gsm8k_reward.py:gsm8k_reward"
+    assert load_config(None, ["reward.function=mine.py:score"]).reward.function == f"{tmp_path}/mine.py:score"
+    assert load_config(None, ["reward.function=pkg.mod:score"]).reward.function == "pkg.mod:score"  # a module
 
 
 def test_dapo_32b_memory_budget_arithmetic():
@@ -383,7 +412,7 @@ def test_the_gsm8k_recipe_reads_gsm8k_by_its_columns_with_the_example_reward():
     assert cfg.model.hf_path == "Qwen/Qwen2.5-0.5B-Instruct" and not cfg.model.preset
     assert (cfg.data.train_path, cfg.data.eval_path) == ("openai/gsm8k:main:train", "openai/gsm8k:main:test")
     assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
-    assert cfg.reward.function == "examples/gsm8k_reward.py:gsm8k_reward"
+    assert cfg.reward.function == f"{ROOT}/examples/gsm8k_reward.py:gsm8k_reward"  # the repository's file
     assert os.path.isfile(os.path.join(ROOT, "examples", "gsm8k_reward.py"))
     # DAPO's algorithm as the paper sets it, but for the buffer of Eq. 13 at a quarter of the shorter L_max.
     assert {k for k in differences(recipe, cfg) if k.startswith(("algorithm.", "optimizer."))} == {

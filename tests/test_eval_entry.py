@@ -302,6 +302,25 @@ def test_evaluate_with_the_torch_engine_matches_direct_scoring(tokenizer, checkp
 LONG_PROMPTS = ["--data.max_prompt_length=1024", "--training.micro_batch_tokens=2048"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_an_output_that_cannot_be_written_fails_at_its_first_write_before_the_evaluation(
+    checkpoint, monkeypatch, capsys
+):
+    """`eval.py ... > /dev/full`: the table's header is written before any work, and its write fails there, in one
+    line with exit code 2 (the whole evaluation ran, then an OSError traceback)."""
+    monkeypatch.setattr(eval_command, "evaluate", lambda *args, **kwargs: pytest.fail("evaluated with no output"))
+    with open("/dev/full", "wb", buffering=0) as device:
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(device, write_through=True))
+        with pytest.raises(SystemExit) as info:
+            eval_command.run_cli(["--model", str(checkpoint), "--data", "synthetic", "--data.synthetic_num_eval=2",
+                                  "--eval.k=2", "--metrics.progress=false", *LONG_PROMPTS])  # fmt: skip
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "eval.py: error: cannot write the standard output: No space left on device; make room or make its folder "
+        "writable, then run the same command again"
+    )
+
+
 def test_cli_on_a_run_folder_prints_table_and_json(checkpoint, capsys, one_thread):
     argv = [
         "--model",
@@ -390,7 +409,8 @@ def test_ctrl_c_is_one_line_and_exit_130(checkpoint, tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as stopped:
         eval_command.run_cli(["--model", str(checkpoint), *EVAL_ARGS, *LONG_PROMPTS])
     printed = capsys.readouterr()
-    assert stopped.value.code == 130 and printed.out == ""  # no table, no report line
+    assert stopped.value.code == 130 and printed.out.startswith("source ")  # the table's header, written first
+    assert len(printed.out.splitlines()) == 2  # and no row, no report line
     assert printed.err.strip() == "eval.py: interrupted (Ctrl-C); no report was written"
 
 
@@ -477,12 +497,12 @@ def test_eval_and_train_read_one_configuration(tmp_path):
     assert eval_command.parse_cli([])[0] == config.load_config(config.DEFAULT_CONFIG)  # the same default file
     assert eval_command.parse_cli([])[0].rollout.max_batch_size == 512  # the recipe's, not a second default
     # The short flags set one key each (--model also clears the recipe's random-init preset).
-    cfg, _ = eval_command.parse_cli(["--model", "runs/x", "--data", "aime.parquet", "--tokenizer", "tok"])
+    cfg, _ = eval_command.parse_cli(["--model", "/runs/x", "--data", "/aime.parquet", "--tokenizer", "/tok"])
     assert (cfg.model.hf_path, cfg.model.preset, cfg.data.eval_path, cfg.model.tokenizer_path) == (
-        "runs/x",
+        "/runs/x",
         "",
-        "aime.parquet",
-        "tok",
+        "/aime.parquet",
+        "/tok",
     )
     with pytest.raises(config.ConfigError, match=r"unknown key 'eval\.kk' \(command line\); did you mean 'eval\.k'"):
         eval_command.parse_cli(["--eval.kk=3"])

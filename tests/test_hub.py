@@ -23,7 +23,7 @@ from data.prompts import load_prompts, read_parquet_rows
 from errors import ConfigError, DataError
 from model.args import PRESETS
 from model.hf import load_hf
-from model.hub import MODEL_PATTERNS, HubName, hub_name
+from model.hub import MODEL_PATTERNS, HubName, hub_name, local_path
 from model.tokenizer import IM_END, Tokenizer, render_chat, train_bpe_tokenizer
 from preflight.hub_inputs import EVAL_INPUTS, cached_model, fetch_hub_inputs
 from tasks.arithmetic import synthetic_arithmetic_rows
@@ -115,6 +115,22 @@ def test_an_id_is_told_from_a_path(tmp_path, monkeypatch):
         assert hub_name(value, splits=True) is None, value
 
 
+def test_a_value_is_a_path_where_any_base_holds_its_first_part(tmp_path):
+    """local_path, which makes the command line's and a TOML file's paths absolute (config/cli.py)."""
+    repo, cwd = tmp_path / "repo", tmp_path / "cwd"
+    (repo / "bases" / "demo").mkdir(parents=True)
+    (cwd / "Qwen").mkdir(parents=True)
+    both = (str(cwd), str(repo))
+    assert local_path("bases/demo", both) == str(repo / "bases" / "demo")  # not in the first base: the second's
+    assert local_path("bases/dmeo", both) == str(repo / "bases" / "dmeo")  # a typo is a missing path, not an id
+    assert local_path("Qwen/Qwen2.5-32B", both) == str(cwd / "Qwen" / "Qwen2.5-32B")  # a local folder wins
+    assert local_path("./runs/x", both) == str(cwd / "runs" / "x") and local_path("runs/x", both) == "runs/x"
+    assert local_path("/abs/x", both) == "/abs/x" and local_path("~/x", both) == os.path.expanduser("~/x")
+    assert local_path("Qwen/Qwen2.5-7B@main", (str(repo),)) == "Qwen/Qwen2.5-7B@main"
+    assert local_path("org/set:train", both, splits=True) == "org/set:train"
+    assert [local_path(v, both) for v in ("", "synthetic")] == ["", "synthetic"]
+
+
 def test_only_the_files_the_loader_reads_are_fetched():
     """The patterns against the file list of Qwen/Qwen2.5-32B's repository (its shards, index, configs and
     tokenizer, beside its licence and card), plus files other Qwen2 repositories carry."""
@@ -150,12 +166,15 @@ def test_a_rerun_with_the_hub_answering_downloads_nothing_the_cache_holds(hub, c
     from huggingface_hub import HfApi, constants, file_download
     from huggingface_hub.hf_api import RepoFile
 
+    import model.hub
+
     snapshot = put_folder_in_hub_cache(hub, "model", "org/tiny", checkpoint, commit=MODEL_COMMIT)
     files = {str(p.relative_to(checkpoint)): p for p in checkpoint.rglob("*") if p.is_file()}
     put_in_hub_cache(hub, "model", "org/partial", {k: v for k, v in files.items() if k != "config.json"},
                      commit=MODEL_COMMIT)  # fmt: skip
     listing = [RepoFile(path=name, size=p.stat().st_size, oid="0" * 40) for name, p in files.items()]
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model.hub, "_unreachable", lambda endpoint: False)  # the stubs below are the hub
     monkeypatch.setattr(HfApi, "repo_info", lambda self, repo_id, **kw: SimpleNamespace(sha=MODEL_COMMIT))
     monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo_id, **kw: iter(listing))
 
@@ -189,6 +208,28 @@ def test_a_dataset_id_reads_the_rows_of_its_parquet_file(hub, prompt_files, chec
     assert load_prompts("org/math", tokenizer, max_prompt_length=256) == load_prompts(
         local, tokenizer, max_prompt_length=256
     )
+
+
+def test_an_unreachable_hub_is_asked_once_and_a_cached_set_read_at_once(hub, prompt_files, monkeypatch, caplog):
+    """HF_HUB_OFFLINE unset and nothing listening at the endpoint: one line says so, then the cache alone is read,
+    with none of huggingface_hub's retries (five over ~23 s for each commit-pinned id, one line each)."""
+    from huggingface_hub import constants
+
+    import model.hub
+
+    put_in_hub_cache(hub, "dataset", "org/math", {"data/train.parquet": prompt_files / "train.parquet"},
+                     commit=DATA_COMMIT)  # fmt: skip
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    model.hub._unreachable.cache_clear()
+    start = time.monotonic()
+    with caplog.at_level("INFO"):
+        pinned = fetch_dataset(HubName("org/math"), "data.train_path")
+        rows = read_dataset_rows(pinned, DAPO_COLUMNS.required)
+    assert time.monotonic() - start < 10 and rows == read_parquet_rows(str(prompt_files / "train.parquet"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("the hub (http://127.0.0.1:9) cannot be reached ("), warnings
+    model.hub._unreachable.cache_clear()
 
 
 def test_a_dataset_with_splits_reads_the_one_named(hub, tmp_path):
@@ -370,6 +411,29 @@ def test_a_name_the_hub_cannot_serve_is_one_line_and_exit_2(setting, hub, checkp
     assert info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"configuration error: {key} = {value!r}: {message.format(cache=hub)}"), err
     assert not (tmp_path / "runs").exists()  # refused before the run folder exists
+
+
+@pytest.mark.parametrize("held_out", ["jsonl", "hub"])
+def test_an_eval_k_no_machine_holds_is_refused_for_a_set_read_through_datasets(
+    held_out, hub, checkpoint, prompt_files, tmp_path, capsys
+):
+    """Such a set's size is known once it is read: it holds at least one problem, and k samples of one are
+    checked as a parquet set's are (they were not, and the evaluation ended in a MemoryError)."""
+    value = "org/aime"
+    put_in_hub_cache(hub, "dataset", value, {"data/test.parquet": prompt_files / "eval.parquet"}, commit=DATA_COMMIT)
+    if held_out == "jsonl":
+        value = str(tmp_path / "eval.jsonl")
+        rows = read_parquet_rows(str(prompt_files / "eval.parquet"))
+        (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [*SMALL, f"--model.hf_path={checkpoint}", f"--data.eval_path={value}", "--eval.k=1000000000000"]
+    with pytest.raises(SystemExit) as info:
+        train.run_cli([*argv, f"--job.run_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(
+        "configuration error: an evaluation's samples cannot fit this machine: eval.k = 1,000,000,000,000 samples "
+        "of each of 1 problem held at once"
+    ), err
 
 
 def test_eval_names_a_model_the_hub_cannot_serve_in_one_line(hub, capsys):

@@ -87,6 +87,37 @@ def test_the_engine_runs_in_a_process_and_session_of_its_own(checkpoint):
         engine.submit([[1]], SamplingParams(max_new_tokens=1))
 
 
+def test_a_signal_while_the_engine_process_is_spawned_runs_the_trainers_handler(monkeypatch):
+    """SIGINT / SIGTERM are blocked in the spawning thread only (the child inherits them blocked): a SIGTERM sent
+    to the trainer meanwhile, which the kernel hands to another of its threads, runs the trainer's handler (it was
+    dropped when the trainer also ignored them around the spawn, a disposition being the whole process's)."""
+    import multiprocessing.context
+    import threading
+
+    from rollout.engine_process import EngineProcess
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: received.append(sig))
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # a thread of the trainer that does not block SIGTERM
+    other.start()
+    real_start = multiprocessing.context.SpawnProcess.start
+
+    def start(process):
+        os.kill(os.getpid(), signal.SIGTERM)  # to the process, while its spawning thread blocks it
+        real_start(process)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    try:
+        EngineProcess(dict, {}, name="a dict").close(timeout_s=30)
+        time.sleep(0.1)  # a handler runs at the main thread's next bytecode
+    finally:
+        idle.set()
+        other.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+
+
 @pytest.mark.parametrize("phase", ["release"])  # every phase, in train.py: tests/test_train_engine_process.py
 def test_a_scheduler_crash_ends_only_the_engine_process(checkpoint, phase):
     """SGLang's crash path (SIGQUIT to the engine's owner, which SIGKILLs its tree) ends the engine process;

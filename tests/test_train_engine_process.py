@@ -180,17 +180,18 @@ def _stopped_at(rank, world, argv):
 # step 2's resume.
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "kind, call, during",
+    "kind, call, during, saved",
     [
-        ("async_generate", 5, "poll_groups"),
-        ("update", 1, "update_weights_from_tensor"),
-        pytest.param("release", 2, "release_memory_occupation", marks=pytest.mark.slow),
-        pytest.param("resume", 2, "resume_memory_occupation", marks=pytest.mark.slow),
-        pytest.param("flush", 1, "flush_cache", marks=pytest.mark.slow),
+        ("async_generate", 5, "poll_groups", 1),
+        ("update", 1, "update_weights_from_tensor", 1),
+        pytest.param("release", 2, "release_memory_occupation", 1, marks=pytest.mark.slow),
+        pytest.param("resume", 2, "resume_memory_occupation", 1, marks=pytest.mark.slow),
+        # The first flush is step 1's wait for an idle scheduler before its release, so step 0 is the last complete
+        pytest.param("flush", 1, "flush_cache", 0, marks=pytest.mark.slow),
     ],
 )
 def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
-    tmp_path, hf_dir, monkeypatch, kind, call, during
+    tmp_path, hf_dir, monkeypatch, kind, call, during, saved
 ):
     announce, deadline = str(tmp_path / "calls"), 15  # every other call must answer within it, on a loaded machine too
     use_strict_model(monkeypatch.setattr, hang={kind: call}, announce=announce)
@@ -199,9 +200,9 @@ def test_a_hung_engine_stops_every_rank_with_a_checkpoint_at_its_deadline(
     hung_at = float(next(line for line in open(announce) if line.startswith("hang")).split()[1])
     for code, message, at in ended:  # every rank: exit code 1, the checkpoint of the step before, at the deadline
         assert code == 1 and f"ended during {during} (no answer within its deadline of {deadline} s: hung" in message
-        assert message.endswith("Checkpoint of step 1 saved; rerun the same command to resume")
+        assert message.endswith(f"Checkpoint of step {saved} saved; rerun the same command to resume")
         assert deadline <= at - hung_at < deadline + 30, at - hung_at
-    assert saved_steps(tmp_path) == [1]
+    assert saved_steps(tmp_path) == [saved]
 
 
 def test_a_slow_engine_that_keeps_producing_is_never_stopped(tmp_path, hf_dir, monkeypatch):
@@ -295,12 +296,13 @@ def test_a_bucket_that_fails_to_prepare_on_one_rank_stops_every_rank_at_once(tmp
     stops with a checkpoint within seconds, none waits in a collective for the 6-hour group timeout."""
     use_strict_model(monkeypatch.setattr)
     settings = {"rollout.tp_size": 2, "parallelism.dp_shard": world, "rollout.weight_sync_bucket_mb": 1}
+    settings["training.mini_batch_size"] = world  # whole groups on each rank: one a rank per update
     start = time.time()
     ended = run_ranks(_failing_bucket, world, sglang_argv(tmp_path, hf_dir, **settings), 1, timeout=600)
     for rank, (message, _) in enumerate(ended):  # ranks 0 and 1 share the failing engine, 2 and 3 another
         why = "rank 1: RuntimeError: injected serialization failure" if rank < 2 else "failed on another rank"
         assert "update_weights (" in message and why in message, message
-        assert message.endswith("Checkpoint of step 1 saved; rerun the same command to resume"), message
+        assert "Checkpoint of step 1 saved; rerun the same command to resume" in message, message
     stops = [at for _, at in ended]
     assert max(stops) - min(stops) < 20 and max(stops) - start < 300  # together, and no collective's timeout
     assert saved_steps(tmp_path) == [1]

@@ -21,6 +21,7 @@ import trainer.scoring
 import trainer.update
 from checkpoint.files import file_record
 from checkpoint.manager import CheckpointManager
+from errors import RunStopped
 from rollout.torch_engine import TorchEngine
 from run.folder import RunFolderError, accept_launch, discard_refused_launch, prepare_run_folder
 from tests.planted_train import planted_score
@@ -29,7 +30,7 @@ from tests.test_train_e2e import overrides, read_rows
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
+def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rl.reward, "compute_score", planted_score)
     real_loss = rl.loss.token_mean
     calls = {"n": 0}
@@ -53,8 +54,12 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
             "checkpoint.interval": 100,
         },
     )
-    with pytest.raises(RuntimeError, match="2 non-finite updates in a row at step 2; checkpoint saved"):
-        train.main(argv)
+    with pytest.raises(SystemExit) as info:
+        train.run_cli(argv)
+    assert info.value.code == 1 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: 2 non-finite updates in a row at step 2; checkpoint saved: "
+        f"{tmp_path / 'run' / 'checkpoints' / 'step-00000002'}"
+    )  # one line, no traceback
     rows = [r for r in read_rows(str(tmp_path)) if "loss" in r]
     assert rows[0]["step"] == 1 and rows[0]["updates_skipped_nonfinite"] == 1
     # The step that stopped the run is logged too: a resume starts after it and would never log it.
@@ -82,7 +87,7 @@ def test_the_non_finite_count_spans_a_restart(tmp_path, monkeypatch):
     }
     train.main(overrides(str(tmp_path), steps=2, **settings))  # ends with 2 skipped updates in a row
     poison_from["call"], calls["n"] = 1, 0
-    with pytest.raises(RuntimeError, match="4 non-finite updates in a row at step 3"):
+    with pytest.raises(RunStopped, match="4 non-finite updates in a row at step 3"):
         train.main(overrides(str(tmp_path), steps=3, **settings))
 
 

@@ -205,7 +205,8 @@ def test_eval_scores_with_the_runs_reward_function(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(ROOT)
     argv = ["--config", "configs/gsm8k_cpu.toml", "--model=bases/demo", "--eval.eval_size=8", "--eval.k=2"]
     report = eval_command.main([*argv, "--metrics.progress=false"])
-    assert report["reward"] == "examples/gsm8k_reward.py:gsm8k_reward" and report["overall"]["num_problems"] == 8
+    assert report["reward"] == f"{ROOT}/examples/gsm8k_reward.py:gsm8k_reward"
+    assert report["overall"]["num_problems"] == 8
     rule = eval_command.main([*argv, "--metrics.progress=false", "--reward.function="])
     assert rule["reward"] == "rule"
     # The same responses (same seed): every one the rule reward counts (an "Answer: N" line) GSM8K's counts too.

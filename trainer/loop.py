@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from checkpoint.hf_export import export_hf
 from checkpoint.manager import CheckpointManager
 from config import Config
+from errors import RunStopped
 from evaluation.evaluate import params_from_config
 from evaluation.held_out import discard_reports_after, run_held_out_eval
 from evaluation.report import flat_metrics, read_report
@@ -249,8 +250,10 @@ class Trainer(StepPhases):
         self.runner.end_of_step()
         skipped = self.state.skipped.in_a_row
         if skipped >= self.cfg.training.max_nonfinite_steps:
-            error = RuntimeError(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved")
-            self.runner.stop_with_checkpoint(error)
+            saved = self.runner.checkpoints.step_path(step)  # the updates were skipped: its weights are finite
+            self.runner.stop_with_checkpoint(
+                RunStopped(f"{skipped} non-finite updates in a row at step {step}; checkpoint saved: {saved}")
+            )
 
     def finish(self) -> None:
         """Held-out accuracy, the last checkpoint, the HF export; the run marked finished."""
