@@ -2,12 +2,15 @@
 out of the pairs, the lr pick and the verdict follow the rules fixed before the runs."""
 
 import math
+import os
 
 import pytest
 
 from bench.ablation import TASK_CONFIG, LadderError, effective_config
 from bench.lora_probe import MARGIN, SWEEP_SEED, arm_overrides, parse_args, picked_lr, prepare, verdict
 from config import config_to_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _flat(cfg) -> dict:
@@ -23,7 +26,7 @@ def test_the_arms_are_full_dapo_and_differ_only_in_the_lora_keys_and_the_lr():
     }
     full = configs["full"]
     assert full["algorithm.dynamic_sampling"] and full["algorithm.overlong_filter"] and not full["lora.enabled"]
-    assert full["model.hf_path"] == "bases/chain" and full["eval.interval"] == 5
+    assert full["model.hf_path"] == os.path.join(ROOT, "bases", "chain") and full["eval.interval"] == 5
     for arm in ("rank1", "rank8"):
         changed = {k for k in full if full[k] != configs[arm][k]}
         assert {"lora.enabled", "optimizer.lr"} <= changed <= {"lora.enabled", "lora.rank", "optimizer.lr"}, changed
