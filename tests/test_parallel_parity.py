@@ -140,11 +140,19 @@ def _max_errors(out, ref):
 
 
 def _check(
-    label, dims_kwargs, world_size, num_dp, presets=("tiny", "tiny-tied"), parallel_kwargs=None, rows=MIXED_ROWS
+    label,
+    dims_kwargs,
+    world_size,
+    num_dp,
+    presets=("tiny", "tiny-tied"),
+    parallel_kwargs=None,
+    rows=MIXED_ROWS,
+    start="fork",
 ):
-    """Run the sharded configuration and compare it with the single-process model (also used by other test files)."""
+    """Run the sharded configuration and compare it with the single-process model (also used by other test files);
+    `start`: how the ranks start (tests/dist_utils.py run_ranks)."""
     batches = _batches(num_dp, rows)
-    results = run_ranks(_sharded_worker, world_size, presets, dims_kwargs, batches, parallel_kwargs)[0]
+    results = run_ranks(_sharded_worker, world_size, presets, dims_kwargs, batches, parallel_kwargs, start=start)[0]
     lora = (parallel_kwargs or {}).get("lora")
     for preset in presets:
         ref, ref64 = _reference(preset, batches, lora=lora), _reference(preset, batches, torch.float64, lora=lora)
