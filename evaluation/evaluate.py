@@ -16,7 +16,6 @@ from data.prompts import load_split
 from evaluation.metrics import ProblemResult, pass_ks
 from evaluation.report import make_report
 from rewards.scorer import Scorer
-from rl.reward import response_text
 from rollout.engine import Completion, Generator, SamplingParams
 
 if TYPE_CHECKING:
@@ -131,11 +130,10 @@ def score_completions(
     """One ProblemResult per example from its k completions (grouped by prompt, as the engine's generate returns
     them, checked: run/guard.py).
 
-    Each response is scored as training scores it (`scorer`, None: the rule reward, on rl/reward.py
-    `response_text`: special tokens, such as the final <|im_end|>, are not part of the answer).
+    Each response is scored as training scores it (`scorer`, None: the rule reward; rewards/scorer.py
+    Scorer.score_completions).
     """
-    texts = [response_text(tokenizer, c.token_ids, stop_ids) for c in completions]
-    verdicts = (scorer or Scorer(strict_box=strict_box)).score(texts, [e for e in examples for _ in range(k)])
+    verdicts = (scorer or Scorer(strict_box=strict_box)).score_completions(tokenizer, completions, examples, stop_ids)
     results = []
     for p, example in enumerate(examples):
         group, scores = completions[p * k : (p + 1) * k], verdicts[p * k : (p + 1) * k]

@@ -67,8 +67,9 @@ def run_held_out_eval(
     engine.resume_memory()
     completions = engine.generate([list(e.prompt_ids) for e in mine], call_params(params, mine, 0))
     stop_ids, k = params.stop_token_ids, params.n
-    scorer = scorer or Scorer(strict_box=strict_box)
-    results = score_completions(mine, completions, tokenizer, k, stop_ids=stop_ids, scorer=scorer)
+    results = score_completions(
+        mine, completions, tokenizer, k, strict_box=strict_box, stop_ids=stop_ids, scorer=scorer
+    )
     engine.everyone(True)  # every share scored
     elapsed = time.perf_counter() - start
     if progress is not None:

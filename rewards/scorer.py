@@ -42,6 +42,8 @@ from rl import reward as rule
 if TYPE_CHECKING:
     from config.schema import Config
     from data.prompts import PromptExample
+    from model.tokenizer import Tokenizer
+    from rollout.engine import Completion
 
 log = logging.getLogger(__name__)
 CHECK_ROWS = 4  # rows of the prompt set a function is first called on
@@ -82,6 +84,20 @@ class Scorer:
         columns = {name: [e.extra.get(name) for e in examples] for name in (examples[0].extra if examples else {})}
         values = self.pool.run(list(responses), [e.ground_truth for e in examples], columns)
         return [self._verdict(i, value) for i, value in enumerate(values)]
+
+    def score_completions(
+        self,
+        tokenizer: Tokenizer,
+        completions: Sequence[Completion],
+        examples: Sequence[PromptExample],
+        stop_ids: Sequence[int],
+    ) -> list[Verdict]:
+        """The verdicts of completions grouped by prompt (the same number of each example's, in order), each on its
+        rl/reward.py `response_text` (special tokens, such as the final <|im_end|>, are not part of the answer):
+        training and evaluation both score here, so the same tokens get the same reward in both."""
+        k = len(completions) // max(len(examples), 1)
+        texts = [rule.response_text(tokenizer, c.token_ids, stop_ids) for c in completions]
+        return self.score(texts, [e for e in examples for _ in range(k)])
 
     def check(self, examples: Sequence[PromptExample]) -> None:
         """The functions called on the first rows, their ground truths as responses; the scores logged."""

@@ -3,8 +3,8 @@
     score_i = R(o_i) + R_length(|o_i|)      R = the rule reward, +1 / -1 (rl/reward.py), or the user's function
                                             (rewards/scorer.py); R_length = Eq. 13
 
-R reads `response_text(o_i)` (rl/reward.py), the text evaluation (evaluation/) scores too: the same tokens get the
-same reward in training and in evaluation.
+R reads `response_text(o_i)` (rl/reward.py) in rewards/scorer.py Scorer.score_completions, where evaluation
+(evaluation/) scores too: the same tokens get the same reward in training and in evaluation.
 
 The groups carry their samples as payload; dynamic sampling (rl/filter.py) reads `acc` (before the overlong
 penalty, the recipe's default) or `score`.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from errors import RewardError
 from rewards.scorer import Scorer
 from rl.filter import ScoredGroup
-from rl.reward import overlong_penalty, response_text
+from rl.reward import overlong_penalty
 from trainer.types import RolloutGroup, Sample
 
 if TYPE_CHECKING:
@@ -41,9 +41,10 @@ def score_groups(
     with algorithm.overlong_penalty, Eq. 13 with L_max = rollout.max_response_length, L_cache =
     algorithm.overlong_buffer."""
     n, alg = len(completions) // max(len(examples), 1), cfg.algorithm
-    texts = [response_text(tokenizer, c.token_ids, tokenizer.stop_ids) for c in completions]
     try:
-        verdicts = (scorer or Scorer(strict_box=alg.strict_box)).score(texts, [e for e in examples for _ in range(n)])
+        verdicts = (scorer or Scorer(strict_box=alg.strict_box)).score_completions(
+            tokenizer, completions, examples, tokenizer.stop_ids
+        )
     except RewardError as exc:
         fix = "the run stops with a checkpoint of its last completed step: fix it, then rerun the same command"
         raise RewardError(f"{exc}; {fix}") from None
