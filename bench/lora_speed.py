@@ -58,8 +58,7 @@ def _run(cfg, dist, model, groups, lr: float) -> tuple[dict, tuple]:
     from trainer.optimizer import build_optimizer
     from trainer.update import TrainPhase
 
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = build_optimizer(trained, dataclasses.replace(cfg.optimizer, lr=lr), foreach=True)
+    optimizer, scheduler = build_optimizer(model.parameters(), dataclasses.replace(cfg.optimizer, lr=lr), foreach=True)
     phase = TrainPhase(cfg, model, optimizer, scheduler, dist, TrainWatch(no_display))
     _, cpu, wall, pieces = _profiled(functools.partial(phase.run, 1, groups), STEP_PIECES)
     return {"cpu_s": cpu, "wall_s": wall, "pieces": pieces}, (optimizer, scheduler)

@@ -303,8 +303,7 @@ class _Phases(StepPhases):
         # the fused one (parallel/adamw.py: no temporaries); the fake CPU device must be told which the run uses.
         # (cfg here is the run's as rehearsed, without cpu_offload: the ledger knows where the state lives.)
         fused = fused_adamw(self.ledger.offload)
-        trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only, as trainer/build.py
-        optimizer, scheduler = build_optimizer(trained, cfg.optimizer, fused=fused, foreach=not fused)
+        optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused, foreach=not fused)
         self.update = TrainPhase(cfg, policy, optimizer, scheduler, self.dist_env, TrainWatch(no_display))
         self.tracker = FSDPMemTracker(policy, optimizer)
         self.step(1)

@@ -105,8 +105,7 @@ def _build(cfg: Config, dist: DistEnv, fresh: bool, lock: FolderLock | None) -> 
 
     policy, engine = build_policy_and_engine(cfg, dist)
     fused = fused_adamw(cfg.parallelism.cpu_offload)  # offloaded: the CPU's fused kernel, no temporaries
-    trained = [p for p in policy.parameters() if p.requires_grad]  # with LoRA the adapters only (parallel/lora.py)
-    optimizer, scheduler = build_optimizer(trained, cfg.optimizer, fused=fused)
+    optimizer, scheduler = build_optimizer(policy.parameters(), cfg.optimizer, fused=fused)  # LoRA: the adapters
     alg = cfg.algorithm
     builder: DynamicBatchBuilder[list[Sample]] = DynamicBatchBuilder(
         cfg.training.train_batch_size // dist.dp_size,  # this rank's share of a batch

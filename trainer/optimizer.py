@@ -38,11 +38,12 @@ def build_optimizer(
     fused: bool | None = None,
     foreach: bool | None = None,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `params` with the [optimizer] section's settings, and its schedule: a linear warm-up over
+    """AdamW over the trained ones of `params` (those that require a gradient: with LoRA the adapters, not the
+    frozen base, parallel/lora.py) with the [optimizer] section's settings, and its schedule: a linear warm-up over
     the first `warmup_steps` rollout steps that update the policy (TrainPhase.run), then constant (the
     paper's schedule). fused / foreach: the kernel (parallel/adamw.py chooses it for a run; None: torch's)."""
     optimizer = torch.optim.AdamW(
-        params,
+        [p for p in params if p.requires_grad],
         lr=opt.lr,
         betas=(opt.betas[0], opt.betas[1]),
         eps=opt.eps,
