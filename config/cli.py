@@ -54,18 +54,23 @@ def parse_config_args(
     return load_config(args.config, [*flags(args), *overrides]), args
 
 
+def absolute_spec(spec: str, base: str) -> str:
+    """A "path/file.py:function" spec with its file (~ expanded) joined to the folder `base` and made absolute, so a
+    worker finds it whatever its working directory; a "package.module:function" spec (or "") as it is."""
+    target, _, name = spec.rpartition(":")
+    if not target.endswith(".py"):
+        return spec
+    return f"{os.path.abspath(os.path.join(base, os.path.expanduser(target)))}:{name}"
+
+
 def _absolute_paths(cfg: Config, command_line: set[str]) -> Config:
     """`cfg` with job.run_dir, reward.function's file and the values of PATH_KEYS absolute (`command_line`: the keys
     the command line set)."""
     here = os.getcwd()
     run_dir = os.path.join(here if "job.run_dir" in command_line else REPOSITORY, os.path.expanduser(cfg.job.run_dir))
     cfg = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, run_dir=os.path.abspath(run_dir)))
-    file, _, name = cfg.reward.function.rpartition(":")
-    if file.endswith(".py"):
-        file = os.path.join(here if "reward.function" in command_line else REPOSITORY, os.path.expanduser(file))
-        cfg = dataclasses.replace(
-            cfg, reward=dataclasses.replace(cfg.reward, function=f"{os.path.abspath(file)}:{name}")
-        )
+    spec = absolute_spec(cfg.reward.function, here if "reward.function" in command_line else REPOSITORY)
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, function=spec))
     for key in PATH_KEYS:
         section, name = key.split(".")
         bases = (here, REPOSITORY) if key in command_line else (REPOSITORY,)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from config.cli import absolute_spec
 from errors import RewardError
 from rewards.pool import WorkerPool
 from rl import reward as rule
@@ -61,20 +62,14 @@ class Verdict:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_spec(spec: str) -> str:
-    """A "path/file.py:function" spec with its path made absolute (the working directory's; a loaded configuration's
-    is absolute already, config/cli.py); a "package.module:function" spec as it is."""
-    target, _, name = spec.rpartition(":")
-    return f"{os.path.abspath(target)}:{name}" if target.endswith(".py") else spec
-
-
 class Scorer:
     """The rule reward (no `spec`; strict_box: boxed answers only), or the user's function `spec` in a WorkerPool
     started at once (`pool`: its settings); `metric_names`: the Verdict.metrics logged."""
 
     def __init__(self, spec: str = "", strict_box: bool = False, **pool: Any):
         self.spec, self.name, self.strict_box = spec, spec.rpartition(":")[2], strict_box
-        self.pool = WorkerPool(resolve_spec(spec), **pool) if spec else None
+        # A loaded configuration's file is absolute already (config/cli.py); another is the working directory's
+        self.pool = WorkerPool(absolute_spec(spec, os.getcwd()), **pool) if spec else None
         self.metric_names: tuple[str, ...] = ()
 
     def score(self, responses: Sequence[str], examples: Sequence[PromptExample]) -> list[Verdict]:

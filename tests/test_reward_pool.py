@@ -11,10 +11,11 @@ import time
 
 import pytest
 
+from config.cli import absolute_spec
 from data.prompts import PromptExample
 from errors import RewardError
 from rewards.pool import WorkerPool
-from rewards.scorer import Scorer, Verdict, resolve_spec
+from rewards.scorer import Scorer, Verdict
 from rl.reward import compute_score
 
 FUNCTIONS = '''
@@ -249,8 +250,8 @@ def test_workers_have_their_own_session_and_die_with_their_trainer(functions, tm
 
 def test_a_file_path_is_made_absolute_and_a_module_path_left_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert resolve_spec("rewards/mine.py:score") == f"{tmp_path}/rewards/mine.py:score"
-    assert resolve_spec("package.module:score") == "package.module:score"
+    assert absolute_spec("rewards/mine.py:score", os.getcwd()) == f"{tmp_path}/rewards/mine.py:score"
+    assert absolute_spec("package.module:score", os.getcwd()) == "package.module:score"
 
 
 def test_an_idle_worker_killed_between_batches_is_named_at_the_next(functions):
