@@ -32,20 +32,12 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from model.hf_adapter import iter_hf_tensors
 from parallel.lora import merged_parameters
 
 Shards = list[tuple[str, torch.Tensor]]  # (HF name, this rank's shard) of one bucket
-
-
-def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor by its name: the single-device path needs no torch.distributed at all.
-    return tensor.full_tensor() if _sharded(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def _sharded(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
 
 
 def _alone(what: str, fn: Callable[[], Shards]) -> Shards:
@@ -81,7 +73,7 @@ def iter_weight_buckets(
         shards = together(f"the weight sync's bucket {index} (its shards, before their gathers)", ready)
         if not shards:
             return
-        yield [(hf_name, _full_tensor(shard)) for hf_name, shard in shards]
+        yield [(hf_name, shard.full_tensor() if isinstance(shard, DTensor) else shard) for hf_name, shard in shards]
 
 
 def next_shards(
@@ -102,7 +94,7 @@ def next_shards(
             tensor = tensor.to(device)  # before the gather, which runs where the shard is
         shards.append((hf_name, tensor))
         full = tensor.numel() * tensor.element_size()  # a DTensor's numel is its full tensor's
-        size, gathered = size + full, gathered + full * _sharded(tensor)
+        size, gathered = size + full, gathered + full * isinstance(tensor, DTensor)
         if size >= bucket_bytes:
             break
     check_room_to_gather(gathered, device)
