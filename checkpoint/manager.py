@@ -152,6 +152,11 @@ def _set_rng_state(state: dict) -> None:
 _ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
+def _state_options(model: nn.Module) -> StateDictOptions | None:
+    """How the model's state dict is taken and set: its adapters only with LoRA, else whole (torch's defaults)."""
+    return _ADAPTERS_ONLY if adapters_of(model) is not None else None
+
+
 def base_identity(model: nn.Module) -> dict[str, str] | None:
     """The base a LoRA model's adapters train on, as its checkpoints record it: its path and one content hash of
     its config.json and weight files (files.py `folder_digest`); None for a model trained whole. Rank 0 hashes."""
@@ -410,7 +415,7 @@ class CheckpointManager:
         """(the tensors DCP stores, the optimizer's param_groups or None). The param groups (learning rate,
         betas, parameter names) are plain values: they go to the JSON train state, so DCP holds tensors only.
         With LoRA the trained parameters are the adapters: the frozen base is not stored (it is model.hf_path)."""
-        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
+        options = _state_options(model)
         if optimizer is None:
             return {"model": get_model_state_dict(model, options=options)}, None
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
@@ -423,7 +428,7 @@ class CheckpointManager:
     ) -> None:
         """The tensors DCP loaded into the model, and into the optimizer with its param groups (the JSON train
         state's); with LoRA, the adapters and their moments only."""
-        options = _ADAPTERS_ONLY if adapters_of(model) is not None else None
+        options = _state_options(model)
         if optimizer is None:
             set_model_state_dict(model, tensors["model"], options=options)
             return
