@@ -51,7 +51,8 @@ def on_shortfall(filtered: FilterStats, step: int, policy: Literal["fill", "rais
     "fill"), or the run stopped (on_shortfall "raise")."""
     short = int(filtered.shortfall.result())
     if short:
-        kept, wanted = int(filtered.in_batch.result()), int(filtered.in_batch.result()) + short
+        kept = int(filtered.in_batch.result())
+        wanted = kept + short
         rounds = filtered.rounds.result()
         message = f"dynamic sampling kept {kept} of {wanted} groups at step {step} after {rounds} of {max_rounds}"
         message += " generation rounds"
