@@ -12,6 +12,7 @@ the row of a step that completed but was not logged yet is written.
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("train")
 
 
-class StepPhases:
+class StepPhases(abc.ABC):
     """One step's phases in the order that sharing the GPUs with the engine requires: the engine takes its
     memory back (the trainer's cached blocks handed back first), generates and frees its KV cache for
     training; the trainer trains; the new weights go into the engine. `Trainer` runs them; the rehearsal
@@ -86,14 +87,15 @@ class StepPhases:
         return_cached_memory(self.dist)
         sync_weights(self.policy, self.engine, bucket_bytes=self.bucket_bytes)
 
-    def collect_batch(self, step: int) -> list[RolloutGroup]:
-        raise NotImplementedError
+    # What a subclass supplies: the Trainer's real phases, the rehearsal's measured stand-ins.
+    @abc.abstractmethod
+    def collect_batch(self, step: int) -> list[RolloutGroup]: ...
 
-    def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def train(self, step: int, groups: list[RolloutGroup], times: StepTimes) -> StepRecord: ...
 
-    def after_step(self, step: int, record: StepRecord) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def after_step(self, step: int, record: StepRecord) -> None: ...
 
 
 class Trainer(StepPhases):
