@@ -22,9 +22,10 @@ killed worker silently and waits for its lost task forever. Pebble and loky woul
 The protocol, over multiprocessing's Connection (pickles, length-prefixed): the pool sends (sys.path, the function's
 spec); the worker imports it (`load_function`) and answers ("ready",) within `timeout_s`. Then each message is a
 part of a batch, (responses, ground truths, {column: values}), answered ("ok", one value per response, peak RSS in
-MB). A failure is ("error", what): `what` completes the one line "reward function <spec> <what>"; an exception's
-traceback goes to the worker's stderr, the trainer's (so does one of a return pickle cannot send back: the worker
-then exits with code 1).
+MB). A failure is ("error", what): `what` completes the one line "reward function <spec> <what>". The traceback of
+an exception the user's code raised goes to the worker's stderr, the trainer's (`_report`; so does one of a return
+pickle cannot send back: the worker then exits with code 1); a spec that names no file, module or function, or a
+function that cannot take the batch's arguments, is the one line alone.
 
 `run` splits a batch into `workers` contiguous parts and waits at most `timeout_s` for all of them. Anything but
 every part back in time is a RewardError (errors.py) after every worker is killed: a timeout ("took longer than
@@ -78,12 +79,21 @@ def load_function(spec: str) -> Callable[..., Any]:
     return function
 
 
+def _report(exc: BaseException) -> None:
+    """The traceback of `exc` to stderr when a frame of the user's code is in it; not when finding the function
+    (this file, importlib's, runpy's) or binding the batch to its signature failed, which the one line says whole."""
+    finding = (__file__, importlib.__file__)
+    files = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+    if any(file not in finding and not file.startswith("<frozen ") for file in files):
+        traceback.print_exception(exc)
+
+
 def _call(function: Callable[..., Any], responses: list, truths: list, columns: dict[str, list]) -> tuple:
     """The function on a part; a TypeError (its signature, most likely) shows how it was called."""
     try:
         values = function(responses, truths, **columns)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt from the user's code too
-        traceback.print_exc()
+        _report(exc)
         signature = ", ".join(["responses", "ground_truths", *(f"{c}=..." for c in columns)])
         hint = f" (called as f({signature}))" if isinstance(exc, TypeError) else ""
         return ("error", f"raised {type(exc).__name__}: {exc}{hint}")
@@ -106,7 +116,7 @@ def serve(fd: int) -> None:
     try:
         function = load_function(spec)
     except BaseException as exc:
-        traceback.print_exc()
+        _report(exc)
         return conn.send(("error", f"cannot be imported: {type(exc).__name__}: {exc}"))
     conn.send(("ready",))
     while True:

@@ -248,6 +248,32 @@ def test_workers_have_their_own_session_and_die_with_their_trainer(functions, tm
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.parametrize(
+    "spec, shown",
+    [
+        ("{dir}/missing.py:f", False),  # no such file
+        ("no_such_module_xyz:f", False),  # no such module
+        ("{file}:absent", False),  # no such function
+        ("{file}:takes_one", False),  # a signature that cannot take the batch
+        ("{file}:raises", True),  # the function raised
+        ("{dir}/broken_at_import.py:f", True),  # the module raised while it was imported
+    ],
+)
+def test_a_traceback_is_shown_only_where_the_users_code_raised(functions, spec, shown, capfd):
+    """A wrong spec or signature is the one line alone (the issue's bad input); an exception of the user's code
+    also has its traceback on stderr, which the worker shares with the trainer."""
+    folder = os.path.dirname(functions)
+    with open(os.path.join(folder, "broken_at_import.py"), "w") as f:
+        f.write("import json\nraise RuntimeError('a setting is missing')\n")
+    with pytest.raises(RewardError):
+        scorer = Scorer(spec.format(file=functions, dir=folder), workers=1)
+        scorer.score(["0", "1"], _examples(2))
+    err = capfd.readouterr().err
+    assert ("Traceback" in err) == shown, err
+    if shown:
+        assert err.rstrip().splitlines()[-1].startswith(("ValueError: no answer", "RuntimeError: a setting")), err
+
+
 def test_a_file_path_is_made_absolute_and_a_module_path_left_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert absolute_spec("rewards/mine.py:score", os.getcwd()) == f"{tmp_path}/rewards/mine.py:score"
